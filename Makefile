@@ -1,0 +1,25 @@
+# Developer entry points. `make proto` regenerates the wire code; never edit it.
+PYTHON ?= python3
+PROTO_DIR := protos
+PROTOS := $(wildcard $(PROTO_DIR)/mtpdraft/v1/*.proto)
+
+.PHONY: install proto test lint serve
+
+install:
+	$(PYTHON) -m pip install -e '.[dev]'
+
+proto:
+	$(PYTHON) -m grpc_tools.protoc -I$(PROTO_DIR) \
+		--python_out=$(PROTO_DIR) --pyi_out=$(PROTO_DIR) --grpc_python_out=$(PROTO_DIR) \
+		$(PROTOS)
+	touch $(PROTO_DIR)/mtpdraft/v1/__init__.py
+
+test:
+	$(PYTHON) -m pytest -q
+
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+serve:
+	mtpdraft serve --port 50051

@@ -1,0 +1,64 @@
+"""mtpdraft client: blocking and asyncio clients of the ``mtpdraft.v1.Drafter`` service.
+
+    from mtpdraft.client import DrafterClient, Verdict
+
+    with DrafterClient("localhost:50051", timeout=5.0) as c:
+        s = c.alloc_state()
+        c.prefill(s, prompt_tokens, prompt_hiddens, start_position=1)
+        p = c.propose(s, last_token, last_hidden, position, num_drafts=3)
+        p = c.propose(s, bonus, hidden, position + a + 1, 3, previous=Verdict(a))
+        c.free_state(s)
+
+Hiddens are numpy (float32/float16) or torch (bfloat16/float16/float32) arrays;
+failures raise ``DrafterError`` subclasses.
+"""
+
+from .async_client import AsyncDrafterClient
+from .errors import (
+    DeadlineExceeded,
+    DrafterError,
+    DrafterRpcError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    StateNotFound,
+    Unavailable,
+    from_rpc_error,
+)
+from .messages import DEFAULT_CHUNK_BYTES
+from .sync_client import DrafterClient
+from .types import (
+    InstallResult,
+    KVHandle,
+    PrefillResult,
+    Proposal,
+    ProposeArgs,
+    ServerInfo,
+    Verdict,
+    VerifyResult,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "AsyncDrafterClient",
+    "DeadlineExceeded",
+    "DrafterClient",
+    "DrafterError",
+    "DrafterRpcError",
+    "FailedPrecondition",
+    "InstallResult",
+    "InvalidArgument",
+    "KVHandle",
+    "NotFound",
+    "PrefillResult",
+    "Proposal",
+    "ProposeArgs",
+    "ResourceExhausted",
+    "ServerInfo",
+    "StateNotFound",
+    "Unavailable",
+    "Verdict",
+    "VerifyResult",
+    "from_rpc_error",
+]

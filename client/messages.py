@@ -1,0 +1,296 @@
+"""Request building and response parsing shared by the sync and asyncio clients.
+
+Everything here is pure: Python / numpy / torch values in, protobuf messages
+out, and back. Argument checks happen here, eagerly, so a bad argument raises
+``TypeError`` / ``ValueError`` in the caller before any RPC starts (including
+Prefill, whose chunks are then produced lazily while the stream is sent).
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, TypeAlias
+
+import numpy as np
+
+from mtpdraft.v1 import drafter_pb2 as pb
+
+from . import wire
+from .types import (
+    InstallResult,
+    KVHandle,
+    PrefillResult,
+    Proposal,
+    ProposeArgs,
+    ServerInfo,
+    Verdict,
+    VerifyResult,
+)
+
+#: Default size bound of one PrefillChunk message, in bytes.
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+
+# Worst-case bytes of a PrefillChunk besides its token varints and hidden data:
+# state_id 1+10, start_position 1+10, tokens tag+len 1+5, hiddens tag+len 1+5,
+# dtype 1+1, shape tag+len 1+1 and two int64 varints 10+10, data tag+len 1+5.
+CHUNK_OVERHEAD = 64
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+class _Default(enum.Enum):
+    TOKEN = 0
+
+
+#: Sentinel for "use the client's default timeout" (None means no deadline).
+DEFAULT = _Default.TOKEN
+Timeout: TypeAlias = "float | Literal[_Default.TOKEN] | None"
+
+
+def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
+    """The per-call timeout when given, else the client's default."""
+    return default if timeout is DEFAULT else timeout
+
+
+def _uint64(value: Any, name: str) -> int:
+    v = operator.index(value)
+    if not 0 <= v < 2**64:
+        raise ValueError(f"{name} {v} is not a uint64")
+    return v
+
+
+def _int(value: Any, name: str, lo: int, hi: int) -> int:
+    v = operator.index(value)
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} {v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def _tokens(tokens: Any) -> list[int]:
+    if wire.is_torch_tensor(tokens):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"tokens: expected integers, got {arr.dtype}")
+    out = arr.astype(np.int64).tolist() if arr.size else []
+    if out and (min(out) < _INT32_MIN or max(out) > _INT32_MAX):
+        raise ValueError("tokens: a token does not fit in int32")
+    return out
+
+
+# --- requests --------------------------------------------------------------------------------
+
+
+def alloc_state_request() -> pb.AllocStateRequest:
+    return pb.AllocStateRequest()
+
+
+def get_info_request() -> pb.GetInfoRequest:
+    return pb.GetInfoRequest()
+
+
+def prefill_chunks(
+    state: int,
+    tokens: Any,
+    hiddens: wire.Array | None,
+    start_position: int,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Iterator[pb.PrefillChunk]:
+    """The PrefillChunk stream for rows (tokens[i], hiddens[i]) from ``start_position``.
+
+    Checks the arguments now and returns a lazy iterator. Every chunk carries
+    ``state_id`` and ``start_position`` (the same values) and whole rows only;
+    each message's serialized size is at most ``chunk_bytes``. No rows gives one
+    empty chunk (``hiddens`` may then be None).
+    """
+    state_id = _uint64(state, "state")
+    start = _int(start_position, "start_position", -(2**63), 2**63 - 1)
+    toks = _tokens(tokens)
+    chunk_bytes = operator.index(chunk_bytes)
+    if hiddens is None:
+        if toks:
+            raise ValueError("hiddens: required when tokens is not empty")
+        return iter([pb.PrefillChunk(state_id=state_id, start_position=start)])
+    raw, dtype = wire.as_raw(hiddens, allowed=wire.HIDDEN_DTYPES, ndims=(2,), name="hiddens")
+    n = raw.shape[0]
+    if n != len(toks):
+        raise ValueError(f"hiddens has {n} rows but there are {len(toks)} tokens")
+    token_bytes = 10 if toks and min(toks) < 0 else 5  # varint of a negative int32 is 10 bytes
+    row_bytes = raw.shape[1] * wire.ITEMSIZE[dtype] + token_bytes
+    rows_per_chunk = (chunk_bytes - CHUNK_OVERHEAD) // row_bytes
+    if rows_per_chunk < 1:
+        raise ValueError(
+            f"chunk_bytes {chunk_bytes} cannot hold one row ({row_bytes + CHUNK_OVERHEAD} bytes)"
+        )
+
+    def chunks() -> Iterator[pb.PrefillChunk]:
+        for lo in range(0, max(n, 1), rows_per_chunk):
+            hi = min(lo + rows_per_chunk, n)
+            yield pb.PrefillChunk(
+                state_id=state_id,
+                start_position=start,
+                tokens=toks[lo:hi],
+                hiddens=wire.tensor_from_raw(raw[lo:hi], dtype),
+            )
+
+    return chunks()
+
+
+def verdict_message(previous: Verdict | int) -> pb.Verdict:
+    """A Verdict message from a :class:`Verdict` (or a bare accepted count)."""
+    if not isinstance(previous, Verdict):
+        previous = Verdict(num_accepted=previous)
+    msg = pb.Verdict(num_accepted=_int(previous.num_accepted, "num_accepted", 0, _INT32_MAX))
+    if previous.refeed_hiddens is not None:
+        msg.refeed_hiddens.CopyFrom(
+            wire.encode_hidden(previous.refeed_hiddens, ndims=(2,), name="refeed_hiddens")
+        )
+    return msg
+
+
+def propose_request(
+    state: int,
+    token: int,
+    hidden: wire.Array,
+    position: int,
+    num_drafts: int,
+    *,
+    bitmask: wire.Array | None = None,
+    min_confidence: float = 0.0,
+    previous: Verdict | int | None = None,
+) -> pb.ProposeRequest:
+    """A ProposeRequest; ``previous`` fuses the pending proposal's AfterVerify into it."""
+    req = pb.ProposeRequest(
+        state_id=_uint64(state, "state"),
+        token=_int(token, "token", _INT32_MIN, _INT32_MAX),
+        hidden=wire.encode_hidden(hidden, ndims=(1, 2), name="hidden"),
+        position=_int(position, "position", -(2**63), 2**63 - 1),
+        num_drafts=_int(num_drafts, "num_drafts", _INT32_MIN, _INT32_MAX),
+        min_confidence=float(min_confidence),
+    )
+    if bitmask is not None:
+        req.bitmask.CopyFrom(wire.encode_bitmask(bitmask))
+    if previous is not None:
+        req.previous.CopyFrom(verdict_message(previous))
+    return req
+
+
+def propose_batch_request(requests: Sequence[ProposeArgs]) -> pb.ProposeBatchRequest:
+    """A ProposeBatchRequest from :class:`ProposeArgs`, in order."""
+    msgs = []
+    for i, a in enumerate(requests):
+        if not isinstance(a, ProposeArgs):
+            raise TypeError(f"requests[{i}]: expected ProposeArgs, got {type(a).__name__}")
+        msgs.append(
+            propose_request(
+                a.state,
+                a.token,
+                a.hidden,
+                a.position,
+                a.num_drafts,
+                bitmask=a.bitmask,
+                min_confidence=a.min_confidence,
+                previous=a.previous,
+            )
+        )
+    return pb.ProposeBatchRequest(requests=msgs)
+
+
+def after_verify_request(
+    state: int, num_accepted: int, *, refeed_hiddens: wire.Array | None = None
+) -> pb.AfterVerifyRequest:
+    return pb.AfterVerifyRequest(
+        state_id=_uint64(state, "state"),
+        verdict=verdict_message(Verdict(num_accepted, refeed_hiddens)),
+    )
+
+
+def take_kv_request(state: int) -> pb.TakeKVRequest:
+    return pb.TakeKVRequest(state_id=_uint64(state, "state"))
+
+
+def install_kv_request(state: int, handle: KVHandle | int) -> pb.InstallKVRequest:
+    handle_id = handle.handle_id if isinstance(handle, KVHandle) else handle
+    return pb.InstallKVRequest(
+        state_id=_uint64(state, "state"), handle_id=_uint64(handle_id, "handle")
+    )
+
+
+def free_state_request(state: int) -> pb.FreeStateRequest:
+    return pb.FreeStateRequest(state_id=_uint64(state, "state"))
+
+
+# --- responses -------------------------------------------------------------------------------
+
+
+def parse_alloc_state(resp: pb.AllocStateResponse) -> int:
+    return int(resp.state_id)
+
+
+def parse_prefill(resp: pb.PrefillResponse) -> PrefillResult:
+    return PrefillResult(num_rows=int(resp.num_rows), next_position=int(resp.next_position))
+
+
+def parse_proposal(resp: pb.Proposal) -> Proposal:
+    return Proposal(
+        state_id=int(resp.state_id),
+        tokens=[int(t) for t in resp.tokens],
+        probs=[float(p) for p in resp.probs],
+        confidence=float(resp.confidence),
+        first_position=int(resp.first_position),
+    )
+
+
+def parse_propose_batch(resp: pb.ProposeBatchResponse) -> list[Proposal]:
+    return [parse_proposal(p) for p in resp.proposals]
+
+
+def parse_after_verify(resp: pb.AfterVerifyResponse) -> VerifyResult:
+    return VerifyResult(num_rows=int(resp.num_rows), next_position=int(resp.next_position))
+
+
+def parse_take_kv(resp: pb.TakeKVResponse) -> KVHandle:
+    return KVHandle(
+        handle_id=int(resp.handle_id),
+        num_rows=int(resp.num_rows),
+        ttl_seconds=float(resp.ttl_seconds),
+    )
+
+
+def parse_install_kv(resp: pb.InstallKVResponse) -> InstallResult:
+    return InstallResult(num_rows=int(resp.num_rows), next_position=int(resp.next_position))
+
+
+def parse_free_state(resp: pb.FreeStateResponse) -> bool:
+    return bool(resp.existed)
+
+
+def parse_info(resp: pb.GetInfoResponse) -> ServerInfo:
+    return ServerInfo(
+        model_family=resp.model_family,
+        hidden_size=int(resp.hidden_size),
+        vocab_size=int(resp.vocab_size),
+        num_attention_heads=int(resp.num_attention_heads),
+        num_key_value_heads=int(resp.num_key_value_heads),
+        head_dim=int(resp.head_dim),
+        compute_dtype=resp.compute_dtype,
+        hidden_dtypes=tuple(wire.dtype_name(d) for d in resp.hidden_dtypes),
+        device=resp.device,
+        max_drafts=int(resp.max_drafts),
+        max_batch=int(resp.max_batch),
+        max_states=int(resp.max_states),
+        live_states=int(resp.live_states),
+        kv_block_size=int(resp.kv_block_size),
+        kv_blocks_total=int(resp.kv_blocks_total),
+        kv_blocks_free=int(resp.kv_blocks_free),
+        kv_handles=int(resp.kv_handles),
+        state_ttl_seconds=float(resp.state_ttl_seconds),
+        max_message_bytes=int(resp.max_message_bytes),
+        bitmask_words=int(resp.bitmask_words),
+        draining=bool(resp.draining),
+    )

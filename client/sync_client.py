@@ -1,0 +1,176 @@
+"""The blocking drafter client: ``DrafterClient``.
+
+A thin layer over the generated stub: ``messages`` builds each request and
+parses each response, and every ``grpc.RpcError`` is raised as a typed
+``DrafterError``. Thread-safe (one channel, shared by all calls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from mtpdraft.v1 import drafter_pb2_grpc
+
+from . import messages as m
+from .errors import from_rpc_error
+from .messages import DEFAULT, Timeout
+from .types import (
+    InstallResult,
+    KVHandle,
+    PrefillResult,
+    Proposal,
+    ProposeArgs,
+    ServerInfo,
+    Verdict,
+    VerifyResult,
+)
+from .wire import Array
+
+_R = TypeVar("_R")
+
+
+class DrafterClient:
+    """Blocking client of the ``mtpdraft.v1.Drafter`` service.
+
+    ``DrafterClient("localhost:50051")`` opens an insecure channel (with the
+    given grpc channel ``options``); pass ``channel=`` to use your own (e.g. a
+    secure one), which ``close`` then leaves open. ``timeout`` is the default
+    deadline in seconds of every call (None: none); each method's ``timeout=``
+    overrides it, None included.
+    """
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        timeout: float | None = None,
+        options: Sequence[tuple[str, Any]] | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        if channel is None:
+            if target is None:
+                raise ValueError("give a target or a channel")
+            channel = grpc.insecure_channel(target, options=list(options or ()))
+            self._owns_channel = True
+        else:
+            self._owns_channel = False
+        self.target = target
+        self.timeout = timeout
+        self._channel = channel
+        self._stub = drafter_pb2_grpc.DrafterStub(channel)
+
+    @property
+    def channel(self) -> grpc.Channel:
+        return self._channel
+
+    def close(self) -> None:
+        """Closes the channel if this client opened it."""
+        if self._owns_channel:
+            self._channel.close()
+
+    def __enter__(self) -> DrafterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _unary(
+        self, rpc: Callable[..., Any], request: Any, parse: Callable[[Any], _R], timeout: Timeout
+    ) -> _R:
+        try:
+            resp = rpc(request, timeout=m.resolve_timeout(timeout, self.timeout))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+        return parse(resp)
+
+    def info(self, *, timeout: Timeout = DEFAULT) -> ServerInfo:
+        """The server's model shape, limits and live counters."""
+        return self._unary(self._stub.GetInfo, m.get_info_request(), m.parse_info, timeout)
+
+    def alloc_state(self, *, timeout: Timeout = DEFAULT) -> int:
+        """A new, empty state; returns its id."""
+        req = m.alloc_state_request()
+        return self._unary(self._stub.AllocState, req, m.parse_alloc_state, timeout)
+
+    def prefill(
+        self,
+        state: int,
+        tokens: Sequence[int] | Array,
+        hiddens: Array | None,
+        start_position: int,
+        *,
+        chunk_bytes: int = m.DEFAULT_CHUNK_BYTES,
+        timeout: Timeout = DEFAULT,
+    ) -> PrefillResult:
+        """Appends committed rows (tokens[i], hiddens[i]) at start_position + i, streamed in
+        chunks of at most ``chunk_bytes`` bytes each. All or nothing."""
+        chunks = m.prefill_chunks(state, tokens, hiddens, start_position, chunk_bytes=chunk_bytes)
+        return self._unary(self._stub.Prefill, chunks, m.parse_prefill, timeout)
+
+    def propose(
+        self,
+        state: int,
+        token: int,
+        hidden: Array,
+        position: int,
+        num_drafts: int,
+        *,
+        bitmask: Array | None = None,
+        min_confidence: float = 0.0,
+        previous: Verdict | int | None = None,
+        timeout: Timeout = DEFAULT,
+    ) -> Proposal:
+        """Up to ``num_drafts`` drafts after ``token`` (its target hidden: ``hidden``, at
+        ``position - 1``). ``previous`` first applies the verdict on the pending proposal."""
+        req = m.propose_request(
+            state,
+            token,
+            hidden,
+            position,
+            num_drafts,
+            bitmask=bitmask,
+            min_confidence=min_confidence,
+            previous=previous,
+        )
+        return self._unary(self._stub.Propose, req, m.parse_proposal, timeout)
+
+    def propose_batch(
+        self, requests: Sequence[ProposeArgs], *, timeout: Timeout = DEFAULT
+    ) -> list[Proposal]:
+        """Propose for many states in one batched call; results in request order."""
+        if not requests:
+            return []
+        req = m.propose_batch_request(requests)
+        return self._unary(self._stub.ProposeBatch, req, m.parse_propose_batch, timeout)
+
+    def after_verify(
+        self,
+        state: int,
+        num_accepted: int,
+        *,
+        refeed_hiddens: Array | None = None,
+        timeout: Timeout = DEFAULT,
+    ) -> VerifyResult:
+        """The verifier accepted the first ``num_accepted`` drafts of the pending proposal."""
+        req = m.after_verify_request(state, num_accepted, refeed_hiddens=refeed_hiddens)
+        return self._unary(self._stub.AfterVerify, req, m.parse_after_verify, timeout)
+
+    def take_kv(self, state: int, *, timeout: Timeout = DEFAULT) -> KVHandle:
+        """Detaches the state's KV into a handle; the state stays allocated and empty."""
+        req = m.take_kv_request(state)
+        return self._unary(self._stub.TakeKV, req, m.parse_take_kv, timeout)
+
+    def install_kv(
+        self, state: int, handle: KVHandle | int, *, timeout: Timeout = DEFAULT
+    ) -> InstallResult:
+        """Installs a handle's KV into an empty state, consuming the handle."""
+        req = m.install_kv_request(state, handle)
+        return self._unary(self._stub.InstallKV, req, m.parse_install_kv, timeout)
+
+    def free_state(self, state: int, *, timeout: Timeout = DEFAULT) -> bool:
+        """Releases the state; returns whether it existed. Idempotent."""
+        req = m.free_state_request(state)
+        return self._unary(self._stub.FreeState, req, m.parse_free_state, timeout)

@@ -1,0 +1,110 @@
+"""Plain result and argument types of the drafter client.
+
+Results are frozen dataclasses of Python ints, floats and strings (never
+protobuf messages), so engines can keep, compare and print them freely.
+Tensor-valued arguments are numpy arrays or torch tensors (see ``wire``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .wire import Array
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """After Prefill: rows the state holds, and the position the next row must have."""
+
+    num_rows: int
+    next_position: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    """After AfterVerify: rows the state holds, and the position the next row must have."""
+
+    num_rows: int
+    next_position: int
+
+
+@dataclass(frozen=True, slots=True)
+class InstallResult:
+    """After InstallKV: rows the state holds, and the position the next row must have."""
+
+    num_rows: int
+    next_position: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVHandle:
+    """A state's detached KV (from TakeKV), freed unless installed within ``ttl_seconds``."""
+
+    handle_id: int
+    num_rows: int
+    ttl_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """K (or fewer, when min_confidence stopped the chain) draft tokens for one state."""
+
+    state_id: int
+    tokens: list[int]
+    probs: list[float]
+    confidence: float
+    first_position: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The verifier's verdict on a state's pending proposal.
+
+    ``refeed_hiddens``: optional target hiddens h[p] .. h[p + a - 1], shape
+    [num_accepted, hidden_size]; with them the accepted drafts' rows are
+    recomputed as committed rows.
+    """
+
+    num_accepted: int
+    refeed_hiddens: Array | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProposeArgs:
+    """One request of a ProposeBatch (the arguments of ``propose``)."""
+
+    state: int
+    token: int
+    hidden: Array
+    position: int
+    num_drafts: int
+    bitmask: Array | None = None
+    min_confidence: float = 0.0
+    previous: Verdict | int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """GetInfo: the model shape, limits and live counters (dtypes by name, e.g. "bfloat16")."""
+
+    model_family: str
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    compute_dtype: str
+    hidden_dtypes: tuple[str, ...]
+    device: str
+    max_drafts: int
+    max_batch: int
+    max_states: int
+    live_states: int
+    kv_block_size: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_handles: int
+    state_ttl_seconds: float
+    max_message_bytes: int
+    bitmask_words: int
+    draining: bool

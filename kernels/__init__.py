@@ -1,0 +1,1 @@
+"""Triton kernels of the MTP forward, one op per file; they know nothing of models."""

@@ -1,0 +1,225 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_BF16: _ClassVar[DType]
+    DTYPE_FP16: _ClassVar[DType]
+    DTYPE_FP32: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+DTYPE_BF16: DType
+DTYPE_FP16: DType
+DTYPE_FP32: DType
+DTYPE_INT32: DType
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("model_family", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "compute_dtype", "hidden_dtypes", "device", "max_drafts", "max_batch", "max_states", "live_states", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "kv_handles", "state_ttl_seconds", "max_message_bytes", "bitmask_words", "draining")
+    MODEL_FAMILY_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEY_VALUE_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_DTYPES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_STATES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_STATES_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    STATE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BITMASK_WORDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    model_family: str
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    compute_dtype: str
+    hidden_dtypes: _containers.RepeatedScalarFieldContainer[DType]
+    device: str
+    max_drafts: int
+    max_batch: int
+    max_states: int
+    live_states: int
+    kv_block_size: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_handles: int
+    state_ttl_seconds: float
+    max_message_bytes: int
+    bitmask_words: int
+    draining: bool
+    def __init__(self, model_family: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., compute_dtype: _Optional[str] = ..., hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., device: _Optional[str] = ..., max_drafts: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_states: _Optional[int] = ..., live_states: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_handles: _Optional[int] = ..., state_ttl_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., bitmask_words: _Optional[int] = ..., draining: bool = ...) -> None: ...
+
+class AllocStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AllocStateResponse(_message.Message):
+    __slots__ = ("state_id",)
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    state_id: int
+    def __init__(self, state_id: _Optional[int] = ...) -> None: ...
+
+class PrefillChunk(_message.Message):
+    __slots__ = ("state_id", "start_position", "tokens", "hiddens")
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDENS_FIELD_NUMBER: _ClassVar[int]
+    state_id: int
+    start_position: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    hiddens: Tensor
+    def __init__(self, state_id: _Optional[int] = ..., start_position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("num_rows", "next_position")
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    num_rows: int
+    next_position: int
+    def __init__(self, num_rows: _Optional[int] = ..., next_position: _Optional[int] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("num_accepted", "refeed_hiddens")
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REFEED_HIDDENS_FIELD_NUMBER: _ClassVar[int]
+    num_accepted: int
+    refeed_hiddens: Tensor
+    def __init__(self, num_accepted: _Optional[int] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("state_id", "token", "hidden", "position", "num_drafts", "bitmask", "min_confidence", "previous")
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    BITMASK_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    state_id: int
+    token: int
+    hidden: Tensor
+    position: int
+    num_drafts: int
+    bitmask: Tensor
+    min_confidence: float
+    previous: Verdict
+    def __init__(self, state_id: _Optional[int] = ..., token: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., position: _Optional[int] = ..., num_drafts: _Optional[int] = ..., bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., previous: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("state_id", "tokens", "probs", "confidence", "first_position")
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    state_id: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    confidence: float
+    first_position: int
+    def __init__(self, state_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., confidence: _Optional[float] = ..., first_position: _Optional[int] = ...) -> None: ...
+
+class ProposeBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+
+class ProposeBatchResponse(_message.Message):
+    __slots__ = ("proposals",)
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
+    def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ...) -> None: ...
+
+class AfterVerifyRequest(_message.Message):
+    __slots__ = ("state_id", "verdict")
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    state_id: int
+    verdict: Verdict
+    def __init__(self, state_id: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
+
+class AfterVerifyResponse(_message.Message):
+    __slots__ = ("num_rows", "next_position")
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    num_rows: int
+    next_position: int
+    def __init__(self, num_rows: _Optional[int] = ..., next_position: _Optional[int] = ...) -> None: ...
+
+class TakeKVRequest(_message.Message):
+    __slots__ = ("state_id",)
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    state_id: int
+    def __init__(self, state_id: _Optional[int] = ...) -> None: ...
+
+class TakeKVResponse(_message.Message):
+    __slots__ = ("handle_id", "num_rows", "ttl_seconds")
+    HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    handle_id: int
+    num_rows: int
+    ttl_seconds: float
+    def __init__(self, handle_id: _Optional[int] = ..., num_rows: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class InstallKVRequest(_message.Message):
+    __slots__ = ("state_id", "handle_id")
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    state_id: int
+    handle_id: int
+    def __init__(self, state_id: _Optional[int] = ..., handle_id: _Optional[int] = ...) -> None: ...
+
+class InstallKVResponse(_message.Message):
+    __slots__ = ("num_rows", "next_position")
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    num_rows: int
+    next_position: int
+    def __init__(self, num_rows: _Optional[int] = ..., next_position: _Optional[int] = ...) -> None: ...
+
+class FreeStateRequest(_message.Message):
+    __slots__ = ("state_id",)
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    state_id: int
+    def __init__(self, state_id: _Optional[int] = ...) -> None: ...
+
+class FreeStateResponse(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: bool = ...) -> None: ...

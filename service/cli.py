@@ -1,0 +1,125 @@
+"""The `mtpdraft` command: `mtpdraft serve` runs the drafter service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import torch
+
+from .engine.engine import DraftEngine
+from .model.checkpoint import load_mtp_weights
+from .model.default_model import DEFAULT_CHECKPOINT
+from .model.errors import CheckpointError
+from .model.kv_cache import KVCache
+from .model.mtp_head import MTPHead
+from .server import DEFAULT_MAX_MESSAGE_BYTES, create_server
+
+log = logging.getLogger("mtpdraft")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Without --kv-blocks: a quarter of free GPU memory, or 1 GiB of host memory.
+_GPU_KV_FRACTION = 0.25
+_CPU_KV_BYTES = 1 << 30
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve drafts from an MTP checkpoint over gRPC")
+    p.add_argument("--model", default=str(DEFAULT_CHECKPOINT), help="checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), help="default: the checkpoint's")
+    p.add_argument("--max-states", type=int, default=1024)
+    p.add_argument("--kv-blocks", type=int, help="KV pool size in blocks")
+    p.add_argument("--block-size", type=int, default=16, help="rows per KV block")
+    p.add_argument("--state-ttl", type=float, default=600.0, help="idle seconds before freeing")
+    p.add_argument("--max-drafts", type=int, default=16, help="largest K")
+    p.add_argument("--max-batch", type=int, default=64, help="largest ProposeBatch")
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    p.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain")
+    p.add_argument("--no-reflection", action="store_true", help="turn server reflection off")
+
+
+def _device(choice: str) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("mtpdraft: --device cuda, but no CUDA device is available")
+    return torch.device(choice)
+
+
+def _kv_blocks(args: argparse.Namespace, head: MTPHead) -> int:
+    if args.kv_blocks:
+        return args.kv_blocks
+    c = head.config
+    per_block = KVCache.bytes_per_block(
+        args.block_size, c.num_key_value_heads, c.head_dim, head.dtype
+    )
+    if head.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(head.device)
+        return max(1, int(free * _GPU_KV_FRACTION) // per_block)
+    return max(1, _CPU_KV_BYTES // per_block)
+
+
+def build_engine(args: argparse.Namespace) -> DraftEngine:
+    weights = load_mtp_weights(args.model)
+    head = MTPHead(weights, _device(args.device), _DTYPES.get(args.dtype))
+    return DraftEngine(
+        head,
+        kv_blocks=_kv_blocks(args, head),
+        block_size=args.block_size,
+        max_states=args.max_states,
+        max_drafts=args.max_drafts,
+        max_batch=args.max_batch,
+        state_ttl=args.state_ttl,
+    )
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    engine = build_engine(args)
+    server, port = create_server(
+        engine,
+        f"{args.host}:{args.port}",
+        max_message_bytes=args.max_message_bytes,
+        reflection_enabled=not args.no_reflection,
+    )
+    await server.start()
+    info = engine.info()
+    print(
+        f"mtpdraft: serving {info.model_family} MTP head from {args.model} on {info.device} "
+        f"({info.compute_dtype}, {info.kv_blocks_total} KV blocks of {info.kv_block_size} rows)",
+        flush=True,
+    )
+    print(f"mtpdraft: listening on {args.host}:{port}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print(f"mtpdraft: draining (grace period {args.grace_period:g} s)", flush=True)
+    freed = await server.drain(args.grace_period)
+    print(f"mtpdraft: stopped; freed {freed} live states", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mtpdraft", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.command == "serve":
+        try:
+            asyncio.run(_serve(args))
+        except CheckpointError as exc:
+            print(f"mtpdraft: cannot load the model: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

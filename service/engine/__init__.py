@@ -1,0 +1,1 @@
+"""The drafter engine: states, KV blocks, leases and the propose / verify cycle; no gRPC."""

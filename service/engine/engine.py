@@ -1,0 +1,510 @@
+"""The drafter engine: states, their KV blocks and the propose / verify cycle.
+
+Synchronous and single-threaded by design: the server runs every call on one
+worker thread, so no call sees another half done. It knows nothing of gRPC.
+
+Row bookkeeping (DESIGN.md, "The contract"): Propose(x, h[p-1], p) computes the
+committed row R0 = (x, h[p-1]) at row index p - 1 and the speculative rows
+R(j) = (d(j), m(j-1)) for drafts 2..K. AfterVerify(a) keeps R0..R(a); with a
+refeed the rows of d1..d(a) are recomputed with the target's hiddens.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..model.mtp_head import MTPHead
+from . import validation as check
+from .block_pool import BlockPool
+from .errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from .rows import Segment, run_segments
+from .state import DrafterState, KVHandle, PendingProposal
+from .types import EngineInfo, Proposal, ProposeArgs, RowCount, TakenKV, Verdict
+
+
+@dataclass
+class _VerdictPlan:
+    """How a verdict changes a state: truncate, then (maybe) compute rows."""
+
+    keep_rows: int
+    recompute: Segment | None
+    rows_after: int
+
+
+@dataclass
+class _Chain:
+    """One state's proposal while its drafts are being chained."""
+
+    args: ProposeArgs
+    state: DrafterState
+    base_row: int  # row index of R0
+    bitmask: torch.Tensor | None  # [n, W]
+    last_hidden: torch.Tensor | None = None
+    rows_computed: int = 0
+    chain: float = 1.0
+    stopped: bool = False
+
+    def __post_init__(self) -> None:
+        self.drafts: list[int] = []
+        self.probs: list[float] = []
+
+    @property
+    def done(self) -> bool:
+        return self.stopped or len(self.drafts) == self.args.num_drafts
+
+    def mask_row(self) -> torch.Tensor | None:
+        if self.bitmask is None:
+            return None
+        return self.bitmask[min(len(self.drafts), self.bitmask.shape[0] - 1)]
+
+    def take(self, token: int, prob: float) -> None:
+        chain = min(self.chain, prob)
+        self.chain = chain
+        if self.args.min_confidence > 0 and chain < self.args.min_confidence:
+            self.stopped = True
+            return
+        self.drafts.append(token)
+        self.probs.append(prob)
+
+
+class DraftEngine:
+    """Owns the MTP head, the KV pool, the states and the KV handles."""
+
+    def __init__(
+        self,
+        head: MTPHead,
+        *,
+        kv_blocks: int,
+        block_size: int = 16,
+        max_states: int = 1024,
+        max_drafts: int = 16,
+        max_batch: int = 64,
+        state_ttl: float = 600.0,
+        prefill_rows_per_forward: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.head = head
+        self.kv = head.new_kv_cache(kv_blocks, block_size)
+        self.pool = BlockPool(kv_blocks)
+        self.block_size = block_size
+        self.max_states = max_states
+        self.max_drafts = max_drafts
+        self.max_batch = max_batch
+        self.state_ttl = state_ttl
+        self.prefill_rows_per_forward = prefill_rows_per_forward
+        self.clock = clock
+        self.states: dict[int, DrafterState] = {}
+        self.handles: dict[int, KVHandle] = {}
+        self.draining = False
+
+    # ---- bookkeeping -------------------------------------------------------
+
+    def info(self) -> EngineInfo:
+        c = self.head.config
+        return EngineInfo(
+            model_family=self.head.family,
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            compute_dtype=str(self.head.dtype).removeprefix("torch."),
+            device=str(self.head.device),
+            max_drafts=self.max_drafts,
+            max_batch=self.max_batch,
+            max_states=self.max_states,
+            live_states=len(self.states),
+            kv_block_size=self.block_size,
+            kv_blocks_total=self.pool.num_total,
+            kv_blocks_free=self.pool.num_free,
+            kv_handles=len(self.handles),
+            state_ttl_seconds=self.state_ttl,
+            bitmask_words=(c.vocab_size + 31) // 32,
+            draining=self.draining,
+        )
+
+    def _new_id(self, taken: dict) -> int:
+        while True:
+            new = secrets.randbits(63)
+            if new and new not in taken:
+                return new
+
+    def _state(self, state_id: int) -> DrafterState:
+        state = self.states.get(state_id)
+        if state is None:
+            raise NotFound(
+                f"state {state_id} not found (never allocated, freed, or its lease expired)",
+                reason="STATE_NOT_FOUND",
+                field="state_id",
+            )
+        state.last_used = self.clock()
+        return state
+
+    def _idle_state(self, state_id: int, action: str) -> DrafterState:
+        """A state with no open Prefill and no pending proposal."""
+        state = self._state(state_id)
+        if state.prefilling:
+            raise FailedPrecondition(
+                f"cannot {action}: a Prefill stream is open on state {state_id}",
+                reason="PREFILL_IN_PROGRESS",
+            )
+        if state.pending is not None:
+            raise FailedPrecondition(
+                f"cannot {action}: state {state_id} has a proposal awaiting its verdict "
+                "(call AfterVerify, or pass it as Propose.previous)",
+                reason="PROPOSAL_PENDING",
+            )
+        return state
+
+    def _blocks_for(self, rows: int) -> int:
+        return -(-rows // self.block_size)
+
+    def _reserve(self, needs: list[tuple[DrafterState, int]]) -> None:
+        """Grows each state's blocks to cover its row count, all or nothing."""
+        extra = [(s, max(0, self._blocks_for(rows) - len(s.blocks))) for s, rows in needs]
+        total = sum(n for _, n in extra)
+        if total > self.pool.num_free:
+            raise ResourceExhausted(
+                f"no free KV blocks: {total} needed, {self.pool.num_free} of "
+                f"{self.pool.num_total} free",
+                reason="KV_BLOCKS_EXHAUSTED",
+            )
+        for state, n in extra:
+            state.blocks.extend(self.pool.allocate(n))
+
+    def _trim(self, state: DrafterState) -> None:
+        keep = self._blocks_for(state.num_rows)
+        if len(state.blocks) > keep:
+            self.pool.free(state.blocks[keep:])
+            del state.blocks[keep:]
+
+    def _check_rows_fit(self, last_row: int, field: str) -> None:
+        limit = self.head.config.max_position_embeddings
+        if last_row >= limit:
+            raise InvalidArgument(
+                f"{field}: row at position {last_row + 1} exceeds the model's "
+                f"max_position_embeddings ({limit})",
+                reason="POSITION_TOO_LARGE",
+                field=field,
+            )
+
+    def _check_position(self, position: int, expected: int, field: str) -> None:
+        if position != expected:
+            raise InvalidArgument(
+                f"{field}: position {position} does not continue the state, which expects "
+                f"{expected}",
+                reason="POSITION_MISMATCH",
+                field=field,
+            )
+
+    def _to_device(self, hiddens: torch.Tensor) -> torch.Tensor:
+        return hiddens.to(device=self.head.device, dtype=self.head.dtype)
+
+    # ---- lifecycle ---------------------------------------------------------
+
+    def alloc_state(self) -> int:
+        if self.draining:
+            raise Unavailable("the server is draining and takes no new states", reason="DRAINING")
+        if len(self.states) >= self.max_states:
+            raise ResourceExhausted(
+                f"no free state slots: all {self.max_states} are taken",
+                reason="STATES_EXHAUSTED",
+            )
+        state_id = self._new_id(self.states)
+        self.states[state_id] = DrafterState(id=state_id, last_used=self.clock())
+        return state_id
+
+    def free_state(self, state_id: int) -> bool:
+        state = self.states.pop(state_id, None)
+        if state is None:
+            return False
+        self.pool.free(state.blocks)
+        state.blocks = []
+        return True
+
+    def reap_expired(self) -> tuple[int, int]:
+        """Frees states idle past the TTL and handles past their lease: (states, handles)."""
+        now = self.clock()
+        stale = [
+            s.id
+            for s in self.states.values()
+            if not s.prefilling and now - s.last_used > self.state_ttl
+        ]
+        for state_id in stale:
+            self.free_state(state_id)
+        expired = [h.id for h in self.handles.values() if now > h.expires_at]
+        for handle_id in expired:
+            self.pool.free(self.handles.pop(handle_id).blocks)
+        return len(stale), len(expired)
+
+    def close(self) -> int:
+        """Frees every state and handle; returns how many states there were."""
+        self.draining = True
+        count = len(self.states)
+        for state_id in list(self.states):
+            self.free_state(state_id)
+        for handle in self.handles.values():
+            self.pool.free(handle.blocks)
+        self.handles.clear()
+        return count
+
+    # ---- prefill -----------------------------------------------------------
+
+    def begin_prefill(self, state_id: int, start_position: int) -> PrefillSession:
+        state = self._idle_state(state_id, "prefill")
+        self._check_position(start_position, state.next_position, "start_position")
+        return PrefillSession(self, state)
+
+    # ---- the propose / verify cycle -----------------------------------------
+
+    def _plan_verdict(self, state: DrafterState, verdict: Verdict, field: str) -> _VerdictPlan:
+        pending = state.pending
+        if pending is None:
+            raise FailedPrecondition(
+                f"state {state.id} has no proposal awaiting a verdict",
+                reason="NO_PENDING_PROPOSAL",
+            )
+        k, a = len(pending.drafts), verdict.num_accepted
+        if not 0 <= a <= k:
+            raise InvalidArgument(
+                f"{field}.num_accepted: {a} is outside [0, {k}] (the proposal had {k} drafts)",
+                reason="NUM_ACCEPTED_OUT_OF_RANGE",
+                field=f"{field}.num_accepted",
+            )
+        refeed = verdict.refeed_hiddens
+        if refeed is not None and refeed.numel() == 0 and a == 0:
+            refeed = None
+        rows_after = pending.first_row + 1 + a
+        if refeed is not None:
+            hiddens = check.check_hiddens(
+                refeed, a, self.head.config.hidden_size, f"{field}.refeed_hiddens"
+            )
+            segment = Segment(state, pending.first_row + 1, pending.drafts[:a], hiddens)
+            return _VerdictPlan(pending.first_row + 1, segment, rows_after)
+        computed = pending.first_row + pending.rows_computed
+        if rows_after <= computed:
+            return _VerdictPlan(rows_after, None, rows_after)
+        # All k accepted and the row of d(k) not computed yet: (d(k), m(k-1)).
+        segment = Segment(state, computed, [pending.drafts[-1]], pending.last_hidden[None])
+        return _VerdictPlan(computed, segment, rows_after)
+
+    def _apply_truncation(self, state: DrafterState, plan: _VerdictPlan) -> None:
+        state.pending = None
+        state.num_rows = plan.keep_rows
+
+    def after_verify(self, state_id: int, verdict: Verdict) -> RowCount:
+        state = self._state(state_id)
+        if state.prefilling:
+            raise FailedPrecondition(
+                f"a Prefill stream is open on state {state_id}", reason="PREFILL_IN_PROGRESS"
+            )
+        plan = self._plan_verdict(state, verdict, "verdict")
+        self._reserve([(state, plan.rows_after)])
+        self._apply_truncation(state, plan)
+        if plan.recompute is not None:
+            plan.recompute.hiddens = self._to_device(plan.recompute.hiddens)
+            run_segments(self.head, self.kv, [plan.recompute])
+        state.num_rows = plan.rows_after
+        self._trim(state)
+        return RowCount(state.num_rows, state.next_position)
+
+    def propose(self, args: ProposeArgs) -> Proposal:
+        return self.propose_batch([args])[0]
+
+    def propose_batch(self, requests: list[ProposeArgs]) -> list[Proposal]:
+        """Validates every request, then drafts for all with one forward per draft position."""
+        if not 1 <= len(requests) <= self.max_batch:
+            raise InvalidArgument(
+                f"requests: {len(requests)} requests, expected 1 to {self.max_batch}",
+                reason="BATCH_SIZE_OUT_OF_RANGE",
+                field="requests",
+            )
+        seen: set[int] = set()
+        chains, verdicts = [], []
+        for i, args in enumerate(requests):
+            if args.state_id in seen:
+                raise InvalidArgument(
+                    f"requests[{i}]: state {args.state_id} appears twice in one batch",
+                    reason="DUPLICATE_STATE",
+                    field="requests",
+                )
+            seen.add(args.state_id)
+            chain, verdict = self._plan_proposal(args)
+            chains.append(chain)
+            verdicts.append(verdict)
+        self._reserve([(c.state, c.base_row + c.args.num_drafts) for c in chains])
+        # From here on nothing is refused: apply verdicts, then chain the drafts.
+        for chain, verdict in zip(chains, verdicts, strict=True):
+            if verdict is not None:
+                self._apply_truncation(chain.state, verdict)
+        self._first_drafts(chains, verdicts)
+        for step in range(1, max(c.args.num_drafts for c in chains)):
+            active = [c for c in chains if not c.done]
+            if not active:
+                break
+            segments = [
+                Segment(c.state, c.base_row + step, [c.drafts[-1]], c.last_hidden[None])
+                for c in active
+            ]
+            self._draft_step(active, run_segments(self.head, self.kv, segments))
+        return [self._finish(c) for c in chains]
+
+    def _plan_proposal(self, args: ProposeArgs) -> tuple[_Chain, _VerdictPlan | None]:
+        c = self.head.config
+        if args.previous is not None:
+            state = self._state(args.state_id)
+            if state.prefilling:
+                raise FailedPrecondition(
+                    f"a Prefill stream is open on state {args.state_id}",
+                    reason="PREFILL_IN_PROGRESS",
+                )
+            verdict = self._plan_verdict(state, args.previous, "previous")
+            base_row = verdict.rows_after
+        else:
+            state = self._idle_state(args.state_id, "propose")
+            verdict, base_row = None, state.num_rows
+        self._check_position(args.position, base_row + 1, "position")
+        check.check_tokens([args.token], c.vocab_size, "token")
+        hidden = check.check_hiddens(args.hidden, 1, c.hidden_size, "hidden")
+        check.check_num_drafts(args.num_drafts, self.max_drafts)
+        check.check_min_confidence(args.min_confidence)
+        bitmask = check.check_bitmask(args.bitmask, args.num_drafts, c.vocab_size)
+        self._check_rows_fit(base_row + args.num_drafts, "position")
+        args.hidden = self._to_device(hidden)
+        if bitmask is not None:
+            bitmask = bitmask.to(self.head.device)
+        if verdict is not None and verdict.recompute is not None:
+            verdict.recompute.hiddens = self._to_device(verdict.recompute.hiddens)
+        return _Chain(args, state, base_row, bitmask), verdict
+
+    def _first_drafts(self, chains: list[_Chain], verdicts: list[_VerdictPlan | None]) -> None:
+        """One forward: each state's verdict rows (if any) followed by its row R0."""
+        segments = []
+        for chain, verdict in zip(chains, verdicts, strict=True):
+            r0 = Segment(chain.state, chain.base_row, [chain.args.token], chain.args.hidden)
+            if verdict is not None and verdict.recompute is not None:
+                rows = verdict.recompute
+                r0 = Segment(
+                    chain.state,
+                    rows.start_row,
+                    rows.tokens + r0.tokens,
+                    torch.cat([rows.hiddens, r0.hiddens]),
+                )
+            segments.append(r0)
+        outputs = run_segments(self.head, self.kv, segments)
+        self._draft_step(chains, [out[-1:] for out in outputs])
+
+    def _draft_step(self, chains: list[_Chain], outputs: list[torch.Tensor]) -> None:
+        """Drafts the next token of each chain from its last row's output hidden."""
+        hidden = torch.cat(outputs)
+        masks = [c.mask_row() for c in chains]
+        bitmask = None
+        if any(m is not None for m in masks):
+            full = torch.full_like(next(m for m in masks if m is not None), -1)
+            bitmask = torch.stack([full if m is None else m for m in masks])
+        tokens, probs = self.head.draft(hidden, bitmask)
+        for chain, out, token, prob in zip(
+            chains, outputs, tokens.tolist(), probs.tolist(), strict=True
+        ):
+            chain.last_hidden = out[-1]
+            chain.rows_computed += 1
+            chain.take(token, prob)
+
+    def _finish(self, chain: _Chain) -> Proposal:
+        state = chain.state
+        state.pending = PendingProposal(
+            first_row=chain.base_row,
+            drafts=chain.drafts,
+            rows_computed=chain.rows_computed,
+            last_hidden=chain.last_hidden,
+        )
+        state.num_rows = chain.base_row + chain.rows_computed
+        self._trim(state)
+        return Proposal(
+            state_id=state.id,
+            tokens=chain.drafts,
+            probs=chain.probs,
+            confidence=chain.chain,
+            first_position=chain.args.position + 1,
+        )
+
+    # ---- KV hand-off -------------------------------------------------------
+
+    def take_kv(self, state_id: int) -> TakenKV:
+        state = self._idle_state(state_id, "take its KV")
+        handle = KVHandle(
+            id=self._new_id(self.handles),
+            blocks=state.blocks,
+            num_rows=state.num_rows,
+            expires_at=self.clock() + self.state_ttl,
+        )
+        self.handles[handle.id] = handle
+        state.blocks, state.num_rows = [], 0
+        return TakenKV(handle.id, handle.num_rows, self.state_ttl)
+
+    def install_kv(self, state_id: int, handle_id: int) -> RowCount:
+        state = self._state(state_id)
+        handle = self.handles.get(handle_id)
+        if handle is None:
+            raise NotFound(
+                f"KV handle {handle_id} not found (never taken, installed, or its lease expired)",
+                reason="HANDLE_NOT_FOUND",
+                field="handle_id",
+            )
+        if state.num_rows or state.pending is not None or state.prefilling:
+            raise FailedPrecondition(
+                f"state {state_id} holds {state.num_rows} rows; KV installs only into an "
+                "empty state",
+                reason="STATE_NOT_EMPTY",
+            )
+        del self.handles[handle_id]
+        self.pool.free(state.blocks)
+        state.blocks, state.num_rows = handle.blocks, handle.num_rows
+        return RowCount(state.num_rows, state.next_position)
+
+
+class PrefillSession:
+    """An open Prefill: rows arrive in chunks; abort() puts the state back as it was."""
+
+    def __init__(self, engine: DraftEngine, state: DrafterState) -> None:
+        self.engine = engine
+        self.state_id = state.id
+        self.rows_before = state.num_rows
+        state.prefilling = True
+
+    def _live_state(self) -> DrafterState:
+        return self.engine._state(self.state_id)
+
+    def append(self, tokens: list[int], hiddens: torch.Tensor) -> None:
+        engine, state = self.engine, self._live_state()
+        c = engine.head.config
+        check.check_tokens(tokens, c.vocab_size, "tokens")
+        hiddens = check.check_hiddens(hiddens, len(tokens), c.hidden_size, "hiddens")
+        if not tokens:
+            return
+        engine._check_rows_fit(state.num_rows + len(tokens) - 1, "tokens")
+        engine._reserve([(state, state.num_rows + len(tokens))])
+        step = engine.prefill_rows_per_forward
+        for lo in range(0, len(tokens), step):
+            rows = engine._to_device(hiddens[lo : lo + step])
+            segment = Segment(state, state.num_rows, tokens[lo : lo + step], rows)
+            run_segments(engine.head, engine.kv, [segment])
+            state.num_rows += rows.shape[0]
+
+    def finish(self) -> RowCount:
+        state = self._live_state()
+        state.prefilling = False
+        return RowCount(state.num_rows, state.next_position)
+
+    def abort(self) -> None:
+        state = self.engine.states.get(self.state_id)
+        if state is None:
+            return
+        state.prefilling = False
+        state.num_rows = self.rows_before
+        self.engine._trim(state)

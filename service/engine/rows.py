@@ -1,0 +1,51 @@
+"""Turns "compute these rows of these states" into one MTP forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.batch import RowBatch
+from ..model.kv_cache import KVCache
+from ..model.mtp_head import MTPHead
+from .state import DrafterState
+
+
+@dataclass
+class Segment:
+    """Rows start_row .. start_row + n - 1 of one state, with their inputs."""
+
+    state: DrafterState
+    start_row: int
+    tokens: list[int]
+    hiddens: torch.Tensor  # [n, H] on the model's device
+
+
+def run_segments(head: MTPHead, kv: KVCache, segments: list[Segment]) -> list[torch.Tensor]:
+    """Computes every segment's rows in one forward; returns each segment's output hiddens.
+
+    The states' blocks must already cover the rows. Rows of one segment attend
+    each other causally and every earlier row of their state.
+    """
+    device, bs = head.device, kv.block_size
+    positions, slots, seq_ids, tokens = [], [], [], []
+    widest = max(len(seg.state.blocks) for seg in segments)
+    tables = torch.zeros((len(segments), widest), dtype=torch.int32)
+    for i, seg in enumerate(segments):
+        rows = range(seg.start_row, seg.start_row + len(seg.tokens))
+        positions.extend(rows)
+        slots.extend(seg.state.blocks[r // bs] * bs + r % bs for r in rows)
+        seq_ids.extend([i] * len(rows))
+        tokens.extend(seg.tokens)
+        tables[i, : len(seg.state.blocks)] = torch.tensor(seg.state.blocks, dtype=torch.int32)
+    batch = RowBatch(
+        tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
+        hiddens=torch.cat([seg.hiddens for seg in segments]).to(device=device, dtype=head.dtype),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        seq_ids=torch.tensor(seq_ids, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=tables.to(device),
+    )
+    out = head.forward(batch, kv)
+    return list(out.split([len(seg.tokens) for seg in segments]))

@@ -1,0 +1,72 @@
+"""The engine's requests and results, free of any wire format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Verdict:
+    """The verifier accepted the first num_accepted drafts of the pending proposal."""
+
+    num_accepted: int
+    refeed_hiddens: torch.Tensor | None = None  # [num_accepted, H]: h[p] .. h[p + a - 1]
+
+
+@dataclass
+class ProposeArgs:
+    state_id: int
+    token: int
+    hidden: torch.Tensor  # [H] or [1, H]: target hidden at position - 1
+    position: int
+    num_drafts: int
+    bitmask: torch.Tensor | None = None  # int32 [W] or [n, W], xgrammar layout
+    min_confidence: float = 0.0
+    previous: Verdict | None = None
+
+
+@dataclass
+class Proposal:
+    state_id: int
+    tokens: list[int]
+    probs: list[float]
+    confidence: float
+    first_position: int
+
+
+@dataclass
+class RowCount:
+    num_rows: int
+    next_position: int
+
+
+@dataclass
+class TakenKV:
+    handle_id: int
+    num_rows: int
+    ttl_seconds: float
+
+
+@dataclass
+class EngineInfo:
+    model_family: str
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    compute_dtype: str
+    device: str
+    max_drafts: int
+    max_batch: int
+    max_states: int
+    live_states: int
+    kv_block_size: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_handles: int
+    state_ttl_seconds: float
+    bitmask_words: int
+    draining: bool

@@ -1,0 +1,98 @@
+"""Checks of request values against the model's shape; each failure names its field."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import InvalidArgument
+
+
+def check_tokens(tokens: list[int], vocab_size: int, field: str) -> None:
+    for i, token in enumerate(tokens):
+        if not 0 <= token < vocab_size:
+            where = field if len(tokens) == 1 else f"{field}[{i}]"
+            raise InvalidArgument(
+                f"{where}: token {token} is outside the vocabulary [0, {vocab_size})",
+                reason="TOKEN_OUT_OF_RANGE",
+                field=field,
+            )
+
+
+def check_hiddens(hiddens: torch.Tensor, rows: int, hidden_size: int, field: str) -> torch.Tensor:
+    """Returns hiddens as [rows, hidden_size]; a single row may also come as [hidden_size]."""
+    shape = tuple(hiddens.shape)
+    if rows == 1 and shape == (hidden_size,):
+        return hiddens.reshape(1, hidden_size)
+    if shape != (rows, hidden_size):
+        raise InvalidArgument(
+            f"{field}: expected shape [{rows}, {hidden_size}], got {list(shape)}",
+            reason="BAD_SHAPE",
+            field=field,
+        )
+    if not hiddens.is_floating_point():
+        raise InvalidArgument(
+            f"{field}: expected a floating-point tensor, got {hiddens.dtype}",
+            reason="BAD_DTYPE",
+            field=field,
+        )
+    if not bool(torch.isfinite(hiddens).all()):
+        raise InvalidArgument(
+            f"{field}: holds NaN or infinite values", reason="NOT_FINITE", field=field
+        )
+    return hiddens
+
+
+def check_num_drafts(num_drafts: int, max_drafts: int) -> None:
+    if not 1 <= num_drafts <= max_drafts:
+        raise InvalidArgument(
+            f"num_drafts: {num_drafts} is outside [1, {max_drafts}]",
+            reason="NUM_DRAFTS_OUT_OF_RANGE",
+            field="num_drafts",
+        )
+
+
+def check_min_confidence(value: float) -> None:
+    if math.isnan(value) or not 0.0 <= value <= 1.0:
+        raise InvalidArgument(
+            f"min_confidence: {value} is outside [0, 1]",
+            reason="MIN_CONFIDENCE_OUT_OF_RANGE",
+            field="min_confidence",
+        )
+
+
+def check_bitmask(
+    bitmask: torch.Tensor | None, num_drafts: int, vocab_size: int
+) -> torch.Tensor | None:
+    """Returns the mask as int32 [n, ceil(vocab / 32)], padded with disallowing zeros."""
+    if bitmask is None:
+        return None
+    words = (vocab_size + 31) // 32
+    mask = bitmask.reshape(1, -1) if bitmask.dim() == 1 else bitmask
+    if bitmask.dtype != torch.int32:
+        raise InvalidArgument(
+            f"bitmask: expected int32, got {bitmask.dtype}", reason="BAD_DTYPE", field="bitmask"
+        )
+    if mask.dim() != 2 or not 1 <= mask.shape[0] <= num_drafts or not 1 <= mask.shape[1] <= words:
+        raise InvalidArgument(
+            f"bitmask: expected shape [words] or [n, words] with 1 <= n <= num_drafts "
+            f"({num_drafts}) and 1 <= words <= {words}, got {list(bitmask.shape)}",
+            reason="BAD_SHAPE",
+            field="bitmask",
+        )
+    if mask.shape[1] < words:
+        mask = torch.cat([mask, mask.new_zeros(mask.shape[0], words - mask.shape[1])], dim=1)
+    tail_bits = vocab_size - 32 * (words - 1)  # bits of the last word that name real tokens
+    if tail_bits < 32:
+        mask = mask.clone()
+        mask[:, -1] &= (1 << tail_bits) - 1
+    empty = (mask == 0).all(dim=1)
+    if bool(empty.any()):
+        row = int(empty.nonzero()[0])
+        raise InvalidArgument(
+            f"bitmask: row {row} allows no token of the vocabulary",
+            reason="EMPTY_BITMASK",
+            field="bitmask",
+        )
+    return mask.contiguous()

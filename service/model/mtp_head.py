@@ -1,0 +1,109 @@
+"""The MTP layer's forward over a batch of rows: embedding + hidden in, next hidden out.
+
+It knows nothing of states: the engine says which rows to compute and where
+their KV goes (a RowBatch); this computes them, writes their K/V and returns the
+hidden each row passes on. Conventions follow vLLM so that one checkpoint gives
+the same drafts here as there: the embedding is zeroed in the row at position 0,
+the RoPE position of a row is its hidden's position, and the hidden passed on is
+what vLLM's MTP layer returns (MiMo: after final_layernorm; DeepSeek/GLM: before
+shared_head.norm, which feeds the logits only).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import torch_ops as ops
+from .batch import RowBatch
+from .checkpoint import MTPWeights
+from .config import MTPConfig
+from .kv_cache import KVCache
+
+
+class MTPHead:
+    """One MTP layer with its embedding and LM head, ready to run on one device."""
+
+    def __init__(
+        self, weights: MTPWeights, device: torch.device, dtype: torch.dtype | None = None
+    ) -> None:
+        self.config: MTPConfig = weights.config
+        self.family = weights.family
+        self.device = torch.device(device)
+        self.dtype = dtype or weights.config.dtype
+        self._embed_first = weights.embed_first
+        self._pass_normed = weights.pass_normed_hidden
+        t = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.tensors.items()}
+        self.embed = t["embed"]
+        self.lm_head = t["lm_head"]
+        self.norm_embed, self.norm_hidden = t["norm_embed"], t["norm_hidden"]
+        self.input_proj = t["input_proj"]
+        self.input_layernorm = t["input_layernorm"]
+        # One GEMM for q, k, v and one for gate, up: fewer launches, same math.
+        self.qkv = torch.cat([t["q_proj"], t["k_proj"], t["v_proj"]])
+        self.qkv_bias = (
+            torch.cat([t["q_proj_bias"], t["k_proj_bias"], t["v_proj_bias"]])
+            if "q_proj_bias" in t
+            else None
+        )
+        self.o_proj = t["o_proj"]
+        self.post_attention_layernorm = t["post_attention_layernorm"]
+        self.gate_up = torch.cat([t["gate_proj"], t["up_proj"]])
+        self.down_proj = t["down_proj"]
+        self.final_norm = t["final_norm"]
+        self.cos, self.sin = self._rope_tables()
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Like vLLM: computed in fp32, stored in the compute dtype.
+        c = self.config
+        exponents = torch.arange(0, c.rotary_dim, 2, dtype=torch.float32) / c.rotary_dim
+        inv_freq = 1.0 / (c.rope_theta**exponents)
+        freqs = torch.outer(torch.arange(c.max_position_embeddings, dtype=torch.float32), inv_freq)
+        return (
+            freqs.cos().to(device=self.device, dtype=self.dtype),
+            freqs.sin().to(device=self.device, dtype=self.dtype),
+        )
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        c = self.config
+        return KVCache(
+            num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype, self.device
+        )
+
+    def forward(self, batch: RowBatch, kv: KVCache) -> torch.Tensor:
+        """Computes the rows, writes their K/V, returns the hiddens they pass on [N, H]."""
+        c = self.config
+        n = len(batch)
+        embeds = F.embedding(batch.tokens, self.embed)
+        embeds = embeds.masked_fill((batch.positions == 0)[:, None], 0)
+        e = ops.rms_norm(embeds, self.norm_embed, c.rms_norm_eps)
+        h = ops.rms_norm(batch.hiddens.to(self.dtype), self.norm_hidden, c.rms_norm_eps)
+        x = F.linear(torch.cat([e, h] if self._embed_first else [h, e], dim=-1), self.input_proj)
+
+        y = ops.rms_norm(x, self.input_layernorm, c.rms_norm_eps)
+        qkv = F.linear(y, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+        q = ops.rope(q.reshape(n, c.num_attention_heads, c.head_dim), cos, sin)
+        k = ops.rope(k.reshape(n, c.num_key_value_heads, c.head_dim), cos, sin)
+        kv.write(k, v.reshape(n, c.num_key_value_heads, c.head_dim), batch.slot_mapping)
+        attn = ops.paged_attention(
+            q, kv.k, kv.v, batch.block_tables, batch.seq_ids, batch.context_lens, c.head_dim**-0.5
+        )
+        x = x + F.linear(attn.reshape(n, c.q_size), self.o_proj)
+
+        y = ops.rms_norm(x, self.post_attention_layernorm, c.rms_norm_eps)
+        x = x + F.linear(ops.swiglu(F.linear(y, self.gate_up)), self.down_proj)
+        return ops.rms_norm(x, self.final_norm, c.rms_norm_eps) if self._pass_normed else x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, V] logits of the hiddens forward() returned."""
+        if not self._pass_normed:
+            hidden = ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        return F.linear(hidden, self.lm_head)
+
+    def draft(
+        self, hidden: torch.Tensor, bitmask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy drafts [N] and their top-1 probabilities [N] under an optional bitmask."""
+        return ops.select_drafts(self.logits(hidden), bitmask)

@@ -1,0 +1,101 @@
+"""The grpc.aio server: the Drafter service, health, reflection, leases and draining."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from mtpdraft.v1 import drafter_pb2 as pb
+from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
+
+from .engine.engine import DraftEngine
+from .servicer import DrafterServicer, EngineRunner
+
+log = logging.getLogger("mtpdraft.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
+# 16 MiB: room for a ProposeBatch of 64 states with bf16 hiddens of 4096 and a
+# bitmask row each (64 x (8 KB + 19 KB) = 1.7 MB) and for Prefill chunks of a few
+# MB, while one message can never take a large share of memory.
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+
+
+class DrafterServer:
+    """A started-or-not server around one engine. Use create_server() to make one."""
+
+    def __init__(
+        self,
+        engine: DraftEngine,
+        address: str,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        reflection_enabled: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.runner = EngineRunner()
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ]
+        )
+        servicer = DrafterServicer(engine, self.runner, max_message_bytes)
+        pb_grpc.add_DrafterServicer_to_server(servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if reflection_enabled:
+            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+            reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind {address}")
+        self._reaper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def _reap_forever(self) -> None:
+        # A quarter of the TTL keeps an expired state's overstay under 25%, and at
+        # most a second apart so that short TTLs (tests) act promptly.
+        period = min(max(self.engine.state_ttl / 4, 0.05), 1.0)
+        while True:
+            await asyncio.sleep(period)
+            states, handles = await self.runner.call(self.engine.reap_expired)
+            if states or handles:
+                log.info("lease expired: freed %d states and %d KV handles", states, handles)
+
+    async def drain(self, grace: float) -> int:
+        """Stops taking new states, lets live ones finish for up to `grace` seconds, stops.
+
+        Returns how many states were still live (and freed) at the end.
+        """
+        await self.runner.call(setattr, self.engine, "draining", True)
+        await self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while loop.time() < deadline and self.engine.states:
+            await asyncio.sleep(0.05)
+        await self.server.stop(max(0.0, min(1.0, deadline - loop.time())))
+        if self._reaper is not None:
+            self._reaper.cancel()
+        freed = await self.runner.call(self.engine.close)
+        self.runner.shutdown()
+        return freed
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+def create_server(
+    engine: DraftEngine, address: str = "127.0.0.1:0", **options
+) -> tuple[DrafterServer, int]:
+    """A server bound to `address` (port 0 picks a free one), not yet started."""
+    server = DrafterServer(engine, address, **options)
+    return server, server.port

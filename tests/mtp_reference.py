@@ -1,0 +1,124 @@
+"""A dense, float64 MTP layer written straight from the published checkpoints: the oracle.
+
+It shares no code with mtpdraft.service: it reads the safetensors itself, keeps no
+KV cache (every call recomputes the whole sequence with full causal attention),
+and follows DESIGN.md's vLLM conventions (row position = hidden position, the
+embedding zeroed at position 0, MiMo passes the final-norm output on, DeepSeek
+the pre-norm hidden).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def _rotate(x: torch.Tensor, pos: torch.Tensor, rot: int, theta: float) -> torch.Tensor:
+    inv = 1.0 / theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
+    ang = pos[:, None].double() * inv[None]
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+    a, b = x[..., : rot // 2], x[..., rot // 2 : rot]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin, x[..., rot:]], -1)
+
+
+@dataclass
+class Reference:
+    folder: Path
+    cfg: dict = field(init=False)
+    w: dict = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cfg = json.loads((self.folder / "config.json").read_text())
+        self.w = {}
+        for f in sorted(self.folder.glob("*.safetensors")):
+            self.w |= {k: v.double() for k, v in load_file(f).items()}
+        if any(k.startswith("model.mtp_layers.") for k in self.w):
+            self.mimo, p = True, "model.mtp_layers.0."
+            self.names = (p + "token_layernorm", p + "hidden_layernorm", p + "input_proj")
+            self.out_norm = p + "final_layernorm"
+        else:
+            self.mimo, p = False, f"model.layers.{self.cfg['num_hidden_layers']}."
+            self.names = (p + "enorm", p + "hnorm", p + "eh_proj")
+            self.out_norm = p + "shared_head.norm"
+        self.p = p
+
+    def t(self, name: str) -> torch.Tensor:
+        return self.w[name + ".weight"] if name + ".weight" in self.w else self.w[name]
+
+    def rows(self, tokens: list[int], hiddens: torch.Tensor) -> torch.Tensor:
+        """Output hiddens (the ones passed on) of rows 0..n-1 of one sequence."""
+        c, p, eps = self.cfg, self.p, self.cfg["rms_norm_eps"]
+        n, h = len(tokens), c["hidden_size"]
+        heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
+        hd = h // heads
+        pos = torch.arange(n)
+        emb = self.t("model.embed_tokens")[torch.tensor(tokens)].clone()
+        emb[pos == 0] = 0
+        e = _norm(emb, self.t(self.names[0]), eps)
+        hid = _norm(hiddens.double(), self.t(self.names[1]), eps)
+        x = torch.cat([hid, e] if self.mimo else [e, hid], -1) @ self.t(self.names[2]).T
+
+        y = _norm(x, self.t(p + "input_layernorm"), eps)
+
+        def proj(name: str) -> torch.Tensor:
+            out = y @ self.t(p + f"self_attn.{name}").T
+            bias = p + f"self_attn.{name}.bias"
+            return out + self.w[bias] if bias in self.w else out
+
+        q = proj("q_proj").reshape(n, heads, hd)
+        k = proj("k_proj").reshape(n, kv_heads, hd)
+        v = proj("v_proj").reshape(n, kv_heads, hd)
+        rot = int(hd * c.get("partial_rotary_factor", 1.0))
+        q, k = _rotate(q, pos, rot, c["rope_theta"]), _rotate(k, pos, rot, c["rope_theta"])
+        k = k.repeat_interleave(heads // kv_heads, 1)
+        v = v.repeat_interleave(heads // kv_heads, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
+        s = s.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
+        a = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, -1)
+        x = x + a @ self.t(p + "self_attn.o_proj").T
+
+        y = _norm(x, self.t(p + "post_attention_layernorm"), eps)
+        g, u = y @ self.t(p + "mlp.gate_proj").T, y @ self.t(p + "mlp.up_proj").T
+        x = x + (torch.nn.functional.silu(g) * u) @ self.t(p + "mlp.down_proj").T
+        return _norm(x, self.t(self.out_norm), eps) if self.mimo else x
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        if not self.mimo:
+            out = _norm(out, self.t(self.out_norm), self.cfg["rms_norm_eps"])
+        head = self.p + "shared_head.head"
+        return out @ (self.t(head) if head + ".weight" in self.w else self.t("lm_head")).T
+
+    def propose(
+        self,
+        tokens: list[int],
+        hiddens: torch.Tensor,
+        num_drafts: int,
+        allowed: torch.Tensor | None = None,
+    ) -> tuple[list[int], list[float], list[torch.Tensor]]:
+        """Drafts after the rows (tokens, hiddens), whose last row is the committed R0.
+
+        Returns the drafts, their probabilities and the output hidden of every
+        row of the chain (m0 .. m(K-1)). `allowed` is a [n, V] bool mask per draft.
+        """
+        tokens, hiddens = list(tokens), hiddens.double()
+        drafts, probs, outs = [], [], []
+        for j in range(num_drafts):
+            out = self.rows(tokens, hiddens)[-1]
+            logits = self.logits(out)
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed[min(j, len(allowed) - 1)], float("-inf"))
+            d = int(logits.argmax())
+            drafts.append(d)
+            probs.append(float(logits.softmax(-1)[d]))
+            outs.append(out)
+            tokens.append(d)
+            hiddens = torch.cat([hiddens, out[None]])
+        return drafts, probs, outs
