@@ -1,0 +1,168 @@
+"""The engine in-process: KV rows, block accounting, leases and draining."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtpdraft.service.engine.engine import DraftEngine
+from mtpdraft.service.engine.errors import FailedPrecondition, NotFound, Unavailable
+from mtpdraft.service.engine.types import ProposeArgs, Verdict
+from mtpdraft.service.model.checkpoint import load_mtp_weights
+from mtpdraft.service.model.mtp_head import MTPHead
+from mtpdraft.service.model.synthetic import write_random_checkpoint
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory) -> MTPHead:
+    folder = write_random_checkpoint(tmp_path_factory.mktemp("ckpt"), "mimo", seed=3)
+    return MTPHead(load_mtp_weights(folder), torch.device("cpu"))
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def engine(head: MTPHead, clock: Clock) -> DraftEngine:
+    return DraftEngine(head, kv_blocks=64, block_size=4, max_drafts=8, state_ttl=10, clock=clock)
+
+
+def h(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed))
+
+
+def prefill(engine: DraftEngine, tokens: list[int], hiddens: torch.Tensor) -> int:
+    state = engine.alloc_state()
+    session = engine.begin_prefill(state, 1)
+    session.append(tokens, hiddens)
+    session.finish()
+    return state
+
+
+def kv_rows(engine: DraftEngine, state_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    state = engine.states[state_id]
+    blocks = torch.tensor(state.blocks)
+    k = engine.kv.k[blocks].reshape(-1, *engine.kv.k.shape[2:])[: state.num_rows]
+    v = engine.kv.v[blocks].reshape(-1, *engine.kv.v.shape[2:])[: state.num_rows]
+    return k, v
+
+
+def assert_accounted(engine: DraftEngine) -> None:
+    held = sum(len(s.blocks) for s in engine.states.values())
+    held += sum(len(hd.blocks) for hd in engine.handles.values())
+    assert held + engine.pool.num_free == engine.pool.num_total
+    for s in engine.states.values():
+        assert len(s.blocks) == -(-s.num_rows // engine.block_size)
+
+
+@pytest.mark.parametrize("accepted", [0, 2, 4])
+def test_refeed_leaves_the_rows_a_fresh_prefill_would(engine: DraftEngine, accepted: int) -> None:
+    prompt, hp = [5, 6, 7], h(3, 0)
+    state = prefill(engine, prompt, hp)
+    proposal = engine.propose(ProposeArgs(state, 8, h(1, 1), 4, 4))
+    assert_accounted(engine)
+    refeed = h(accepted, 2)
+    engine.after_verify(state, Verdict(accepted, refeed))
+    assert_accounted(engine)
+    rows = [*prompt, 8, *proposal.tokens[:accepted]]
+    fresh = prefill(engine, rows, torch.cat([hp, h(1, 1), refeed]))
+    assert engine.states[state].num_rows == len(rows)
+    for got, want in zip(kv_rows(engine, state), kv_rows(engine, fresh), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_row_counts_through_every_verdict(engine: DraftEngine) -> None:
+    state = prefill(engine, [1, 2, 3, 4, 5], h(5, 3))
+    position = 6
+    for step, (k, accepted, refeed) in enumerate([(3, 0, False), (3, 3, False), (5, 2, True)]):
+        p = engine.propose(ProposeArgs(state, 9, h(1, 10 + step), position, k))
+        assert engine.states[state].num_rows == position - 1 + k  # R0 .. R(k-1)
+        assert_accounted(engine)
+        refeed_hiddens = h(accepted, 20 + step) if refeed else None
+        rows = engine.after_verify(state, Verdict(accepted, refeed_hiddens))
+        position += accepted + 1
+        assert (rows.num_rows, rows.next_position) == (position - 1, position)
+        assert p.first_position == position - accepted
+        assert_accounted(engine)
+    engine.free_state(state)
+    assert engine.pool.num_free == engine.pool.num_total
+
+
+def test_batch_mixes_lengths_thresholds_and_masks(engine: DraftEngine) -> None:
+    """One batch of different prompt lengths, K, thresholds and masks equals each alone."""
+    mask = torch.zeros(7, dtype=torch.int32)
+    mask[1] = 0b1111  # tokens 32..35 only
+
+    def requests(states: list[int]) -> list[ProposeArgs]:
+        return [
+            ProposeArgs(states[0], 1, h(1, 30), 3, 2),
+            ProposeArgs(states[1], 2, h(1, 31), 6, 8, min_confidence=0.99),
+            ProposeArgs(states[2], 3, h(1, 32), 10, 5, bitmask=mask),
+        ]
+
+    def states() -> list[int]:
+        return [prefill(engine, list(range(1, n + 1)), h(n, n)) for n in (2, 5, 9)]
+
+    together = engine.propose_batch(requests(states()))
+    alone = [engine.propose(args) for args in requests(states())]
+    assert len(together[0].tokens) == 2
+    assert all(p >= 0.99 for p in together[1].probs) and len(together[1].tokens) < 8
+    assert set(together[2].tokens) <= {32, 33, 34, 35} and len(together[2].tokens) == 5
+    for one, many in zip(alone, together, strict=True):
+        assert one.tokens == many.tokens
+        assert one.probs == pytest.approx(many.probs, abs=1e-5)
+    assert_accounted(engine)
+
+
+def test_leases_expire_idle_states_and_handles(engine: DraftEngine, clock: Clock) -> None:
+    idle = prefill(engine, [1, 2, 3], h(3, 0))
+    busy = engine.alloc_state()
+    session = engine.begin_prefill(busy, 1)  # an open prefill is never reaped
+    donor = prefill(engine, [4, 5], h(2, 1))
+    handle = engine.take_kv(donor).handle_id
+    clock.now = 9.0
+    engine.info()
+    assert engine.reap_expired() == (0, 0)
+    clock.now = 10.5
+    engine.free_state(donor)
+    assert engine.reap_expired() == (1, 1)
+    assert idle not in engine.states and busy in engine.states
+    with pytest.raises(NotFound):
+        engine.install_kv(busy, handle)
+    session.append([1], h(1, 2))
+    session.finish()
+    engine.free_state(busy)
+    assert engine.pool.num_free == engine.pool.num_total
+
+
+def test_prefill_abort_restores_the_state(engine: DraftEngine) -> None:
+    state = prefill(engine, [1, 2, 3], h(3, 0))
+    before = [t.clone() for t in kv_rows(engine, state)]
+    session = engine.begin_prefill(state, 4)
+    session.append([4, 5, 6, 7, 8], h(5, 1))
+    with pytest.raises(FailedPrecondition):
+        engine.propose(ProposeArgs(state, 1, h(1, 2), 9, 2))  # the stream is open
+    session.abort()
+    assert engine.states[state].num_rows == 3
+    for got, want in zip(kv_rows(engine, state), before, strict=True):
+        assert torch.equal(got, want)
+    assert_accounted(engine)
+
+
+def test_close_frees_everything_and_refuses_new_states(engine: DraftEngine) -> None:
+    prefill(engine, [1, 2, 3], h(3, 0))
+    engine.take_kv(prefill(engine, [1], h(1, 1)))
+    assert engine.close() == 2
+    assert engine.pool.num_free == engine.pool.num_total and not engine.handles
+    with pytest.raises(Unavailable):
+        engine.alloc_state()
