@@ -27,6 +27,7 @@ from .errors import (
     from_rpc_error,
 )
 from .messages import DEFAULT_CHUNK_BYTES
+from .stream import AsyncProposeStream, ProposeStream
 from .sync_client import DrafterClient
 from .types import (
     InstallResult,
@@ -42,6 +43,7 @@ from .types import (
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "AsyncDrafterClient",
+    "AsyncProposeStream",
     "DeadlineExceeded",
     "DrafterClient",
     "DrafterError",
@@ -54,6 +56,7 @@ __all__ = [
     "PrefillResult",
     "Proposal",
     "ProposeArgs",
+    "ProposeStream",
     "ResourceExhausted",
     "ServerInfo",
     "StateNotFound",

@@ -17,6 +17,7 @@ from mtpdraft.v1 import drafter_pb2_grpc
 from . import messages as m
 from .errors import from_rpc_error
 from .messages import DEFAULT, Timeout
+from .stream import AsyncProposeStream
 from .types import (
     InstallResult,
     KVHandle,
@@ -169,6 +170,10 @@ class AsyncDrafterClient:
         """Installs a handle's KV into an empty state, consuming the handle."""
         req = m.install_kv_request(state, handle)
         return await self._unary(self._stub.InstallKV, req, m.parse_install_kv, timeout)
+
+    def stream(self, *, timeout: Timeout = DEFAULT) -> AsyncProposeStream:
+        """The hot path: a ProposeStream, one message and one answer per verify step."""
+        return AsyncProposeStream(self._stub, m.resolve_timeout(timeout, self.timeout))
 
     async def free_state(self, state: int, *, timeout: Timeout = DEFAULT) -> bool:
         """Releases the state; returns whether it existed. Idempotent."""

@@ -18,6 +18,8 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from mtpdraft.v1 import drafter_pb2 as pb
+
 DETAILS_KEY = "grpc-status-details-bin"
 
 
@@ -153,3 +155,18 @@ def from_rpc_error(err: grpc.RpcError) -> DrafterError:
     details_fn = getattr(err, "details", None)
     details = (details_fn() if callable(details_fn) else None) or str(err)
     return error_from_status(code, details, _rich_status(err))
+
+
+def error_from_value(error: pb.Error) -> DrafterError:
+    """The typed exception for an error carried as a value (a ProposeStream answer)."""
+    code = _CODE_BY_VALUE.get(error.code, grpc.StatusCode.UNKNOWN)
+    return _BY_CODE.get(code, DrafterRpcError)(
+        code,
+        error.message,
+        reason=error.reason or None,
+        domain="mtpdraft.v1",
+        field=error.field or None,
+    )
+
+
+_CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}

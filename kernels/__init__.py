@@ -1,1 +1,22 @@
-"""Triton kernels of the MTP forward, one op per file; they know nothing of models."""
+"""Triton kernels for the MTP head's forward pass.
+
+One op per module; each public launcher checks its arguments, allocates the output and
+launches. The kernels know nothing of models or states. On a machine without a GPU they run
+under ``TRITON_INTERPRET=1`` (set it before ``triton`` is imported).
+"""
+
+from .mtp_input_norms import mtp_input_norms
+from .paged_attention import paged_attention
+from .rms_norm import rms_norm
+from .rope_write_kv import rope_write_kv
+from .select_drafts import select_drafts
+from .swiglu import swiglu
+
+__all__ = [
+    "mtp_input_norms",
+    "paged_attention",
+    "rms_norm",
+    "rope_write_kv",
+    "select_drafts",
+    "swiglu",
+]

@@ -17,6 +17,7 @@ from .model.errors import CheckpointError
 from .model.kv_cache import KVCache
 from .model.mtp_head import MTPHead
 from .server import DEFAULT_MAX_MESSAGE_BYTES, create_server
+from .telemetry import Telemetry, providers_from_env
 
 log = logging.getLogger("mtpdraft")
 
@@ -40,6 +41,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-drafts", type=int, default=16, help="largest K")
     p.add_argument("--max-batch", type=int, default=64, help="largest ProposeBatch")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    p.add_argument("--max-queue", type=int, default=4096, help="Propose calls waiting, at most")
+    p.add_argument(
+        "--batch-wait-us",
+        type=float,
+        default=0.0,
+        help="wait this long for more calls when fewer than a batch are queued",
+    )
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain")
     p.add_argument("--no-reflection", action="store_true", help="turn server reflection off")
 
@@ -86,6 +94,9 @@ async def _serve(args: argparse.Namespace) -> None:
         f"{args.host}:{args.port}",
         max_message_bytes=args.max_message_bytes,
         reflection_enabled=not args.no_reflection,
+        max_queue=args.max_queue,
+        batch_wait=args.batch_wait_us * 1e-6,
+        telemetry=Telemetry(*providers_from_env()),
     )
     await server.start()
     info = engine.info()

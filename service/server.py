@@ -13,7 +13,10 @@ from mtpdraft.v1 import drafter_pb2 as pb
 from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
 from .engine.engine import DraftEngine
-from .servicer import DrafterServicer, EngineRunner
+from .engine.runner import EngineRunner
+from .engine.scheduler import ProposeScheduler
+from .servicer import DrafterServicer
+from .telemetry import Telemetry
 
 log = logging.getLogger("mtpdraft.server")
 
@@ -34,17 +37,32 @@ class DrafterServer:
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         reflection_enabled: bool = True,
+        max_queue: int = 4096,
+        batch_wait: float = 0.0,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.engine = engine
         self.runner = EngineRunner()
+        self.telemetry = telemetry or Telemetry()
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
+            interceptors=self.telemetry.server_interceptors(),
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
-            ]
+            ],
         )
-        servicer = DrafterServicer(engine, self.runner, max_message_bytes)
+        self.scheduler = ProposeScheduler(
+            engine,
+            self.runner,
+            max_queue=max_queue,
+            batch_wait=batch_wait,
+            on_batch=lambda requests, _: self.telemetry.batch_size.record(requests),
+        )
+        self.telemetry.observe_engine(engine, lambda: self.scheduler.queued)
+        servicer = DrafterServicer(
+            engine, self.runner, self.scheduler, self.telemetry, max_message_bytes
+        )
         pb_grpc.add_DrafterServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if reflection_enabled:
@@ -57,6 +75,7 @@ class DrafterServer:
 
     async def start(self) -> None:
         await self.server.start()
+        self.scheduler.start()
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap_forever())
@@ -85,8 +104,10 @@ class DrafterServer:
         await self.server.stop(max(0.0, min(1.0, deadline - loop.time())))
         if self._reaper is not None:
             self._reaper.cancel()
+        await self.scheduler.stop()
         freed = await self.runner.call(self.engine.close)
         self.runner.shutdown()
+        self.telemetry.shutdown()
         return freed
 
     async def wait_for_termination(self) -> None:

@@ -1,20 +1,25 @@
 """The gRPC servicer: translates proto <-> engine calls and engine errors <-> status codes.
 
-Every engine call runs on the engine's single worker thread (EngineRunner), so
-the event loop stays free for health checks and other clients meanwhile.
+Propose calls of every kind (unary, batch, stream) go through the scheduler,
+which batches them across clients; the other calls run directly on the engine's
+worker thread. Each handler raises engine errors; the `rpc` wrapper turns them
+into status codes (with ErrorInfo / BadRequest details) and records the RPC's
+duration.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from mtpdraft.v1 import drafter_pb2 as pb
 from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
@@ -22,51 +27,43 @@ from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 from . import wire
 from .engine import errors
 from .engine.engine import DraftEngine, PrefillSession
+from .engine.runner import EngineRunner
+from .engine.scheduler import ProposeScheduler
 from .engine.types import Proposal, ProposeArgs, Verdict
-
-T = TypeVar("T")
+from .telemetry import Telemetry
 
 ERROR_DOMAIN = "mtpdraft.v1"
-_CODES: dict[type[errors.DrafterError], int] = {
-    errors.NotFound: code_pb2.NOT_FOUND,
-    errors.InvalidArgument: code_pb2.INVALID_ARGUMENT,
-    errors.FailedPrecondition: code_pb2.FAILED_PRECONDITION,
-    errors.ResourceExhausted: code_pb2.RESOURCE_EXHAUSTED,
-    errors.Unavailable: code_pb2.UNAVAILABLE,
+_CODES: dict[type[errors.DrafterError], grpc.StatusCode] = {
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
-class EngineRunner:
-    """Runs engine calls one at a time on a dedicated thread."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Queues a call without waiting for it (cleanup from a cancelled handler)."""
-        self._pool.submit(fn, *args)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+def _pack(message) -> any_pb2.Any:
+    holder = any_pb2.Any()
+    holder.Pack(message)
+    return holder
 
 
 def _status_of(err: errors.DrafterError) -> grpc.Status:
-    details = [error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN)]
+    details = [_pack(error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN))]
     if err.field is not None and isinstance(err, errors.InvalidArgument):
         violation = error_details_pb2.BadRequest.FieldViolation(
             field=err.field, description=err.message
         )
-        details.append(error_details_pb2.BadRequest(field_violations=[violation]))
-    packed = []
-    for detail in details:
-        holder = any_pb2.Any()
-        holder.Pack(detail)
-        packed.append(holder)
-    status = status_pb2.Status(code=_CODES[type(err)], message=err.message, details=packed)
-    return rpc_status.to_status(status)
+        details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
+    code = _CODES[type(err)].value[0]
+    return rpc_status.to_status(status_pb2.Status(code=code, message=err.message, details=details))
+
+
+def _error_value(err: errors.DrafterError) -> pb.Error:
+    return pb.Error(
+        code=_CODES[type(err)].value[0], message=err.message, reason=err.reason, field=err.field
+    )
 
 
 def _verdict(msg: pb.Verdict, field: str) -> Verdict:
@@ -101,15 +98,60 @@ def _proposal(p: Proposal) -> pb.Proposal:
     )
 
 
+Handler = Callable[..., Awaitable]
+
+
+def rpc(handler: Handler) -> Handler:
+    """Maps engine errors to status codes and records the RPC's duration and outcome."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: DrafterServicer, request, context: grpc.aio.ServicerContext):
+        started, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            return await handler(self, request, context)
+        except errors.DrafterError as err:
+            code = _CODES[type(err)]
+            span = trace.get_current_span()
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            span.set_status(Status(StatusCode.ERROR, err.message))
+            await context.abort_with_status(_status_of(err))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self.telemetry.record_rpc(handler.__name__, code, time.perf_counter() - started)
+
+    return wrapper
+
+
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(self, engine: DraftEngine, runner: EngineRunner, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        engine: DraftEngine,
+        runner: EngineRunner,
+        scheduler: ProposeScheduler,
+        telemetry: Telemetry,
+        max_message_bytes: int,
+    ) -> None:
         self.engine = engine
         self.runner = runner
+        self.scheduler = scheduler
+        self.telemetry = telemetry
         self.max_message_bytes = max_message_bytes
 
-    async def _abort(self, context: grpc.aio.ServicerContext, err: errors.DrafterError) -> None:
-        await context.abort_with_status(_status_of(err))
+    async def _kv(self, operation: str, fn: Callable, *args):
+        with self.telemetry.kv_span(operation):
+            return await self.runner.call(fn, *args)
 
+    async def _propose(
+        self, requests: list[ProposeArgs], context: grpc.aio.ServicerContext
+    ) -> list[Proposal]:
+        proposals, timing = await self.scheduler.submit(requests, context.time_remaining())
+        self.telemetry.record_job(timing)
+        self.telemetry.drafts.add(sum(len(p.tokens) for p in proposals))
+        return proposals
+
+    @rpc
     async def GetInfo(self, request, context):
         info = await self.runner.call(self.engine.info)
         return pb.GetInfoResponse(
@@ -118,14 +160,16 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             max_message_bytes=self.max_message_bytes,
         )
 
+    @rpc
     async def AllocState(self, request, context):
-        try:
-            state_id = await self.runner.call(self.engine.alloc_state)
-        except errors.DrafterError as err:
-            await self._abort(context, err)
-        return pb.AllocStateResponse(state_id=state_id)
+        return pb.AllocStateResponse(state_id=await self.runner.call(self.engine.alloc_state))
 
+    @rpc
     async def Prefill(self, request_iterator: AsyncIterator[pb.PrefillChunk], context):
+        with self.telemetry.kv_span("prefill"):
+            return await self._prefill(request_iterator)
+
+    async def _prefill(self, request_iterator: AsyncIterator[pb.PrefillChunk]):
         session: PrefillSession | None = None
         try:
             state_id = start = 0
@@ -149,60 +193,87 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             rows = await self.runner.call(session.finish)
             session = None
             return pb.PrefillResponse(num_rows=rows.num_rows, next_position=rows.next_position)
-        except errors.DrafterError as err:
-            await self._abort(context, err)
         finally:
             if session is not None:  # error, cancellation or a broken stream: roll back
                 self.runner.submit(session.abort)
 
+    @rpc
     async def Propose(self, request, context):
-        try:
-            args = _propose_args(request)
-            proposal = await self.runner.call(self.engine.propose, args)
-        except errors.DrafterError as err:
-            await self._abort(context, err)
+        (proposal,) = await self._propose([_propose_args(request)], context)
         return _proposal(proposal)
 
+    @rpc
     async def ProposeBatch(self, request, context):
-        try:
-            batch = []
-            for i, msg in enumerate(request.requests):
-                try:
-                    batch.append(_propose_args(msg))
-                except errors.DrafterError as err:
-                    err.message = f"requests[{i}].{err.message}"
-                    raise
-            proposals = await self.runner.call(self.engine.propose_batch, batch)
-        except errors.DrafterError as err:
-            await self._abort(context, err)
+        batch = []
+        for i, msg in enumerate(request.requests):
+            try:
+                batch.append(_propose_args(msg))
+            except errors.DrafterError as err:
+                err.message = f"requests[{i}].{err.message}"
+                raise
+        if not 1 <= len(batch) <= self.engine.max_batch:
+            raise errors.InvalidArgument(
+                f"requests: {len(batch)} requests, expected 1 to {self.engine.max_batch}",
+                reason="BATCH_SIZE_OUT_OF_RANGE",
+                field="requests",
+            )
+        proposals = await self._propose(batch, context)
         return pb.ProposeBatchResponse(proposals=[_proposal(p) for p in proposals])
 
-    async def AfterVerify(self, request, context):
+    @rpc
+    async def ProposeStream(self, request_iterator: AsyncIterator[pb.ProposeRequest], context):
+        answers: asyncio.Queue[pb.ProposeStreamResponse | None] = asyncio.Queue()
+        in_flight: set[asyncio.Task] = set()
+
+        async def answer(msg: pb.ProposeRequest) -> None:
+            try:
+                (proposal,) = await self._propose([_propose_args(msg)], context)
+                reply = pb.ProposeStreamResponse(
+                    request_id=msg.request_id, proposal=_proposal(proposal)
+                )
+            except errors.DrafterError as err:
+                reply = pb.ProposeStreamResponse(request_id=msg.request_id, error=_error_value(err))
+            await answers.put(reply)
+
+        async def read() -> None:
+            async for msg in request_iterator:
+                task = asyncio.create_task(answer(msg))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+            await asyncio.gather(*in_flight)
+            await answers.put(None)
+
+        reader = asyncio.create_task(read())
         try:
-            verdict = _verdict(request.verdict, "verdict")
-            rows = await self.runner.call(self.engine.after_verify, request.state_id, verdict)
-        except errors.DrafterError as err:
-            await self._abort(context, err)
+            while (reply := await answers.get()) is not None:
+                await context.write(reply)
+            await reader  # surfaces a broken request stream
+        finally:
+            reader.cancel()
+            for task in list(in_flight):
+                task.cancel()
+
+    @rpc
+    async def AfterVerify(self, request, context):
+        verdict = _verdict(request.verdict, "verdict")
+        rows = await self._kv("after_verify", self.engine.after_verify, request.state_id, verdict)
         return pb.AfterVerifyResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
+    @rpc
     async def TakeKV(self, request, context):
-        try:
-            taken = await self.runner.call(self.engine.take_kv, request.state_id)
-        except errors.DrafterError as err:
-            await self._abort(context, err)
+        taken = await self._kv("take", self.engine.take_kv, request.state_id)
         return pb.TakeKVResponse(
             handle_id=taken.handle_id, num_rows=taken.num_rows, ttl_seconds=taken.ttl_seconds
         )
 
+    @rpc
     async def InstallKV(self, request, context):
-        try:
-            rows = await self.runner.call(
-                self.engine.install_kv, request.state_id, request.handle_id
-            )
-        except errors.DrafterError as err:
-            await self._abort(context, err)
+        rows = await self._kv(
+            "install", self.engine.install_kv, request.state_id, request.handle_id
+        )
         return pb.InstallKVResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
+    @rpc
     async def FreeState(self, request, context):
-        existed = await self.runner.call(self.engine.free_state, request.state_id)
+        existed = await self._kv("free", self.engine.free_state, request.state_id)
         return pb.FreeStateResponse(existed=existed)

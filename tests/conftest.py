@@ -17,50 +17,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import re
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from servers import SERVER_ARGS, ServerProcess, start_server
 
 from mtpdraft.client import DrafterClient
 from mtpdraft.service.model.synthetic import write_random_checkpoint
-
-SERVER_START_TIMEOUT = 60.0
-
-
-@dataclass
-class ServerProcess:
-    process: subprocess.Popen
-    address: str
-    lines: list[str]
-
-    def stop(self, timeout: float = 20.0) -> int:
-        if self.process.poll() is None:
-            self.process.terminate()
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
-
-
-def start_server(model: Path, *extra: str) -> ServerProcess:
-    """Starts `mtpdraft serve --port 0` and waits for the port it prints."""
-    cmd = [sys.executable, "-m", "mtpdraft", "serve", "--model", str(model), "--port", "0"]
-    cmd += ["--device", "cpu", *extra]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    for line in process.stdout:  # the server prints its port once it accepts calls
-        lines.append(line)
-        match = re.search(r"listening on (\S+):(\d+)", line)
-        if match:
-            return ServerProcess(process, f"127.0.0.1:{match.group(2)}", lines)
-    process.wait()
-    raise RuntimeError("server exited before listening:\n" + "".join(lines))
 
 
 @pytest.fixture(scope="session")
@@ -77,12 +41,6 @@ def deepseek_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shards=2,
         extra_config={"attention_bias": True, "partial_rotary_factor": 0.5},
     )
-
-
-# Small blocks (4 rows) so that every test crosses block boundaries; 256 blocks
-# = 1024 rows in all, enough for every test and small enough to exhaust on purpose.
-SERVER_ARGS = ("--kv-blocks", "256", "--block-size", "4", "--max-drafts", "8")
-SERVER_ARGS += ("--max-batch", "8", "--max-states", "32", "--grace-period", "2")
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,14 @@ import torch
 from ..model.mtp_head import MTPHead
 from . import validation as check
 from .block_pool import BlockPool
-from .errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from .errors import (
+    DrafterError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from .rows import Segment, run_segments
 from .state import DrafterState, KVHandle, PendingProposal
 from .types import EngineInfo, Proposal, ProposeArgs, RowCount, TakenKV, Verdict
@@ -101,6 +108,8 @@ class DraftEngine:
         self.states: dict[int, DrafterState] = {}
         self.handles: dict[int, KVHandle] = {}
         self.draining = False
+        # Called with (drafts proposed, drafts accepted) for every verdict: metrics.
+        self.on_verdict: Callable[[int, int], None] | None = None
 
     # ---- bookkeeping -------------------------------------------------------
 
@@ -294,6 +303,9 @@ class DraftEngine:
         return _VerdictPlan(computed, segment, rows_after)
 
     def _apply_truncation(self, state: DrafterState, plan: _VerdictPlan) -> None:
+        if self.on_verdict is not None and state.pending is not None:
+            drafts = len(state.pending.drafts)
+            self.on_verdict(drafts, plan.rows_after - state.pending.first_row - 1)
         state.pending = None
         state.num_rows = plan.keep_rows
 
@@ -317,16 +329,54 @@ class DraftEngine:
         return self.propose_batch([args])[0]
 
     def propose_batch(self, requests: list[ProposeArgs]) -> list[Proposal]:
-        """Validates every request, then drafts for all with one forward per draft position."""
-        if not 1 <= len(requests) <= self.max_batch:
+        """All or nothing: drafts for every request, or raises the first request's error."""
+        result = self.propose_groups([requests])[0]
+        if isinstance(result, DrafterError):
+            raise result
+        return result
+
+    def propose_groups(
+        self, groups: list[list[ProposeArgs]]
+    ) -> list[list[Proposal] | DrafterError]:
+        """Drafts for many independent groups (one group per client call) in one batch.
+
+        Each group is validated and given its KV blocks all or nothing; a group that
+        fails gets its error in its place and changes nothing. The groups that pass
+        are drafted together, one batched forward per draft position.
+        """
+        results: list[list[Proposal] | DrafterError | None] = [None] * len(groups)
+        admitted: list[tuple[int, list[_Chain]]] = []
+        chains: list[_Chain] = []
+        verdicts: list[_VerdictPlan | None] = []
+        busy: set[int] = set()
+        for index, group in enumerate(groups):
+            try:
+                planned = self._plan_group(group, busy)
+                self._reserve([(c.state, c.base_row + c.args.num_drafts) for c, _ in planned])
+            except DrafterError as err:
+                results[index] = err
+                continue
+            busy.update(args.state_id for args in group)
+            admitted.append((index, [c for c, _ in planned]))
+            chains.extend(c for c, _ in planned)
+            verdicts.extend(v for _, v in planned)
+        if chains:
+            self._run_chains(chains, verdicts)
+        for index, group_chains in admitted:
+            results[index] = [self._finish(c) for c in group_chains]
+        return results  # type: ignore[return-value]
+
+    def _plan_group(
+        self, group: list[ProposeArgs], busy: set[int]
+    ) -> list[tuple[_Chain, _VerdictPlan | None]]:
+        if not 1 <= len(group) <= self.max_batch:
             raise InvalidArgument(
-                f"requests: {len(requests)} requests, expected 1 to {self.max_batch}",
+                f"requests: {len(group)} requests, expected 1 to {self.max_batch}",
                 reason="BATCH_SIZE_OUT_OF_RANGE",
                 field="requests",
             )
-        seen: set[int] = set()
-        chains, verdicts = [], []
-        for i, args in enumerate(requests):
+        planned, seen = [], set(busy)
+        for i, args in enumerate(group):
             if args.state_id in seen:
                 raise InvalidArgument(
                     f"requests[{i}]: state {args.state_id} appears twice in one batch",
@@ -334,11 +384,11 @@ class DraftEngine:
                     field="requests",
                 )
             seen.add(args.state_id)
-            chain, verdict = self._plan_proposal(args)
-            chains.append(chain)
-            verdicts.append(verdict)
-        self._reserve([(c.state, c.base_row + c.args.num_drafts) for c in chains])
-        # From here on nothing is refused: apply verdicts, then chain the drafts.
+            planned.append(self._plan_proposal(args))
+        return planned
+
+    def _run_chains(self, chains: list[_Chain], verdicts: list[_VerdictPlan | None]) -> None:
+        """Applies the verdicts, then chains the drafts: one forward per draft position."""
         for chain, verdict in zip(chains, verdicts, strict=True):
             if verdict is not None:
                 self._apply_truncation(chain.state, verdict)
@@ -352,7 +402,6 @@ class DraftEngine:
                 for c in active
             ]
             self._draft_step(active, run_segments(self.head, self.kv, segments))
-        return [self._finish(c) for c in chains]
 
     def _plan_proposal(self, args: ProposeArgs) -> tuple[_Chain, _VerdictPlan | None]:
         c = self.head.config

@@ -36,3 +36,7 @@ class ResourceExhausted(DrafterError):
 
 class Unavailable(DrafterError):
     """The engine is draining and takes no new states."""
+
+
+class DeadlineExceeded(DrafterError):
+    """The caller's deadline passed before the request was computed."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 from drafting import Expected, H, V, hiddens, tokens
 from mtp_reference import Reference
+from servers import SERVER_ARGS, start_server
 
 from mtpdraft.client import AsyncDrafterClient, DrafterClient, ProposeArgs, Verdict
 
@@ -233,3 +234,21 @@ def test_async_client_runs_the_same_lifecycle(server, ref: Reference) -> None:
             assert info.live_states == 0 and info.kv_blocks_free == info.kv_blocks_total
 
     asyncio.run(run())
+
+
+def test_deepseek_glm_checkpoint_over_the_wire(deepseek_checkpoint) -> None:
+    """The DeepSeek/GLM naming (sharded, q/k/v biases, partial RoPE) serves the oracle's drafts."""
+    ref, proc = Reference(deepseek_checkpoint), start_server(deepseek_checkpoint, *SERVER_ARGS)
+    try:
+        with DrafterClient(proc.address, timeout=30) as c:
+            assert c.info().model_family == "deepseek"
+            state, exp = prefilled(c, ref, 7, seed=80)
+            for step, accepted in enumerate([3, 1]):
+                x, h = tokens(1, 81 + step)[0], hiddens(1, 81 + step)
+                assert_proposal(c.propose(state, x, h, exp.next_position, 3), *exp.propose(x, h, 3))
+                refeed = hiddens(accepted, 90 + step) if step else None
+                c.after_verify(state, accepted, refeed_hiddens=refeed)
+                exp.verdict(accepted, refeed)
+            assert c.free_state(state)
+    finally:
+        proc.stop()

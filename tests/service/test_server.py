@@ -10,12 +10,12 @@ import time
 import grpc
 import pytest
 import torch
-from conftest import SERVER_ARGS, start_server
 from drafting import hiddens
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from servers import SERVER_ARGS, start_server
 
 from mtpdraft.client import DrafterClient, StateNotFound, Unavailable
 

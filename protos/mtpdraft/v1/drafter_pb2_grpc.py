@@ -54,6 +54,11 @@ class DrafterStub(object):
                 request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.Proposal.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/mtpdraft.v1.Drafter/ProposeStream',
+                request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeStreamResponse.FromString,
+                _registered_method=True)
         self.ProposeBatch = channel.unary_unary(
                 '/mtpdraft.v1.Drafter/ProposeBatch',
                 request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchRequest.SerializeToString,
@@ -122,6 +127,20 @@ class DrafterServicer(object):
         AfterVerify. With `previous` set, first applies AfterVerify to the
         pending proposal: one round trip per verify step.
         NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProposeStream(self, request_iterator, context):
+        """The hot path: one stream per verifier, one message per verify step. Each
+        message is a ProposeRequest (usually with `previous`, the verdict on the
+        state's last proposal, and optionally its refeed hiddens), answered by a
+        message carrying its request_id and either the proposal or the error the
+        unary Propose would have returned; an error does not end the stream. One
+        stream may carry many states and many requests in flight: answers come as
+        they are ready, possibly out of order. Requests from all streams and
+        calls are batched together.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -198,6 +217,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeRequest.FromString,
                     response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.Proposal.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
+                    request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeRequest.FromString,
+                    response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeStreamResponse.SerializeToString,
             ),
             'ProposeBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.ProposeBatch,
@@ -333,6 +357,33 @@ class Drafter(object):
             '/mtpdraft.v1.Drafter/Propose',
             mtpdraft_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
             mtpdraft_dot_v1_dot_drafter__pb2.Proposal.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mtpdraft.v1.Drafter/ProposeStream',
+            mtpdraft_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
+            mtpdraft_dot_v1_dot_drafter__pb2.ProposeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,42 @@
+"""Argument checks shared by the kernel launchers (they raise ``ValueError``)."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_tensor(
+    name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] | None = None
+) -> None:
+    """Require ``t`` to be a contiguous ``ndim``-D tensor with one of ``dtypes``."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({names}), got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Require ``t.shape == shape``."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_same_dtype(**tensors: torch.Tensor) -> None:
+    """Require all tensors to share one dtype."""
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    if len(set(dtypes.values())) > 1:
+        raise ValueError(f"dtypes must match, got {dtypes}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    """Require all tensors to live on one device."""
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors must be on one device, got {devices}")

@@ -1,0 +1,75 @@
+"""RMSNorm over the last dimension of a 2-D tensor.
+
+``y = x / sqrt(mean(x**2) + eps) * w``, computed in fp32 and cast back to ``x.dtype``.
+With ``unit_offset=True`` the scale is ``(1 + w)`` (Qwen3-Next / Gemma style).
+
+One program normalizes one row; the whole row is held in registers, which suits hidden
+sizes up to a few tens of thousands. ``_rms_norm_row`` is the per-row body, shared with
+the fused MTP input norms.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+
+__all__ = ["rms_norm"]
+
+
+@triton.jit
+def _rms_norm_row(
+    x,  # [BLOCK_H] fp32 row, zero beyond H
+    w_ptr,  # [H] scale
+    cols,  # [BLOCK_H] column indices
+    mask,  # [BLOCK_H] cols < H
+    H,  # hidden size
+    eps,  # variance epsilon
+    UNIT_OFFSET: tl.constexpr,  # scale by (1 + w) instead of w
+):
+    """Return the normalized, scaled fp32 row."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        w = w + 1.0
+    return x * rstd * w
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [N, H] input rows
+    w_ptr,  # [H] scale
+    y_ptr,  # [N, H] output rows, dtype of x
+    H,  # hidden size (row stride of x and y: both contiguous)
+    eps,  # variance epsilon
+    UNIT_OFFSET: tl.constexpr,  # scale by (1 + w) instead of w
+    BLOCK_H: tl.constexpr,  # next power of two >= H
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    y = _rms_norm_row(x, w_ptr, cols, mask, H, eps, UNIT_OFFSET)
+    tl.store(y_ptr + row * H + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False
+) -> torch.Tensor:
+    """RMSNorm of each row of ``x`` ([N, H]) scaled by ``weight`` ([H]); returns [N, H]."""
+    check_tensor("x", x, 2, FLOAT_DTYPES)
+    check_tensor("weight", weight, 1, FLOAT_DTYPES)
+    check_same_device(x=x, weight=weight)
+    n, h = x.shape
+    check_shape("weight", weight, (h,))
+    y = torch.empty_like(x)
+    if n == 0:
+        return y
+    block_h = triton.next_power_of_2(h)
+    num_warps = min(max(block_h // 512, 1), 16)
+    _rms_norm_kernel[(n,)](
+        x, weight, y, h, float(eps), UNIT_OFFSET=unit_offset, BLOCK_H=block_h, num_warps=num_warps
+    )
+    return y

@@ -1,0 +1,176 @@
+"""Fused masked argmax and top-1 softmax probability over rows of logits.
+
+For each row: ``token = argmax`` of the logits over the allowed tokens (ties go to the lowest
+index, as ``torch.argmax``), and ``prob = softmax(allowed logits)[token] = 1 / sum(exp(l -
+max))``, in fp32. The optional bitmask uses xgrammar's packed layout: bit ``t % 32`` of int32
+word ``t // 32`` allows token ``t``; tokens at or beyond ``32 * W`` are disallowed. A row
+with no allowed token gets token -1 and probability 0.
+
+A program walks (part of) one row in tiles of ``BLOCK_V`` with a running max and a rescaled
+running sum (online softmax), so the logits are read once. A small batch spreads each row
+over ``SPLITS`` programs (each a contiguous token range) and a second kernel merges their
+(argmax, max, sum) triples.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_same_device, check_tensor
+
+__all__ = ["select_drafts"]
+
+_INT32_MAX = tl.constexpr(2147483647)
+
+
+@triton.jit
+def _select_drafts_kernel(
+    logits_ptr,  # [N, V] logits
+    bitmask_ptr,  # [N, W] int32 packed allowed-token bits (unused without HAS_MASK)
+    tok_ptr,  # [N] int64 output token (-1: none allowed), or [N, SPLITS] int32 partial argmax
+    prob_ptr,  # [N] fp32 output probability, or [N, SPLITS, 2] fp32 partial (max, sum)
+    V,  # vocabulary size
+    W,  # bitmask words per row
+    tiles_per_split,  # BLOCK_V tiles walked by one program
+    HAS_MASK: tl.constexpr,  # apply the bitmask
+    SPLITS: tl.constexpr,  # programs per row (1: this program writes the final outputs)
+    BLOCK_V: tl.constexpr,  # tokens per iteration
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    best_idx = tl.full([], -1, tl.int32)  # lowest allowed index of the running max
+    run_max = tl.full([], float("-inf"), tl.float32)  # max of the allowed logits
+    run_sum = tl.zeros([], tl.float32)  # sum of exp(allowed logit - run_max)
+    v_start = split * tiles_per_split * BLOCK_V
+    v_end = tl.minimum(v_start + tiles_per_split * BLOCK_V, V)
+    for start in range(v_start, v_end, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        allowed = offs < v_end
+        x = tl.load(logits_ptr + row * V + offs, mask=allowed, other=float("-inf"))
+        x = x.to(tl.float32)
+        if HAS_MASK:
+            word_idx = offs >> 5
+            allowed = allowed & (word_idx < W)
+            words = tl.load(bitmask_ptr + row * W + word_idx, mask=allowed, other=0)
+            allowed = allowed & (((words >> (offs & 31)) & 1) != 0)
+        x = tl.where(allowed, x, float("-inf"))
+
+        tile_max = tl.max(x, axis=0)
+        tile_idx = tl.min(tl.where(allowed & (x == tile_max), offs, _INT32_MAX), axis=0)
+        # Strictly greater: an earlier tile keeps ties.
+        better = (tile_idx != _INT32_MAX) & ((best_idx < 0) | (tile_max > run_max))
+        best_idx = tl.where(better, tile_idx, best_idx)
+
+        new_max = tl.maximum(run_max, tile_max)
+        ref = tl.where(new_max == float("-inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - ref) + tl.sum(tl.exp(x - ref), axis=0)
+        run_max = new_max
+
+    if SPLITS == 1:
+        tl.store(tok_ptr + row, best_idx.to(tl.int64))
+        tl.store(prob_ptr + row, 1.0 / tl.where(run_sum > 0.0, run_sum, float("inf")))
+    else:
+        part = row * SPLITS + split
+        tl.store(tok_ptr + part, best_idx)
+        tl.store(prob_ptr + part * 2, run_max)
+        tl.store(prob_ptr + part * 2 + 1, run_sum)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_idx_ptr,  # [N, SPLITS] int32 partial argmax, -1 if the part allows nothing
+    part_ms_ptr,  # [N, SPLITS, 2] fp32 partial (max, sum of exp(l - max))
+    tok_ptr,  # [N] int64 output token, -1 if none allowed
+    prob_ptr,  # [N] fp32 output probability
+    SPLITS: tl.constexpr,  # parts per row, in increasing token order
+    BLOCK_S: tl.constexpr,  # next power of two >= SPLITS
+):
+    row = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, BLOCK_S)
+    s_ok = sp < SPLITS
+    idx = tl.load(part_idx_ptr + row * SPLITS + sp, mask=s_ok, other=-1)
+    m = tl.load(part_ms_ptr + (row * SPLITS + sp) * 2, mask=s_ok, other=float("-inf"))
+    s = tl.load(part_ms_ptr + (row * SPLITS + sp) * 2 + 1, mask=s_ok, other=0.0)
+    valid = idx >= 0
+    m_all = tl.max(tl.where(valid, m, float("-inf")), axis=0)
+    # Parts cover increasing token ranges: the lowest index among the maxima wins ties.
+    winner = tl.min(tl.where(valid & (m == m_all), idx, _INT32_MAX), axis=0)
+    token = tl.where(winner == _INT32_MAX, -1, winner)
+    ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+    total = tl.sum(tl.where(s > 0.0, s * tl.exp(m - ref), 0.0), axis=0)
+    tl.store(tok_ptr + row, token.to(tl.int64))
+    tl.store(prob_ptr + row, 1.0 / tl.where(total > 0.0, total, float("inf")))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def select_drafts(
+    logits: torch.Tensor, bitmask: torch.Tensor | None, *, num_splits: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked argmax and its softmax probability for each row of ``logits`` ([N, V]).
+
+    ``bitmask`` ([N, W] int32, xgrammar layout) or None (every token allowed). Returns
+    ``(tokens [N] int64, probs [N] float32)``. ``num_splits`` overrides how many programs
+    share a row (None: from the batch and the GPU's SM count, which depends on shapes
+    only and suits CUDA graphs; 1: one program per row).
+    """
+    check_tensor("logits", logits, 2, FLOAT_DTYPES)
+    n, vocab = logits.shape
+    if bitmask is not None:
+        check_tensor("bitmask", bitmask, 2, (torch.int32,))
+        check_same_device(logits=logits, bitmask=bitmask)
+        if bitmask.shape[0] != n:
+            raise ValueError(
+                f"bitmask must have {n} rows (one per logits row), got {tuple(bitmask.shape)}"
+            )
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+    tokens = torch.empty((n,), dtype=torch.int64, device=logits.device)
+    probs = torch.empty((n,), dtype=torch.float32, device=logits.device)
+    if n == 0:
+        return tokens, probs
+    block_v = min(4096, triton.next_power_of_2(max(vocab, 1)))
+    n_tiles = max(1, triton.cdiv(vocab, block_v))
+    if num_splits is None:
+        # One program per row walks ~38 tiles one dependent load after another, which
+        # leaves a small batch latency-bound: spread the rows over about 2 waves of SMs.
+        sms = _num_sms(logits.device) if logits.is_cuda else 1
+        num_splits = triton.cdiv(2 * sms, n)
+    tiles_per_split = triton.cdiv(n_tiles, min(num_splits, n_tiles))
+    splits = triton.cdiv(n_tiles, tiles_per_split)
+    if splits == 1:
+        part_idx, part_ms = tokens, probs
+    else:
+        part_idx = torch.empty((n, splits), dtype=torch.int32, device=logits.device)
+        part_ms = torch.empty((n, splits, 2), dtype=torch.float32, device=logits.device)
+    _select_drafts_kernel[(n, splits)](
+        logits,
+        logits if bitmask is None else bitmask,
+        part_idx,
+        part_ms,
+        vocab,
+        0 if bitmask is None else bitmask.shape[1],
+        tiles_per_split,
+        HAS_MASK=bitmask is not None,
+        SPLITS=splits,
+        BLOCK_V=block_v,
+        num_warps=8 if block_v >= 2048 else 4,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(n,)](
+            part_idx,
+            part_ms,
+            tokens,
+            probs,
+            SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=1,
+        )
+    return tokens, probs

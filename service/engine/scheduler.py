@@ -1,0 +1,166 @@
+"""Merges concurrent Propose calls from many clients into batched forwards.
+
+Each call (a Propose, a ProposeBatch, a message of a stream) is a job of one or
+more requests. The loop takes the queued jobs in arrival order, as many as fit
+in one batch (at most max_batch requests, each state at most once), and runs
+them as one `propose_groups` call: one batched forward per draft position. A
+job whose state is already in the batch waits for the next one, so no client
+is skipped twice in a row. While a batch computes, new jobs queue up; the next
+batch takes them all (continuous batching). An optional wait gathers more jobs
+when the queue holds fewer than a batch.
+
+A job whose caller was cancelled is dropped before compute; one whose deadline
+has passed is dropped with DeadlineExceeded; a full queue refuses new jobs with
+ResourceExhausted. Results are the same as serving the jobs one by one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .engine import DraftEngine
+from .errors import DeadlineExceeded, DrafterError, ResourceExhausted
+from .runner import EngineRunner
+from .types import Proposal, ProposeArgs
+
+
+@dataclass
+class JobTiming:
+    """When a job was queued, taken into a batch and done (time.time_ns), and the batch size."""
+
+    queued_ns: int
+    started_ns: int = 0
+    done_ns: int = 0
+    batch_requests: int = 0
+    batch_jobs: int = 0
+
+
+@dataclass
+class _Job:
+    requests: list[ProposeArgs]
+    future: asyncio.Future
+    deadline: float | None  # loop time
+    timing: JobTiming
+    states: set[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.states = {r.state_id for r in self.requests}
+
+
+BatchObserver = Callable[[int, int], None]  # (requests in the batch, jobs in the batch)
+
+
+class ProposeScheduler:
+    def __init__(
+        self,
+        engine: DraftEngine,
+        runner: EngineRunner,
+        *,
+        max_queue: int = 4096,
+        batch_wait: float = 0.0,
+        on_batch: BatchObserver | None = None,
+    ) -> None:
+        self.engine = engine
+        self.runner = runner
+        self.max_batch = engine.max_batch
+        self.max_queue = max_queue
+        self.batch_wait = batch_wait
+        self.on_batch = on_batch
+        self._queue: deque[_Job] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="propose-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for job in self._queue:
+            if not job.future.done():
+                job.future.cancel()
+        self._queue.clear()
+
+    async def submit(
+        self, requests: list[ProposeArgs], timeout: float | None = None
+    ) -> tuple[list[Proposal], JobTiming]:
+        """Queues one call's requests; returns their proposals once their batch ran."""
+        if len(self._queue) >= self.max_queue:
+            raise ResourceExhausted(
+                f"the propose queue is full ({self.max_queue} calls waiting)",
+                reason="QUEUE_FULL",
+            )
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        job = _Job(requests, loop.create_future(), deadline, JobTiming(time.time_ns()))
+        self._queue.append(job)
+        self._wake.set()
+        # Cancelling this await (the caller went away) cancels the future: the loop
+        # then skips the job, freeing its place.
+        return await job.future, job.timing
+
+    def _take(self) -> list[_Job]:
+        now = asyncio.get_running_loop().time()
+        taken: list[_Job] = []
+        deferred: list[_Job] = []
+        size, states = 0, set()
+        while self._queue and size < self.max_batch:
+            job = self._queue.popleft()
+            if job.future.done():  # cancelled while queued
+                continue
+            if job.deadline is not None and now >= job.deadline:
+                job.future.set_exception(
+                    DeadlineExceeded("the deadline passed while queued", reason="DEADLINE")
+                )
+                continue
+            if size + len(job.requests) > self.max_batch or job.states & states:
+                deferred.append(job)
+                continue
+            taken.append(job)
+            size += len(job.requests)
+            states |= job.states
+        self._queue.extendleft(reversed(deferred))  # they keep their place in line
+        return taken
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            if self.batch_wait > 0 and sum(len(j.requests) for j in self._queue) < self.max_batch:
+                await asyncio.sleep(self.batch_wait)
+            batch = self._take()
+            if not self._queue:
+                self._wake.clear()
+            if not batch:
+                continue
+            await self._run(batch)
+
+    async def _run(self, batch: list[_Job]) -> None:
+        started = time.time_ns()
+        requests = sum(len(job.requests) for job in batch)
+        try:
+            results = await self.runner.call(
+                self.engine.propose_groups, [job.requests for job in batch]
+            )
+        except Exception as exc:  # a bug in the forward: fail the batch, keep serving
+            results = [exc] * len(batch)
+        done = time.time_ns()
+        if self.on_batch is not None:
+            self.on_batch(requests, len(batch))
+        for job, result in zip(batch, results, strict=True):
+            job.timing.started_ns, job.timing.done_ns = started, done
+            job.timing.batch_requests, job.timing.batch_jobs = requests, len(batch)
+            if job.future.done():  # cancelled during compute: its effect stands
+                continue
+            if isinstance(result, BaseException | DrafterError):
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)

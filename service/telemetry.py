@@ -1,0 +1,206 @@
+"""OpenTelemetry for the server: a span per RPC, child spans, and the service's metrics.
+
+Off unless asked for: with OTEL_TRACES_EXPORTER / OTEL_METRICS_EXPORTER unset (or
+"none", or OTEL_SDK_DISABLED=true) the tracer and meter are the API's no-ops and
+no gRPC interceptor is installed, so tracing costs nothing. Set to "otlp" (the
+OTLP/gRPC exporter, configured by the standard OTEL_EXPORTER_OTLP_* variables)
+or "console". OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES name the resource;
+OTEL_PROPAGATORS picks the propagation format (W3C trace context by default).
+
+Spans: one server span per RPC (opentelemetry-instrumentation-grpc, parented by
+the client's span through the W3C `traceparent` metadata, with the RPC semantic
+convention attributes), and under it `mtpdraft.queue` (waiting for a batch),
+`mtpdraft.forward` (the batched forward, with its batch size) and
+`mtpdraft.kv.*` (Prefill, AfterVerify, TakeKV, InstallKV, FreeState).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import grpc
+from opentelemetry import metrics, trace
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from .engine.engine import DraftEngine
+from .engine.scheduler import JobTiming
+
+_BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+_MS_BUCKETS = [0.1, 0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 250, 1000, 5000]
+
+
+def _exporter_choice(variable: str) -> str:
+    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return "none"
+    return os.environ.get(variable, "none").strip().lower() or "none"
+
+
+def providers_from_env() -> tuple[object | None, object | None]:
+    """(TracerProvider, MeterProvider) as the OTEL_* variables ask, None where off."""
+    traces, metric = (
+        _exporter_choice("OTEL_TRACES_EXPORTER"),
+        _exporter_choice("OTEL_METRICS_EXPORTER"),
+    )
+    if traces == "none" and metric == "none":
+        return None, None
+    from opentelemetry.sdk.resources import Resource
+
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "mtpdraft")})
+    tracer_provider = meter_provider = None
+    if traces != "none":
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+        if traces == "otlp":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            span_exporter = OTLPSpanExporter()
+        elif traces == "console":
+            span_exporter = ConsoleSpanExporter()
+        else:
+            raise ValueError(f"OTEL_TRACES_EXPORTER={traces!r}: use otlp, console or none")
+        tracer_provider = TracerProvider(resource=resource)
+        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    if metric != "none":
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import (
+            ConsoleMetricExporter,
+            PeriodicExportingMetricReader,
+        )
+
+        if metric == "otlp":
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+            metric_exporter = OTLPMetricExporter()
+        elif metric == "console":
+            metric_exporter = ConsoleMetricExporter()
+        else:
+            raise ValueError(f"OTEL_METRICS_EXPORTER={metric!r}: use otlp, console or none")
+        reader = PeriodicExportingMetricReader(metric_exporter)
+        meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+    return tracer_provider, meter_provider
+
+
+class Telemetry:
+    """The server's tracer and instruments; API no-ops where no provider is given."""
+
+    def __init__(self, tracer_provider=None, meter_provider=None) -> None:
+        self.tracer_provider = tracer_provider
+        self.meter_provider = meter_provider
+        self.tracing = tracer_provider is not None
+        self.tracer = (
+            tracer_provider.get_tracer("mtpdraft")
+            if tracer_provider is not None
+            else trace.NoOpTracer()
+        )
+        meter = (
+            meter_provider.get_meter("mtpdraft")
+            if meter_provider is not None
+            else metrics.NoOpMeter("mtpdraft")
+        )
+        self.rpc_duration = meter.create_histogram(
+            "rpc.server.duration",
+            unit="ms",
+            description="Duration of each RPC, by method and status code",
+            explicit_bucket_boundaries_advisory=_MS_BUCKETS,
+        )
+        self.batch_size = meter.create_histogram(
+            "mtpdraft.batch.size",
+            unit="{request}",
+            description="Requests in each batched forward",
+            explicit_bucket_boundaries_advisory=_BATCH_BUCKETS,
+        )
+        self.drafts = meter.create_counter(
+            "mtpdraft.drafts.proposed", unit="{token}", description="Draft tokens returned"
+        )
+        self.verified = meter.create_counter(
+            "mtpdraft.drafts.verified",
+            unit="{token}",
+            description="Drafts a verdict was given on, by draft position",
+        )
+        self.accepted = meter.create_counter(
+            "mtpdraft.drafts.accepted",
+            unit="{token}",
+            description="Drafts accepted by the verifier, by draft position",
+        )
+        self._meter = meter
+
+    def observe_engine(self, engine: DraftEngine, queued: Callable[[], int]) -> None:
+        """Gauges read from the engine at each collection, and the verdict hook."""
+
+        def gauge(name: str, unit: str, description: str, read: Callable[[], int]) -> None:
+            def callback(_: CallbackOptions) -> Iterator[Observation]:
+                yield Observation(read())
+
+            self._meter.create_observable_gauge(
+                name, callbacks=[callback], unit=unit, description=description
+            )
+
+        pool = engine.pool
+        gauge("mtpdraft.kv.blocks.free", "{block}", "Free KV blocks", lambda: pool.num_free)
+        gauge(
+            "mtpdraft.kv.blocks.used",
+            "{block}",
+            "KV blocks held by states and handles",
+            lambda: pool.num_total - pool.num_free,
+        )
+        gauge("mtpdraft.states.live", "{state}", "Live drafter states", lambda: len(engine.states))
+        gauge(
+            "mtpdraft.kv.handles",
+            "{handle}",
+            "KV handles awaiting install",
+            lambda: len(engine.handles),
+        )
+        gauge("mtpdraft.queue.depth", "{call}", "Propose calls waiting for a batch", queued)
+        engine.on_verdict = self.record_verdict
+
+    def record_verdict(self, num_drafts: int, num_accepted: int) -> None:
+        for position in range(1, num_drafts + 1):
+            attrs = {"mtpdraft.draft.position": position}
+            self.verified.add(1, attrs)
+            if position <= num_accepted:
+                self.accepted.add(1, attrs)
+
+    def record_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        self.rpc_duration.record(
+            seconds * 1e3,
+            {
+                "rpc.system": "grpc",
+                "rpc.service": "mtpdraft.v1.Drafter",
+                "rpc.method": method,
+                "rpc.grpc.status_code": code.value[0],
+            },
+        )
+
+    def record_job(self, timing: JobTiming) -> None:
+        """The queue wait and the batched forward of one call, as child spans."""
+        if not self.tracing:
+            return
+        queue = self.tracer.start_span("mtpdraft.queue", start_time=timing.queued_ns)
+        queue.end(end_time=timing.started_ns)
+        forward = self.tracer.start_span("mtpdraft.forward", start_time=timing.started_ns)
+        forward.set_attribute("mtpdraft.batch.requests", timing.batch_requests)
+        forward.set_attribute("mtpdraft.batch.calls", timing.batch_jobs)
+        forward.end(end_time=timing.done_ns)
+
+    @contextmanager
+    def kv_span(self, operation: str) -> Iterator[None]:
+        if not self.tracing:
+            yield
+            return
+        with self.tracer.start_as_current_span(f"mtpdraft.kv.{operation}"):
+            yield
+
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        if not self.tracing:
+            return []
+        from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+        return [aio_server_interceptor(tracer_provider=self.tracer_provider)]
+
+    def shutdown(self) -> None:
+        for provider in (self.tracer_provider, self.meter_provider):
+            if provider is not None:
+                provider.shutdown()

@@ -1,0 +1,90 @@
+"""Servers for the tests: `mtpdraft serve` in a subprocess, or a DrafterServer in-process."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SERVER_START_TIMEOUT = 60.0
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    address: str
+    lines: list[str]
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def start_server(model: Path, *extra: str) -> ServerProcess:
+    """Starts `mtpdraft serve --port 0` and waits for the port it prints."""
+    cmd = [sys.executable, "-m", "mtpdraft", "serve", "--model", str(model), "--port", "0"]
+    cmd += ["--device", "cpu", *extra]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    for line in process.stdout:  # the server prints its port once it accepts calls
+        lines.append(line)
+        match = re.search(r"listening on (\S+):(\d+)", line)
+        if match:
+            return ServerProcess(process, f"127.0.0.1:{match.group(2)}", lines)
+    process.wait()
+    raise RuntimeError("server exited before listening:\n" + "".join(lines))
+
+
+# Small blocks (4 rows) so that every test crosses block boundaries; 256 blocks
+# = 1024 rows in all, enough for every test and small enough to exhaust on purpose.
+SERVER_ARGS = ("--kv-blocks", "256", "--block-size", "4", "--max-drafts", "8")
+SERVER_ARGS += ("--max-batch", "8", "--max-states", "32", "--grace-period", "2")
+
+
+class InProcessServer:
+    """A DrafterServer on loopback, its event loop on a background thread."""
+
+    def __init__(self, engine, **options) -> None:
+        import asyncio
+        import threading
+
+        from mtpdraft.service.server import create_server
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+        async def make():
+            server, port = create_server(engine, "127.0.0.1:0", **options)
+            await server.start()
+            return server, port
+
+        self.server, port = asyncio.run_coroutine_threadsafe(make(), self.loop).result(30)
+        self.address = f"127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.server.drain(0), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def small_engine(checkpoint: Path, **options):
+    """An in-process engine on the test checkpoint, with the shared server's limits."""
+    from mtpdraft.service.engine.engine import DraftEngine
+    from mtpdraft.service.model.checkpoint import load_mtp_weights
+    from mtpdraft.service.model.mtp_head import MTPHead
+
+    head = MTPHead(load_mtp_weights(checkpoint), torch.device("cpu"))
+    limits = {"kv_blocks": 256, "block_size": 4, "max_drafts": 8, "max_batch": 8} | options
+    return DraftEngine(head, **limits)

@@ -1,0 +1,147 @@
+"""Cross-client batching: merged batches, same results, deadlines, cancellation, queue limit."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from mtpdraft.service.engine.engine import DraftEngine
+from mtpdraft.service.engine.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from mtpdraft.service.engine.runner import EngineRunner
+from mtpdraft.service.engine.scheduler import ProposeScheduler
+from mtpdraft.service.engine.types import ProposeArgs, Verdict
+from mtpdraft.service.model.checkpoint import load_mtp_weights
+from mtpdraft.service.model.mtp_head import MTPHead
+from mtpdraft.service.model.synthetic import write_random_checkpoint
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory) -> MTPHead:
+    folder = write_random_checkpoint(tmp_path_factory.mktemp("ckpt"), "mimo", seed=4)
+    return MTPHead(load_mtp_weights(folder), torch.device("cpu"))
+
+
+def h(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed))
+
+
+def make_engine(head: MTPHead) -> DraftEngine:
+    return DraftEngine(head, kv_blocks=256, block_size=4, max_drafts=8, max_batch=8)
+
+
+def with_prompts(engine: DraftEngine, count: int) -> list[int]:
+    states = []
+    for i in range(count):
+        state = engine.alloc_state()
+        session = engine.begin_prefill(state, 1)
+        session.append(list(range(1, 3 + i)), h(2 + i, i))
+        session.finish()
+        states.append(state)
+    return states
+
+
+def step_args(state: int, i: int, step: int) -> ProposeArgs:
+    previous = Verdict(1, h(1, 100 + i)) if step else None
+    return ProposeArgs(state, 7, h(1, 50 + 10 * step + i), 3 + i + 2 * step, 3, previous=previous)
+
+
+def test_concurrent_calls_merge_and_equal_sequential(head: MTPHead) -> None:
+    sequential = make_engine(head)
+    expected_states = with_prompts(sequential, 12)
+    expected = [
+        [sequential.propose(step_args(s, i, step)) for i, s in enumerate(expected_states)]
+        for step in range(3)
+    ]
+
+    async def concurrently() -> tuple[list, list[int]]:
+        engine, runner, sizes = make_engine(head), EngineRunner(), []
+        scheduler = ProposeScheduler(engine, runner, on_batch=lambda n, _: sizes.append(n))
+        scheduler.start()
+        states = with_prompts(engine, 12)
+        got = []
+        for step in range(3):
+            calls = [scheduler.submit([step_args(s, i, step)]) for i, s in enumerate(states)]
+            got.append([(await call)[0][0] for call in [asyncio.ensure_future(c) for c in calls]])
+        await scheduler.stop()
+        runner.shutdown()
+        return got, sizes
+
+    got, sizes = asyncio.run(concurrently())
+    assert max(sizes) == 8  # 12 concurrent calls ran as batches of 8 and 4
+    assert sum(sizes) == 36
+    for step_got, step_expected in zip(got, expected, strict=True):
+        for g, e in zip(step_got, step_expected, strict=True):
+            assert g.tokens == e.tokens
+            assert g.probs == pytest.approx(e.probs, abs=1e-5)
+
+
+async def _blocked(scheduler: ProposeScheduler, runner: EngineRunner, seconds: float):
+    """A first batch that takes `seconds`, so that the next calls queue up behind it."""
+    engine = scheduler.engine
+    (state,) = with_prompts(engine, 1)
+    original = engine.propose_groups
+
+    def slow(groups):
+        engine.propose_groups = original
+        time.sleep(seconds)
+        return original(groups)
+
+    engine.propose_groups = slow
+    call = asyncio.ensure_future(scheduler.submit([ProposeArgs(state, 1, h(1, 0), 3, 1)]))
+    await asyncio.sleep(0.01)  # the slow batch has been taken
+    return call
+
+
+def test_deadline_cancellation_and_queue_limit(head: MTPHead) -> None:
+    async def scenario() -> None:
+        engine, runner = make_engine(head), EngineRunner()
+        scheduler = ProposeScheduler(engine, runner, max_queue=3)
+        scheduler.start()
+        a, b, c = with_prompts(engine, 3)
+        busy = await _blocked(scheduler, runner, 0.5)
+        late = asyncio.ensure_future(scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)], 0.1))
+        gone = asyncio.ensure_future(scheduler.submit([ProposeArgs(b, 1, h(1, 2), 4, 2)]))
+        kept = asyncio.ensure_future(scheduler.submit([ProposeArgs(c, 1, h(1, 3), 5, 2)]))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ResourceExhausted):  # three calls wait: the queue is full
+            await scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)])
+        gone.cancel()
+        await busy
+        with pytest.raises(DeadlineExceeded):
+            await late
+        assert len((await kept)[0][0].tokens) == 2
+        # Neither the late nor the cancelled call touched its state: both propose afresh.
+        for state, position in ((a, 3), (b, 4)):
+            assert engine.states[state].pending is None
+            (p,), _ = await scheduler.submit([ProposeArgs(state, 1, h(1, 4), position, 2)])
+            assert p.first_position == position + 1
+        await scheduler.stop()
+        runner.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_bad_call_fails_alone(head: MTPHead) -> None:
+    async def scenario() -> None:
+        engine, runner = make_engine(head), EngineRunner()
+        scheduler = ProposeScheduler(engine, runner)
+        scheduler.start()
+        a, b = with_prompts(engine, 2)
+        busy = await _blocked(scheduler, runner, 0.2)
+        good = asyncio.ensure_future(scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)]))
+        bad = asyncio.ensure_future(scheduler.submit([ProposeArgs(b, 1, h(1, 2), 9, 2)]))
+        twice = asyncio.ensure_future(scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)]))
+        await busy
+        assert len((await good)[0][0].tokens) == 2
+        with pytest.raises(InvalidArgument):
+            await bad
+        # `a` again waited for the next batch, where its proposal was pending.
+        with pytest.raises(Exception, match="awaiting its verdict"):
+            await twice
+        await scheduler.stop()
+        runner.shutdown()
+
+    asyncio.run(scenario())
