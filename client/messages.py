@@ -293,4 +293,6 @@ def parse_info(resp: pb.GetInfoResponse) -> ServerInfo:
         max_message_bytes=int(resp.max_message_bytes),
         bitmask_words=int(resp.bitmask_words),
         draining=bool(resp.draining),
+        batch_size_counts={int(k): int(v) for k, v in resp.batch_size_counts.items()},
+        queued_calls=int(resp.queued_calls),
     )

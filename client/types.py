@@ -7,7 +7,7 @@ Tensor-valued arguments are numpy arrays or torch tensors (see ``wire``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .wire import Array
 
@@ -108,3 +108,5 @@ class ServerInfo:
     max_message_bytes: int
     bitmask_words: int
     draining: bool
+    batch_size_counts: dict[int, int] = field(default_factory=dict)  # batch size -> batches
+    queued_calls: int = 0

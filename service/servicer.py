@@ -158,6 +158,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             **vars(info),
             hidden_dtypes=list(wire.HIDDEN_DTYPES),
             max_message_bytes=self.max_message_bytes,
+            batch_size_counts=dict(self.scheduler.batch_sizes),
+            queued_calls=self.scheduler.queued,
         )
 
     @rpc

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,6 +70,7 @@ class ProposeScheduler:
         self.max_queue = max_queue
         self.batch_wait = batch_wait
         self.on_batch = on_batch
+        self.batch_sizes: Counter[int] = Counter()  # requests per batch -> batches run
         self._queue: deque[_Job] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -153,6 +154,7 @@ class ProposeScheduler:
         except Exception as exc:  # a bug in the forward: fail the batch, keep serving
             results = [exc] * len(batch)
         done = time.time_ns()
+        self.batch_sizes[requests] += 1
         if self.on_batch is not None:
             self.on_batch(requests, len(batch))
         for job, result in zip(batch, results, strict=True):

@@ -61,12 +61,16 @@ def test_stream_equals_unary_and_survives_errors(client: DrafterClient) -> None:
 def test_one_stream_carries_many_states_in_flight(client: DrafterClient) -> None:
     states = [_prompted(client, 3 + i, 30 + i) for i in range(6)]
     alone = [client.propose(s, 1, hiddens(1, 40 + i), 4 + i, 4) for i, s in enumerate(states)]
+    before = client.info().batch_size_counts
     with client.stream() as stream:
         futures = [
             stream.submit(s, 2, hiddens(1, 50 + i), 5 + i, 4, previous=Verdict(0))
             for i, s in enumerate(states)
         ]
         results = [f.result(timeout=30) for f in futures]
+    after = client.info().batch_size_counts
+    requests = sum(n * (after.get(n, 0) - before.get(n, 0)) for n in after)
+    assert requests == 6  # the server's batch-size histogram counted each request once
     assert [r.state_id for r in results] == states
     assert all(len(r.tokens) == 4 for r in results)
     assert all(len(a.tokens) == 4 for a in alone)

@@ -35,7 +35,14 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_family", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "compute_dtype", "hidden_dtypes", "device", "max_drafts", "max_batch", "max_states", "live_states", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "kv_handles", "state_ttl_seconds", "max_message_bytes", "bitmask_words", "draining")
+    __slots__ = ("model_family", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "compute_dtype", "hidden_dtypes", "device", "max_drafts", "max_batch", "max_states", "live_states", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "kv_handles", "state_ttl_seconds", "max_message_bytes", "bitmask_words", "draining", "batch_size_counts", "queued_calls")
+    class BatchSizeCountsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     MODEL_FAMILY_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +64,8 @@ class GetInfoResponse(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BITMASK_WORDS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_CALLS_FIELD_NUMBER: _ClassVar[int]
     model_family: str
     hidden_size: int
     vocab_size: int
@@ -78,7 +87,9 @@ class GetInfoResponse(_message.Message):
     max_message_bytes: int
     bitmask_words: int
     draining: bool
-    def __init__(self, model_family: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., compute_dtype: _Optional[str] = ..., hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., device: _Optional[str] = ..., max_drafts: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_states: _Optional[int] = ..., live_states: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_handles: _Optional[int] = ..., state_ttl_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., bitmask_words: _Optional[int] = ..., draining: bool = ...) -> None: ...
+    batch_size_counts: _containers.ScalarMap[int, int]
+    queued_calls: int
+    def __init__(self, model_family: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., compute_dtype: _Optional[str] = ..., hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., device: _Optional[str] = ..., max_drafts: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_states: _Optional[int] = ..., live_states: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_handles: _Optional[int] = ..., state_ttl_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., bitmask_words: _Optional[int] = ..., draining: bool = ..., batch_size_counts: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ...) -> None: ...
 
 class AllocStateRequest(_message.Message):
     __slots__ = ()
