@@ -23,3 +23,5 @@ lint:
 
 serve:
 	mtpdraft serve --port 50051
+
+include client/polyglot.mk

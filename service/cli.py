@@ -50,6 +50,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain")
     p.add_argument("--no-reflection", action="store_true", help="turn server reflection off")
+    p.add_argument(
+        "--ops",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="forward ops: Triton kernels on CUDA, torch elsewhere (auto)",
+    )
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run the draft step eagerly")
 
 
 def _device(choice: str) -> torch.device:
@@ -75,7 +82,7 @@ def _kv_blocks(args: argparse.Namespace, head: MTPHead) -> int:
 
 def build_engine(args: argparse.Namespace) -> DraftEngine:
     weights = load_mtp_weights(args.model)
-    head = MTPHead(weights, _device(args.device), _DTYPES.get(args.dtype))
+    head = MTPHead(weights, _device(args.device), _DTYPES.get(args.dtype), ops=args.ops)
     return DraftEngine(
         head,
         kv_blocks=_kv_blocks(args, head),
@@ -84,6 +91,7 @@ def build_engine(args: argparse.Namespace) -> DraftEngine:
         max_drafts=args.max_drafts,
         max_batch=args.max_batch,
         state_ttl=args.state_ttl,
+        cuda_graphs=not args.no_cuda_graphs,
     )
 
 

@@ -16,6 +16,9 @@ import torch
 # imports mtpdraft.kernels, so that without a GPU the kernels run on the CPU.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from triton_interpreter import patch_interpreter
+
+    patch_interpreter()
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +28,11 @@ from servers import SERVER_ARGS, ServerProcess, start_server
 
 from mtpdraft.client import DrafterClient
 from mtpdraft.service.model.synthetic import write_random_checkpoint
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ from .errors import (
     ResourceExhausted,
     Unavailable,
 )
-from .rows import Segment, run_segments
+from .rows import Segment, draft_segments, run_segments
 from .state import DrafterState, KVHandle, PendingProposal
 from .types import EngineInfo, Proposal, ProposeArgs, RowCount, TakenKV, Verdict
 
@@ -93,10 +93,13 @@ class DraftEngine:
         max_batch: int = 64,
         state_ttl: float = 600.0,
         prefill_rows_per_forward: int = 1024,
+        cuda_graphs: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.head = head
         self.kv = head.new_kv_cache(kv_blocks, block_size)
+        if cuda_graphs and head.device.type == "cuda":
+            head.capture_decode_graphs(self.kv, max_batch)
         self.pool = BlockPool(kv_blocks)
         self.block_size = block_size
         self.max_states = max_states
@@ -401,7 +404,7 @@ class DraftEngine:
                 Segment(c.state, c.base_row + step, [c.drafts[-1]], c.last_hidden[None])
                 for c in active
             ]
-            self._draft_step(active, run_segments(self.head, self.kv, segments))
+            self._draft_step(active, segments)
 
     def _plan_proposal(self, args: ProposeArgs) -> tuple[_Chain, _VerdictPlan | None]:
         c = self.head.config
@@ -445,22 +448,21 @@ class DraftEngine:
                     torch.cat([rows.hiddens, r0.hiddens]),
                 )
             segments.append(r0)
-        outputs = run_segments(self.head, self.kv, segments)
-        self._draft_step(chains, [out[-1:] for out in outputs])
+        self._draft_step(chains, segments)
 
-    def _draft_step(self, chains: list[_Chain], outputs: list[torch.Tensor]) -> None:
-        """Drafts the next token of each chain from its last row's output hidden."""
-        hidden = torch.cat(outputs)
+    def _draft_step(self, chains: list[_Chain], segments: list[Segment]) -> None:
+        """Computes each chain's next rows and drafts its next token from the last one."""
         masks = [c.mask_row() for c in chains]
         bitmask = None
         if any(m is not None for m in masks):
             full = torch.full_like(next(m for m in masks if m is not None), -1)
             bitmask = torch.stack([full if m is None else m for m in masks])
-        tokens, probs = self.head.draft(hidden, bitmask)
+        hidden, tokens, probs = draft_segments(self.head, self.kv, segments, bitmask)
+        hidden = hidden.clone()  # a graph's outputs are overwritten by its next replay
         for chain, out, token, prob in zip(
-            chains, outputs, tokens.tolist(), probs.tolist(), strict=True
+            chains, hidden, tokens.tolist(), probs.tolist(), strict=True
         ):
-            chain.last_hidden = out[-1]
+            chain.last_hidden = out
             chain.rows_computed += 1
             chain.take(token, prob)
 

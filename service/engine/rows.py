@@ -22,12 +22,7 @@ class Segment:
     hiddens: torch.Tensor  # [n, H] on the model's device
 
 
-def run_segments(head: MTPHead, kv: KVCache, segments: list[Segment]) -> list[torch.Tensor]:
-    """Computes every segment's rows in one forward; returns each segment's output hiddens.
-
-    The states' blocks must already cover the rows. Rows of one segment attend
-    each other causally and every earlier row of their state.
-    """
+def _row_batch(head: MTPHead, kv: KVCache, segments: list[Segment]) -> RowBatch:
     device, bs = head.device, kv.block_size
     positions, slots, seq_ids, tokens = [], [], [], []
     widest = max(len(seg.state.blocks) for seg in segments)
@@ -39,7 +34,7 @@ def run_segments(head: MTPHead, kv: KVCache, segments: list[Segment]) -> list[to
         seq_ids.extend([i] * len(rows))
         tokens.extend(seg.tokens)
         tables[i, : len(seg.state.blocks)] = torch.tensor(seg.state.blocks, dtype=torch.int32)
-    batch = RowBatch(
+    return RowBatch(
         tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
         hiddens=torch.cat([seg.hiddens for seg in segments]).to(device=device, dtype=head.dtype),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
@@ -47,5 +42,32 @@ def run_segments(head: MTPHead, kv: KVCache, segments: list[Segment]) -> list[to
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         block_tables=tables.to(device),
     )
-    out = head.forward(batch, kv)
+
+
+def run_segments(head: MTPHead, kv: KVCache, segments: list[Segment]) -> list[torch.Tensor]:
+    """Computes every segment's rows in one forward; returns each segment's output hiddens.
+
+    The states' blocks must already cover the rows. Rows of one segment attend
+    each other causally and every earlier row of their state.
+    """
+    out = head.forward(_row_batch(head, kv, segments), kv)
     return list(out.split([len(seg.tokens) for seg in segments]))
+
+
+def draft_segments(
+    head: MTPHead, kv: KVCache, segments: list[Segment], bitmask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Computes the segments' rows and drafts from each segment's last row.
+
+    Returns (last rows' output hiddens [S, H], drafts [S], probabilities [S]). A
+    step of one row per state (every chained draft, and most first drafts) runs
+    as head.decode: a CUDA graph replay on the GPU.
+    """
+    batch = _row_batch(head, kv, segments)
+    if all(len(seg.tokens) == 1 for seg in segments):
+        return head.decode(batch, kv, bitmask)
+    out = head.forward(batch, kv)
+    ends = torch.tensor([len(seg.tokens) for seg in segments], device=out.device).cumsum(0) - 1
+    last = out[ends]
+    tokens, probs = head.draft(last, bitmask)
+    return last, tokens, probs

@@ -14,18 +14,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import torch_ops as ops
 from .batch import RowBatch
 from .checkpoint import MTPWeights
 from .config import MTPConfig
 from .kv_cache import KVCache
+from .ops import ops_for
 
 
 class MTPHead:
     """One MTP layer with its embedding and LM head, ready to run on one device."""
 
     def __init__(
-        self, weights: MTPWeights, device: torch.device, dtype: torch.dtype | None = None
+        self,
+        weights: MTPWeights,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+        ops: str = "auto",
     ) -> None:
         self.config: MTPConfig = weights.config
         self.family = weights.family
@@ -51,18 +55,22 @@ class MTPHead:
         self.gate_up = torch.cat([t["gate_proj"], t["up_proj"]])
         self.down_proj = t["down_proj"]
         self.final_norm = t["final_norm"]
-        self.cos, self.sin = self._rope_tables()
+        self.cos_sin = self._rope_table()
+        self.ops = ops_for(self.device, ops)
+        self._graphs = None
 
-    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # Like vLLM: computed in fp32, stored in the compute dtype.
+    def _rope_table(self) -> torch.Tensor:
+        """[max_pos, rotary_dim]: cos columns then sin columns, fp32.
+
+        Like vLLM's: computed in fp32 and rounded to the compute dtype (vLLM keeps
+        its table in that dtype), kept in fp32 for the kernels.
+        """
         c = self.config
         exponents = torch.arange(0, c.rotary_dim, 2, dtype=torch.float32) / c.rotary_dim
         inv_freq = 1.0 / (c.rope_theta**exponents)
         freqs = torch.outer(torch.arange(c.max_position_embeddings, dtype=torch.float32), inv_freq)
-        return (
-            freqs.cos().to(device=self.device, dtype=self.dtype),
-            freqs.sin().to(device=self.device, dtype=self.dtype),
-        )
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(self.dtype).float()
+        return table.to(self.device)
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config
@@ -72,38 +80,62 @@ class MTPHead:
 
     def forward(self, batch: RowBatch, kv: KVCache) -> torch.Tensor:
         """Computes the rows, writes their K/V, returns the hiddens they pass on [N, H]."""
-        c = self.config
+        c, ops, eps = self.config, self.ops, self.config.rms_norm_eps
         n = len(batch)
         embeds = F.embedding(batch.tokens, self.embed)
-        embeds = embeds.masked_fill((batch.positions == 0)[:, None], 0)
-        e = ops.rms_norm(embeds, self.norm_embed, c.rms_norm_eps)
-        h = ops.rms_norm(batch.hiddens.to(self.dtype), self.norm_hidden, c.rms_norm_eps)
-        x = F.linear(torch.cat([e, h] if self._embed_first else [h, e], dim=-1), self.input_proj)
+        hiddens = batch.hiddens.to(self.dtype)
+        x = ops.input_norms(
+            embeds, hiddens, self.norm_embed, self.norm_hidden, batch.positions, eps,
+            self._embed_first,
+        )  # fmt: skip
+        x = F.linear(x, self.input_proj)
 
-        y = ops.rms_norm(x, self.input_layernorm, c.rms_norm_eps)
+        y = ops.rms_norm(x, self.input_layernorm, eps)
         qkv = F.linear(y, self.qkv, self.qkv_bias)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
-        q = ops.rope(q.reshape(n, c.num_attention_heads, c.head_dim), cos, sin)
-        k = ops.rope(k.reshape(n, c.num_key_value_heads, c.head_dim), cos, sin)
-        kv.write(k, v.reshape(n, c.num_key_value_heads, c.head_dim), batch.slot_mapping)
+        q = ops.rope_write_kv(
+            q.reshape(n, c.num_attention_heads, c.head_dim),
+            k.reshape(n, c.num_key_value_heads, c.head_dim),
+            v.reshape(n, c.num_key_value_heads, c.head_dim),
+            batch.positions, self.cos_sin, kv, batch.slot_mapping,
+        )  # fmt: skip
         attn = ops.paged_attention(
-            q, kv.k, kv.v, batch.block_tables, batch.seq_ids, batch.context_lens, c.head_dim**-0.5
+            q, kv, batch.block_tables, batch.seq_ids, batch.context_lens, c.head_dim**-0.5
         )
         x = x + F.linear(attn.reshape(n, c.q_size), self.o_proj)
 
-        y = ops.rms_norm(x, self.post_attention_layernorm, c.rms_norm_eps)
+        y = ops.rms_norm(x, self.post_attention_layernorm, eps)
         x = x + F.linear(ops.swiglu(F.linear(y, self.gate_up)), self.down_proj)
-        return ops.rms_norm(x, self.final_norm, c.rms_norm_eps) if self._pass_normed else x
+        return ops.rms_norm(x, self.final_norm, eps) if self._pass_normed else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V] logits of the hiddens forward() returned."""
         if not self._pass_normed:
-            hidden = ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+            hidden = self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         return F.linear(hidden, self.lm_head)
 
     def draft(
         self, hidden: torch.Tensor, bitmask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafts [N] and their top-1 probabilities [N] under an optional bitmask."""
-        return ops.select_drafts(self.logits(hidden), bitmask)
+        return self.ops.select_drafts(self.logits(hidden), bitmask)
+
+    def capture_decode_graphs(self, kv: KVCache, max_batch: int) -> None:
+        """On CUDA: capture the one-row-per-sequence step for `decode` to replay."""
+        from .decode_graphs import DecodeGraphs
+
+        self._graphs = DecodeGraphs(self, kv, max_batch)
+
+    def decode(
+        self, batch: RowBatch, kv: KVCache, bitmask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """forward + draft of one row per sequence: (hiddens, drafts, probabilities).
+
+        Replayed from a CUDA graph when graphs were captured and the batch fits one.
+        """
+        graphs = self._graphs
+        if graphs is not None and graphs.fits(len(batch), batch.block_tables.shape[1]):
+            return graphs.run(batch, bitmask)
+        hidden = self.forward(batch, kv)
+        tokens, probs = self.draft(hidden, bitmask)
+        return hidden, tokens, probs

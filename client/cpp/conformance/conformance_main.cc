@@ -1,0 +1,252 @@
+// Replays the conformance vector (tests/conformance/vector.json) against a live server:
+//   mtpdraft-conformance --address 127.0.0.1:50051 [--vector PATH]
+// One line per operation, then "cpp: N passed, M failed"; exits 1 on any failure.
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/reflection.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "mtpdraft/drafter_client.h"
+
+using nlohmann::json;
+
+namespace {
+
+std::string Base64Decode(const std::string& in) {
+  static const std::string kAlphabet =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  uint32_t buffer = 0;
+  int bits = 0;
+  for (char c : in) {
+    if (c == '=') break;
+    size_t v = kAlphabet.find(c);
+    if (v == std::string::npos) throw std::runtime_error("bad base64");
+    buffer = (buffer << 6) | static_cast<uint32_t>(v);
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out.push_back(static_cast<char>((buffer >> bits) & 0xff));
+    }
+  }
+  return out;
+}
+
+std::optional<mtpdraft::Tensor> TensorOf(const json& op, const char* key) {
+  if (!op.contains(key) || op[key].is_null()) return std::nullopt;
+  const json& t = op[key];
+  mtpdraft::pb::DType dtype;
+  if (!mtpdraft::pb::DType_Parse(t.at("dtype").get<std::string>(), &dtype)) {
+    throw std::runtime_error("unknown dtype " + t.at("dtype").dump());
+  }
+  return mtpdraft::Tensor{dtype, t.at("shape").get<std::vector<int64_t>>(),
+                          Base64Decode(t.at("data").get<std::string>())};
+}
+
+// A GetInfoResponse field by its proto name (enums by name) as JSON.
+json InfoField(const google::protobuf::Message& m, const std::string& name) {
+  using google::protobuf::FieldDescriptor;
+  const FieldDescriptor* fd = m.GetDescriptor()->FindFieldByName(name);
+  if (fd == nullptr) return nullptr;
+  const google::protobuf::Reflection* r = m.GetReflection();
+  if (fd->is_repeated()) {
+    json out = json::array();
+    for (int i = 0; i < r->FieldSize(m, fd); ++i) {
+      if (fd->cpp_type() == FieldDescriptor::CPPTYPE_ENUM) {
+        out.push_back(r->GetRepeatedEnum(m, fd, i)->name());
+      } else {
+        throw std::runtime_error("unsupported repeated field " + name);
+      }
+    }
+    return out;
+  }
+  switch (fd->cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32: return r->GetInt32(m, fd);
+    case FieldDescriptor::CPPTYPE_INT64: return r->GetInt64(m, fd);
+    case FieldDescriptor::CPPTYPE_UINT32: return r->GetUInt32(m, fd);
+    case FieldDescriptor::CPPTYPE_UINT64: return r->GetUInt64(m, fd);
+    case FieldDescriptor::CPPTYPE_DOUBLE: return r->GetDouble(m, fd);
+    case FieldDescriptor::CPPTYPE_FLOAT: return r->GetFloat(m, fd);
+    case FieldDescriptor::CPPTYPE_BOOL: return r->GetBool(m, fd);
+    case FieldDescriptor::CPPTYPE_STRING: return r->GetString(m, fd);
+    case FieldDescriptor::CPPTYPE_ENUM: return r->GetEnum(m, fd)->name();
+    default: throw std::runtime_error("unsupported field " + name);
+  }
+}
+
+std::vector<std::string> Mismatches(const json& expected, const json& actual, double tol) {
+  std::vector<std::string> out;
+  for (const auto& [key, want] : expected.items()) {
+    json got = actual.contains(key) ? actual[key] : json(nullptr);
+    bool same;
+    if (key == "probs" || key == "confidence") {
+      json w = want.is_array() ? want : json::array({want});
+      json g = got.is_array() ? got : json::array({got});
+      same = w.size() == g.size();
+      for (size_t i = 0; same && i < w.size(); ++i) {
+        same = g[i].is_number() && std::isfinite(g[i].get<double>()) &&
+               std::fabs(g[i].get<double>() - w[i].get<double>()) <= tol;
+      }
+    } else {
+      same = want == got;
+    }
+    if (!same) out.push_back(key + ": expected " + want.dump() + ", got " + got.dump());
+  }
+  return out;
+}
+
+class Replayer {
+ public:
+  Replayer(mtpdraft::DrafterClient& client, double tol) : client_(client), tol_(tol) {}
+
+  // The operation's outputs, named as in the vector.
+  json Call(const json& op) {
+    const std::string name = op.at("op");
+    if (name == "GetInfo") {
+      mtpdraft::pb::GetInfoResponse info = client_.GetInfo();
+      json out = json::object();
+      if (op.contains("expect")) {
+        for (const auto& item : op["expect"].items()) out[item.key()] = InfoField(info, item.key());
+      }
+      return out;
+    }
+    if (name == "AllocState") {
+      states_[op.at("state")] = NonZero(client_.AllocState(), "AllocState");
+      return json::object();
+    }
+    const uint64_t state = states_[op.at("state")];
+    if (name == "Prefill") {
+      auto r = client_.Prefill(state, op.at("start_position"), op.at("tokens"),
+                               *TensorOf(op, "hiddens"), op.at("chunk_rows"));
+      return {{"num_rows", r.num_rows}, {"next_position", r.next_position}, {"chunks", r.chunks}};
+    }
+    if (name == "Propose") {
+      mtpdraft::ProposeArgs args;
+      args.token = op.at("token");
+      args.hidden = *TensorOf(op, "hidden");
+      args.position = op.at("position");
+      args.num_drafts = op.at("num_drafts");
+      args.bitmask = TensorOf(op, "bitmask");
+      args.min_confidence = op.value("min_confidence", 0.0f);
+      if (op.contains("previous")) {
+        const json& prev = op["previous"];
+        args.previous = mtpdraft::Verdict{prev.at("num_accepted"), TensorOf(prev, "refeed_hiddens")};
+      }
+      mtpdraft::Proposal p = client_.Propose(state, args);
+      if (p.state_id != state) throw std::runtime_error("Proposal.state_id differs from the state");
+      return {{"tokens", p.tokens},
+              {"probs", p.probs},
+              {"confidence", p.confidence},
+              {"first_position", p.first_position}};
+    }
+    if (name == "AfterVerify") {
+      auto r = client_.AfterVerify(state, op.at("num_accepted"), TensorOf(op, "refeed_hiddens"));
+      return {{"num_rows", r.num_rows}, {"next_position", r.next_position}};
+    }
+    if (name == "TakeKV") {
+      mtpdraft::KVHandle h = client_.TakeKV(state);
+      handles_[op.at("handle")] = NonZero(h.handle_id, "TakeKV");
+      return {{"num_rows", h.num_rows}};
+    }
+    if (name == "InstallKV") {
+      auto r = client_.InstallKV(state, handles_[op.at("handle")]);
+      return {{"num_rows", r.num_rows}, {"next_position", r.next_position}};
+    }
+    if (name == "FreeState") return {{"existed", client_.FreeState(state)}};
+    throw std::runtime_error("unknown operation " + name);
+  }
+
+  // Whether the operation did what the vector expects, and a message.
+  std::pair<bool, std::string> Step(const json& op) {
+    const std::string want_error = op.value("expect_error", "");
+    json actual;
+    try {
+      actual = Call(op);
+    } catch (const mtpdraft::DrafterError& e) {
+      if (e.code_name() == want_error) return {true, want_error + " as expected"};
+      return {false, "expected " + (want_error.empty() ? "success" : want_error) + ", got " +
+                         e.what()};
+    } catch (const std::exception& e) {
+      return {false, std::string("error: ") + e.what()};
+    }
+    if (!want_error.empty()) return {false, "expected " + want_error + ", got " + actual.dump()};
+    auto bad = Mismatches(op.value("expect", json::object()), actual, tol_);
+    if (bad.empty()) return {true, actual.dump()};
+    std::string msg;
+    for (const auto& b : bad) msg += (msg.empty() ? "" : "; ") + b;
+    return {false, msg};
+  }
+
+  void FreeAll() {
+    for (const auto& [name, state] : states_) {
+      try {
+        client_.FreeState(state);
+      } catch (const std::exception&) {
+      }
+    }
+  }
+
+ private:
+  static uint64_t NonZero(uint64_t id, const char* what) {
+    if (id == 0) throw std::runtime_error(std::string(what) + " returned id 0");
+    return id;
+  }
+
+  mtpdraft::DrafterClient& client_;
+  double tol_;
+  std::map<std::string, uint64_t> states_;
+  std::map<std::string, uint64_t> handles_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* env = std::getenv("MTPDRAFT_CONFORMANCE_ADDRESS");
+  std::string address = env ? env : "";
+  std::string path = "tests/conformance/vector.json";
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--address" && i + 1 < argc) {
+      address = argv[++i];
+    } else if (arg == "--vector" && i + 1 < argc) {
+      path = argv[++i];
+    } else {
+      std::cerr << "usage: mtpdraft-conformance --address HOST:PORT [--vector PATH]\n";
+      return 2;
+    }
+  }
+  if (address.empty()) {
+    std::cerr << "usage: mtpdraft-conformance --address HOST:PORT [--vector PATH]\n";
+    return 2;
+  }
+  json vector;
+  try {
+    std::ifstream in(path);
+    if (!in) throw std::runtime_error("cannot open " + path);
+    vector = json::parse(in);
+  } catch (const std::exception& e) {
+    std::cerr << "cpp: " << e.what() << "\n";
+    return 2;
+  }
+  mtpdraft::DrafterClient client(address);
+  Replayer replayer(client, vector.at("prob_tolerance").get<double>());
+  int passed = 0, failed = 0, index = 0;
+  for (const json& op : vector.at("operations")) {
+    auto [ok, message] = replayer.Step(op);
+    ok ? ++passed : ++failed;
+    std::string label = op.at("op").get<std::string>();
+    if (op.contains("state")) label += " " + op["state"].get<std::string>();
+    std::printf("%s %02d %s: %s\n", ok ? "ok  " : "FAIL", index++, label.c_str(), message.c_str());
+  }
+  replayer.FreeAll();
+  std::printf("cpp: %d passed, %d failed\n", passed, failed);
+  return failed == 0 && passed == static_cast<int>(vector.at("operations").size()) ? 0 : 1;
+}

@@ -1,0 +1,227 @@
+#include "mtpdraft/drafter_client.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace mtpdraft {
+namespace {
+
+constexpr int64_t kDefaultChunkBytes = 4 << 20;
+
+// Little-endian bytes of 32-bit words, whatever the host's byte order.
+std::string PackLE32(const uint32_t* words, size_t n) {
+  std::string out(n * 4, '\0');
+  for (size_t i = 0; i < n; ++i) {
+    for (int b = 0; b < 4; ++b) out[4 * i + b] = static_cast<char>((words[i] >> (8 * b)) & 0xff);
+  }
+  return out;
+}
+
+std::vector<int64_t> ShapeOr(std::vector<int64_t> shape, size_t n) {
+  if (shape.empty()) shape.push_back(static_cast<int64_t>(n));
+  return shape;
+}
+
+void Check(const grpc::Status& status) {
+  if (!status.ok()) throw DrafterError(status);
+}
+
+}  // namespace
+
+Tensor Tensor::FP32(const std::vector<float>& values, std::vector<int64_t> shape) {
+  std::vector<uint32_t> words(values.size());
+  std::memcpy(words.data(), values.data(), values.size() * 4);
+  return {pb::DTYPE_FP32, ShapeOr(std::move(shape), values.size()),
+          PackLE32(words.data(), words.size())};
+}
+
+Tensor Tensor::Int32(const std::vector<int32_t>& values, std::vector<int64_t> shape) {
+  std::vector<uint32_t> words(values.begin(), values.end());
+  return {pb::DTYPE_INT32, ShapeOr(std::move(shape), values.size()),
+          PackLE32(words.data(), words.size())};
+}
+
+int Tensor::ItemSize(pb::DType dtype) {
+  switch (dtype) {
+    case pb::DTYPE_BF16:
+    case pb::DTYPE_FP16:
+      return 2;
+    case pb::DTYPE_FP32:
+    case pb::DTYPE_INT32:
+      return 4;
+    default:
+      return 0;
+  }
+}
+
+void Tensor::ToProto(pb::Tensor* out) const {
+  out->set_dtype(dtype);
+  for (int64_t d : shape) out->add_shape(d);
+  out->set_data(data);
+}
+
+std::string StatusCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK: return "OK";
+    case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL: return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    default: return "CODE_" + std::to_string(static_cast<int>(code));
+  }
+}
+
+DrafterError::DrafterError(const grpc::Status& status)
+    : std::runtime_error(StatusCodeName(status.error_code()) + ": " + status.error_message()),
+      status_(status) {}
+
+std::string DrafterError::code_name() const { return StatusCodeName(code()); }
+
+DrafterClient::DrafterClient(const std::string& address, std::chrono::milliseconds timeout)
+    : DrafterClient(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()), timeout) {}
+
+DrafterClient::DrafterClient(std::shared_ptr<grpc::Channel> channel,
+                             std::chrono::milliseconds timeout)
+    : channel_(std::move(channel)), stub_(pb::Drafter::NewStub(channel_)), timeout_(timeout) {}
+
+void DrafterClient::Prepare(grpc::ClientContext* context) const {
+  if (timeout_.count() > 0) context->set_deadline(std::chrono::system_clock::now() + timeout_);
+}
+
+pb::GetInfoResponse DrafterClient::GetInfo() {
+  grpc::ClientContext context;
+  Prepare(&context);
+  pb::GetInfoResponse resp;
+  Check(stub_->GetInfo(&context, pb::GetInfoRequest(), &resp));
+  return resp;
+}
+
+uint64_t DrafterClient::AllocState() {
+  grpc::ClientContext context;
+  Prepare(&context);
+  pb::AllocStateResponse resp;
+  Check(stub_->AllocState(&context, pb::AllocStateRequest(), &resp));
+  return resp.state_id();
+}
+
+PrefillResult DrafterClient::Prefill(uint64_t state, int64_t start_position,
+                                     const std::vector<int32_t>& tokens, const Tensor& hiddens,
+                                     int chunk_rows) {
+  const int64_t rows = static_cast<int64_t>(tokens.size());
+  if (hiddens.shape.size() != 2 || hiddens.shape[0] != rows) {
+    throw std::invalid_argument("hiddens shape does not match the tokens");
+  }
+  const int64_t width = hiddens.shape[1];
+  const int64_t row_bytes = width * Tensor::ItemSize(hiddens.dtype);
+  if (chunk_rows <= 0) {
+    chunk_rows = static_cast<int>(std::max<int64_t>(1, (kDefaultChunkBytes - 64) / (row_bytes + 5)));
+  }
+  grpc::ClientContext context;
+  Prepare(&context);
+  pb::PrefillResponse resp;
+  std::unique_ptr<grpc::ClientWriter<pb::PrefillChunk>> writer(stub_->Prefill(&context, &resp));
+  PrefillResult result;
+  for (int64_t lo = 0; lo < rows || lo == 0; lo += chunk_rows) {
+    const int64_t hi = std::min<int64_t>(lo + chunk_rows, rows);
+    pb::PrefillChunk chunk;
+    if (lo == 0) {  // the first chunk names the state and the start; later ones continue it
+      chunk.set_state_id(state);
+      chunk.set_start_position(start_position);
+    }
+    for (int64_t i = lo; i < hi; ++i) chunk.add_tokens(tokens[i]);
+    pb::Tensor* h = chunk.mutable_hiddens();
+    h->set_dtype(hiddens.dtype);
+    h->add_shape(hi - lo);
+    h->add_shape(width);
+    h->set_data(hiddens.data.substr(lo * row_bytes, (hi - lo) * row_bytes));
+    if (!writer->Write(chunk)) break;  // the server ended the call: Finish() says why
+    ++result.chunks;
+  }
+  writer->WritesDone();
+  Check(writer->Finish());
+  result.num_rows = resp.num_rows();
+  result.next_position = resp.next_position();
+  return result;
+}
+
+namespace {
+void FillVerdict(const Verdict& v, pb::Verdict* out) {
+  out->set_num_accepted(v.num_accepted);
+  if (v.refeed_hiddens) v.refeed_hiddens->ToProto(out->mutable_refeed_hiddens());
+}
+}  // namespace
+
+Proposal DrafterClient::Propose(uint64_t state, const ProposeArgs& args) {
+  pb::ProposeRequest req;
+  req.set_state_id(state);
+  req.set_token(args.token);
+  args.hidden.ToProto(req.mutable_hidden());
+  req.set_position(args.position);
+  req.set_num_drafts(args.num_drafts);
+  if (args.bitmask) args.bitmask->ToProto(req.mutable_bitmask());
+  req.set_min_confidence(args.min_confidence);
+  if (args.previous) FillVerdict(*args.previous, req.mutable_previous());
+  grpc::ClientContext context;
+  Prepare(&context);
+  pb::Proposal resp;
+  Check(stub_->Propose(&context, req, &resp));
+  return {resp.state_id(), {resp.tokens().begin(), resp.tokens().end()},
+          {resp.probs().begin(), resp.probs().end()}, resp.confidence(), resp.first_position()};
+}
+
+Rows DrafterClient::AfterVerify(uint64_t state, int32_t num_accepted,
+                                const std::optional<Tensor>& refeed_hiddens) {
+  pb::AfterVerifyRequest req;
+  req.set_state_id(state);
+  FillVerdict({num_accepted, refeed_hiddens}, req.mutable_verdict());
+  grpc::ClientContext context;
+  Prepare(&context);
+  pb::AfterVerifyResponse resp;
+  Check(stub_->AfterVerify(&context, req, &resp));
+  return {resp.num_rows(), resp.next_position()};
+}
+
+KVHandle DrafterClient::TakeKV(uint64_t state) {
+  pb::TakeKVRequest req;
+  req.set_state_id(state);
+  grpc::ClientContext context;
+  Prepare(&context);
+  pb::TakeKVResponse resp;
+  Check(stub_->TakeKV(&context, req, &resp));
+  return {resp.handle_id(), resp.num_rows(), resp.ttl_seconds()};
+}
+
+Rows DrafterClient::InstallKV(uint64_t state, uint64_t handle) {
+  pb::InstallKVRequest req;
+  req.set_state_id(state);
+  req.set_handle_id(handle);
+  grpc::ClientContext context;
+  Prepare(&context);
+  pb::InstallKVResponse resp;
+  Check(stub_->InstallKV(&context, req, &resp));
+  return {resp.num_rows(), resp.next_position()};
+}
+
+bool DrafterClient::FreeState(uint64_t state) {
+  pb::FreeStateRequest req;
+  req.set_state_id(state);
+  grpc::ClientContext context;
+  Prepare(&context);
+  pb::FreeStateResponse resp;
+  Check(stub_->FreeState(&context, req, &resp));
+  return resp.existed();
+}
+
+}  // namespace mtpdraft

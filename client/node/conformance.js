@@ -1,0 +1,167 @@
+#!/usr/bin/env node
+'use strict';
+// Replays the conformance vector (tests/conformance/vector.json) against a live server:
+//   node conformance.js --address 127.0.0.1:50051 [--vector PATH]
+// One line per operation, then "node: N passed, M failed"; exits 1 on any failure.
+
+const fs = require('node:fs');
+const path = require('node:path');
+const { DrafterClient, DrafterError, Tensor } = require('./index.js');
+
+function parseArgs(argv) {
+  const args = {
+    address: process.env.MTPDRAFT_CONFORMANCE_ADDRESS,
+    vector: path.resolve(__dirname, '..', '..', 'tests', 'conformance', 'vector.json'),
+  };
+  for (let i = 0; i < argv.length; i++) {
+    if (argv[i] === '--address') args.address = argv[++i];
+    else if (argv[i] === '--vector') args.vector = argv[++i];
+    else throw new Error(`unknown argument ${argv[i]}`);
+  }
+  if (!args.address) throw new Error('usage: conformance.js --address HOST:PORT [--vector PATH]');
+  return args;
+}
+
+function tensor(t) {
+  return t ? Tensor.raw(t.dtype, t.shape, Buffer.from(t.data, 'base64')) : null;
+}
+
+const FLOAT_KEYS = new Set(['probs', 'confidence']);
+
+function mismatches(expected, actual, tol) {
+  const out = [];
+  for (const [key, want] of Object.entries(expected)) {
+    const got = actual[key];
+    let same;
+    if (FLOAT_KEYS.has(key)) {
+      const w = [].concat(want);
+      const g = [].concat(got);
+      same = w.length === g.length && w.every((x, i) => Number.isFinite(g[i]) && Math.abs(g[i] - x) <= tol);
+    } else {
+      same = JSON.stringify(got) === JSON.stringify(want);
+    }
+    if (!same) out.push(`${key}: expected ${JSON.stringify(want)}, got ${JSON.stringify(got)}`);
+  }
+  return out;
+}
+
+class Replayer {
+  constructor(client, tolerance) {
+    this.client = client;
+    this.tolerance = tolerance;
+    this.states = new Map();
+    this.handles = new Map();
+  }
+
+  nonZero(id, what) {
+    if (!id || id === '0') throw new Error(`${what} returned id 0`);
+    return id;
+  }
+
+  // The operation's outputs, named as in the vector.
+  async call(op) {
+    const c = this.client;
+    if (op.op === 'GetInfo') {
+      const info = await c.getInfo();
+      const out = {};
+      for (const key of Object.keys(op.expect ?? {})) {
+        out[key] = info[key.replace(/_([a-z])/g, (_, ch) => ch.toUpperCase())];
+      }
+      return out;
+    }
+    if (op.op === 'AllocState') {
+      this.states.set(op.state, this.nonZero(await c.allocState(), 'AllocState'));
+      return {};
+    }
+    const state = this.states.get(op.state);
+    switch (op.op) {
+      case 'Prefill': {
+        const r = await c.prefill(state, op.start_position, op.tokens, tensor(op.hiddens), {
+          chunkRows: op.chunk_rows,
+        });
+        return { num_rows: r.numRows, next_position: r.nextPosition, chunks: r.chunks };
+      }
+      case 'Propose': {
+        const prev = op.previous;
+        const p = await c.propose(state, {
+          token: op.token,
+          hidden: tensor(op.hidden),
+          position: op.position,
+          numDrafts: op.num_drafts,
+          bitmask: tensor(op.bitmask),
+          minConfidence: op.min_confidence,
+          previous: prev && { numAccepted: prev.num_accepted, refeedHiddens: tensor(prev.refeed_hiddens) },
+        });
+        if (p.stateId !== state) throw new Error(`Proposal.state_id ${p.stateId} != state ${state}`);
+        return {
+          tokens: p.tokens,
+          probs: p.probs,
+          confidence: p.confidence,
+          first_position: p.firstPosition,
+        };
+      }
+      case 'AfterVerify': {
+        const r = await c.afterVerify(state, op.num_accepted, tensor(op.refeed_hiddens));
+        return { num_rows: r.numRows, next_position: r.nextPosition };
+      }
+      case 'TakeKV': {
+        const h = await c.takeKV(state);
+        this.handles.set(op.handle, this.nonZero(h.handleId, 'TakeKV'));
+        return { num_rows: h.numRows };
+      }
+      case 'InstallKV': {
+        const r = await c.installKV(state, this.handles.get(op.handle));
+        return { num_rows: r.numRows, next_position: r.nextPosition };
+      }
+      case 'FreeState':
+        return { existed: await c.freeState(state) };
+      default:
+        throw new Error(`unknown operation ${op.op}`);
+    }
+  }
+
+  // [ok, message] for one operation.
+  async step(op) {
+    let actual;
+    try {
+      actual = await this.call(op);
+    } catch (err) {
+      if (!(err instanceof DrafterError)) return [false, `error: ${err.message}`];
+      if (op.expect_error === err.codeName) return [true, `${err.codeName} as expected`];
+      return [false, `expected ${op.expect_error ?? 'success'}, got ${err.message}`];
+    }
+    if (op.expect_error) return [false, `expected ${op.expect_error}, got ${JSON.stringify(actual)}`];
+    const bad = mismatches(op.expect ?? {}, actual, this.tolerance);
+    return bad.length ? [false, bad.join('; ')] : [true, JSON.stringify(actual)];
+  }
+}
+
+async function main() {
+  const args = parseArgs(process.argv.slice(2));
+  const vector = JSON.parse(fs.readFileSync(args.vector, 'utf8'));
+  const client = new DrafterClient(args.address, { timeoutMs: 30000 });
+  const replayer = new Replayer(client, vector.prob_tolerance);
+  let passed = 0;
+  let failed = 0;
+  try {
+    for (const [i, op] of vector.operations.entries()) {
+      const [ok, message] = await replayer.step(op);
+      ok ? passed++ : failed++;
+      const label = op.state ? `${op.op} ${op.state}` : op.op;
+      console.log(`${ok ? 'ok  ' : 'FAIL'} ${String(i).padStart(2, '0')} ${label}: ${message}`);
+    }
+  } finally {
+    for (const state of replayer.states.values()) await client.freeState(state).catch(() => {});
+    client.close();
+  }
+  console.log(`node: ${passed} passed, ${failed} failed`);
+  return failed === 0 && passed === vector.operations.length ? 0 : 1;
+}
+
+main().then(
+  (code) => process.exit(code),
+  (err) => {
+    console.error(`node: ${err.stack || err}`);
+    process.exit(2);
+  },
+);

@@ -1,0 +1,94 @@
+# The Node.js, Go and C++ clients and their conformance runners (client/node, client/go,
+# client/cpp). Included by the Makefile; also works alone: `make -f client/polyglot.mk`.
+# Run from the repository root. Needs Debian's Go and gRPC packages (.ci/polyglot.sh
+# installs them) and Node.js 20. Generated code goes to client/{go,cpp}/build (ignored).
+#
+#   make polyglot                          build all three clients and runners
+#   make polyglot-conformance ADDRESS=h:p  replay tests/conformance/vector.json with each
+#   make polyglot-clean
+
+PG_PROTO_DIR := protos
+PG_PROTO := $(PG_PROTO_DIR)/mtpdraft/v1/drafter.proto
+PG_VECTOR := tests/conformance/vector.json
+
+# Go, offline: GOPATH mode over Debian's sources in /usr/share/gocode (no module proxy).
+PG_GO_DIR := client/go
+PG_GO_BUILD := $(PG_GO_DIR)/build
+PG_GO_GEN := $(PG_GO_BUILD)/gopath/src/mtpdraft/gen/mtpdraftv1
+PG_GO_BIN := $(PG_GO_BUILD)/bin/mtpdraft-conformance
+PG_GO_SRCS := $(wildcard $(PG_GO_DIR)/src/mtpdraft/*/*.go $(PG_GO_DIR)/src/mtpdraft/cmd/*/*.go)
+PG_GO_ENV = GO111MODULE=off GOFLAGS= GOCACHE=$(abspath $(PG_GO_BUILD)/cache) \
+	GOPATH=$(abspath $(PG_GO_BUILD)/gopath):$(abspath $(PG_GO_DIR)):/usr/share/gocode
+
+# C++: Debian's libgrpc++ and protobuf through pkg-config.
+PG_CPP_DIR := client/cpp
+PG_CPP_BUILD := $(PG_CPP_DIR)/build
+PG_CPP_GEN := $(PG_CPP_BUILD)/gen
+PG_CPP_BIN := $(PG_CPP_BUILD)/mtpdraft-conformance
+PG_CPP_GEN_SRCS := $(PG_CPP_GEN)/mtpdraft/v1/drafter.pb.cc $(PG_CPP_GEN)/mtpdraft/v1/drafter.grpc.pb.cc
+PG_CPP_OBJS := $(PG_CPP_BUILD)/obj/drafter.pb.o $(PG_CPP_BUILD)/obj/drafter.grpc.pb.o \
+	$(PG_CPP_BUILD)/obj/drafter_client.o $(PG_CPP_BUILD)/obj/conformance_main.o
+PG_CXX ?= g++
+PG_CXXFLAGS ?= -std=c++17 -O1 -g0 -Wall
+# Recursive (=): pkg-config runs only when a C++ recipe does.
+PG_CPP_CFLAGS = $(shell pkg-config --cflags grpc++ protobuf) -I$(PG_CPP_GEN) -I$(PG_CPP_DIR)/include
+PG_CPP_LIBS = $(shell pkg-config --libs grpc++ protobuf)
+
+.PHONY: polyglot polyglot-node polyglot-go polyglot-cpp polyglot-conformance polyglot-clean
+
+polyglot: polyglot-node polyglot-go polyglot-cpp
+
+polyglot-node: client/node/node_modules/.package-lock.json
+
+client/node/node_modules/.package-lock.json: client/node/package.json client/node/package-lock.json
+	cd client/node && npm ci --no-audit --no-fund
+
+polyglot-go: $(PG_GO_BIN)
+
+$(PG_GO_BUILD)/gen.stamp: $(PG_PROTO)
+	mkdir -p $(PG_GO_BUILD)/gopath/src
+	rm -rf $(PG_GO_GEN)
+	protoc -I$(PG_PROTO_DIR) --go_out=$(PG_GO_BUILD)/gopath/src \
+		--go-grpc_out=$(PG_GO_BUILD)/gopath/src $(PG_PROTO)
+	touch $@
+
+$(PG_GO_BIN): $(PG_GO_BUILD)/gen.stamp $(PG_GO_SRCS)
+	$(PG_GO_ENV) go vet mtpdraft/drafter mtpdraft/cmd/mtpdraft-conformance
+	$(PG_GO_ENV) go build -o $@ mtpdraft/cmd/mtpdraft-conformance
+
+polyglot-cpp: $(PG_CPP_BIN)
+
+$(PG_CPP_BUILD)/gen.stamp: $(PG_PROTO)
+	mkdir -p $(PG_CPP_GEN)
+	protoc -I$(PG_PROTO_DIR) --cpp_out=$(PG_CPP_GEN) --grpc_out=$(PG_CPP_GEN) \
+		--plugin=protoc-gen-grpc=$$(command -v grpc_cpp_plugin) $(PG_PROTO)
+	touch $@
+
+$(PG_CPP_GEN_SRCS): $(PG_CPP_BUILD)/gen.stamp
+
+$(PG_CPP_BUILD)/obj/%.o: $(PG_CPP_GEN)/mtpdraft/v1/%.cc $(PG_CPP_BUILD)/gen.stamp
+	@mkdir -p $(dir $@)
+	$(PG_CXX) $(PG_CXXFLAGS) $(PG_CPP_CFLAGS) -c $< -o $@
+
+$(PG_CPP_BUILD)/obj/drafter_client.o: $(PG_CPP_DIR)/src/drafter_client.cc \
+		$(PG_CPP_DIR)/include/mtpdraft/drafter_client.h $(PG_CPP_BUILD)/gen.stamp
+	@mkdir -p $(dir $@)
+	$(PG_CXX) $(PG_CXXFLAGS) $(PG_CPP_CFLAGS) -c $< -o $@
+
+$(PG_CPP_BUILD)/obj/conformance_main.o: $(PG_CPP_DIR)/conformance/conformance_main.cc \
+		$(PG_CPP_DIR)/include/mtpdraft/drafter_client.h $(PG_CPP_BUILD)/gen.stamp
+	@mkdir -p $(dir $@)
+	$(PG_CXX) $(PG_CXXFLAGS) $(PG_CPP_CFLAGS) -c $< -o $@
+
+$(PG_CPP_BIN): $(PG_CPP_OBJS)
+	$(PG_CXX) -o $@ $^ $(PG_CPP_LIBS)
+
+# Replays the vector with the three runners against a live server (ADDRESS=host:port).
+polyglot-conformance: polyglot
+	@test -n "$(ADDRESS)" || { echo "give ADDRESS=host:port of a running server"; exit 2; }
+	node client/node/conformance.js --address $(ADDRESS) --vector $(PG_VECTOR)
+	$(PG_GO_BIN) -address $(ADDRESS) -vector $(PG_VECTOR)
+	$(PG_CPP_BIN) --address $(ADDRESS) --vector $(PG_VECTOR)
+
+polyglot-clean:
+	rm -rf $(PG_GO_BUILD) $(PG_CPP_BUILD) client/node/node_modules

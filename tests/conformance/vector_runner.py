@@ -1,0 +1,270 @@
+"""Replays the conformance vector (vector.json beside this file) with the Python client.
+
+The vector is one list of operations that the Python, Node.js, Go and C++ runners all
+replay in order against one live server (`python3 -m mtpdraft serve --device cpu`,
+the embedded default model). Each operation names its RPC (`op`), its inputs and
+either `expect` (output fields, compared exactly except `probs` and `confidence`,
+which are compared within `prob_tolerance`) or `expect_error` (a gRPC status code
+name). States and KV handles are named ("A", "H1"): AllocState and TakeKV bind a
+name to the id the server returns; the other operations look the name up. Tensors
+are `{"dtype": "DTYPE_FP32" | "DTYPE_INT32", "shape": [...], "data": base64}`, the raw
+little-endian bytes sent as they are. A Proposal's `state_id` must equal the state's
+id, and every id the server returns must be non-zero.
+
+`Replayer(client).run(ops)` checks; `Replayer(client, record=True).run(ops)` fills
+in `expect` from the server (make_vector.py), checking the fields that were given.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mtpdraft.client import DrafterClient, DrafterError, Verdict
+from mtpdraft.client import messages as client_messages
+
+VECTOR_PATH = Path(__file__).with_name("vector.json")
+
+_STORAGE = {"DTYPE_FP32": "<f4", "DTYPE_FP16": "<f2", "DTYPE_INT32": "<i4"}
+_DTYPE_ENUM = {"bfloat16": "DTYPE_BF16", "float16": "DTYPE_FP16", "float32": "DTYPE_FP32"}
+_FLOAT_KEYS = frozenset({"probs", "confidence"})
+
+#: GetInfo fields fixed by the model and the server's default options (not live counters).
+STATIC_INFO_FIELDS = (
+    "model_family",
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "compute_dtype",
+    "hidden_dtypes",
+    "device",
+    "max_drafts",
+    "max_batch",
+    "max_states",
+    "kv_block_size",
+    "kv_blocks_total",
+    "state_ttl_seconds",
+    "max_message_bytes",
+    "bitmask_words",
+    "draining",
+)
+
+
+def load_vector(path: Path = VECTOR_PATH) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def encode_tensor(arr: np.ndarray) -> dict[str, Any]:
+    """A vector tensor: dtype name, shape and base64 of the raw little-endian bytes."""
+    names = {np.dtype("float32"): "DTYPE_FP32", np.dtype("int32"): "DTYPE_INT32"}
+    dtype = names[arr.dtype]
+    data = np.ascontiguousarray(arr, dtype=_STORAGE[dtype]).tobytes()
+    return {"dtype": dtype, "shape": list(arr.shape), "data": base64.b64encode(data).decode()}
+
+
+def decode_tensor(t: dict[str, Any]) -> np.ndarray:
+    raw = base64.b64decode(t["data"], validate=True)
+    return np.frombuffer(raw, dtype=_STORAGE[t["dtype"]]).reshape(t["shape"]).copy()
+
+
+def chunk_bytes_for(hidden_size: int, chunk_rows: int) -> int:
+    """The Python client's `chunk_bytes` that makes chunks of `chunk_rows` fp32 rows."""
+    row_bytes = hidden_size * 4 + 5  # fp32 row + a non-negative int32 token varint
+    return client_messages.CHUNK_OVERHEAD + chunk_rows * row_bytes
+
+
+@dataclass
+class Outcome:
+    index: int
+    label: str
+    ok: bool
+    message: str
+
+    def line(self) -> str:
+        return f"{'ok  ' if self.ok else 'FAIL'} {self.index:02d} {self.label}: {self.message}"
+
+
+def mismatches(expected: dict[str, Any], actual: dict[str, Any], tol: float) -> list[str]:
+    """Fields of `expected` that `actual` does not match (floats of probs within tol)."""
+    out = []
+    for key, want in expected.items():
+        got = actual.get(key)
+        if key in _FLOAT_KEYS:
+            wants = want if isinstance(want, list) else [want]
+            gots = got if isinstance(got, list) else [got]
+            same = len(wants) == len(gots) and all(
+                isinstance(g, float) and math.isfinite(g) and abs(g - w) <= tol
+                for w, g in zip(wants, gots, strict=False)
+            )
+        else:
+            same = got == want
+        if not same:
+            out.append(f"{key}: expected {want!r}, got {got!r}")
+    return out
+
+
+class Replayer:
+    """Interprets the vector's operations against a server through a DrafterClient."""
+
+    def __init__(self, client: DrafterClient, *, record: bool = False, tolerance: float = 1e-3):
+        self.client = client
+        self.record = record
+        self.tolerance = tolerance
+        self.states: dict[str, int] = {}
+        self.handles: dict[str, int] = {}
+
+    def run(self, ops: list[dict[str, Any]]) -> list[Outcome]:
+        outcomes = []
+        try:
+            for i, op in enumerate(ops):
+                outcomes.append(self.step(i, op))
+        finally:
+            for state in self.states.values():  # leave nothing behind, even after a failure
+                self.client.free_state(state)
+        return outcomes
+
+    def step(self, index: int, op: dict[str, Any]) -> Outcome:
+        label = op["op"] + (f" {op['state']}" if "state" in op else "")
+        try:
+            actual = self.call(op)
+        except DrafterError as e:
+            got = e.code.name
+            want = op.get("expect_error")
+            if want == got:
+                return Outcome(index, label, True, f"{got} as expected")
+            return Outcome(index, label, False, f"expected {want or 'success'}, got {e}")
+        if "expect_error" in op:
+            return Outcome(index, label, False, f"expected {op['expect_error']}, got {actual}")
+        bad = mismatches(op.get("expect", {}), actual, self.tolerance)
+        if self.record:
+            if bad:
+                raise AssertionError(f"{index:02d} {label}: " + "; ".join(bad))
+            op["expect"] = actual
+        if bad:
+            return Outcome(index, label, False, "; ".join(bad))
+        return Outcome(index, label, True, json.dumps(actual, sort_keys=True))
+
+    def call(self, op: dict[str, Any]) -> dict[str, Any]:
+        c = self.client
+        name = op["op"]
+        if name == "GetInfo":
+            info = c.info()
+            out = {k: getattr(info, k) for k in STATIC_INFO_FIELDS}
+            out["hidden_dtypes"] = [_DTYPE_ENUM[d] for d in info.hidden_dtypes]
+            if not self.record:  # compare the fields the vector lists
+                out = {k: out.get(k) for k in op.get("expect", {})}
+            return out
+        if name == "AllocState":
+            state = c.alloc_state()
+            if state == 0:
+                raise AssertionError("AllocState returned state id 0")
+            self.states[op["state"]] = state
+            return {}
+        state = self.states[op["state"]]
+        if name == "Prefill":
+            hiddens = decode_tensor(op["hiddens"])
+            chunk_bytes = chunk_bytes_for(hiddens.shape[1], op["chunk_rows"])
+            args = (state, op["tokens"], hiddens, op["start_position"])
+            chunks = list(client_messages.prefill_chunks(*args, chunk_bytes=chunk_bytes))
+            r = c.prefill(*args, chunk_bytes=chunk_bytes)
+            return {"num_rows": r.num_rows, "next_position": r.next_position, "chunks": len(chunks)}
+        if name == "Propose":
+            previous = None
+            if "previous" in op:
+                prev = op["previous"]
+                refeed = prev.get("refeed_hiddens")
+                previous = Verdict(prev["num_accepted"], refeed and decode_tensor(refeed))
+            bitmask = op.get("bitmask")
+            p = c.propose(
+                state,
+                op["token"],
+                decode_tensor(op["hidden"]),
+                op["position"],
+                op["num_drafts"],
+                bitmask=None if bitmask is None else decode_tensor(bitmask),
+                min_confidence=op.get("min_confidence", 0.0),
+                previous=previous,
+            )
+            if p.state_id != state:
+                raise AssertionError(f"Proposal.state_id {p.state_id} != state {state}")
+            return {
+                "tokens": p.tokens,
+                "probs": p.probs,
+                "confidence": p.confidence,
+                "first_position": p.first_position,
+            }
+        if name == "AfterVerify":
+            refeed = op.get("refeed_hiddens")
+            r = c.after_verify(
+                state, op["num_accepted"], refeed_hiddens=refeed and decode_tensor(refeed)
+            )
+            return {"num_rows": r.num_rows, "next_position": r.next_position}
+        if name == "TakeKV":
+            h = c.take_kv(state)
+            if h.handle_id == 0:
+                raise AssertionError("TakeKV returned handle id 0")
+            self.handles[op["handle"]] = h.handle_id
+            return {"num_rows": h.num_rows}
+        if name == "InstallKV":
+            r = c.install_kv(state, self.handles[op["handle"]])
+            return {"num_rows": r.num_rows, "next_position": r.next_position}
+        if name == "FreeState":
+            return {"existed": c.free_state(state)}
+        raise ValueError(f"unknown operation {name!r}")
+
+
+class DefaultServer:
+    """`python3 -m mtpdraft serve --port 0 --device cpu [extra]` (the embedded default model)
+    in a subprocess; `address` is where it listens."""
+
+    def __init__(self, *extra: str, timeout: float = 120.0) -> None:
+        cmd = [sys.executable, "-m", "mtpdraft", "serve", "--port", "0", "--device", "cpu", *extra]
+        self.process = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        deadline = time.monotonic() + timeout
+        for line in self.process.stdout:
+            self.lines.append(line)
+            match = re.search(r"listening on (\S+):(\d+)", line)
+            if match:
+                self.address = f"127.0.0.1:{match.group(2)}"
+                # Keep reading its log so that a full pipe never blocks it.
+                threading.Thread(target=self._drain, daemon=True).start()
+                return
+            if time.monotonic() > deadline:
+                break
+        self.stop()
+        raise RuntimeError("the server did not start:\n" + "".join(self.lines))
+
+    def _drain(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> DefaultServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
