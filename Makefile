@@ -3,7 +3,7 @@ PYTHON ?= python3
 PROTO_DIR := protos
 PROTOS := $(wildcard $(PROTO_DIR)/mtpdraft/v1/*.proto)
 
-.PHONY: install proto test lint serve
+.PHONY: install proto test test-gpu lint serve bench
 
 install:
 	$(PYTHON) -m pip install -e '.[dev]'
@@ -16,6 +16,14 @@ proto:
 
 test:
 	$(PYTHON) -m pytest -q
+
+# On a machine with a CUDA GPU: the kernels and the served path at real shapes.
+test-gpu:
+	$(PYTHON) -m pytest -q -m gpu
+
+# On a machine with a CUDA GPU: writes bench/results/step.{json,md}.
+bench:
+	$(PYTHON) bench/bench_step.py --out-dir bench/results
 
 lint:
 	$(PYTHON) -m ruff check .

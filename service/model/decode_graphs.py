@@ -34,16 +34,26 @@ class _Captured:
 class DecodeGraphs:
     """Replays `forward + draft` of one row per sequence from captured CUDA graphs."""
 
-    def __init__(self, head, kv: KVCache, max_batch: int) -> None:
+    def __init__(
+        self,
+        head,
+        kv: KVCache,
+        max_batch: int,
+        *,
+        buckets: tuple[int, ...] | None = None,
+        masks: tuple[bool, ...] = (False, True),
+    ) -> None:
         self.head, self.kv = head, kv
         c = head.config
         self.max_blocks = -(-c.max_position_embeddings // kv.block_size)
         self.words = (c.vocab_size + 31) // 32
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        if buckets is None:
+            buckets = (*(b for b in BUCKETS if b < max_batch), max_batch)
+        self.buckets = sorted(buckets)
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, bool], _Captured] = {}
         for size in reversed(self.buckets):  # largest first: smaller ones reuse its pool
-            for masked in (False, True):
+            for masked in masks:
                 self._graphs[size, masked] = self._capture(size, masked)
 
     def _static_batch(self, size: int) -> RowBatch:

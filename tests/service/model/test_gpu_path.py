@@ -57,11 +57,12 @@ def _heads(folder, device: torch.device) -> tuple[MTPHead, MTPHead]:
 
 def _compare(folder, device: torch.device, lengths: list[int], graphs: bool) -> None:
     ref, fast = _heads(folder, device)
-    kv_ref = ref.new_kv_cache(len(lengths) * 40, 16)
+    blocks = len(lengths) * max(-(-length // 16) for length in lengths)
+    kv_ref = ref.new_kv_cache(blocks, 16)
     torch.manual_seed(0)
     kv_ref.k.normal_()
     kv_ref.v.normal_()
-    kv_fast = fast.new_kv_cache(len(lengths) * 40, 16)
+    kv_fast = fast.new_kv_cache(blocks, 16)
     kv_fast.k.copy_(kv_ref.k)
     kv_fast.v.copy_(kv_ref.v)
     if graphs:
