@@ -39,8 +39,9 @@ from mtpdraft.client import DrafterClient
 from mtpdraft.service.model.default_model import DEFAULT_CHECKPOINT
 
 SEED = 7
-HIDDEN = 256
-VOCAB = 512
+_CONFIG = json.loads((DEFAULT_CHECKPOINT / "config.json").read_text())
+HIDDEN = _CONFIG["hidden_size"]
+VOCAB = _CONFIG["vocab_size"]
 PROB_TOLERANCE = 1e-3
 # Between the bfloat16 server and a float32 one only the tokens must agree.
 FP32_PROB_TOLERANCE = 0.1

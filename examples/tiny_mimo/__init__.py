@@ -1,0 +1,1 @@
+"""A tiny trained MiMo-format target + MTP checkpoint and a lossless reference verifier."""
