@@ -3,7 +3,7 @@ PYTHON ?= python3
 PROTO_DIR := protos
 PROTOS := $(wildcard $(PROTO_DIR)/mtpdraft/v1/*.proto)
 
-.PHONY: install proto test test-gpu lint serve bench
+.PHONY: install proto test test-gpu lint serve bench bench-service loadtest
 
 install:
 	$(PYTHON) -m pip install -e '.[dev]'
@@ -24,6 +24,15 @@ test-gpu:
 # On a machine with a CUDA GPU: writes bench/results/step.{json,md}.
 bench:
 	$(PYTHON) bench/bench_step.py --out-dir bench/results
+
+# On a machine with a CUDA GPU: writes bench/results/service.{json,md}.
+bench-service:
+	$(PYTHON) bench/bench_service.py --out-dir bench/results
+
+# Against a server already running on localhost:50051 (`make serve`).
+loadtest:
+	mtpdraft loadtest --target 127.0.0.1:50051 --verifiers 16 --duration 10 \
+		--out loadtest.json --plot loadtest.png
 
 lint:
 	$(PYTHON) -m ruff check .

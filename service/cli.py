@@ -1,4 +1,5 @@
-"""The `mtpdraft` command: `mtpdraft serve` runs the drafter service."""
+"""The `mtpdraft` command: `mtpdraft serve` runs the drafter service, `mtpdraft loadtest`
+drives one with simulated verifiers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import signal
 import sys
 
 import torch
+
+from mtpdraft.client.loadtest import add_loadtest_parser, run_loadtest
 
 from .engine.engine import DraftEngine
 from .model.checkpoint import load_mtp_weights
@@ -129,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mtpdraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    add_loadtest_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.command == "loadtest":
+        return run_loadtest(args)
     if args.command == "serve":
         try:
             asyncio.run(_serve(args))

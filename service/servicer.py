@@ -153,13 +153,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def GetInfo(self, request, context):
+        queued, batches = self.scheduler.queued, dict(self.scheduler.batch_sizes)
         info = await self.runner.call(self.engine.info)
         return pb.GetInfoResponse(
             **vars(info),
             hidden_dtypes=list(wire.HIDDEN_DTYPES),
             max_message_bytes=self.max_message_bytes,
-            batch_size_counts=dict(self.scheduler.batch_sizes),
-            queued_calls=self.scheduler.queued,
+            batch_size_counts=batches,
+            queued_calls=queued,
         )
 
     @rpc
@@ -222,8 +223,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         proposals = await self._propose(batch, context)
         return pb.ProposeBatchResponse(proposals=[_proposal(p) for p in proposals])
 
-    @rpc
     async def ProposeStream(self, request_iterator: AsyncIterator[pb.ProposeRequest], context):
+        """An async generator of answers (the form gRPC interceptors expect of a stream).
+
+        Errors are answers, not statuses, so the `rpc` wrapper is not needed here;
+        the RPC's duration is recorded all the same.
+        """
+        started, code = time.perf_counter(), grpc.StatusCode.OK
         answers: asyncio.Queue[pb.ProposeStreamResponse | None] = asyncio.Queue()
         in_flight: set[asyncio.Task] = set()
 
@@ -248,12 +254,16 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         reader = asyncio.create_task(read())
         try:
             while (reply := await answers.get()) is not None:
-                await context.write(reply)
+                yield reply
             await reader  # surfaces a broken request stream
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
         finally:
             reader.cancel()
             for task in list(in_flight):
                 task.cancel()
+            self.telemetry.record_rpc("ProposeStream", code, time.perf_counter() - started)
 
     @rpc
     async def AfterVerify(self, request, context):

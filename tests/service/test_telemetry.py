@@ -109,3 +109,18 @@ def test_telemetry_is_off_by_default(mimo_checkpoint) -> None:
             c.free_state(state)
     finally:
         server.stop()
+
+
+def test_streams_work_and_are_traced_with_tracing_on(traced) -> None:
+    server, _, exporter, reader = traced
+    with DrafterClient(server.address, timeout=30) as c:
+        state = c.alloc_state()
+        with c.stream() as stream:
+            assert len(stream.propose(state, 1, hiddens(1, 0), 1, 2).tokens) == 2
+            assert len(stream.propose(state, 2, hiddens(1, 1), 3, 2, previous=Verdict(1)).tokens)
+        c.after_verify(state, 0)
+        c.free_state(state)
+    names = {s.name for s in exporter.get_finished_spans()}
+    assert "/mtpdraft.v1.Drafter/ProposeStream" in names
+    methods = {p.attributes["rpc.method"] for p in _metrics(reader)["rpc.server.duration"]}
+    assert "ProposeStream" in methods

@@ -1,0 +1,713 @@
+"""`make bench-service`: what the gRPC service costs on top of the engine, in one run.
+
+Measured in the MiMo-7B MTP shape with random weights (bf16), every state holding a
+2048-row prompt, K drafts per step, and each step carrying the previous step's
+verdict (0 accepted: the same rows every step, on both sides):
+
+1. the in-process draft step at batch 1 (engine.propose), p50;
+2. the batch-1 hot path over gRPC on loopback: ProposeStream and unary Propose
+   (previous=...), p50, against (1) (DESIGN: the stream at most 150 us above);
+3. 1, 8 and 64 concurrent streams (one state each) in drafts per second, against
+   the in-process batched step (engine.propose_batch) at the same batch sizes
+   (DESIGN: at least 0.8x at 64);
+4. tracing on (an SDK TracerProvider with a no-op exporter in the server) against
+   off (Telemetry()): (2) and (3) at 64 again. Skipped, with a note, when
+   OpenTelemetry is not installed.
+
+The server runs in its own process (as a verifier would see it), built by the
+`mtpdraft serve` code from the same checkpoint folder; the clients are the
+package's asyncio client, spread over a few processes for many streams so that
+the client is not what is measured. Both sides traverse the same contexts
+(prompt + warm-up + measured steps), so only the transport and the batching
+differ. Only ratios within this run are meaningful. Writes service.json and
+service.md to --out-dir (bench/results by default; CPU smoke runs belong in /tmp).
+
+    python bench/bench_service.py [--small] [--device cuda|cpu] [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import importlib.metadata
+import json
+import math
+import multiprocessing
+import os
+import platform
+import random
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# Kept free of torch at import: client worker processes (spawned) re-import this
+# file, and an fp32 client needs neither torch nor the service.
+
+MIMO_7B = dict(
+    hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+    intermediate_size=11008, vocab_size=151680,
+)  # fmt: skip
+SMALL = dict(
+    hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=512, vocab_size=1024,
+)  # fmt: skip
+# MiMo-7B's own config: room for a 2048-row prompt plus every measured step.
+MAX_POSITIONS = 32768
+BLOCK_SIZE = 16
+STREAM_OVERHEAD_TARGET_US = 150.0
+STREAMS_RATIO_TARGET = 0.8
+SERVER_START_TIMEOUT_S = 600.0  # loading a 3 GB checkpoint and capturing CUDA graphs
+CALL_TIMEOUT_S = 120.0
+
+
+_T0 = time.monotonic()
+
+
+def log(message: str) -> None:
+    print(f"[{time.monotonic() - _T0:6.1f} s] {message}", flush=True)
+
+
+# --- the workload ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each state does: a prompt, then warm-up and measured steps of K drafts."""
+
+    prompt: int
+    num_drafts: int
+    warmup: int
+    steps: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str  # "bfloat16" or "float32": hiddens on the wire and in-process
+
+    @property
+    def rows_per_state(self) -> int:
+        return self.prompt + self.warmup + self.steps + self.num_drafts + 1
+
+
+def percentiles_us(seconds: list[float]) -> dict[str, float]:
+    values = sorted(seconds)
+    if not values:
+        return {}
+
+    def at(q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))] * 1e6
+
+    return {
+        "p50_us": statistics.median(values) * 1e6,
+        "p90_us": at(0.90),
+        "p99_us": at(0.99),
+        "mean_us": statistics.fmean(values) * 1e6,
+        "samples": len(values),
+    }
+
+
+def _hiddens(rows: int, work: Workload, seed: int) -> Any:
+    """Random target hiddens [rows, H] on the host, in the workload's dtype."""
+    if work.dtype == "bfloat16":
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(rows, work.hidden_size, generator=gen).to(torch.bfloat16)
+    import numpy as np
+
+    return np.random.default_rng(seed).standard_normal((rows, work.hidden_size), np.float32)
+
+
+# --- in-process: the engine alone --------------------------------------------------------------
+
+
+def serve_argv(model: Path, device: str, kv_blocks: int, num_drafts: int) -> list[str]:
+    """`mtpdraft serve` options: the in-process engine and the servers use the same ones."""
+    return [
+        "--model", str(model), "--device", device, "--kv-blocks", str(kv_blocks),
+        "--block-size", str(BLOCK_SIZE), "--max-batch", "64", "--max-states", "1024",
+        "--max-drafts", str(max(num_drafts, 16)), "--port", "0",
+    ]  # fmt: skip
+
+
+def build_engine(argv: list[str]) -> tuple[Any, str | None]:
+    """The engine exactly as `mtpdraft serve ARGV` builds it; (engine, note)."""
+    try:
+        from mtpdraft.service import cli
+    except ImportError as exc:  # the CLI imports OpenTelemetry; the engine needs none
+        import torch
+
+        from mtpdraft.service.engine.engine import DraftEngine
+        from mtpdraft.service.model.checkpoint import load_mtp_weights
+        from mtpdraft.service.model.mtp_head import MTPHead
+
+        opts = dict(zip(argv[::2], argv[1::2], strict=True))
+        head = MTPHead(load_mtp_weights(opts["--model"]), torch.device(opts["--device"]))
+        engine = DraftEngine(
+            head,
+            kv_blocks=int(opts["--kv-blocks"]),
+            block_size=BLOCK_SIZE,
+            max_drafts=int(opts["--max-drafts"]),
+            max_batch=int(opts["--max-batch"]),
+        )
+        return engine, f"in-process engine built without the CLI ({exc})"
+    parser = argparse.ArgumentParser()
+    cli._serve_parser(parser.add_subparsers(dest="command"))
+    return cli.build_engine(parser.parse_args(["serve", *argv])), None
+
+
+def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, Any]:
+    """engine.propose_batch over `batch` states, timed per step after the warm-up."""
+    from mtpdraft.service.engine.types import ProposeArgs, Verdict
+
+    rng = random.Random(seed)
+    prompt = _hiddens(work.prompt - 1, work, seed)
+    rows = _hiddens(batch, work, seed + 1)
+    states = [engine.alloc_state() for _ in range(batch)]
+    for state in states:
+        session = engine.begin_prefill(state, 1)
+        tokens = [rng.randrange(work.vocab_size) for _ in range(work.prompt - 1)]
+        session.append(tokens, prompt)
+        session.finish()
+    token = rng.randrange(work.vocab_size)
+    times, drafts = [], 0
+    for step in range(work.warmup + work.steps):
+        position = work.prompt + step  # 0 accepted: the bonus token is the next position
+        requests = [
+            ProposeArgs(
+                state_id=state,
+                token=token,
+                hidden=rows[i],
+                position=position,
+                num_drafts=work.num_drafts,
+                previous=Verdict(0) if step else None,
+            )
+            for i, state in enumerate(states)
+        ]
+        started = time.perf_counter()
+        proposals = engine.propose_batch(requests)  # returns Python lists: synchronized
+        elapsed = time.perf_counter() - started
+        if step >= work.warmup:
+            times.append(elapsed)
+            drafts += sum(len(p.tokens) for p in proposals)
+    for state in states:
+        engine.free_state(state)
+    return {
+        "batch": batch,
+        **percentiles_us(times),
+        "drafts": drafts,
+        "drafts_per_s": drafts / sum(times),
+    }
+
+
+# --- over gRPC: the clients ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClientJob:
+    """One client process's part: `states` states (one stream each in stream mode)."""
+
+    target: str
+    mode: str  # "stream" or "unary"
+    states: int
+    work: Workload
+    seed: int
+
+
+async def _client_run(job: ClientJob, barrier: Any = None) -> dict[str, Any]:
+    """Prefills, warms up, waits at the barrier, then times every step of every state."""
+    from mtpdraft.client import AsyncDrafterClient, Verdict
+
+    work, rng = job.work, random.Random(job.seed)
+    client = AsyncDrafterClient(job.target, timeout=CALL_TIMEOUT_S)
+    await asyncio.wait_for(client.channel.channel_ready(), CALL_TIMEOUT_S)
+    prompt = _hiddens(work.prompt - 1, work, job.seed)
+    rows = _hiddens(job.states, work, job.seed + 1)
+    states: list[int] = []
+    streams = None
+    try:
+        for _ in range(job.states):
+            states.append(await client.alloc_state())
+        tokens = [rng.randrange(work.vocab_size) for _ in range(work.prompt - 1)]
+        await asyncio.gather(*(client.prefill(s, tokens, prompt, 1) for s in states))
+        if job.mode == "stream":
+            streams = [client.stream(timeout=None) for _ in states]
+        token = rng.randrange(work.vocab_size)
+        times: list[float] = []
+        drafts = 0
+
+        async def run(i: int, first: int, count: int, record: bool) -> float:
+            nonlocal drafts
+            propose = streams[i].propose if streams is not None else client.propose
+            for step in range(first, first + count):
+                previous = Verdict(0) if step else None
+                position = work.prompt + step  # 0 accepted: the bonus token is the next one
+                started = time.perf_counter()
+                proposal = await propose(
+                    states[i], token, rows[i], position, work.num_drafts, previous=previous
+                )
+                if record:
+                    times.append(time.perf_counter() - started)
+                    drafts += len(proposal.tokens)
+            return time.monotonic()
+
+        await asyncio.gather(*(run(i, 0, work.warmup, False) for i in range(job.states)))
+        if barrier is not None:  # every client process starts its measured steps together
+            await asyncio.to_thread(barrier.wait, CALL_TIMEOUT_S)
+        started = time.monotonic()
+        ends = await asyncio.gather(
+            *(run(i, work.warmup, work.steps, True) for i in range(job.states))
+        )
+        return {"times": times, "drafts": drafts, "started": started, "finished": max(ends)}
+    finally:
+        # Even after a failure: a state left behind would hold KV blocks that the
+        # next measurement on this server needs.
+        for stream in streams or ():
+            with contextlib.suppress(Exception):
+                await stream.close()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*(client.free_state(s) for s in states))
+        await client.close()
+
+
+def _client_process(job: ClientJob, barrier: Any, results: Any) -> None:
+    try:
+        results.put(asyncio.run(_client_run(job, barrier)))
+    except BaseException as exc:
+        barrier.abort()  # the others must not wait for this one
+        results.put(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def over_grpc(
+    target: str, mode: str, streams: int, work: Workload, processes: int, seed: int
+) -> dict[str, Any]:
+    """`streams` concurrent verifiers over `processes` client processes; drafts per second
+    over the measured window (first measured step started to last one answered)."""
+    if processes <= 1:
+        parts = [asyncio.run(_client_run(ClientJob(target, mode, streams, work, seed)))]
+    else:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding gRPC / CUDA
+        barrier, results = ctx.Barrier(processes), ctx.Queue()
+        jobs = [
+            ClientJob(
+                target, mode, streams // processes + (i < streams % processes), work, seed + i
+            )
+            for i in range(processes)
+        ]
+        workers = [
+            ctx.Process(target=_client_process, args=(j, barrier, results), daemon=True)
+            for j in jobs
+        ]
+        for w in workers:
+            w.start()
+        try:
+            parts = [results.get(timeout=SERVER_START_TIMEOUT_S) for _ in workers]
+        finally:
+            for w in workers:
+                w.join(30)
+                if w.is_alive():
+                    w.terminate()
+        failed = [p for p in parts if isinstance(p, str)]
+        if failed:
+            raise RuntimeError(f"a client process failed: {failed[0]}")
+    times = [t for p in parts for t in p["times"]]
+    drafts = sum(p["drafts"] for p in parts)
+    window = max(p["finished"] for p in parts) - min(p["started"] for p in parts)
+    return {
+        "mode": mode,
+        "streams": streams,
+        "client_processes": max(processes, 1),
+        **percentiles_us(times),
+        "drafts": drafts,
+        "drafts_per_s": drafts / window,
+    }
+
+
+# --- over gRPC: the server -------------------------------------------------------------------
+
+
+class _NoOpExporter:
+    """Accepts spans and drops them: what tracing costs in the server itself."""
+
+    def export(self, spans: Any) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def serve_main(argv: list[str], tracing: bool) -> int:
+    """The server process: `mtpdraft serve ARGV`'s engine and server, optionally traced;
+    prints "PORT n", serves until its stdin closes."""
+    from mtpdraft.service import cli
+    from mtpdraft.service.server import create_server
+    from mtpdraft.service.telemetry import Telemetry
+
+    parser = argparse.ArgumentParser()
+    cli._serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", *argv])
+    telemetry = Telemetry()
+    if tracing:
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(_NoOpExporter()))  # type: ignore[arg-type]
+        telemetry = Telemetry(provider, None)
+
+    async def serve() -> None:
+        engine = cli.build_engine(args)
+        server, port = create_server(
+            engine,
+            f"{args.host}:{args.port}",
+            max_message_bytes=args.max_message_bytes,
+            reflection_enabled=not args.no_reflection,
+            max_queue=args.max_queue,
+            batch_wait=args.batch_wait_us * 1e-6,
+            telemetry=telemetry,
+        )
+        await server.start()
+        print(f"PORT {port}", flush=True)
+        await asyncio.to_thread(sys.stdin.read)  # the bench closes our stdin to stop us
+        await server.drain(0)
+
+    asyncio.run(serve())
+    return 0
+
+
+class ServerProcess:
+    """A bench server in a subprocess on loopback."""
+
+    def __init__(self, argv: list[str], tracing: bool) -> None:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *argv]
+        if tracing:
+            cmd.append("--serve-tracing")
+        self.process = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self.process.stdout.readline()))
+        reader.start()
+        reader.join(SERVER_START_TIMEOUT_S)
+        if not line or not line[0].startswith("PORT "):
+            self.stop()
+            raise RuntimeError(f"the bench server did not start (exit {self.process.poll()})")
+        self.target = f"127.0.0.1:{int(line[0].split()[1])}"
+
+    def stop(self) -> None:
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            self.process.stdin.close()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def default_client_processes(streams: int) -> int:
+    """One process up to 8 streams; beyond, up to 4 (a quarter of the cores): one asyncio
+    client process tops out at a few thousand messages per second."""
+    return 1 if streams <= 8 else max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def _attempt(what: str, notes: list[str], fn: Any, *args: Any) -> dict[str, Any]:
+    """fn(*args), or {"error": ...} with a note: one failed measurement spoils no other."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        notes.append(f"{what} failed: {type(exc).__name__}: {exc}".replace("\n", " ")[:500])
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+def grpc_suite(
+    argv: list[str],
+    tracing: bool,
+    work: Workload,
+    batches: list[int],
+    procs: int | None,
+    notes: list[str],
+) -> dict[str, Any]:
+    """Batch-1 stream and unary, then each batch size in streams, against one server."""
+    name = "tracing on" if tracing else "tracing off"
+    server = ServerProcess(argv, tracing)
+    try:
+        target = server.target
+        out: dict[str, Any] = {
+            "stream_b1": _attempt(
+                f"{name}: stream, batch 1", notes, over_grpc, target, "stream", 1, work, 1, 10
+            ),
+            "unary_b1": _attempt(
+                f"{name}: unary, batch 1", notes, over_grpc, target, "unary", 1, work, 1, 11
+            ),
+            "streams": {},
+        }
+        for b in batches:
+            p = min(b, procs if procs is not None else default_client_processes(b))
+            if b == 1:  # one stream is the batch-1 hot path, measured above
+                got = out["stream_b1"]
+            else:
+                got = _attempt(
+                    f"{name}: {b} streams", notes, over_grpc, target, "stream", b, work, p, 20 + b
+                )
+            out["streams"][str(b)] = got
+            log(f"  {b} streams: {got.get('drafts_per_s', 'failed')} drafts/s")
+        return out
+    finally:
+        server.stop()
+
+
+# --- the report --------------------------------------------------------------------------------
+
+
+def _get(tree: dict[str, Any], *path: str) -> float | None:
+    """tree[path...], or None where a measurement is missing or failed."""
+    for key in path:
+        if not isinstance(tree, dict) or "error" in tree or key not in tree:
+            return None
+        tree = tree[key]
+    return tree if isinstance(tree, int | float) else None
+
+
+def _over(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def ratios(report: dict[str, Any]) -> dict[str, Any]:
+    """Every comparison the DESIGN asks for, None where a side is missing."""
+    inproc, grpc = report["in_process"], report["grpc"]
+    b1 = _get(inproc, "batched", "1", "p50_us")
+    out: dict[str, Any] = {}
+    for mode in ("stream", "unary"):
+        p50 = _get(grpc, "tracing_off", f"{mode}_b1", "p50_us")
+        out[f"{mode}_b1_overhead_us"] = None if p50 is None or b1 is None else p50 - b1
+        out[f"{mode}_b1_over_in_process"] = _over(p50, b1)
+    sizes = list(inproc["batched"])
+    out["streams_over_batched"] = {
+        b: _over(
+            _get(grpc, "tracing_off", "streams", b, "drafts_per_s"),
+            _get(inproc, "batched", b, "drafts_per_s"),
+        )
+        for b in sizes
+    }
+    overhead, ratio64 = out["stream_b1_overhead_us"], out["streams_over_batched"].get("64")
+    out["meets"] = {
+        "stream_b1_overhead": None if overhead is None else overhead <= STREAM_OVERHEAD_TARGET_US,
+        "streams64": None if ratio64 is None else ratio64 >= STREAMS_RATIO_TARGET,
+    }
+    if "tracing_on" in grpc:
+        on_off = {
+            f"{mode}_b1_p50": _over(
+                _get(grpc, "tracing_on", f"{mode}_b1", "p50_us"),
+                _get(grpc, "tracing_off", f"{mode}_b1", "p50_us"),
+            )
+            for mode in ("stream", "unary")
+        }
+        for b in sizes:
+            on_off[f"streams{b}_drafts_per_s"] = _over(
+                _get(grpc, "tracing_on", "streams", b, "drafts_per_s"),
+                _get(grpc, "tracing_off", "streams", b, "drafts_per_s"),
+            )
+        out["tracing_on_over_off"] = on_off
+    return out
+
+
+def _f(value: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _yes(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("yes" if ok else "no")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    w, r, grpc = report["workload"], report["ratios"], report["grpc"]
+    inproc = report["in_process"]["batched"]
+    b1 = _get(inproc, "1", "p50_us")
+    lines = [
+        f"gRPC service against the in-process engine, {report['device']}, {w['dtype']}, "
+        f"hidden {w['hidden_size']}, vocab {w['vocab_size']}, prompt {w['prompt']} rows, "
+        f"K={w['num_drafts']}, {w['steps']} measured steps per state after {w['warmup']} "
+        f"(0 accepted per step). torch {report['torch']}, grpcio {report['grpcio']}.",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "| batch 1 | p50 us | in-process p50 us | over in-process | target | met |",
+        "|---|---|---|---|---|---|",
+    ]
+    targets = {"stream": f"<= +{STREAM_OVERHEAD_TARGET_US:g} us", "unary": ""}
+    for mode, label in (("stream", "ProposeStream"), ("unary", "unary Propose(previous)")):
+        overhead = r.get(f"{mode}_b1_overhead_us")
+        met = _yes(r["meets"]["stream_b1_overhead"]) if mode == "stream" else ""
+        lines.append(
+            f"| {label} | {_f(_get(grpc, 'tracing_off', f'{mode}_b1', 'p50_us'), '.1f')} "
+            f"| {_f(b1, '.1f')} | {_f(overhead, '+.1f', ' us')} "
+            f"({_f(r.get(f'{mode}_b1_over_in_process'), '.2f', 'x')}) | {targets[mode]} | {met} |"
+        )
+    lines += [
+        "",
+        "| concurrent streams | drafts/s over gRPC | in-process batched drafts/s | ratio "
+        "| target | met | client processes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for b in inproc:
+        stream = grpc.get("tracing_off", {}).get("streams", {}).get(b, {})
+        target = f">= {STREAMS_RATIO_TARGET}x" if b == "64" else ""
+        met = _yes(r["meets"]["streams64"]) if b == "64" else ""
+        lines.append(
+            f"| {b} | {_f(_get(stream, 'drafts_per_s'), '.0f')} "
+            f"| {_f(_get(inproc, b, 'drafts_per_s'), '.0f')} "
+            f"| {_f(r.get('streams_over_batched', {}).get(b), '.2f', 'x')} | {target} | {met} "
+            f"| {stream.get('client_processes', '')} |"
+        )
+    if "tracing_on_over_off" in r:
+        lines += ["", "| tracing on / off (server spans, no-op exporter) | ratio |", "|---|---|"]
+        lines += [f"| {k} | {_f(v, '.3f', 'x')} |" for k, v in r["tracing_on_over_off"].items()]
+    lines += [""] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+# --- main --------------------------------------------------------------------------------------
+
+
+def _importable(module: str) -> str | None:
+    """None if `module` imports, else why not."""
+    try:
+        __import__(module)
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="a tiny model (CPU smoke test)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--out-dir", default="bench/results")
+    parser.add_argument("--model", help="an existing checkpoint folder (default: write one)")
+    parser.add_argument("--num-drafts", type=int, default=4, help="K")
+    parser.add_argument("--prompt", type=int, help="prompt rows per state (default 2048)")
+    parser.add_argument("--steps", type=int, help="measured steps per state")
+    parser.add_argument("--warmup", type=int, help="warm-up steps per state")
+    parser.add_argument("--batches", default="1,8,64", help="concurrent streams to compare")
+    parser.add_argument("--client-processes", type=int, help="default: 1 up to 8 streams, else 4")
+    if sys.argv[1:2] == ["--serve"]:  # a server process: the rest is `mtpdraft serve` options
+        tracing = "--serve-tracing" in sys.argv
+        return serve_main([a for a in sys.argv[2:] if a != "--serve-tracing"], tracing)
+    args = parser.parse_args()
+
+    import torch
+
+    from mtpdraft.service.model.synthetic import write_random_checkpoint
+
+    if (args.prompt is not None and args.prompt < 2) or (args.steps is not None and args.steps < 1):
+        parser.error("--prompt needs at least 2 rows and --steps at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but there is no CUDA device (use --device cpu)")
+    shape = SMALL if args.small else MIMO_7B
+    batches = [int(b) for b in args.batches.split(",")]
+    steps = args.steps or (20 if args.small else 500)
+    warmup = args.warmup if args.warmup is not None else (3 if args.small else 50)
+    # The CPU's attention is slow at long contexts: a short prompt keeps --small quick.
+    prompt = args.prompt or (64 if args.small else 2048)
+    work = Workload(
+        prompt=prompt, num_drafts=args.num_drafts, warmup=warmup, steps=steps,
+        hidden_size=shape["hidden_size"], vocab_size=shape["vocab_size"], dtype="bfloat16",
+    )  # fmt: skip
+    notes: list[str] = []
+    if args.device == "cpu":
+        notes.append("CPU run: a smoke test of the bench, not figures to compare with DESIGN.")
+
+    folder, written = args.model, None
+    if folder is None:
+        shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        folder = written = tempfile.mkdtemp(prefix="bench-service-", dir=shm)
+        log(f"writing a random {'small' if args.small else 'MiMo-7B'} checkpoint")
+        write_random_checkpoint(
+            folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,
+            extra_config={"max_position_embeddings": MAX_POSITIONS},
+        )  # fmt: skip
+    if args.device == "cuda":
+        device_name = torch.cuda.get_device_name()
+    else:
+        device_name = f"CPU ({platform.processor() or platform.machine()})"
+    try:
+        kv_blocks = max(batches) * math.ceil(work.rows_per_state / BLOCK_SIZE) + 64
+        argv = serve_argv(Path(folder), args.device, kv_blocks, work.num_drafts)
+        report: dict[str, Any] = {
+            "command": "python " + shlex.join(sys.argv),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "device": device_name,
+            "torch": torch.__version__,
+            "grpcio": importlib.metadata.version("grpcio"),
+            "cpus": os.cpu_count(),
+            "shape": shape,
+            "workload": asdict(work),
+            "server": argv,
+            "targets": {
+                "stream_b1_overhead_us_max": STREAM_OVERHEAD_TARGET_US,
+                "streams64_over_batched_min": STREAMS_RATIO_TARGET,
+            },
+            "notes": notes,
+        }
+
+        log("in-process engine")
+        engine, note = build_engine(argv)
+        if note:
+            notes.append(note)
+        batched = {str(b): in_process(engine, b, work, seed=b) for b in batches}
+        if "1" not in batched:
+            batched["1"] = in_process(engine, 1, work, seed=1)
+        report["in_process"] = {"batched": batched}
+        del engine  # the server processes get the device to themselves
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+        report["grpc"] = {}
+        server_missing = _importable("mtpdraft.service.server")
+        if server_missing:
+            notes.append(f"gRPC comparisons skipped: the server does not import ({server_missing})")
+        else:
+            log("gRPC, tracing off")
+            report["grpc"]["tracing_off"] = grpc_suite(
+                argv, False, work, batches, args.client_processes, notes
+            )
+            sdk_missing = _importable("opentelemetry.sdk.trace")
+            if sdk_missing:
+                notes.append(
+                    f"tracing comparison skipped: OpenTelemetry SDK missing ({sdk_missing})"
+                )
+            else:
+                log("gRPC, tracing on")
+                report["grpc"]["tracing_on"] = grpc_suite(
+                    argv, True, work, batches, args.client_processes, notes
+                )
+        report["ratios"] = ratios(report)
+    finally:
+        if written is not None:
+            shutil.rmtree(written, ignore_errors=True)
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "service.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "service.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

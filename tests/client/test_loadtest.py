@@ -1,0 +1,231 @@
+"""`mtpdraft loadtest` against a real server on loopback: reports, modes, tracing, refusals.
+
+Runs are short (1-2 s, a few verifiers, short prompts and sequences) so that the
+whole file stays well under a minute on two cores. Every run must leave the
+shared server as it found it: no live states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from servers import InProcessServer, ServerProcess, small_engine
+
+from mtpdraft.client.loadtest import (
+    LoadTestConfig,
+    LoadTestError,
+    add_loadtest_parser,
+    check_loopback,
+    run_load,
+    run_loadtest,
+)
+from mtpdraft.client.loadtest_verifier import Acceptance, IntRange
+from mtpdraft.service.telemetry import Telemetry
+
+# Small enough for the shared test server (32 states, 1024 KV rows, K <= 8).
+SHORT = ("--verifiers", "4", "--prompt-len", "4:24", "--seq-len", "6", "--num-drafts", "3")
+
+
+def _cli(*argv: str) -> int:
+    """`mtpdraft loadtest ARGV` as the mtpdraft command will dispatch it."""
+    parser = argparse.ArgumentParser(prog="mtpdraft")
+    add_loadtest_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["loadtest", *argv])
+    return run_loadtest(args)
+
+
+def _config(server: ServerProcess, **options) -> LoadTestConfig:
+    base = dict(
+        target=server.address,
+        verifiers=4,
+        prompt_len=IntRange(4, 24),
+        seq_len=6,
+        num_drafts=3,
+        duration=1.5,
+    )
+    return LoadTestConfig(**(base | options))
+
+
+def _check_report(report: dict, *, k: int = 3) -> None:
+    """What every clean run must report."""
+    assert report["errors"] == {} and report["error_count"] == 0
+    assert report["steps"] > 0 and report["drafts"] > 0
+    assert report["drafts_per_s"] > 0 and report["steps_per_s"] > 0
+    assert report["steps"] <= report["drafts"] <= k * report["steps"]
+    assert 0 <= report["accepted"] <= report["drafts"]
+    for stats in report["latency_ms"].values():
+        assert stats["count"] == report["steps"]
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"]
+    batches = report["server_batches"]
+    # Every Propose (unary or stream message) runs in exactly one batched forward.
+    assert batches["requests"] == report["steps"]
+    assert sum(batches["counts"].values()) == batches["batches"] > 0
+    assert max(int(size) for size in batches["counts"]) <= report["config"]["verifiers"]
+    assert report["live_states_after"] == 0, "a state leaked"
+    assert sum(bin["steps"] for bin in report["timeline"]) == report["steps"]
+
+
+def test_stream_closed_loop_writes_json_and_png(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out, plot = tmp_path / "report.json", tmp_path / "report.png"
+    rc = _cli(
+        "--target", server.address, *SHORT, "--duration", "2", "--out", str(out),
+        "--plot", str(plot), "--accept", "geometric:0.7",
+    )  # fmt: skip
+    assert rc == 0
+    assert "errors: none" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    _check_report(report)
+    assert report["config"]["mode"] == "stream" and report["config"]["rate"] is None
+    assert "from_arrival" not in report["latency_ms"]
+    assert report["sequences"] >= 4
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unary_open_loop_with_refeed(server: ServerProcess) -> None:
+    config = _config(
+        server, mode="unary", rate=150.0, refeed=True, dtype="bf16", accept=Acceptance("uniform")
+    )
+    report = run_load(config).report
+    _check_report(report)
+    assert report["latency_ms"]["from_arrival"]["count"] == report["steps"]
+    assert report["verdicts"] > 0 and report["accepted"] > 0
+    # Poisson at 150/s for 1.5 s: about 225 arrivals, served or reported.
+    arrivals = report["steps"] + report["arrivals_dropped"] + report["arrivals_unserved"]
+    assert 120 < arrivals < 340
+
+
+def test_split_mode_counts_requests_over_two_processes(server: ServerProcess) -> None:
+    config = _config(
+        server, mode="split", requests=60, duration=None, accept=Acceptance("fixed", 2),
+        processes=2,
+    )  # fmt: skip
+    report = run_load(config).report
+    _check_report(report)
+    assert report["steps"] == 60
+    # fixed:2 of 3 drafts; every step but each sequence's first sends an AfterVerify.
+    assert report["accepted"] == 2 * report["steps"]
+    assert report["verdicts"] == report["steps"] - report["sequences"]
+    step, propose = report["latency_ms"]["step"], report["latency_ms"]["propose"]
+    assert step["mean"] > propose["mean"]  # two round trips per step
+
+
+def test_errors_are_counted_and_fail_only_when_asked(server: ServerProcess) -> None:
+    # 40 verifiers, 32 state slots: some allocations are refused.
+    many = ("--verifiers", "40", "--prompt-len", "2", "--seq-len", "2", "--num-drafts", "2")
+    common = ("--target", server.address, *many, "--mode", "unary", "--duration", "1", "--quiet")
+    assert _cli(*common) == 0
+    assert _cli(*common, "--fail-on-error") == 1
+    report = run_load(
+        _config(server, verifiers=40, prompt_len=IntRange(2, 2), seq_len=2, duration=1.0)
+    ).report
+    assert report["errors"].get("RESOURCE_EXHAUSTED", 0) > 0
+    assert set(report["errors_by_rpc"]) == {"AllocState RESOURCE_EXHAUSTED"}
+    assert report["live_states_after"] == 0
+
+
+def test_step_spans_are_ancestors_of_server_spans(mimo_checkpoint: Path) -> None:
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    server = InProcessServer(
+        small_engine(mimo_checkpoint), telemetry=Telemetry(tracer_provider, None)
+    )
+    try:
+        config = LoadTestConfig(
+            target=server.address, mode="unary", verifiers=2, requests=8, seq_len=4,
+            prompt_len=IntRange(6, 6), num_drafts=2,
+        )  # fmt: skip
+        report = run_load(config, tracer_provider=tracer_provider).report
+    finally:
+        server.stop()
+    _check_report(report, k=2)
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+
+    def ancestors(span: ReadableSpan) -> list[str]:
+        names = []
+        while span.parent is not None and span.parent.span_id in by_id:
+            span = by_id[span.parent.span_id]
+            names.append(span.name)
+        return names
+
+    served = [
+        s for s in spans if s.name == "/mtpdraft.v1.Drafter/Propose" and s.kind == SpanKind.SERVER
+    ]
+    assert len(served) == report["steps"] == 8
+    for span in served:
+        chain = ancestors(span)
+        assert chain[:2] == ["/mtpdraft.v1.Drafter/Propose", "loadtest.step"], chain
+        assert chain[-1] == "loadtest.sequence"
+    steps = [s for s in spans if s.name == "loadtest.step"]
+    assert len(steps) == 8
+    assert all(s.attributes["mtpdraft.loadtest.drafts"] == 2 for s in steps)
+    assert not [s for s in spans if s.name.endswith("GetInfo") and s.kind == SpanKind.CLIENT]
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["127.0.0.1:50051", "127.3.2.1:1", "localhost:9", "[::1]:50051", "ipv4:127.0.0.1:5"],
+)
+def test_loopback_targets_are_accepted(target: str) -> None:
+    assert check_loopback(target) == target
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["10.0.0.1:50051", "example.com:50051", "[2001:db8::1]:1", "0.0.0.0:50051", "127.0.0.1",
+     "dns://8.8.8.8/localhost:1", "ipv4:127.0.0.1:1,10.0.0.1:1", "unix:/tmp/sock"],
+)  # fmt: skip
+def test_other_targets_are_refused(target: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(LoadTestError, match="only targets this host"):
+        check_loopback(target)
+    with pytest.raises(LoadTestError, match="only targets this host"):
+        run_load(LoadTestConfig(target=target, duration=1.0))
+    assert _cli("--target", target, "--duration", "1") == 2
+    assert "refusing target" in capsys.readouterr().err
+
+
+def test_bounds_and_arguments_are_checked(capsys: pytest.CaptureFixture) -> None:
+    for options in (
+        {"duration": 601.0},
+        {"verifiers": 1025},
+        {"verifiers": 0},
+        {"processes": 5, "verifiers": 4},
+        {"rate": 0.0},
+        {"mode": "batch"},
+    ):
+        with pytest.raises(LoadTestError):
+            LoadTestConfig(**options).validate()
+    assert LoadTestConfig(requests=10).run_seconds == 600.0
+    assert LoadTestConfig().run_seconds == 10.0
+    with pytest.raises(SystemExit):
+        _cli("--accept", "geometric:1.5")
+    with pytest.raises(SystemExit):
+        _cli("--prompt-len", "64:8")
+    assert "--accept" in capsys.readouterr().err
+
+
+def test_acceptance_distributions() -> None:
+    import random
+
+    rng = random.Random(0)
+    assert Acceptance.parse("fixed:2").draw(rng, 4) == 2
+    assert Acceptance.parse("fixed:9").draw(rng, 4) == 4
+    assert {Acceptance.parse("uniform").draw(rng, 3) for _ in range(200)} == {0, 1, 2, 3}
+    geometric = Acceptance.parse("geometric:0.5")
+    draws = [geometric.draw(rng, 50) for _ in range(4000)]
+    assert abs(sum(draws) / len(draws) - 1.0) < 0.1  # mean p / (1 - p)
+    assert Acceptance.parse("geometric:0").draw(rng, 4) == 0
+    assert Acceptance.parse("geometric:1").draw(rng, 4) == 4
+    assert str(Acceptance.parse("geometric:0.7")) == "geometric:0.7"
+    assert IntRange.parse("64:512", "--prompt-len", 1, 1000) == IntRange(64, 512)
+    assert str(IntRange.parse("128", "--prompt-len", 1, 1000)) == "128"
