@@ -396,15 +396,47 @@ class DraftEngine:
             if verdict is not None:
                 self._apply_truncation(chain.state, verdict)
         self._first_drafts(chains, verdicts)
-        for step in range(1, max(c.args.num_drafts for c in chains)):
-            active = [c for c in chains if not c.done]
-            if not active:
-                break
-            segments = [
-                Segment(c.state, c.base_row + step, [c.drafts[-1]], c.last_hidden[None])
-                for c in active
-            ]
-            self._draft_step(active, segments)
+        active = [c for c in chains if not c.done]
+        if active:
+            self._chain_drafts(active)
+
+    def _chain_drafts(self, chains: list[_Chain]) -> None:
+        """Drafts 2..K of every chain in one device-side chain of decode steps."""
+        device = self.head.device
+        limits = [c.args.num_drafts - len(c.drafts) for c in chains]
+        steps = max(limits)
+        widest = max(len(c.state.blocks) for c in chains)
+        tables = torch.zeros((len(chains), widest), dtype=torch.int32)
+        for i, c in enumerate(chains):
+            tables[i, : len(c.state.blocks)] = torch.tensor(c.state.blocks, dtype=torch.int32)
+        bitmasks = None
+        if any(c.bitmask is not None for c in chains):
+            words = next(c.bitmask for c in chains if c.bitmask is not None).shape[1]
+            full = torch.full((words,), -1, dtype=torch.int32, device=device)
+            bitmasks = torch.stack([
+                torch.stack([
+                    full if c.bitmask is None
+                    else c.bitmask[min(len(c.drafts) + j, c.bitmask.shape[0] - 1)]
+                    for c in chains
+                ])
+                for j in range(steps)
+            ])  # fmt: skip
+        out_h, out_t, out_p = self.head.decode_chain(
+            self.kv,
+            torch.tensor([c.drafts[-1] for c in chains], dtype=torch.int64, device=device),
+            torch.stack([c.last_hidden for c in chains]),
+            torch.tensor([c.base_row + c.rows_computed for c in chains], device=device),
+            tables.to(device),
+            torch.tensor(limits, device=device),
+            bitmasks,
+        )
+        tokens, probs = out_t.tolist(), out_p.tolist()  # the chain's one wait for the device
+        for j in range(steps):
+            for i, c in enumerate(chains):
+                if j < limits[i] and not c.done:
+                    c.last_hidden = out_h[j, i]
+                    c.rows_computed += 1
+                    c.take(tokens[j][i], probs[j][i])
 
     def _plan_proposal(self, args: ProposeArgs) -> tuple[_Chain, _VerdictPlan | None]:
         c = self.head.config

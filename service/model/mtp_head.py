@@ -139,3 +139,42 @@ class MTPHead:
         hidden = self.forward(batch, kv)
         tokens, probs = self.draft(hidden, bitmask)
         return hidden, tokens, probs
+
+    def decode_chain(
+        self,
+        kv: KVCache,
+        tokens: torch.Tensor,
+        hiddens: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        limits: torch.Tensor,
+        bitmasks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Chained decode steps, each row fed the previous step's draft and output hidden.
+
+        Sequence i computes its rows at positions[i], positions[i] + 1, ... for
+        limits[i] steps (later steps write nothing and their outputs are
+        meaningless). Everything stays on the device: the host waits once, for the
+        whole chain, instead of once per draft. Returns the output hiddens
+        [steps, n, H], drafts [steps, n] and probabilities [steps, n].
+        """
+        steps, n = int(limits.max()), tokens.shape[0]
+        bs, width = kv.block_size, block_tables.shape[1]
+        seq_ids = torch.arange(n, dtype=torch.int32, device=self.device)
+        out_h = torch.empty(steps, n, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        out_t = torch.empty(steps, n, dtype=torch.int64, device=self.device)
+        out_p = torch.empty(steps, n, dtype=torch.float32, device=self.device)
+        for j in range(steps):
+            live = limits > j
+            # A finished sequence repeats its last row's position (valid context) unwritten.
+            pos = positions + torch.minimum(torch.full_like(limits, j), limits - 1)
+            block = block_tables.gather(1, (pos // bs).clamp_max(width - 1)[:, None])[:, 0]
+            slots = torch.where(live, block.long() * bs + pos % bs, -1)
+            batch = RowBatch(tokens, hiddens, pos, seq_ids, slots, block_tables)
+            mask = None if bitmasks is None else bitmasks[j]
+            h, t, p = self.decode(batch, kv, mask)
+            out_h[j].copy_(h)
+            out_t[j].copy_(t)
+            out_p[j].copy_(p)
+            tokens, hiddens = out_t[j], out_h[j]
+        return out_h, out_t, out_p
