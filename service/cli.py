@@ -38,6 +38,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="default: the checkpoint's")
     p.add_argument("--max-states", type=int, default=1024)
+    p.add_argument("--max-states-per-client", type=int, help="live states one client host may hold")
+    p.add_argument(
+        "--max-rows-per-state", type=int, help="rows (prompt + drafts) one state may hold"
+    )
+    p.add_argument("--max-inflight", type=int, help="concurrent RPCs; streams count as one")
     p.add_argument("--kv-blocks", type=int, help="KV pool size in blocks")
     p.add_argument("--block-size", type=int, default=16, help="rows per KV block")
     p.add_argument("--state-ttl", type=float, default=600.0, help="idle seconds before freeing")
@@ -91,6 +96,8 @@ def build_engine(args: argparse.Namespace) -> DraftEngine:
         kv_blocks=_kv_blocks(args, head),
         block_size=args.block_size,
         max_states=args.max_states,
+        max_states_per_owner=args.max_states_per_client,
+        max_rows_per_state=args.max_rows_per_state,
         max_drafts=args.max_drafts,
         max_batch=args.max_batch,
         state_ttl=args.state_ttl,
@@ -106,6 +113,7 @@ async def _serve(args: argparse.Namespace) -> None:
         max_message_bytes=args.max_message_bytes,
         reflection_enabled=not args.no_reflection,
         max_queue=args.max_queue,
+        max_inflight=args.max_inflight,
         batch_wait=args.batch_wait_us * 1e-6,
         telemetry=Telemetry(*providers_from_env()),
     )

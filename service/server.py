@@ -38,6 +38,7 @@ class DrafterServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         reflection_enabled: bool = True,
         max_queue: int = 4096,
+        max_inflight: int | None = None,
         batch_wait: float = 0.0,
         telemetry: Telemetry | None = None,
     ) -> None:
@@ -45,8 +46,11 @@ class DrafterServer:
         self.runner = EngineRunner()
         self.telemetry = telemetry or Telemetry()
         self.health = health.aio.HealthServicer()
+        # Past max_inflight concurrent RPCs (a stream counts as one) gRPC itself
+        # answers RESOURCE_EXHAUSTED.
         self.server = grpc.aio.server(
             interceptors=self.telemetry.server_interceptors(),
+            maximum_concurrent_rpcs=max_inflight,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),

@@ -98,6 +98,14 @@ def _proposal(p: Proposal) -> pb.Proposal:
     )
 
 
+def _client_host(peer: str) -> str:
+    """The client's host from a gRPC peer string ("ipv4:1.2.3.4:5678", "ipv6:[::1]:5678")."""
+    kind, _, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return address.rsplit(":", 1)[0]
+    return peer
+
+
 Handler = Callable[..., Awaitable]
 
 
@@ -165,7 +173,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def AllocState(self, request, context):
-        return pb.AllocStateResponse(state_id=await self.runner.call(self.engine.alloc_state))
+        owner = _client_host(context.peer())
+        state_id = await self.runner.call(self.engine.alloc_state, owner)
+        return pb.AllocStateResponse(state_id=state_id)
 
     @rpc
     async def Prefill(self, request_iterator: AsyncIterator[pb.PrefillChunk], context):

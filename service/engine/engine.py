@@ -89,6 +89,8 @@ class DraftEngine:
         kv_blocks: int,
         block_size: int = 16,
         max_states: int = 1024,
+        max_states_per_owner: int | None = None,
+        max_rows_per_state: int | None = None,
         max_drafts: int = 16,
         max_batch: int = 64,
         state_ttl: float = 600.0,
@@ -103,6 +105,9 @@ class DraftEngine:
         self.pool = BlockPool(kv_blocks)
         self.block_size = block_size
         self.max_states = max_states
+        self.max_states_per_owner = max_states_per_owner
+        self.max_rows_per_state = max_rows_per_state
+        self._owned: dict[str, int] = {}
         self.max_drafts = max_drafts
         self.max_batch = max_batch
         self.state_ttl = state_ttl
@@ -178,6 +183,13 @@ class DraftEngine:
 
     def _reserve(self, needs: list[tuple[DrafterState, int]]) -> None:
         """Grows each state's blocks to cover its row count, all or nothing."""
+        limit = self.max_rows_per_state
+        for state, rows in needs:
+            if limit is not None and rows > limit:
+                raise ResourceExhausted(
+                    f"state {state.id} would hold {rows} rows; the limit per state is {limit}",
+                    reason="ROWS_PER_STATE_EXCEEDED",
+                )
         extra = [(s, max(0, self._blocks_for(rows) - len(s.blocks))) for s, rows in needs]
         total = sum(n for _, n in extra)
         if total > self.pool.num_free:
@@ -219,7 +231,7 @@ class DraftEngine:
 
     # ---- lifecycle ---------------------------------------------------------
 
-    def alloc_state(self) -> int:
+    def alloc_state(self, owner: str = "") -> int:
         if self.draining:
             raise Unavailable("the server is draining and takes no new states", reason="DRAINING")
         if len(self.states) >= self.max_states:
@@ -227,14 +239,26 @@ class DraftEngine:
                 f"no free state slots: all {self.max_states} are taken",
                 reason="STATES_EXHAUSTED",
             )
+        owned, limit = self._owned.get(owner, 0), self.max_states_per_owner
+        if limit is not None and owned >= limit:
+            raise ResourceExhausted(
+                f"{owner or 'this client'} holds {owned} states, the limit per client",
+                reason="STATES_PER_CLIENT_EXCEEDED",
+            )
         state_id = self._new_id(self.states)
-        self.states[state_id] = DrafterState(id=state_id, last_used=self.clock())
+        self.states[state_id] = DrafterState(id=state_id, last_used=self.clock(), owner=owner)
+        self._owned[owner] = owned + 1
         return state_id
 
     def free_state(self, state_id: int) -> bool:
         state = self.states.pop(state_id, None)
         if state is None:
             return False
+        left = self._owned[state.owner] - 1
+        if left:
+            self._owned[state.owner] = left
+        else:
+            del self._owned[state.owner]
         self.pool.free(state.blocks)
         state.blocks = []
         return True

@@ -28,6 +28,7 @@ class DrafterState:
 
     id: int
     last_used: float
+    owner: str = ""  # who allocated it (the client's host), for the per-owner limit
     blocks: list[int] = field(default_factory=list)
     num_rows: int = 0  # rows in the KV, speculative ones of a pending proposal included
     pending: PendingProposal | None = None
