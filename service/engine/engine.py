@@ -14,13 +14,14 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from ..model.mtp_head import MTPHead
 from . import validation as check
 from .block_pool import BlockPool
+from .chain import Chain, VerdictPlan
+from .drafting import chain_drafts, first_drafts
 from .errors import (
     DrafterError,
     FailedPrecondition,
@@ -29,54 +30,10 @@ from .errors import (
     ResourceExhausted,
     Unavailable,
 )
-from .rows import Segment, draft_segments, run_segments
+from .prefill import PrefillSession
+from .rows import Segment, run_segments
 from .state import DrafterState, KVHandle, PendingProposal
 from .types import EngineInfo, Proposal, ProposeArgs, RowCount, TakenKV, Verdict
-
-
-@dataclass
-class _VerdictPlan:
-    """How a verdict changes a state: truncate, then (maybe) compute rows."""
-
-    keep_rows: int
-    recompute: Segment | None
-    rows_after: int
-
-
-@dataclass
-class _Chain:
-    """One state's proposal while its drafts are being chained."""
-
-    args: ProposeArgs
-    state: DrafterState
-    base_row: int  # row index of R0
-    bitmask: torch.Tensor | None  # [n, W]
-    last_hidden: torch.Tensor | None = None
-    rows_computed: int = 0
-    chain: float = 1.0
-    stopped: bool = False
-
-    def __post_init__(self) -> None:
-        self.drafts: list[int] = []
-        self.probs: list[float] = []
-
-    @property
-    def done(self) -> bool:
-        return self.stopped or len(self.drafts) == self.args.num_drafts
-
-    def mask_row(self) -> torch.Tensor | None:
-        if self.bitmask is None:
-            return None
-        return self.bitmask[min(len(self.drafts), self.bitmask.shape[0] - 1)]
-
-    def take(self, token: int, prob: float) -> None:
-        chain = min(self.chain, prob)
-        self.chain = chain
-        if self.args.min_confidence > 0 and chain < self.args.min_confidence:
-            self.stopped = True
-            return
-        self.drafts.append(token)
-        self.probs.append(prob)
 
 
 class DraftEngine:
@@ -298,7 +255,7 @@ class DraftEngine:
 
     # ---- the propose / verify cycle -----------------------------------------
 
-    def _plan_verdict(self, state: DrafterState, verdict: Verdict, field: str) -> _VerdictPlan:
+    def _plan_verdict(self, state: DrafterState, verdict: Verdict, field: str) -> VerdictPlan:
         pending = state.pending
         if pending is None:
             raise FailedPrecondition(
@@ -321,15 +278,15 @@ class DraftEngine:
                 refeed, a, self.head.config.hidden_size, f"{field}.refeed_hiddens"
             )
             segment = Segment(state, pending.first_row + 1, pending.drafts[:a], hiddens)
-            return _VerdictPlan(pending.first_row + 1, segment, rows_after)
+            return VerdictPlan(pending.first_row + 1, segment, rows_after)
         computed = pending.first_row + pending.rows_computed
         if rows_after <= computed:
-            return _VerdictPlan(rows_after, None, rows_after)
+            return VerdictPlan(rows_after, None, rows_after)
         # All k accepted and the row of d(k) not computed yet: (d(k), m(k-1)).
         segment = Segment(state, computed, [pending.drafts[-1]], pending.last_hidden[None])
-        return _VerdictPlan(computed, segment, rows_after)
+        return VerdictPlan(computed, segment, rows_after)
 
-    def _apply_truncation(self, state: DrafterState, plan: _VerdictPlan) -> None:
+    def _apply_truncation(self, state: DrafterState, plan: VerdictPlan) -> None:
         if self.on_verdict is not None and state.pending is not None:
             drafts = len(state.pending.drafts)
             self.on_verdict(drafts, plan.rows_after - state.pending.first_row - 1)
@@ -372,9 +329,9 @@ class DraftEngine:
         are drafted together, one batched forward per draft position.
         """
         results: list[list[Proposal] | DrafterError | None] = [None] * len(groups)
-        admitted: list[tuple[int, list[_Chain]]] = []
-        chains: list[_Chain] = []
-        verdicts: list[_VerdictPlan | None] = []
+        admitted: list[tuple[int, list[Chain]]] = []
+        chains: list[Chain] = []
+        verdicts: list[VerdictPlan | None] = []
         busy: set[int] = set()
         for index, group in enumerate(groups):
             try:
@@ -395,7 +352,7 @@ class DraftEngine:
 
     def _plan_group(
         self, group: list[ProposeArgs], busy: set[int]
-    ) -> list[tuple[_Chain, _VerdictPlan | None]]:
+    ) -> list[tuple[Chain, VerdictPlan | None]]:
         if not 1 <= len(group) <= self.max_batch:
             raise InvalidArgument(
                 f"requests: {len(group)} requests, expected 1 to {self.max_batch}",
@@ -414,55 +371,17 @@ class DraftEngine:
             planned.append(self._plan_proposal(args))
         return planned
 
-    def _run_chains(self, chains: list[_Chain], verdicts: list[_VerdictPlan | None]) -> None:
+    def _run_chains(self, chains: list[Chain], verdicts: list[VerdictPlan | None]) -> None:
         """Applies the verdicts, then chains the drafts: one forward per draft position."""
         for chain, verdict in zip(chains, verdicts, strict=True):
             if verdict is not None:
                 self._apply_truncation(chain.state, verdict)
-        self._first_drafts(chains, verdicts)
+        first_drafts(self.head, self.kv, chains, verdicts)
         active = [c for c in chains if not c.done]
         if active:
-            self._chain_drafts(active)
+            chain_drafts(self.head, self.kv, active)
 
-    def _chain_drafts(self, chains: list[_Chain]) -> None:
-        """Drafts 2..K of every chain in one device-side chain of decode steps."""
-        device = self.head.device
-        limits = [c.args.num_drafts - len(c.drafts) for c in chains]
-        steps = max(limits)
-        widest = max(len(c.state.blocks) for c in chains)
-        tables = torch.zeros((len(chains), widest), dtype=torch.int32)
-        for i, c in enumerate(chains):
-            tables[i, : len(c.state.blocks)] = torch.tensor(c.state.blocks, dtype=torch.int32)
-        bitmasks = None
-        if any(c.bitmask is not None for c in chains):
-            words = next(c.bitmask for c in chains if c.bitmask is not None).shape[1]
-            full = torch.full((words,), -1, dtype=torch.int32, device=device)
-            bitmasks = torch.stack([
-                torch.stack([
-                    full if c.bitmask is None
-                    else c.bitmask[min(len(c.drafts) + j, c.bitmask.shape[0] - 1)]
-                    for c in chains
-                ])
-                for j in range(steps)
-            ])  # fmt: skip
-        out_h, out_t, out_p = self.head.decode_chain(
-            self.kv,
-            torch.tensor([c.drafts[-1] for c in chains], dtype=torch.int64, device=device),
-            torch.stack([c.last_hidden for c in chains]),
-            torch.tensor([c.base_row + c.rows_computed for c in chains], device=device),
-            tables.to(device),
-            torch.tensor(limits, device=device),
-            bitmasks,
-        )
-        tokens, probs = out_t.tolist(), out_p.tolist()  # the chain's one wait for the device
-        for j in range(steps):
-            for i, c in enumerate(chains):
-                if j < limits[i] and not c.done:
-                    c.last_hidden = out_h[j, i]
-                    c.rows_computed += 1
-                    c.take(tokens[j][i], probs[j][i])
-
-    def _plan_proposal(self, args: ProposeArgs) -> tuple[_Chain, _VerdictPlan | None]:
+    def _plan_proposal(self, args: ProposeArgs) -> tuple[Chain, VerdictPlan | None]:
         c = self.head.config
         if args.previous is not None:
             state = self._state(args.state_id)
@@ -488,41 +407,9 @@ class DraftEngine:
             bitmask = bitmask.to(self.head.device)
         if verdict is not None and verdict.recompute is not None:
             verdict.recompute.hiddens = self._to_device(verdict.recompute.hiddens)
-        return _Chain(args, state, base_row, bitmask), verdict
+        return Chain(args, state, base_row, bitmask), verdict
 
-    def _first_drafts(self, chains: list[_Chain], verdicts: list[_VerdictPlan | None]) -> None:
-        """One forward: each state's verdict rows (if any) followed by its row R0."""
-        segments = []
-        for chain, verdict in zip(chains, verdicts, strict=True):
-            r0 = Segment(chain.state, chain.base_row, [chain.args.token], chain.args.hidden)
-            if verdict is not None and verdict.recompute is not None:
-                rows = verdict.recompute
-                r0 = Segment(
-                    chain.state,
-                    rows.start_row,
-                    rows.tokens + r0.tokens,
-                    torch.cat([rows.hiddens, r0.hiddens]),
-                )
-            segments.append(r0)
-        self._draft_step(chains, segments)
-
-    def _draft_step(self, chains: list[_Chain], segments: list[Segment]) -> None:
-        """Computes each chain's next rows and drafts its next token from the last one."""
-        masks = [c.mask_row() for c in chains]
-        bitmask = None
-        if any(m is not None for m in masks):
-            full = torch.full_like(next(m for m in masks if m is not None), -1)
-            bitmask = torch.stack([full if m is None else m for m in masks])
-        hidden, tokens, probs = draft_segments(self.head, self.kv, segments, bitmask)
-        hidden = hidden.clone()  # a graph's outputs are overwritten by its next replay
-        for chain, out, token, prob in zip(
-            chains, hidden, tokens.tolist(), probs.tolist(), strict=True
-        ):
-            chain.last_hidden = out
-            chain.rows_computed += 1
-            chain.take(token, prob)
-
-    def _finish(self, chain: _Chain) -> Proposal:
+    def _finish(self, chain: Chain) -> Proposal:
         state = chain.state
         state.pending = PendingProposal(
             first_row=chain.base_row,
@@ -573,45 +460,3 @@ class DraftEngine:
         self.pool.free(state.blocks)
         state.blocks, state.num_rows = handle.blocks, handle.num_rows
         return RowCount(state.num_rows, state.next_position)
-
-
-class PrefillSession:
-    """An open Prefill: rows arrive in chunks; abort() puts the state back as it was."""
-
-    def __init__(self, engine: DraftEngine, state: DrafterState) -> None:
-        self.engine = engine
-        self.state_id = state.id
-        self.rows_before = state.num_rows
-        state.prefilling = True
-
-    def _live_state(self) -> DrafterState:
-        return self.engine._state(self.state_id)
-
-    def append(self, tokens: list[int], hiddens: torch.Tensor) -> None:
-        engine, state = self.engine, self._live_state()
-        c = engine.head.config
-        check.check_tokens(tokens, c.vocab_size, "tokens")
-        hiddens = check.check_hiddens(hiddens, len(tokens), c.hidden_size, "hiddens")
-        if not tokens:
-            return
-        engine._check_rows_fit(state.num_rows + len(tokens) - 1, "tokens")
-        engine._reserve([(state, state.num_rows + len(tokens))])
-        step = engine.prefill_rows_per_forward
-        for lo in range(0, len(tokens), step):
-            rows = engine._to_device(hiddens[lo : lo + step])
-            segment = Segment(state, state.num_rows, tokens[lo : lo + step], rows)
-            run_segments(engine.head, engine.kv, [segment])
-            state.num_rows += rows.shape[0]
-
-    def finish(self) -> RowCount:
-        state = self._live_state()
-        state.prefilling = False
-        return RowCount(state.num_rows, state.next_position)
-
-    def abort(self) -> None:
-        state = self.engine.states.get(self.state_id)
-        if state is None:
-            return
-        state.prefilling = False
-        state.num_rows = self.rows_before
-        self.engine._trim(state)
