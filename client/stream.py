@@ -46,6 +46,7 @@ class ProposeStream:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
+        self._failure: DrafterError = _closed()  # why the stream ended, once it has
         self._call = stub.ProposeStream(iter(self._requests.get, _CLOSE), timeout=timeout)
         self._reader = threading.Thread(target=self._read, daemon=True, name="propose-stream")
         self._reader.start()
@@ -56,7 +57,7 @@ class ProposeStream:
         future: Future[Proposal] = Future()
         with self._lock:
             if self._closed:
-                raise _closed()
+                raise self._failure
             request.request_id = next(self._ids)
             self._futures[request.request_id] = future
         self._requests.put(request)
@@ -82,6 +83,7 @@ class ProposeStream:
             failure = from_rpc_error(err)
         with self._lock:
             self._closed = True
+            self._failure = failure
             pending, self._futures = self._futures, {}
         for future in pending.values():
             future.set_exception(failure)
@@ -106,12 +108,13 @@ class AsyncProposeStream:
         self._futures: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._write_lock = asyncio.Lock()
+        self._failure: DrafterError = _closed()  # why the stream ended, once it has
         self._reader = asyncio.create_task(self._read())
 
     async def submit(self, *args: Any, **kwargs: Any) -> asyncio.Future[Proposal]:
         """Sends one request (the arguments of `propose`); returns the future of its answer."""
         if self._reader.done():
-            raise _closed()
+            raise self._failure
         request = m.propose_request(*args, **kwargs)
         request.request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
@@ -137,6 +140,7 @@ class AsyncProposeStream:
                     future.set_result(outcome)
         except grpc.RpcError as err:
             failure = from_rpc_error(err)
+        self._failure = failure
         for future in self._futures.values():
             if not future.done():
                 future.set_exception(failure)

@@ -17,6 +17,7 @@ from mtpdraft.v1 import drafter_pb2_grpc
 from . import messages as m
 from .errors import from_rpc_error
 from .messages import DEFAULT, Timeout
+from .security import PemSource, asks_for_security, open_channel
 from .stream import ProposeStream
 from .types import (
     InstallResult,
@@ -38,7 +39,15 @@ class DrafterClient:
 
     ``DrafterClient("localhost:50051")`` opens an insecure channel (with the
     given grpc channel ``options``); pass ``channel=`` to use your own (e.g. a
-    secure one), which ``close`` then leaves open. ``timeout`` is the default
+    secure one), which ``close`` then leaves open.
+
+    TLS: ``root_certificates`` (PEM bytes or a file's path; ``tls=True`` alone trusts
+    the system's roots) opens a secure channel, and ``private_key`` with
+    ``certificate_chain`` present a client certificate (mutual TLS). ``token`` sends
+    ``authorization: Bearer <token>`` on every call, as gRPC call credentials; without
+    TLS that is possible only to a loopback address or Unix socket (see
+    ``mtpdraft.client.security``). ``options`` may carry e.g.
+    ``("grpc.ssl_target_name_override", "localhost")``. ``timeout`` is the default
     deadline in seconds of every call (None: none); each method's ``timeout=``
     overrides it, None included.
     """
@@ -50,12 +59,26 @@ class DrafterClient:
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] | None = None,
         channel: grpc.Channel | None = None,
+        tls: bool = False,
+        root_certificates: PemSource | None = None,
+        private_key: PemSource | None = None,
+        certificate_chain: PemSource | None = None,
+        token: str | None = None,
     ) -> None:
+        security = dict(
+            tls=tls,
+            root_certificates=root_certificates,
+            private_key=private_key,
+            certificate_chain=certificate_chain,
+            token=token,
+        )
         if channel is None:
             if target is None:
                 raise ValueError("give a target or a channel")
-            channel = grpc.insecure_channel(target, options=list(options or ()))
+            channel = open_channel(grpc, target, options, **security)
             self._owns_channel = True
+        elif asks_for_security(**security):
+            raise ValueError("with channel=, put the credentials and token in the channel")
         else:
             self._owns_channel = False
         self.target = target

@@ -19,6 +19,7 @@ from .model.default_model import DEFAULT_CHECKPOINT
 from .model.errors import CheckpointError
 from .model.kv_cache import KVCache
 from .model.mtp_head import MTPHead
+from .security import TokenSource, server_credentials
 from .server import DEFAULT_MAX_MESSAGE_BYTES, create_server
 from .telemetry import Telemetry, providers_from_env
 
@@ -65,6 +66,47 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="forward ops: Triton kernels on CUDA, torch elsewhere (auto)",
     )
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the draft step eagerly")
+    sec = p.add_argument_group("security")
+    sec.add_argument("--tls-cert", metavar="FILE", help="serve TLS: the server's PEM certificate")
+    sec.add_argument("--tls-key", metavar="FILE", help="the PEM private key of --tls-cert")
+    sec.add_argument(
+        "--tls-client-ca",
+        metavar="FILE",
+        help="mutual TLS: require client certificates signed by this PEM CA",
+    )
+    sec.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="require 'authorization: Bearer <token>' on every call but health; "
+        "one token per line (several while rotating), re-read when it changes",
+    )
+
+
+def _security(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """create_server's credentials / tokens from the flags; bad flags or files exit."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    options: dict = {}
+    try:
+        if args.tls_cert:
+            options["credentials"] = server_credentials(
+                args.tls_cert, args.tls_key, args.tls_client_ca
+            )
+        if args.auth_token_file:
+            options["tokens"] = TokenSource(path=args.auth_token_file)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return options
+
+
+def _describe_security(args: argparse.Namespace) -> str:
+    transport = "plaintext"
+    if args.tls_cert:
+        transport = "mutual TLS (client certificates required)" if args.tls_client_ca else "TLS"
+    auth = "bearer tokens required" if args.auth_token_file else "no authentication"
+    return f"{transport}, {auth}"
 
 
 def _device(choice: str) -> torch.device:
@@ -105,7 +147,7 @@ def build_engine(args: argparse.Namespace) -> DraftEngine:
     )
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace, security: dict) -> None:
     engine = build_engine(args)
     server, port = create_server(
         engine,
@@ -116,6 +158,7 @@ async def _serve(args: argparse.Namespace) -> None:
         max_inflight=args.max_inflight,
         batch_wait=args.batch_wait_us * 1e-6,
         telemetry=Telemetry(*providers_from_env()),
+        **security,
     )
     await server.start()
     info = engine.info()
@@ -124,6 +167,7 @@ async def _serve(args: argparse.Namespace) -> None:
         f"({info.compute_dtype}, {info.kv_blocks_total} KV blocks of {info.kv_block_size} rows)",
         flush=True,
     )
+    print(f"mtpdraft: security: {_describe_security(args)}", flush=True)
     print(f"mtpdraft: listening on {args.host}:{port}", flush=True)
 
     stop = asyncio.Event()
@@ -142,12 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     add_loadtest_parser(sub)
     args = parser.parse_args(argv)
+    # Bad security flags or files end here, before anything starts.
+    security = _security(sub.choices["serve"], args) if args.command == "serve" else {}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.command == "loadtest":
         return run_loadtest(args)
     if args.command == "serve":
         try:
-            asyncio.run(_serve(args))
+            asyncio.run(_serve(args, security))
         except CheckpointError as exc:
             print(f"mtpdraft: cannot load the model: {exc}", file=sys.stderr)
             return 2

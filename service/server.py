@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,6 +16,7 @@ from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 from .engine.engine import DraftEngine
 from .engine.runner import EngineRunner
 from .engine.scheduler import ProposeScheduler
+from .security import TokenAuthInterceptor, TokenSource
 from .servicer import DrafterServicer
 from .telemetry import Telemetry
 
@@ -28,7 +30,12 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 
 
 class DrafterServer:
-    """A started-or-not server around one engine. Use create_server() to make one."""
+    """A started-or-not server around one engine. Use create_server() to make one.
+
+    `credentials` (e.g. `security.server_credentials(...)`) serves over TLS instead of
+    plaintext; `tokens` (a `security.TokenSource` or the accepted tokens) makes every
+    call but the health service's carry `authorization: Bearer <token>` metadata.
+    """
 
     def __init__(
         self,
@@ -41,15 +48,25 @@ class DrafterServer:
         max_inflight: int | None = None,
         batch_wait: float = 0.0,
         telemetry: Telemetry | None = None,
+        credentials: grpc.ServerCredentials | None = None,
+        tokens: TokenSource | Sequence[str | bytes] | None = None,
     ) -> None:
         self.engine = engine
         self.runner = EngineRunner()
         self.telemetry = telemetry or Telemetry()
         self.health = health.aio.HealthServicer()
+        # Authentication first, so that an unauthenticated call is refused before any
+        # other interceptor (telemetry's) or handler sees it.
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if tokens is not None:
+            if not isinstance(tokens, TokenSource):
+                tokens = TokenSource(tokens)
+            interceptors.append(TokenAuthInterceptor(tokens))
+        interceptors += self.telemetry.server_interceptors()
         # Past max_inflight concurrent RPCs (a stream counts as one) gRPC itself
         # answers RESOURCE_EXHAUSTED.
         self.server = grpc.aio.server(
-            interceptors=self.telemetry.server_interceptors(),
+            interceptors=interceptors,
             maximum_concurrent_rpcs=max_inflight,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -72,7 +89,10 @@ class DrafterServer:
         if reflection_enabled:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
             reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(address)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"could not bind {address}")
         self._reaper: asyncio.Task | None = None
