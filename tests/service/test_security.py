@@ -408,3 +408,11 @@ def test_client_security_arguments_are_checked(pki: Pki) -> None:
         DrafterClient(channel=grpc.insecure_channel("127.0.0.1:1"), token=TOKEN_A)
     with pytest.raises(ValueError, match="one line"):
         AsyncDrafterClient("127.0.0.1:1", token="a\nb")
+
+
+def test_a_refused_stream_reports_unauthenticated_to_every_call(servers: Servers, pki: Pki) -> None:
+    with mtls_client(servers, pki, token=None) as c, c.stream() as stream:
+        for _ in range(2):  # the call in flight, and one made after the stream closed
+            with pytest.raises(DrafterError) as err:
+                stream.propose(1, 1, hiddens(1, 0), 1, 1)
+            assert_unauthenticated(err, "authorization")
