@@ -52,15 +52,8 @@ from typing import Any
 
 # Kept free of torch at import: client worker processes (spawned) re-import this
 # file, and an fp32 client needs neither torch nor the service.
+from shapes import MIMO_7B, SMALL
 
-MIMO_7B = dict(
-    hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-    intermediate_size=11008, vocab_size=151680,
-)  # fmt: skip
-SMALL = dict(
-    hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=512, vocab_size=1024,
-)  # fmt: skip
 # MiMo-7B's own config: room for a 2048-row prompt plus every measured step.
 MAX_POSITIONS = 32768
 BLOCK_SIZE = 16

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from shapes import MIMO_7B, SMALL
 
 from mtpdraft.service.model.batch import RowBatch
 from mtpdraft.service.model.checkpoint import load_mtp_weights
@@ -31,14 +32,6 @@ from mtpdraft.service.model.decode_graphs import DecodeGraphs
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import write_random_checkpoint
 
-MIMO_7B = dict(
-    hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-    intermediate_size=11008, vocab_size=151680,
-)  # fmt: skip
-SMALL = dict(
-    hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=512, vocab_size=1024,
-)  # fmt: skip
 BLOCK = 16
 
 
