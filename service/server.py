@@ -125,7 +125,12 @@ class DrafterServer:
         deadline = loop.time() + grace
         while loop.time() < deadline and self.engine.states:
             await asyncio.sleep(0.05)
-        await self.server.stop(max(0.0, min(1.0, deadline - loop.time())))
+        # Grace is over: refuse new Propose calls, answer the ones already taken,
+        # then close the connections (a taken request is never left unanswered).
+        self.scheduler.closing = True
+        await self.scheduler.settle(timeout=5.0)
+        # Half a second at least: time to write the answers just given.
+        await self.server.stop(max(0.5, min(1.0, deadline - loop.time())))
         if self._reaper is not None:
             self._reaper.cancel()
         await self.scheduler.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -31,6 +32,8 @@ from .engine.runner import EngineRunner
 from .engine.scheduler import ProposeScheduler
 from .engine.types import Proposal, ProposeArgs, Verdict
 from .telemetry import Telemetry
+
+log = logging.getLogger("mtpdraft.servicer")
 
 ERROR_DOMAIN = "mtpdraft.v1"
 _CODES: dict[type[errors.DrafterError], grpc.StatusCode] = {
@@ -182,6 +185,20 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         with self.telemetry.kv_span("prefill"):
             return await self._prefill(request_iterator)
 
+    async def _begin_prefill(self, state_id: int, start: int) -> PrefillSession:
+        """begin_prefill, aborted once it is done if this call is cancelled meanwhile."""
+        begun = asyncio.ensure_future(self.runner.call(self.engine.begin_prefill, state_id, start))
+        try:
+            return await asyncio.shield(begun)
+        except asyncio.CancelledError:
+
+            def abort(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self.runner.submit(done.result().abort)
+
+            begun.add_done_callback(abort)
+            raise
+
     async def _prefill(self, request_iterator: AsyncIterator[pb.PrefillChunk]):
         session: PrefillSession | None = None
         try:
@@ -189,7 +206,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             async for chunk in request_iterator:
                 if session is None:
                     state_id, start = chunk.state_id, chunk.start_position
-                    session = await self.runner.call(self.engine.begin_prefill, state_id, start)
+                    session = await self._begin_prefill(state_id, start)
                 elif chunk.state_id not in (0, state_id) or chunk.start_position not in (0, start):
                     raise errors.InvalidArgument(
                         "a later chunk names another state or start_position than the first",

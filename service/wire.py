@@ -17,6 +17,9 @@ DTYPES: dict[int, torch.dtype] = {
     pb.DTYPE_INT32: torch.int32,
 }
 HIDDEN_DTYPES = (pb.DTYPE_BF16, pb.DTYPE_FP16, pb.DTYPE_FP32)
+# No real tensor here has a dimension past 2**31; an empty tensor's other
+# dimensions could otherwise be anything, up to sizes torch cannot represent.
+_MAX_DIM = 2**31 - 1
 
 
 def decode_tensor(msg: pb.Tensor, field: str, allowed: tuple[int, ...]) -> torch.Tensor:
@@ -30,9 +33,11 @@ def decode_tensor(msg: pb.Tensor, field: str, allowed: tuple[int, ...]) -> torch
             field=field,
         )
     shape = list(msg.shape)
-    if any(d < 0 for d in shape):
+    if any(not 0 <= d <= _MAX_DIM for d in shape):
         raise InvalidArgument(
-            f"{field}: negative dimension in shape {shape}", reason="BAD_SHAPE", field=field
+            f"{field}: shape {shape} has a dimension outside [0, {_MAX_DIM}]",
+            reason="BAD_SHAPE",
+            field=field,
         )
     dtype = DTYPES[msg.dtype]
     expected = math.prod(shape) * dtype.itemsize

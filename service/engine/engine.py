@@ -223,11 +223,9 @@ class DraftEngine:
     def reap_expired(self) -> tuple[int, int]:
         """Frees states idle past the TTL and handles past their lease: (states, handles)."""
         now = self.clock()
-        stale = [
-            s.id
-            for s in self.states.values()
-            if not s.prefilling and now - s.last_used > self.state_ttl
-        ]
+        # A Prefill stream renews the lease with every chunk; one silent for a whole
+        # TTL is as dead as an idle state (its client may have vanished mid-stream).
+        stale = [s.id for s in self.states.values() if now - s.last_used > self.state_ttl]
         for state_id in stale:
             self.free_state(state_id)
         expired = [h.id for h in self.handles.values() if now > h.expires_at]

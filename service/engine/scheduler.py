@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .engine import DraftEngine
-from .errors import DeadlineExceeded, DrafterError, ResourceExhausted
+from .errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from .runner import EngineRunner
 from .types import Proposal, ProposeArgs
 
@@ -72,6 +72,8 @@ class ProposeScheduler:
         self.on_batch = on_batch
         self.batch_sizes: Counter[int] = Counter()  # requests per batch -> batches run
         self._queue: deque[_Job] = deque()
+        self._running = False  # a batch is computing
+        self.closing = False  # set by a drain: no new calls, queued ones still run
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -81,6 +83,13 @@ class ProposeScheduler:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="propose-scheduler")
+
+    async def settle(self, timeout: float) -> None:
+        """Waits (at most `timeout` seconds) until every queued call has been answered."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (self._queue or self._running) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -95,6 +104,8 @@ class ProposeScheduler:
         self, requests: list[ProposeArgs], timeout: float | None = None
     ) -> tuple[list[Proposal], JobTiming]:
         """Queues one call's requests; returns their proposals once their batch ran."""
+        if self.closing:
+            raise Unavailable("the server is stopping", reason="DRAINING")
         if len(self._queue) >= self.max_queue:
             raise ResourceExhausted(
                 f"the propose queue is full ({self.max_queue} calls waiting)",
@@ -142,27 +153,52 @@ class ProposeScheduler:
                 self._wake.clear()
             if not batch:
                 continue
-            await self._run(batch)
+            self._running = True
+            try:
+                await self._run(batch)
+            finally:
+                self._running = False
 
     async def _run(self, batch: list[_Job]) -> None:
         started = time.time_ns()
-        requests = sum(len(job.requests) for job in batch)
-        try:
-            results = await self.runner.call(
-                self.engine.propose_groups, [job.requests for job in batch]
-            )
-        except Exception as exc:  # a bug in the forward: fail the batch, keep serving
-            results = [exc] * len(batch)
+
+        def compute() -> tuple[list[_Job], list]:
+            # On the engine thread, right before the forward: a job whose caller went
+            # away or whose deadline passed while the batch waited for this thread is
+            # left out, so that a failed call changes nothing. (future.done() read from
+            # this thread is a plain flag read; the loop alone ever sets it.)
+            now = time.monotonic()  # the clock of loop.time()
+            live = [
+                job
+                for job in batch
+                if not job.future.done() and (job.deadline is None or now < job.deadline)
+            ]
+            if not live:
+                return live, []
+            try:
+                return live, self.engine.propose_groups([job.requests for job in live])
+            except Exception as exc:  # a bug in the forward: fail the batch, keep serving
+                return live, [exc] * len(live)
+
+        live, results = await self.runner.call(compute)
         done = time.time_ns()
-        self.batch_sizes[requests] += 1
-        if self.on_batch is not None:
-            self.on_batch(requests, len(batch))
-        for job, result in zip(batch, results, strict=True):
+        requests = sum(len(job.requests) for job in live)
+        if live:
+            self.batch_sizes[requests] += 1
+            if self.on_batch is not None:
+                self.on_batch(requests, len(live))
+        outcome = dict(zip(map(id, live), results, strict=True))
+        for job in batch:
             job.timing.started_ns, job.timing.done_ns = started, done
-            job.timing.batch_requests, job.timing.batch_jobs = requests, len(batch)
-            if job.future.done():  # cancelled during compute: its effect stands
+            job.timing.batch_requests, job.timing.batch_jobs = requests, len(live)
+            if job.future.done():  # cancelled (left out, or during compute: its effect stands)
                 continue
-            if isinstance(result, BaseException | DrafterError):
+            result = outcome.get(id(job))
+            if result is None:
+                job.future.set_exception(
+                    DeadlineExceeded("the deadline passed while queued", reason="DEADLINE")
+                )
+            elif isinstance(result, BaseException):
                 job.future.set_exception(result)
             else:
                 job.future.set_result(result)

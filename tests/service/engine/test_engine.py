@@ -127,19 +127,21 @@ def test_batch_mixes_lengths_thresholds_and_masks(engine: DraftEngine) -> None:
 def test_leases_expire_idle_states_and_handles(engine: DraftEngine, clock: Clock) -> None:
     idle = prefill(engine, [1, 2, 3], h(3, 0))
     busy = engine.alloc_state()
-    session = engine.begin_prefill(busy, 1)  # an open prefill is never reaped
+    session = engine.begin_prefill(busy, 1)  # a live stream renews its lease per chunk
+    silent = engine.alloc_state()
+    engine.begin_prefill(silent, 1)  # a stream whose client vanished: no more chunks
     donor = prefill(engine, [4, 5], h(2, 1))
     handle = engine.take_kv(donor).handle_id
     clock.now = 9.0
-    engine.info()
+    session.append([1], h(1, 2))
     assert engine.reap_expired() == (0, 0)
     clock.now = 10.5
     engine.free_state(donor)
-    assert engine.reap_expired() == (1, 1)
-    assert idle not in engine.states and busy in engine.states
+    assert engine.reap_expired() == (2, 1)
+    assert idle not in engine.states and silent not in engine.states and busy in engine.states
     with pytest.raises(NotFound):
         engine.install_kv(busy, handle)
-    session.append([1], h(1, 2))
+    session.append([2], h(1, 3))
     session.finish()
     engine.free_state(busy)
     assert engine.pool.num_free == engine.pool.num_total

@@ -1,0 +1,339 @@
+"""Shared pieces of the reliability tests: dedicated servers, accounting, probes.
+
+Every reliability test runs its own `mtpdraft serve` (short state TTL, small
+blocks) so that what one test leaves behind can never hide what another leaks.
+The server's output is read continuously (a chatty server must never block on a
+full pipe) and kept, so that a test can assert it logged no traceback.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from servers import ServerProcess, start_server
+
+from mtpdraft.client import DrafterClient, FailedPrecondition
+from mtpdraft.v1 import drafter_pb2 as pb
+from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
+
+H = 64  # hidden size of the test checkpoint (tests/drafting.py)
+V = 200  # its vocabulary
+BLOCK = 4  # rows per KV block on every reliability server
+
+# The codes DESIGN.md and the proto document; anything else (UNKNOWN, INTERNAL, ...) is a bug.
+DOCUMENTED = frozenset({
+    grpc.StatusCode.OK,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+})  # fmt: skip
+DOCUMENTED_VALUES = frozenset(code.value[0] for code in DOCUMENTED)
+
+
+def server_args(ttl: float, **limits: object) -> list[str]:
+    """`mtpdraft serve` options: small blocks, a short TTL, and any --limit overrides."""
+    options = {
+        "kv-blocks": 4096,
+        "block-size": BLOCK,
+        "max-drafts": 8,
+        "max-batch": 8,
+        "max-states": 64,
+        "grace-period": 2,
+        "state-ttl": ttl,
+    }
+    options |= {key.replace("_", "-"): value for key, value in limits.items()}
+    return [item for key, value in options.items() for item in (f"--{key}", str(value))]
+
+
+class ManagedServer:
+    """`mtpdraft serve` in a subprocess whose output is drained into `lines`."""
+
+    def __init__(self, model: Path, *args: str) -> None:
+        self.model, self.args = model, args
+        self.proc: ServerProcess = start_server(model, *args)
+        self.address = self.proc.address
+        self.port = int(self.address.rsplit(":", 1)[1])
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+        self._channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.DrafterStub(self._channel)
+
+    def _drain(self) -> None:
+        for line in self.proc.process.stdout:
+            self.proc.lines.append(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.process.pid
+
+    @property
+    def log(self) -> str:
+        return "".join(self.proc.lines)
+
+    def alive(self) -> bool:
+        return self.proc.process.poll() is None
+
+    def info(self, timeout: float = 30.0) -> pb.GetInfoResponse:
+        return self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout)
+
+    def health(self, service: str = "") -> int:
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        request = health_pb2.HealthCheckRequest(service=service)
+        return stub.Check(request, timeout=5).status
+
+    def wait_exit(self, timeout: float) -> int:
+        code = self.proc.process.wait(timeout)
+        self._reader.join(10)
+        self._channel.close()
+        return code
+
+    def stop(self, timeout: float = 20.0) -> int:
+        code = self.proc.stop(timeout)
+        self._reader.join(10)
+        self._channel.close()
+        return code
+
+    def assert_no_traceback(self) -> None:
+        log = self.log
+        assert "Traceback" not in log and "Exception" not in log, log[-4000:]
+
+
+def used_blocks(info: pb.GetInfoResponse) -> int:
+    return info.kv_blocks_total - info.kv_blocks_free
+
+
+def blocks_for(rows: int, block: int = BLOCK) -> int:
+    return -(-rows // block)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str = "condition") -> float:
+    """Polls `predicate` every 50 ms; returns the seconds it took, fails after `timeout`."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def wait_clean(server: ManagedServer, timeout: float) -> pb.GetInfoResponse:
+    """Waits until the server holds no state, no handle and every block is free."""
+    last: list[pb.GetInfoResponse] = []
+
+    def clean() -> bool:
+        info = server.info()
+        last[:] = [info]
+        return (
+            info.live_states == 0
+            and info.kv_handles == 0
+            and info.kv_blocks_free == info.kv_blocks_total
+        )
+
+    started = time.monotonic()
+    while not clean():
+        info = last[0]
+        assert time.monotonic() - started < timeout, (
+            f"not clean after {timeout:.1f} s: {info.live_states} states, {info.kv_handles} "
+            f"handles, {used_blocks(info)} blocks used"
+        )
+        time.sleep(0.05)
+    return last[0]
+
+
+def assert_holds(
+    server: ManagedServer, states: dict[int, int], handles: dict[int, int] | None = None
+) -> None:
+    """The server holds exactly these states (id -> rows) and handles (id -> rows), and the
+    blocks in use are ceil(rows / block_size) for each of them."""
+    handles = handles or {}
+    info = server.info()
+    expected = sum(blocks_for(r) for r in states.values()) + sum(
+        blocks_for(r) for r in handles.values()
+    )
+    got = (info.live_states, info.kv_handles, used_blocks(info))
+    assert got == (len(states), len(handles), expected), (
+        f"(states, handles, blocks) = {got}, expected {(len(states), len(handles), expected)}"
+    )
+
+
+def rows_of(client: DrafterClient, state: int) -> int:
+    """How many rows a state holds, read with TakeKV + InstallKV (which change nothing).
+
+    A state left with a pending proposal by a call whose outcome the client never saw
+    (cancelled, deadline) answers TakeKV with FAILED_PRECONDITION: the verdict 0 then
+    settles it (keeping the proposal's row R0) and the count is read again. A Prefill
+    stream cut short by the client is waited for until the server has ended it.
+    """
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            handle = client.take_kv(state)
+            break
+        except FailedPrecondition as err:
+            if err.reason == "PROPOSAL_PENDING":
+                client.after_verify(state, 0)
+                continue
+            # A Prefill stream the client gave up on, not yet ended on the server.
+            assert err.reason == "PREFILL_IN_PROGRESS", err
+            assert time.monotonic() < deadline, "the Prefill stream never ended"
+            time.sleep(0.02)
+    client.install_kv(state, handle)
+    return handle.num_rows
+
+
+def hiddens(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, H), dtype=np.float32)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed + 1_000_003).integers(0, V, n).tolist()
+
+
+def prefilled(client: DrafterClient, rows: int, seed: int) -> int:
+    state = client.alloc_state()
+    if rows:
+        client.prefill(state, tokens(rows, seed), hiddens(rows, seed), 1)
+    return state
+
+
+def tensor(array: np.ndarray) -> pb.Tensor:
+    """An fp32 wire tensor."""
+    array = np.ascontiguousarray(array, dtype="<f4")
+    return pb.Tensor(dtype=pb.DTYPE_FP32, shape=list(array.shape), data=array.tobytes())
+
+
+def propose_message(
+    state: int, position: int, k: int, seed: int, *, previous: int | None = None, rid: int = 0
+) -> pb.ProposeRequest:
+    request = pb.ProposeRequest(
+        state_id=state,
+        token=tokens(1, seed)[0],
+        hidden=tensor(hiddens(1, seed)[0]),
+        position=position,
+        num_drafts=k,
+        request_id=rid,
+    )
+    if previous is not None:
+        request.previous.num_accepted = previous
+    return request
+
+
+def prefill_chunk(state: int, start: int, n: int, seed: int) -> pb.PrefillChunk:
+    return pb.PrefillChunk(
+        state_id=state,
+        start_position=start,
+        tokens=tokens(n, seed),
+        hiddens=tensor(hiddens(n, seed)),
+    )
+
+
+class BusyEngine:
+    """Keeps the server's engine thread busy for a while (about 0.5 to 1 s on a CPU): three
+    long Prefills (4000 rows each, 3000 blocks in all) on scratch states of their own,
+    freed when done. Calls sent meanwhile queue behind them."""
+
+    ROWS, COPIES = 4000, 3
+
+    def __init__(self, client: DrafterClient) -> None:
+        self.client = client
+        self.threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.COPIES)
+        ]
+
+    def _run(self, seed: int) -> None:
+        state = self.client.alloc_state()
+        try:
+            self.client.prefill(state, tokens(self.ROWS, seed), hiddens(self.ROWS, seed), 1)
+        finally:
+            self.client.free_state(state)
+
+    def __enter__(self) -> BusyEngine:
+        for thread in self.threads:
+            thread.start()
+        time.sleep(0.15)  # their rows are on the engine thread by now
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for thread in self.threads:
+            thread.join(60)
+
+
+def fill_pool(client: DrafterClient, server: ManagedServer, leave: int) -> dict[int, int]:
+    """Prefills scratch states until exactly `leave` blocks are free; returns them (id -> rows)."""
+    states = {}
+    while (free := server.info().kv_blocks_free) > leave:
+        rows = min(free - leave, 1020) * BLOCK
+        states[prefilled(client, rows, len(states))] = rows
+    assert server.info().kv_blocks_free == leave
+    return states
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RawStream:
+    """A ProposeStream through the raw stub: answers by request id and the final status."""
+
+    def __init__(self, stub: pb_grpc.DrafterStub, timeout: float | None = None) -> None:
+        import queue
+
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.answers: dict[int, pb.ProposeStreamResponse] = {}
+        self.sent: list[int] = []
+        self.code: grpc.StatusCode | None = None
+        self._changed = threading.Condition()
+        self.call = stub.ProposeStream(iter(self._requests.get, None), timeout=timeout)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        code = grpc.StatusCode.OK
+        try:
+            for resp in self.call:
+                with self._changed:
+                    self.answers[resp.request_id] = resp
+                    self._changed.notify_all()
+        except grpc.RpcError as err:
+            code = err.code()
+        with self._changed:
+            self.code = code
+            self._changed.notify_all()
+
+    def send(self, request: pb.ProposeRequest) -> int:
+        self.sent.append(request.request_id)
+        self._requests.put(request)
+        return request.request_id
+
+    def wait(self, request_id: int, timeout: float = 30.0) -> pb.ProposeStreamResponse | None:
+        """The answer to `request_id`, or None if the stream ended without it."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: request_id in self.answers or self.code is not None, timeout
+            )
+            return self.answers.get(request_id)
+
+    def unanswered(self) -> list[int]:
+        return [r for r in self.sent if r not in self.answers]
+
+    def finish(self, timeout: float = 30.0) -> grpc.StatusCode:
+        """Half-closes the stream and waits for its end; returns its status code."""
+        self._requests.put(None)
+        self._reader.join(timeout)
+        assert self.code is not None, "the stream did not end"
+        return self.code
+
+    def cancel(self, timeout: float = 30.0) -> grpc.StatusCode:
+        self.call.cancel()
+        return self.finish(timeout)
