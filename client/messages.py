@@ -136,6 +136,8 @@ def prefill_chunks(
                 start_position=start,
                 tokens=toks[lo:hi],
                 hiddens=wire.tensor_from_raw(raw[lo:hi], dtype),
+                # Lets the server tell a stream cut short from a finished one.
+                total_rows=n if lo == 0 else 0,
             )
 
     return chunks()

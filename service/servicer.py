@@ -202,10 +202,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     async def _prefill(self, request_iterator: AsyncIterator[pb.PrefillChunk]):
         session: PrefillSession | None = None
         try:
-            state_id = start = 0
+            state_id = start = total = received = 0
             async for chunk in request_iterator:
                 if session is None:
                     state_id, start = chunk.state_id, chunk.start_position
+                    total = chunk.total_rows
                     session = await self._begin_prefill(state_id, start)
                 elif chunk.state_id not in (0, state_id) or chunk.start_position not in (0, start):
                     raise errors.InvalidArgument(
@@ -216,9 +217,16 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 if chunk.HasField("hiddens") or chunk.tokens:
                     hiddens = wire.decode_hiddens(chunk.hiddens, "hiddens")
                     await self.runner.call(session.append, list(chunk.tokens), hiddens)
+                    received += len(chunk.tokens)
             if session is None:
                 raise errors.InvalidArgument(
                     "Prefill needs at least one chunk", reason="EMPTY_STREAM", field="state_id"
+                )
+            if total and received != total:
+                raise errors.InvalidArgument(
+                    f"the stream ended after {received} of its {total} rows",
+                    reason="INCOMPLETE_PREFILL",
+                    field="total_rows",
                 )
             rows = await self.runner.call(session.finish)
             session = None

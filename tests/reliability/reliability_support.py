@@ -227,12 +227,14 @@ def propose_message(
     return request
 
 
-def prefill_chunk(state: int, start: int, n: int, seed: int) -> pb.PrefillChunk:
+def prefill_chunk(state: int, start: int, n: int, seed: int, total: int = 0) -> pb.PrefillChunk:
+    """A chunk of n rows; `total` declares the rows of the whole stream (first chunk)."""
     return pb.PrefillChunk(
         state_id=state,
         start_position=start,
         tokens=tokens(n, seed),
         hiddens=tensor(hiddens(n, seed)),
+        total_rows=total,
     )
 
 

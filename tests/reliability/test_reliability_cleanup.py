@@ -70,9 +70,9 @@ TTL = 1.5
 SETTLE = TTL + 5.0  # a lease, the reaper's period and a margin for a slow machine
 HERE = Path(__file__).parent
 CUT_SHORT = {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
-# A Prefill stream cut short by its client is sometimes committed instead of rolled back:
-# test_a_prefill_cut_short_is_rolled_back pins that bug. Set to False once it is fixed.
-PREFILL_CANCEL_MAY_COMMIT = True
+# A Prefill stream cut short by its client, which grpc.aio may end like a finished one, is
+# rolled back because its first chunk declared total_rows (as the clients do).
+PREFILL_CANCEL_MAY_COMMIT = False
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +278,7 @@ def test_prefill_streams_cut_short_or_refused_leak_nothing(clean) -> None:
         # Cut short after its first chunk landed: cancelled by the client, past its
         # deadline, or broken by the client's request iterator.
         for cut in ("cancel", "deadline", "broken"):
-            first = prefill_chunk(s, rows[s] + 1, 6, 2)
+            first = prefill_chunk(s, rows[s] + 1, 6, 2, total=12)  # cut after 6 of 12
             held = HeldPrefill(
                 srv.stub,
                 first,
@@ -479,28 +479,23 @@ def _in_process(checkpoint, ttl: float):
     return InProcessServer(small_engine(checkpoint, state_ttl=ttl))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="servicer._prefill: grpc.aio ends the request iterator (as if the client had "
-    "half-closed) before it delivers the cancel, so a Prefill cut short by its client is "
-    "committed whenever session.finish() completes before the CancelledError arrives",
-)
 def test_a_prefill_cut_short_is_rolled_back(clean) -> None:
     """The client never half-closes: whatever the race, nothing may be appended.
 
-    The bug is a race (hit by 1 to 25 in 100 tries here, depending on load), so this
-    tries up to 600 times, alternating a cancel and a broken request iterator, and stops
-    at the first Prefill that was committed.
+    grpc.aio may end the request stream of a cancelled call before it reports the
+    cancel (seen in 1 to 25 of 100 tries), so a cut stream can look finished; the first
+    chunk's total_rows tells them apart. 200 tries, alternating a cancel and a broken
+    request iterator.
     """
     srv = clean
     with DrafterClient(srv.address, timeout=30) as c:
         s = prefilled(c, 5, 1)
-        for attempt in range(600):
+        for attempt in range(200):
 
             def broken():
                 raise RuntimeError("the verifier lost its hiddens")
 
-            first = prefill_chunk(s, 6, 6, attempt)
+            first = prefill_chunk(s, 6, 6, attempt, total=12)  # cut after 6 of 12
             held = HeldPrefill(srv.stub, first, timeout=60, then=broken if attempt % 2 else None)
             deadline = time.monotonic() + 10
             while used_blocks(srv.info()) != blocks_for(11):  # the first chunk landed

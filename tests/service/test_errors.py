@@ -309,3 +309,22 @@ def test_hidden_dtypes_are_equivalent(client: DrafterClient, ref: Reference) -> 
         client.free_state(state)
     assert results[0].tokens == results[1].tokens
     assert results[0].probs == pytest.approx(results[1].probs, abs=1e-6)
+
+
+def test_a_prefill_shorter_than_its_declared_rows_is_rolled_back(
+    client: DrafterClient, stub
+) -> None:
+    state = client.alloc_state()
+    free = client.info().kv_blocks_free
+    rows = hiddens(6, 14).numpy()
+    chunk = pb.PrefillChunk(
+        state_id=state, start_position=1, tokens=[1, 2, 3, 4, 5, 6], total_rows=10,
+        hiddens=pb.Tensor(dtype=pb.DTYPE_FP32, shape=[6, H], data=rows.tobytes()),
+    )  # fmt: skip
+    err = raw(stub.Prefill, iter([chunk]))
+    assert (err.code, err.reason, err.field) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "INCOMPLETE_PREFILL", "total_rows"
+    )  # fmt: skip
+    assert client.info().kv_blocks_free == free
+    assert client.prefill(state, [1], hiddens(1, 15), 1).num_rows == 1  # still empty before
+    client.free_state(state)

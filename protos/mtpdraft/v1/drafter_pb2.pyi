@@ -102,16 +102,18 @@ class AllocStateResponse(_message.Message):
     def __init__(self, state_id: _Optional[int] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
-    __slots__ = ("state_id", "start_position", "tokens", "hiddens")
+    __slots__ = ("state_id", "start_position", "tokens", "hiddens", "total_rows")
     STATE_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
     state_id: int
     start_position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     hiddens: Tensor
-    def __init__(self, state_id: _Optional[int] = ..., start_position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    total_rows: int
+    def __init__(self, state_id: _Optional[int] = ..., start_position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., total_rows: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("num_rows", "next_position")
