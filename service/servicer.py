@@ -249,12 +249,6 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             except errors.DrafterError as err:
                 err.message = f"requests[{i}].{err.message}"
                 raise
-        if not 1 <= len(batch) <= self.engine.max_batch:
-            raise errors.InvalidArgument(
-                f"requests: {len(batch)} requests, expected 1 to {self.engine.max_batch}",
-                reason="BATCH_SIZE_OUT_OF_RANGE",
-                field="requests",
-            )
         proposals = await self._propose(batch, context)
         return pb.ProposeBatchResponse(proposals=[_proposal(p) for p in proposals])
 

@@ -11,7 +11,7 @@ import torch
 from ..model.kv_cache import KVCache
 from ..model.mtp_head import MTPHead
 from .chain import Chain, VerdictPlan
-from .rows import Segment, draft_segments
+from .rows import Segment, block_tables, draft_segments
 
 
 def first_drafts(
@@ -55,10 +55,6 @@ def chain_drafts(head: MTPHead, kv: KVCache, chains: list[Chain]) -> None:
     device = head.device
     limits = [c.args.num_drafts - len(c.drafts) for c in chains]
     steps = max(limits)
-    widest = max(len(c.state.blocks) for c in chains)
-    tables = torch.zeros((len(chains), widest), dtype=torch.int32)
-    for i, c in enumerate(chains):
-        tables[i, : len(c.state.blocks)] = torch.tensor(c.state.blocks, dtype=torch.int32)
     bitmasks = None
     if any(c.bitmask is not None for c in chains):
         words = next(c.bitmask for c in chains if c.bitmask is not None).shape[1]
@@ -76,7 +72,7 @@ def chain_drafts(head: MTPHead, kv: KVCache, chains: list[Chain]) -> None:
         torch.tensor([c.drafts[-1] for c in chains], dtype=torch.int64, device=device),
         torch.stack([c.last_hidden for c in chains]),
         torch.tensor([c.base_row + c.rows_computed for c in chains], device=device),
-        tables.to(device),
+        block_tables([c.state for c in chains], device),
         torch.tensor(limits, device=device),
         bitmasks,
     )

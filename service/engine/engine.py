@@ -119,14 +119,17 @@ class DraftEngine:
         state.last_used = self.clock()
         return state
 
+    def _check_not_prefilling(self, state: DrafterState, action: str) -> None:
+        if state.prefilling:
+            raise FailedPrecondition(
+                f"cannot {action}: a Prefill stream is open on state {state.id}",
+                reason="PREFILL_IN_PROGRESS",
+            )
+
     def _idle_state(self, state_id: int, action: str) -> DrafterState:
         """A state with no open Prefill and no pending proposal."""
         state = self._state(state_id)
-        if state.prefilling:
-            raise FailedPrecondition(
-                f"cannot {action}: a Prefill stream is open on state {state_id}",
-                reason="PREFILL_IN_PROGRESS",
-            )
+        self._check_not_prefilling(state, action)
         if state.pending is not None:
             raise FailedPrecondition(
                 f"cannot {action}: state {state_id} has a proposal awaiting its verdict "
@@ -293,10 +296,7 @@ class DraftEngine:
 
     def after_verify(self, state_id: int, verdict: Verdict) -> RowCount:
         state = self._state(state_id)
-        if state.prefilling:
-            raise FailedPrecondition(
-                f"a Prefill stream is open on state {state_id}", reason="PREFILL_IN_PROGRESS"
-            )
+        self._check_not_prefilling(state, "apply a verdict")
         plan = self._plan_verdict(state, verdict, "verdict")
         self._reserve([(state, plan.rows_after)])
         self._apply_truncation(state, plan)
@@ -351,12 +351,7 @@ class DraftEngine:
     def _plan_group(
         self, group: list[ProposeArgs], busy: set[int]
     ) -> list[tuple[Chain, VerdictPlan | None]]:
-        if not 1 <= len(group) <= self.max_batch:
-            raise InvalidArgument(
-                f"requests: {len(group)} requests, expected 1 to {self.max_batch}",
-                reason="BATCH_SIZE_OUT_OF_RANGE",
-                field="requests",
-            )
+        check.check_batch_size(len(group), self.max_batch)
         planned, seen = [], set(busy)
         for i, args in enumerate(group):
             if args.state_id in seen:
@@ -383,11 +378,7 @@ class DraftEngine:
         c = self.head.config
         if args.previous is not None:
             state = self._state(args.state_id)
-            if state.prefilling:
-                raise FailedPrecondition(
-                    f"a Prefill stream is open on state {args.state_id}",
-                    reason="PREFILL_IN_PROGRESS",
-                )
+            self._check_not_prefilling(state, "propose")
             verdict = self._plan_verdict(state, args.previous, "previous")
             base_row = verdict.rows_after
         else:

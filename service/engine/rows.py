@@ -22,25 +22,30 @@ class Segment:
     hiddens: torch.Tensor  # [n, H] on the model's device
 
 
+def block_tables(states: list[DrafterState], device: torch.device) -> torch.Tensor:
+    """[len(states), widest] int32: each state's KV blocks, padded with zeros."""
+    tables = torch.zeros((len(states), max(len(s.blocks) for s in states)), dtype=torch.int32)
+    for i, state in enumerate(states):
+        tables[i, : len(state.blocks)] = torch.tensor(state.blocks, dtype=torch.int32)
+    return tables.to(device)
+
+
 def _row_batch(head: MTPHead, kv: KVCache, segments: list[Segment]) -> RowBatch:
     device, bs = head.device, kv.block_size
     positions, slots, seq_ids, tokens = [], [], [], []
-    widest = max(len(seg.state.blocks) for seg in segments)
-    tables = torch.zeros((len(segments), widest), dtype=torch.int32)
     for i, seg in enumerate(segments):
         rows = range(seg.start_row, seg.start_row + len(seg.tokens))
         positions.extend(rows)
         slots.extend(seg.state.blocks[r // bs] * bs + r % bs for r in rows)
         seq_ids.extend([i] * len(rows))
         tokens.extend(seg.tokens)
-        tables[i, : len(seg.state.blocks)] = torch.tensor(seg.state.blocks, dtype=torch.int32)
     return RowBatch(
         tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
         hiddens=torch.cat([seg.hiddens for seg in segments]).to(device=device, dtype=head.dtype),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         seq_ids=torch.tensor(seq_ids, dtype=torch.int32, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=tables.to(device),
+        block_tables=block_tables([seg.state for seg in segments], device),
     )
 
 

@@ -26,6 +26,7 @@ from .engine import DraftEngine
 from .errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from .runner import EngineRunner
 from .types import Proposal, ProposeArgs
+from .validation import check_batch_size
 
 
 @dataclass
@@ -49,6 +50,10 @@ class _Job:
 
     def __post_init__(self) -> None:
         self.states = {r.state_id for r in self.requests}
+
+
+def _deadline_passed() -> DeadlineExceeded:
+    return DeadlineExceeded("the deadline passed while queued", reason="DEADLINE")
 
 
 BatchObserver = Callable[[int, int], None]  # (requests in the batch, jobs in the batch)
@@ -104,6 +109,8 @@ class ProposeScheduler:
         self, requests: list[ProposeArgs], timeout: float | None = None
     ) -> tuple[list[Proposal], JobTiming]:
         """Queues one call's requests; returns their proposals once their batch ran."""
+        # A call larger than a batch could never be taken: refuse it here.
+        check_batch_size(len(requests), self.max_batch)
         if self.closing:
             raise Unavailable("the server is stopping", reason="DRAINING")
         if len(self._queue) >= self.max_queue:
@@ -130,9 +137,7 @@ class ProposeScheduler:
             if job.future.done():  # cancelled while queued
                 continue
             if job.deadline is not None and now >= job.deadline:
-                job.future.set_exception(
-                    DeadlineExceeded("the deadline passed while queued", reason="DEADLINE")
-                )
+                job.future.set_exception(_deadline_passed())
                 continue
             if size + len(job.requests) > self.max_batch or job.states & states:
                 deferred.append(job)
@@ -195,9 +200,7 @@ class ProposeScheduler:
                 continue
             result = outcome.get(id(job))
             if result is None:
-                job.future.set_exception(
-                    DeadlineExceeded("the deadline passed while queued", reason="DEADLINE")
-                )
+                job.future.set_exception(_deadline_passed())
             elif isinstance(result, BaseException):
                 job.future.set_exception(result)
             else:

@@ -53,6 +53,15 @@ def check_num_drafts(num_drafts: int, max_drafts: int) -> None:
         )
 
 
+def check_batch_size(size: int, max_batch: int) -> None:
+    if not 1 <= size <= max_batch:
+        raise InvalidArgument(
+            f"requests: {size} requests, expected 1 to {max_batch}",
+            reason="BATCH_SIZE_OUT_OF_RANGE",
+            field="requests",
+        )
+
+
 def check_min_confidence(value: float) -> None:
     if math.isnan(value) or not 0.0 <= value <= 1.0:
         raise InvalidArgument(

@@ -167,7 +167,7 @@ class MTPHead:
         for j in range(steps):
             live = limits > j
             # A finished sequence repeats its last row's position (valid context) unwritten.
-            pos = positions + torch.minimum(torch.full_like(limits, j), limits - 1)
+            pos = positions + (limits - 1).clamp(max=j)
             block = block_tables.gather(1, (pos // bs).clamp_max(width - 1)[:, None])[:, 0]
             slots = torch.where(live, block.long() * bs + pos % bs, -1)
             batch = RowBatch(tokens, hiddens, pos, seq_ids, slots, block_tables)
