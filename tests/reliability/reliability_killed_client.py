@@ -56,7 +56,7 @@ def main(address: str) -> None:
     stream.propose(s2, 6, hiddens(1, 6)[0], 6 + 2 + 1, 2, previous=Verdict(2))
     states[s2] = 5 + 1 + 2 + 2
 
-    # A Prefill stream that sends its first chunk of 6 rows and never finishes.
+    # A Prefill stream that declares 12 rows, sends its first chunk of 6 and never finishes.
     s3 = client.alloc_state()
     states[s3] = 0
     never = threading.Event()
@@ -67,6 +67,7 @@ def main(address: str) -> None:
             start_position=1,
             tokens=tokens(6, 7),
             hiddens=pb.Tensor(dtype=pb.DTYPE_FP32, shape=[6, H], data=hiddens(6, 7).tobytes()),
+            total_rows=12,  # it means to send 12 rows, as clients declare
         )
         never.wait()
 
