@@ -4,11 +4,14 @@ torch.compile + CUDA graph, in the MiMo-7B MTP shape with random weights.
 One draft step = one MTP row per state (embedding + hidden in, KV written, paged
 attention over the state's context) plus its logits and the draft (argmax and
 top-1 probability): what each chained draft costs. Measured for this project's
-served path (Triton kernels, cuBLAS GEMMs, replayed from a CUDA graph), the same
-math in eager torch (the reference ops), and the same math written densely and
-compiled with torch.compile(mode="reduce-overhead") (CUDA graphs), all in one
-run. Roofline = (weight bytes + KV bytes read) / device copy bandwidth measured
-in the same run. Writes bench/results/step.json and step.md.
+served path (Triton kernels, cuBLAS GEMMs, replayed from a CUDA graph: one replay
+per step, its inputs staged before the chain), the same math in eager torch (the
+reference ops), and the same math written densely and compiled with
+torch.compile(mode="reduce-overhead") (CUDA graphs; its inputs copied in per
+call), all in one run. Also the whole served chain of K = 4 drafts per draft
+(staging, 4 replays and the host's wait for the results: what a proposal costs).
+Roofline = (weight bytes + KV bytes read) / device copy bandwidth measured in the
+same run. Writes bench/results/step.json and step.md.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -28,11 +32,13 @@ from shapes import MIMO_7B, SMALL
 
 from mtpdraft.service.model.batch import RowBatch
 from mtpdraft.service.model.checkpoint import load_mtp_weights
+from mtpdraft.service.model.decode_chain import ChainInputs
 from mtpdraft.service.model.decode_graphs import DecodeGraphs
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import write_random_checkpoint
 
 BLOCK = 16
+CHAIN = 4  # drafts per proposal in the chain column
 
 
 def timed(fn, iters: int, device: torch.device) -> float:
@@ -40,8 +46,6 @@ def timed(fn, iters: int, device: torch.device) -> float:
     for _ in range(3):
         fn()
     if device.type != "cuda":
-        import time
-
         times = []
         for _ in range(iters):
             t0 = time.perf_counter()
@@ -74,21 +78,58 @@ def weight_bytes(head: MTPHead, batch: int) -> int:
     return total + batch * head.embed.shape[1] * head.embed.element_size()
 
 
-def make_batch(head: MTPHead, b: int, ctx: int, gen: torch.Generator) -> tuple[RowBatch, int]:
-    per_seq = math.ceil(ctx / BLOCK)
-    tables = torch.randperm(b * per_seq, generator=gen).reshape(b, per_seq).to(torch.int32)
-    pos = torch.full((b,), ctx - 1)
-    slots = tables[:, (ctx - 1) // BLOCK].long() * BLOCK + (ctx - 1) % BLOCK
-    dev = head.device
-    batch = RowBatch(
-        tokens=torch.randint(0, head.config.vocab_size, (b,), generator=gen).to(dev),
-        hiddens=torch.randn(b, head.config.hidden_size, generator=gen).to(dev, head.dtype),
-        positions=pos.to(dev),
-        seq_ids=torch.arange(b, dtype=torch.int32, device=dev),
-        slot_mapping=slots.to(dev),
-        block_tables=tables.to(dev),
+def make_chain(head: MTPHead, b: int, ctx: int, gen: torch.Generator) -> tuple[ChainInputs, int]:
+    """b states of ctx rows each (the last one computed by the step); blocks for CHAIN more."""
+    per_seq = math.ceil((ctx + CHAIN) / BLOCK)
+    chain = ChainInputs(
+        tokens=torch.randint(0, head.config.vocab_size, (b,), generator=gen),
+        hiddens=torch.randn(b, head.config.hidden_size, generator=gen).to(head.dtype),
+        positions=torch.full((b,), ctx - 1),
+        limits=torch.ones(b, dtype=torch.int64),
+        block_tables=torch.randperm(b * per_seq, generator=gen).reshape(b, per_seq).int(),
     )
-    return batch, b * per_seq
+    return chain, b * per_seq
+
+
+def first_step(chain: ChainInputs, device: torch.device) -> RowBatch:
+    positions, slots, context_lens = chain.step_rows(BLOCK)[0].to(device)
+    return RowBatch(
+        tokens=chain.tokens.to(device),
+        hiddens=chain.hiddens.to(device),
+        positions=positions,
+        seq_ids=torch.arange(len(chain), dtype=torch.int32, device=device),
+        slot_mapping=slots,
+        block_tables=chain.block_tables.to(device),
+        context_lens=context_lens,
+    )
+
+
+def timed_replay(graphs: DecodeGraphs, chain: ChainInputs, iters: int) -> float:
+    """Median milliseconds of one step's graph replay, its inputs staged (untimed) before."""
+    rows = chain.step_rows(BLOCK)
+    for _ in range(3):
+        graphs.stage(chain, rows).replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends, strict=True):
+        graph = graphs.stage(chain, rows)
+        s.record()
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def timed_chain(graphs: DecodeGraphs, chain: ChainInputs, iters: int) -> float:
+    """Median wall milliseconds per draft of a whole served chain (stage, replays, wait)."""
+    rows = chain.step_rows(BLOCK)
+    times = []
+    for i in range(iters + 3):
+        t0 = time.perf_counter()
+        graphs.run(chain, rows)
+        if i >= 3:
+            times.append((time.perf_counter() - t0) * 1e3 / chain.steps)
+    return statistics.median(times)
 
 
 def dense_step(head: MTPHead):
@@ -146,17 +187,20 @@ def measure(
 ) -> dict:
     """One (batch, context) point: every peer on the same inputs."""
     device, c = fast.device, fast.config
-    batch, blocks = make_batch(fast, b, ctx, gen)
+    chain, blocks = make_chain(fast, b, ctx, gen)
+    batch = first_step(chain, device)
     kv = fast.new_kv_cache(blocks, BLOCK)
     kv.k.normal_()
     kv.v.normal_()
     row: dict = {"batch": b, "context": ctx}
     row["roofline_ms"] = (weight_bytes(fast, b) + b * ctx * kv_per_token) / bandwidth * 1e3
     if device.type == "cuda":
-        graphs = DecodeGraphs(fast, kv, b, buckets=(b,), masks=(False,))
-        row["mtpdraft_ms"] = timed(lambda: graphs.run(batch, None), iters, device)
+        graphs = DecodeGraphs(fast, kv, b, CHAIN, buckets=(b,), masks=(False,))
+        row["mtpdraft_ms"] = timed_replay(graphs, chain, iters)
+        chain.limits = torch.full((b,), CHAIN)
+        row["chain_ms_per_draft"] = timed_chain(graphs, chain, iters)
     else:
-        row["mtpdraft_ms"] = timed(lambda: fast.decode(batch, kv, None), 5, device)
+        row["mtpdraft_ms"] = timed(lambda: fast.decode_chain(kv, chain), 5, device)
     row["eager_torch_ms"] = timed(
         lambda: eager.draft(eager.forward(batch, kv), None), max(5, iters // 5), device
     )
@@ -243,16 +287,28 @@ def markdown(report: dict) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
-        "| batch | context | roofline ms | mtpdraft ms | eager torch ms | compile+graph ms "
-        "| mtpdraft / roofline | mtpdraft / compile+graph |",
-        "|---|---|---|---|---|---|---|---|",
+        "mtpdraft ms: one draft step (its graph replayed, inputs in place, as every step of "
+        f"a chain runs); chain ms/draft: a whole served chain of {CHAIN} drafts (staging, "
+        f"{CHAIN} replays, the host's wait) over {CHAIN}.",
+        "",
+        "| batch | context | roofline ms | mtpdraft ms | chain ms/draft | eager torch ms "
+        "| compile+graph ms | mtpdraft / roofline | mtpdraft / compile+graph "
+        "| chain / compile+graph |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         comp = f"{r['compile_graph_ms']:.3f}" if "compile_graph_ms" in r else "n/a"
         ratio = f"{r['vs_compile_graph']:.2f}x" if "vs_compile_graph" in r else "n/a"
+        chain = f"{r['chain_ms_per_draft']:.3f}" if "chain_ms_per_draft" in r else "n/a"
+        chain_ratio = (
+            f"{r['chain_ms_per_draft'] / r['compile_graph_ms']:.2f}x"
+            if "chain_ms_per_draft" in r and "compile_graph_ms" in r
+            else "n/a"
+        )
         lines.append(
             f"| {r['batch']} | {r['context']} | {r['roofline_ms']:.3f} | {r['mtpdraft_ms']:.3f} "
-            f"| {r['eager_torch_ms']:.3f} | {comp} | {r['vs_roofline']:.2f}x | {ratio} |"
+            f"| {chain} | {r['eager_torch_ms']:.3f} | {comp} | {r['vs_roofline']:.2f}x "
+            f"| {ratio} | {chain_ratio} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -5,18 +5,22 @@ launches. The kernels know nothing of models or states. On a machine without a G
 under ``TRITON_INTERPRET=1`` (set it before ``triton`` is imported).
 """
 
+from .chain_step import record_step, select_step
 from .mtp_input_norms import mtp_input_norms
 from .paged_attention import paged_attention
-from .rms_norm import rms_norm
+from .rms_norm import add_rms_norm, rms_norm
 from .rope_write_kv import rope_write_kv
 from .select_drafts import select_drafts
 from .swiglu import swiglu
 
 __all__ = [
+    "add_rms_norm",
     "mtp_input_norms",
     "paged_attention",
+    "record_step",
     "rms_norm",
     "rope_write_kv",
     "select_drafts",
+    "select_step",
     "swiglu",
 ]

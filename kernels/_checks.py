@@ -22,6 +22,27 @@ def check_tensor(
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 
 
+def check_rows(
+    name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] | None = None
+) -> None:
+    """Like ``check_tensor``, but rows may be strided: only each row must be contiguous.
+
+    For views such as q, k and v split out of one fused projection, whose rows sit
+    ``stride(0)`` elements apart.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({names}), got {t.dtype}")
+    if t.shape[0] and not t[0].is_contiguous():
+        raise ValueError(f"{name} must have contiguous rows, got strides {t.stride()}")
+    if t.shape[0] > 1 and t.stride(0) < t[0].numel():
+        raise ValueError(f"{name}'s rows must not overlap, got strides {t.stride()}")
+
+
 def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     """Require ``t.shape == shape``."""
     if tuple(t.shape) != tuple(shape):

@@ -21,7 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
+from ._checks import (
+    FLOAT_DTYPES,
+    check_rows,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+)
 
 __all__ = ["paged_attention"]
 
@@ -31,13 +38,14 @@ _MAX_SPLITS = 32
 
 @triton.jit
 def _attend(
-    q_ptr,  # [N, HQ, D] queries
+    q_ptr,  # [N, HQ, D] queries, rows q_stride elements apart
     k_cache_ptr,  # [num_blocks, PAGE, HKV, D] paged keys
     v_cache_ptr,  # [num_blocks, PAGE, HKV, D] paged values
     bt_ptr,  # [S, max_blocks] int32 block tables
-    ctx_ptr,  # [N] int32 context length of each query row
+    ctx_ptr,  # [N] int32 or int64 context length of each query row
     out_ptr,  # [N, HQ, D] output (SPLITS == 1) or [N, HQ, SPLITS, D] fp32 partial sums
     ml_ptr,  # [N, HQ, SPLITS, 2] fp32 partial (max, sum) in log2 units (SPLITS > 1)
+    q_stride,  # elements between rows of q
     row0,  # first query row of the tile
     n_rows,  # valid rows in the tile (<= BLOCK_Q); all belong to `seq`
     seq,  # sequence id of the tile's rows
@@ -66,9 +74,9 @@ def _attend(
     head = kvh * G + g
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
-    qo_off = (q_row * HQ + head) * D  # [BLOCK_M]
+    qo_off = (q_row * HQ + head) * D  # [BLOCK_M] into out (contiguous)
     q = tl.load(
-        q_ptr + qo_off[:, None] + dims[None, :],
+        q_ptr + (q_row * q_stride + head * D)[:, None] + dims[None, :],
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
@@ -116,14 +124,15 @@ def _attend(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr,  # [N, HQ, D] queries
+    q_ptr,  # [N, HQ, D] queries, rows q_stride elements apart
     k_cache_ptr,  # [num_blocks, PAGE, HKV, D] paged keys
     v_cache_ptr,  # [num_blocks, PAGE, HKV, D] paged values
     bt_ptr,  # [S, max_blocks] int32 block tables
     seq_ptr,  # [N] int32 sequence id of each query row
-    ctx_ptr,  # [N] int32 context length of each query row
+    ctx_ptr,  # [N] int32 or int64 context length of each query row
     out_ptr,  # [N, HQ, D] output, or [N, HQ, SPLITS, D] fp32 partial sums
     ml_ptr,  # [N, HQ, SPLITS, 2] fp32 partial (max, sum), unused when SPLITS == 1
+    q_stride,  # elements between rows of q
     N,  # query rows
     HQ,  # query heads
     HKV,  # kv heads
@@ -148,7 +157,7 @@ def _paged_attention_kernel(
     if BLOCK_Q == 1:
         seq = tl.load(seq_ptr + row0)
         _attend(
-            q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr,
+            q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, q_stride,
             row0, 1, seq, kvh, split, HQ, HKV, max_blocks, qk_scale,
             G, D, PAGE, SPLITS, 1, BLOCK_G, BLOCK_M_ROW, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )  # fmt: skip
@@ -160,7 +169,7 @@ def _paged_attention_kernel(
         if seq_min == seq_max:
             # All rows of the tile belong to one sequence: share every K/V tile.
             _attend(
-                q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr,
+                q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, q_stride,
                 row0, n_rows, seq_min, kvh, split, HQ, HKV, max_blocks, qk_scale,
                 G, D, PAGE, SPLITS, BLOCK_Q, BLOCK_G, BLOCK_M_TILE, BLOCK_N, BLOCK_D,
                 DOT_PRECISION,
@@ -169,7 +178,7 @@ def _paged_attention_kernel(
             for r in range(n_rows):
                 seq = tl.load(seq_ptr + row0 + r)
                 _attend(
-                    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr,
+                    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, q_stride,
                     row0 + r, 1, seq, kvh, split, HQ, HKV, max_blocks, qk_scale,
                     G, D, PAGE, SPLITS, 1, BLOCK_G, BLOCK_M_ROW, BLOCK_N, BLOCK_D,
                     DOT_PRECISION,
@@ -235,8 +244,9 @@ def paged_attention(
     """Attention of ``q`` ([N, Hq, D]) over paged caches ([num_blocks, block_size, Hkv, D]).
 
     ``block_tables`` ([S, max_blocks] int32) maps a sequence's pages to cache blocks,
-    ``seq_ids`` ([N] int32) gives each query row's sequence and ``context_lens`` ([N] int32)
-    how many of its cache rows it sees. Returns [N, Hq, D] in ``q.dtype``.
+    ``seq_ids`` ([N] int32) gives each query row's sequence and ``context_lens`` ([N] int32
+    or int64) how many of its cache rows it sees. ``q``'s rows may be strided (a view of
+    a fused projection). Returns [N, Hq, D] in ``q.dtype``, contiguous.
 
     ``rows_per_seq`` is a performance hint only: how many consecutive rows typically share
     a sequence (1 for decode, the chunk length for a prefill chunk); results are the same
@@ -272,12 +282,12 @@ def _paged_attention(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` with the launch configuration exposed (for benchmarks)."""
-    check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_rows("q", q, 3, FLOAT_DTYPES)
     check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
     check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
     check_tensor("block_tables", block_tables, 2, (torch.int32,))
     check_tensor("seq_ids", seq_ids, 1, (torch.int32,))
-    check_tensor("context_lens", context_lens, 1, (torch.int32,))
+    check_tensor("context_lens", context_lens, 1, (torch.int32, torch.int64))
     check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
     check_same_device(
         q=q,
@@ -300,7 +310,7 @@ def _paged_attention(
         raise ValueError(f"rows_per_seq must be >= 1, got {rows_per_seq}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
-    out = torch.empty_like(q)
+    out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
 
@@ -332,6 +342,7 @@ def _paged_attention(
         context_lens,
         part,
         ml,
+        q.stride(0),
         n,
         hq,
         hkv,

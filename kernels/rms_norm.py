@@ -3,6 +3,10 @@
 ``y = x / sqrt(mean(x**2) + eps) * w``, computed in fp32 and cast back to ``x.dtype``.
 With ``unit_offset=True`` the scale is ``(1 + w)`` (Qwen3-Next / Gemma style).
 
+``add_rms_norm`` first adds a residual branch in place (``x += delta``, rounded to
+``x.dtype`` as an unfused add would be) and normalizes the sum: one kernel where a
+decoder layer would launch two, twice per step.
+
 One program normalizes one row; the whole row is held in registers, which suits hidden
 sizes up to a few tens of thousands. ``_rms_norm_row`` is the per-row body, shared with
 the fused MTP input norms.
@@ -16,7 +20,7 @@ import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
 
-__all__ = ["rms_norm"]
+__all__ = ["add_rms_norm", "rms_norm"]
 
 
 @triton.jit
@@ -71,5 +75,61 @@ def rms_norm(
     num_warps = min(max(block_h // 512, 1), 16)
     _rms_norm_kernel[(n,)](
         x, weight, y, h, float(eps), UNIT_OFFSET=unit_offset, BLOCK_H=block_h, num_warps=num_warps
+    )
+    return y
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,  # [N, H] residual stream, updated in place to x + delta
+    d_ptr,  # [N, H] residual branch
+    w_ptr,  # [H] scale
+    y_ptr,  # [N, H] output rows, dtype of x
+    H,  # hidden size (row stride of x, delta and y: all contiguous)
+    eps,  # variance epsilon
+    UNIT_OFFSET: tl.constexpr,  # scale by (1 + w) instead of w
+    BLOCK_H: tl.constexpr,  # next power of two >= H
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(d_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    total = (x + d).to(x_ptr.dtype.element_ty)
+    tl.store(x_ptr + row * H + cols, total, mask=mask)
+    y = _rms_norm_row(total.to(tl.float32), w_ptr, cols, mask, H, eps, UNIT_OFFSET)
+    tl.store(y_ptr + row * H + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    unit_offset: bool = False,
+) -> torch.Tensor:
+    """``x += delta`` in place ([N, H] each), then returns the RMSNorm of the sum [N, H]."""
+    check_tensor("x", x, 2, FLOAT_DTYPES)
+    check_tensor("delta", delta, 2, FLOAT_DTYPES)
+    check_tensor("weight", weight, 1, FLOAT_DTYPES)
+    check_same_device(x=x, delta=delta, weight=weight)
+    n, h = x.shape
+    check_shape("delta", delta, (n, h))
+    check_shape("weight", weight, (h,))
+    y = torch.empty_like(x)
+    if n == 0:
+        return y
+    block_h = triton.next_power_of_2(h)
+    _add_rms_norm_kernel[(n,)](
+        x,
+        delta,
+        weight,
+        y,
+        h,
+        float(eps),
+        UNIT_OFFSET=unit_offset,
+        BLOCK_H=block_h,
+        num_warps=min(max(block_h // 512, 1), 16),
     )
     return y

@@ -7,6 +7,10 @@ are left as they are (partial rotary). q and k are updated in place, as vLLM's r
 embedding does, and the rotated k and v are stored at slot s = slot_mapping[i] of the
 caches ([num_blocks, block_size, Hkv, D]: block s // block_size, offset s % block_size).
 A negative slot skips the cache write (padding rows). The math runs in fp32.
+
+q, k and v may be strided views of one fused projection ([N, q + 2 kv]): only each
+row must be contiguous. Reading them in place saves three copy kernels per step
+(of about 25 in a decode step on an H200, each costing 1-2 us).
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
+from ._checks import (
+    FLOAT_DTYPES,
+    check_rows,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+)
 
 __all__ = ["rope_write_kv"]
 
@@ -45,14 +56,17 @@ def _rotate_heads(
 
 @triton.jit
 def _rope_write_kv_kernel(
-    q_ptr,  # [N, HQ, D] queries, rotated in place
-    k_ptr,  # [N, HKV, D] keys, rotated in place
-    v_ptr,  # [N, HKV, D] values
+    q_ptr,  # [N, HQ, D] queries (row stride q_stride), rotated in place
+    k_ptr,  # [N, HKV, D] keys (row stride k_stride), rotated in place
+    v_ptr,  # [N, HKV, D] values (row stride v_stride)
     pos_ptr,  # [N] int64 positions (rows of cos_sin)
     cos_sin_ptr,  # [max_pos, 2 * ROT_HALF] fp32: cos columns then sin columns
     k_cache_ptr,  # [num_blocks, block_size, HKV, D] paged key cache
     v_cache_ptr,  # [num_blocks, block_size, HKV, D] paged value cache
     slot_ptr,  # [N] int64 cache slots (block * block_size + offset); < 0 skips the write
+    q_stride,  # elements between rows of q
+    k_stride,  # elements between rows of k
+    v_stride,  # elements between rows of v
     HQ,  # query heads
     HKV,  # key/value heads
     D: tl.constexpr,  # head dim
@@ -70,9 +84,9 @@ def _rope_write_kv_kernel(
     sin = tl.load(cos_sin_ptr + pos * 2 * ROT_HALF + ROT_HALF + half, mask=cs_mask, other=0.0)
 
     q_heads = tl.arange(0, BLOCK_HQ)[:, None]
-    _rotate_heads(q_ptr + row * HQ * D, q_heads, half, cos, sin, HQ, D, ROT_HALF)
+    _rotate_heads(q_ptr + row * q_stride, q_heads, half, cos, sin, HQ, D, ROT_HALF)
     kv_heads = tl.arange(0, BLOCK_HKV)[:, None]
-    k_row = k_ptr + row * HKV * D
+    k_row = k_ptr + row * k_stride
     k1, k2 = _rotate_heads(k_row, kv_heads, half, cos, sin, HKV, D, ROT_HALF)
 
     slot = tl.load(slot_ptr + row)
@@ -91,7 +105,7 @@ def _rope_write_kv_kernel(
         pass_mask = head_mask & (dims >= 2 * ROT_HALF)
         k_pass = tl.load(k_row + offs, mask=pass_mask, other=0.0)
         tl.store(kc_row + offs, k_pass.to(k_cache_ptr.dtype.element_ty), mask=pass_mask)
-        v = tl.load(v_ptr + row * HKV * D + offs, mask=head_mask, other=0.0)
+        v = tl.load(v_ptr + row * v_stride + offs, mask=head_mask, other=0.0)
         vc_row = v_cache_ptr + slot * HKV * D
         tl.store(vc_row + offs, v.to(v_cache_ptr.dtype.element_ty), mask=head_mask)
 
@@ -107,9 +121,9 @@ def rope_write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Rotate q and k in place and store k, v at ``slot_mapping`` in the paged caches."""
-    check_tensor("q", q, 3, FLOAT_DTYPES)
-    check_tensor("k", k, 3, FLOAT_DTYPES)
-    check_tensor("v", v, 3, FLOAT_DTYPES)
+    check_rows("q", q, 3, FLOAT_DTYPES)
+    check_rows("k", k, 3, FLOAT_DTYPES)
+    check_rows("v", v, 3, FLOAT_DTYPES)
     check_tensor("positions", positions, 1, (torch.int64,))
     check_tensor("cos_sin", cos_sin, 2, (torch.float32,))
     check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
@@ -152,6 +166,9 @@ def rope_write_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        q.stride(0),
+        k.stride(0),
+        v.stride(0),
         hq,
         hkv,
         D=d,

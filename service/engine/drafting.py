@@ -8,40 +8,50 @@ from __future__ import annotations
 
 import torch
 
+from ..model.decode_chain import ChainInputs
 from ..model.kv_cache import KVCache
 from ..model.mtp_head import MTPHead
 from .chain import Chain, VerdictPlan
 from .rows import Segment, block_tables, draft_segments
 
 
-def first_drafts(
+def draft_all(
     head: MTPHead, kv: KVCache, chains: list[Chain], verdicts: list[VerdictPlan | None]
 ) -> None:
-    """One forward: each state's verdict rows (if any) followed by its row R0."""
+    """Every chain's drafts: one forward for rows that verdicts recompute, then one chain.
+
+    A chain whose verdict recomputes rows (refeed hiddens, or the row of an
+    accepted last draft) takes its first draft from a forward over those rows and
+    R0; every other chain starts at R0 in the device-side chain of one-row steps.
+    """
+    recomputing = [
+        (c, v) for c, v in zip(chains, verdicts, strict=True) if v and v.recompute is not None
+    ]
+    if recomputing:
+        first_drafts(head, kv, [c for c, _ in recomputing], [v for _, v in recomputing])
+    active = [c for c in chains if not c.done]
+    if active:
+        chain_drafts(head, kv, active)
+
+
+def first_drafts(
+    head: MTPHead, kv: KVCache, chains: list[Chain], verdicts: list[VerdictPlan]
+) -> None:
+    """One forward: each state's recomputed verdict rows followed by its row R0."""
     segments = []
     for chain, verdict in zip(chains, verdicts, strict=True):
-        r0 = Segment(chain.state, chain.base_row, [chain.args.token], chain.args.hidden)
-        if verdict is not None and verdict.recompute is not None:
-            rows = verdict.recompute
-            r0 = Segment(
-                chain.state,
-                rows.start_row,
-                rows.tokens + r0.tokens,
-                torch.cat([rows.hiddens, r0.hiddens]),
-            )
-        segments.append(r0)
-    draft_step(head, kv, chains, segments)
-
-
-def draft_step(head: MTPHead, kv: KVCache, chains: list[Chain], segments: list[Segment]) -> None:
-    """Computes each chain's next rows and drafts its next token from the last one."""
+        rows = verdict.recompute
+        assert rows is not None
+        hiddens = torch.cat([rows.hiddens.to(head.device), chain.args.hidden.to(head.device)])
+        segments.append(
+            Segment(chain.state, rows.start_row, [*rows.tokens, chain.args.token], hiddens)
+        )
     masks = [c.mask_row() for c in chains]
     bitmask = None
     if any(m is not None for m in masks):
         full = torch.full_like(next(m for m in masks if m is not None), -1)
-        bitmask = torch.stack([full if m is None else m for m in masks])
+        bitmask = torch.stack([full if m is None else m for m in masks]).to(head.device)
     hidden, tokens, probs = draft_segments(head, kv, segments, bitmask)
-    hidden = hidden.clone()  # a graph's outputs are overwritten by its next replay
     for chain, out, token, prob in zip(
         chains, hidden, tokens.tolist(), probs.tolist(), strict=True
     ):
@@ -50,36 +60,41 @@ def draft_step(head: MTPHead, kv: KVCache, chains: list[Chain], segments: list[S
         chain.take(token, prob)
 
 
+def _chain_bitmasks(chains: list[Chain], steps: int) -> torch.Tensor | None:
+    """[steps, n, W] int32: each chain's mask for each of its next drafts (all-ones if none)."""
+    masked = [(i, c.bitmask) for i, c in enumerate(chains) if c.bitmask is not None]
+    if not masked:
+        return None
+    words = masked[0][1].shape[1]
+    out = torch.full((steps, len(chains), words), -1, dtype=torch.int32)
+    for i, mask in masked:
+        # A mask of fewer rows than drafts repeats its last row.
+        rows = (len(chains[i].drafts) + torch.arange(steps)).clamp_max(mask.shape[0] - 1)
+        out[:, i] = mask[rows]
+    return out
+
+
 def chain_drafts(head: MTPHead, kv: KVCache, chains: list[Chain]) -> None:
-    """Drafts 2..K of every chain in one device-side chain of decode steps."""
-    device = head.device
+    """The remaining drafts of every chain in one device-side chain of decode steps."""
     limits = [c.args.num_drafts - len(c.drafts) for c in chains]
-    steps = max(limits)
-    bitmasks = None
-    if any(c.bitmask is not None for c in chains):
-        words = next(c.bitmask for c in chains if c.bitmask is not None).shape[1]
-        full = torch.full((words,), -1, dtype=torch.int32, device=device)
-        bitmasks = torch.stack([
-            torch.stack([
-                full if c.bitmask is None
-                else c.bitmask[min(len(c.drafts) + j, c.bitmask.shape[0] - 1)]
-                for c in chains
-            ])
-            for j in range(steps)
-        ])  # fmt: skip
-    out_h, out_t, out_p = head.decode_chain(
+    starts = [c.next_input() for c in chains]
+    hiddens = [h for _, h, _ in starts]
+    if len({h.device for h in hiddens}) > 1:  # fresh chains' hiddens on the host, others not
+        hiddens = [h.to(head.device) for h in hiddens]
+    out = head.decode_chain(
         kv,
-        torch.tensor([c.drafts[-1] for c in chains], dtype=torch.int64, device=device),
-        torch.stack([c.last_hidden for c in chains]),
-        torch.tensor([c.base_row + c.rows_computed for c in chains], device=device),
-        block_tables([c.state for c in chains], device),
-        torch.tensor(limits, device=device),
-        bitmasks,
+        ChainInputs(
+            tokens=torch.tensor([t for t, _, _ in starts], dtype=torch.int64),
+            hiddens=torch.cat(hiddens),
+            positions=torch.tensor([row for _, _, row in starts], dtype=torch.int64),
+            limits=torch.tensor(limits, dtype=torch.int64),
+            block_tables=block_tables([c.state for c in chains]),
+            bitmasks=_chain_bitmasks(chains, max(limits)),
+        ),
     )
-    tokens, probs = out_t.tolist(), out_p.tolist()  # the chain's one wait for the device
-    for j in range(steps):
+    for j, (tokens, probs) in enumerate(zip(out.tokens, out.probs, strict=True)):
         for i, c in enumerate(chains):
             if j < limits[i] and not c.done:
-                c.last_hidden = out_h[j, i]
+                c.last_hidden = out.hiddens[j, i]
                 c.rows_computed += 1
-                c.take(tokens[j][i], probs[j][i])
+                c.take(tokens[i], probs[i])

@@ -21,7 +21,7 @@ from ..model.mtp_head import MTPHead
 from . import validation as check
 from .block_pool import BlockPool
 from .chain import Chain, VerdictPlan
-from .drafting import chain_drafts, first_drafts
+from .drafting import draft_all
 from .errors import (
     DrafterError,
     FailedPrecondition,
@@ -58,7 +58,7 @@ class DraftEngine:
         self.head = head
         self.kv = head.new_kv_cache(kv_blocks, block_size)
         if cuda_graphs and head.device.type == "cuda":
-            head.capture_decode_graphs(self.kv, max_batch)
+            head.capture_decode_graphs(self.kv, max_batch, max_drafts)
         self.pool = BlockPool(kv_blocks)
         self.block_size = block_size
         self.max_states = max_states
@@ -301,7 +301,6 @@ class DraftEngine:
         self._reserve([(state, plan.rows_after)])
         self._apply_truncation(state, plan)
         if plan.recompute is not None:
-            plan.recompute.hiddens = self._to_device(plan.recompute.hiddens)
             run_segments(self.head, self.kv, [plan.recompute])
         state.num_rows = plan.rows_after
         self._trim(state)
@@ -369,10 +368,7 @@ class DraftEngine:
         for chain, verdict in zip(chains, verdicts, strict=True):
             if verdict is not None:
                 self._apply_truncation(chain.state, verdict)
-        first_drafts(self.head, self.kv, chains, verdicts)
-        active = [c for c in chains if not c.done]
-        if active:
-            chain_drafts(self.head, self.kv, active)
+        draft_all(self.head, self.kv, chains, verdicts)
 
     def _plan_proposal(self, args: ProposeArgs) -> tuple[Chain, VerdictPlan | None]:
         c = self.head.config
@@ -391,11 +387,8 @@ class DraftEngine:
         check.check_min_confidence(args.min_confidence)
         bitmask = check.check_bitmask(args.bitmask, args.num_drafts, c.vocab_size)
         self._check_rows_fit(base_row + args.num_drafts, "position")
-        args.hidden = self._to_device(hidden)
-        if bitmask is not None:
-            bitmask = bitmask.to(self.head.device)
-        if verdict is not None and verdict.recompute is not None:
-            verdict.recompute.hiddens = self._to_device(verdict.recompute.hiddens)
+        # Inputs stay on the host: the chain stages a whole batch in one copy each.
+        args.hidden = hidden
         return Chain(args, state, base_row, bitmask), verdict
 
     def _finish(self, chain: Chain) -> Proposal:

@@ -22,12 +22,12 @@ class Segment:
     hiddens: torch.Tensor  # [n, H] on the model's device
 
 
-def block_tables(states: list[DrafterState], device: torch.device) -> torch.Tensor:
-    """[len(states), widest] int32: each state's KV blocks, padded with zeros."""
+def block_tables(states: list[DrafterState]) -> torch.Tensor:
+    """[len(states), widest] int32 on the host: each state's KV blocks, padded with zeros."""
     tables = torch.zeros((len(states), max(len(s.blocks) for s in states)), dtype=torch.int32)
     for i, state in enumerate(states):
         tables[i, : len(state.blocks)] = torch.tensor(state.blocks, dtype=torch.int32)
-    return tables.to(device)
+    return tables
 
 
 def _row_batch(head: MTPHead, kv: KVCache, segments: list[Segment]) -> RowBatch:
@@ -39,13 +39,18 @@ def _row_batch(head: MTPHead, kv: KVCache, segments: list[Segment]) -> RowBatch:
         slots.extend(seg.state.blocks[r // bs] * bs + r % bs for r in rows)
         seq_ids.extend([i] * len(rows))
         tokens.extend(seg.tokens)
+    # The integer inputs travel in one host-to-device copy.
+    ints = torch.tensor(
+        [tokens, positions, slots, [p + 1 for p in positions], seq_ids], dtype=torch.int64
+    ).to(device)
     return RowBatch(
-        tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
-        hiddens=torch.cat([seg.hiddens for seg in segments]).to(device=device, dtype=head.dtype),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        seq_ids=torch.tensor(seq_ids, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=block_tables([seg.state for seg in segments], device),
+        tokens=ints[0],
+        hiddens=torch.cat([seg.hiddens.to(device, head.dtype) for seg in segments]),
+        positions=ints[1],
+        seq_ids=ints[4].int(),
+        slot_mapping=ints[2],
+        block_tables=block_tables([seg.state for seg in segments]).to(device),
+        context_lens=ints[3],
     )
 
 
@@ -64,15 +69,10 @@ def draft_segments(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Computes the segments' rows and drafts from each segment's last row.
 
-    Returns (last rows' output hiddens [S, H], drafts [S], probabilities [S]). A
-    step of one row per state (every chained draft, and most first drafts) runs
-    as head.decode: a CUDA graph replay on the GPU.
+    Returns (last rows' output hiddens [S, H], drafts [S], probabilities [S]).
     """
-    batch = _row_batch(head, kv, segments)
-    if all(len(seg.tokens) == 1 for seg in segments):
-        return head.decode(batch, kv, bitmask)
-    out = head.forward(batch, kv)
-    ends = torch.tensor([len(seg.tokens) for seg in segments], device=out.device).cumsum(0) - 1
-    last = out[ends]
+    out = head.forward(_row_batch(head, kv, segments), kv)
+    ends = torch.tensor([len(seg.tokens) for seg in segments]).cumsum(0) - 1
+    last = out[ends.to(out.device)]
     tokens, probs = head.draft(last, bitmask)
     return last, tokens, probs

@@ -22,9 +22,9 @@ def check_tokens(tokens: list[int], vocab_size: int, field: str) -> None:
 
 def check_hiddens(hiddens: torch.Tensor, rows: int, hidden_size: int, field: str) -> torch.Tensor:
     """Returns hiddens as [rows, hidden_size]; a single row may also come as [hidden_size]."""
+    if rows == 1 and tuple(hiddens.shape) == (hidden_size,):
+        hiddens = hiddens.reshape(1, hidden_size)
     shape = tuple(hiddens.shape)
-    if rows == 1 and shape == (hidden_size,):
-        return hiddens.reshape(1, hidden_size)
     if shape != (rows, hidden_size):
         raise InvalidArgument(
             f"{field}: expected shape [{rows}, {hidden_size}], got {list(shape)}",

@@ -21,11 +21,14 @@ class RowBatch:
     seq_ids: torch.Tensor  # [N] int32: which row of block_tables the row belongs to
     slot_mapping: torch.Tensor  # [N] int64: block * block_size + offset to write K/V at
     block_tables: torch.Tensor  # [S, max_blocks] int32: KV blocks of each sequence
+    # [N] int32 or int64: KV rows each row attends, itself included (causal), i.e.
+    # positions + 1. Given by whoever builds the batch on the host (two fewer kernels
+    # per step than deriving it on the device); derived when left out.
+    context_lens: torch.Tensor | None = None
 
-    @property
-    def context_lens(self) -> torch.Tensor:
-        """[N] int32: KV rows each row attends, itself included (causal)."""
-        return (self.positions + 1).to(torch.int32)
+    def __post_init__(self) -> None:
+        if self.context_lens is None:
+            self.context_lens = (self.positions + 1).to(torch.int32)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

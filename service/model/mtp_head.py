@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .batch import RowBatch
 from .checkpoint import MTPWeights
 from .config import MTPConfig
+from .decode_chain import ChainInputs, ChainOutputs
 from .kv_cache import KVCache
 from .ops import ops_for
 
@@ -92,21 +93,20 @@ class MTPHead:
 
         y = ops.rms_norm(x, self.input_layernorm, eps)
         qkv = F.linear(y, self.qkv, self.qkv_bias)
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = ops.rope_write_kv(
-            q.reshape(n, c.num_attention_heads, c.head_dim),
-            k.reshape(n, c.num_key_value_heads, c.head_dim),
-            v.reshape(n, c.num_key_value_heads, c.head_dim),
-            batch.positions, self.cos_sin, kv, batch.slot_mapping,
+        # Views of the fused projection: the kernels read (and rotate) them in place.
+        q, k, v = (
+            t.view(n, -1, c.head_dim) for t in qkv.split([c.q_size, c.kv_size, c.kv_size], -1)
         )  # fmt: skip
+        q = ops.rope_write_kv(q, k, v, batch.positions, self.cos_sin, kv, batch.slot_mapping)
         attn = ops.paged_attention(
             q, kv, batch.block_tables, batch.seq_ids, batch.context_lens, c.head_dim**-0.5
         )
-        x = x + F.linear(attn.reshape(n, c.q_size), self.o_proj)
-
-        y = ops.rms_norm(x, self.post_attention_layernorm, eps)
-        x = x + F.linear(ops.swiglu(F.linear(y, self.gate_up)), self.down_proj)
-        return ops.rms_norm(x, self.final_norm, eps) if self._pass_normed else x
+        attn_out = F.linear(attn.reshape(n, c.q_size), self.o_proj)
+        x, y = ops.add_rms_norm(x, attn_out, self.post_attention_layernorm, eps)
+        mlp_out = F.linear(ops.swiglu(F.linear(y, self.gate_up)), self.down_proj)
+        if self._pass_normed:
+            return ops.add_rms_norm(x, mlp_out, self.final_norm, eps)[1]
+        return x + mlp_out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V] logits of the hiddens forward() returned."""
@@ -120,61 +120,41 @@ class MTPHead:
         """Greedy drafts [N] and their top-1 probabilities [N] under an optional bitmask."""
         return self.ops.select_drafts(self.logits(hidden), bitmask)
 
-    def capture_decode_graphs(self, kv: KVCache, max_batch: int) -> None:
-        """On CUDA: capture the one-row-per-sequence step for `decode` to replay."""
+    def capture_decode_graphs(self, kv: KVCache, max_batch: int, max_steps: int) -> None:
+        """On CUDA: capture the chained decode step for `decode_chain` to replay."""
         from .decode_graphs import DecodeGraphs
 
-        self._graphs = DecodeGraphs(self, kv, max_batch)
+        self._graphs = DecodeGraphs(self, kv, max_batch, max_steps)
 
     def decode(
         self, batch: RowBatch, kv: KVCache, bitmask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """forward + draft of one row per sequence: (hiddens, drafts, probabilities).
-
-        Replayed from a CUDA graph when graphs were captured and the batch fits one.
-        """
-        graphs = self._graphs
-        if graphs is not None and graphs.fits(len(batch), batch.block_tables.shape[1]):
-            return graphs.run(batch, bitmask)
+        """forward + draft of every row: (hiddens, drafts, probabilities)."""
         hidden = self.forward(batch, kv)
         tokens, probs = self.draft(hidden, bitmask)
         return hidden, tokens, probs
 
-    def decode_chain(
-        self,
-        kv: KVCache,
-        tokens: torch.Tensor,
-        hiddens: torch.Tensor,
-        positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        limits: torch.Tensor,
-        bitmasks: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Chained decode steps, each row fed the previous step's draft and output hidden.
+    def decode_chain(self, kv: KVCache, chain: ChainInputs) -> ChainOutputs:
+        """Runs a chain of decode steps (see ChainInputs); the host waits once, at the end.
 
-        Sequence i computes its rows at positions[i], positions[i] + 1, ... for
-        limits[i] steps (later steps write nothing and their outputs are
-        meaningless). Everything stays on the device: the host waits once, for the
-        whole chain, instead of once per draft. Returns the output hiddens
-        [steps, n, H], drafts [steps, n] and probabilities [steps, n].
+        Replayed from CUDA graphs when they were captured and the chain fits them;
+        step by step (the same kernels, launched one by one) otherwise.
         """
-        steps, n = int(limits.max()), tokens.shape[0]
-        bs, width = kv.block_size, block_tables.shape[1]
-        seq_ids = torch.arange(n, dtype=torch.int32, device=self.device)
-        out_h = torch.empty(steps, n, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        out_t = torch.empty(steps, n, dtype=torch.int64, device=self.device)
-        out_p = torch.empty(steps, n, dtype=torch.float32, device=self.device)
-        for j in range(steps):
-            live = limits > j
-            # A finished sequence repeats its last row's position (valid context) unwritten.
-            pos = positions + (limits - 1).clamp(max=j)
-            block = block_tables.gather(1, (pos // bs).clamp_max(width - 1)[:, None])[:, 0]
-            slots = torch.where(live, block.long() * bs + pos % bs, -1)
-            batch = RowBatch(tokens, hiddens, pos, seq_ids, slots, block_tables)
-            mask = None if bitmasks is None else bitmasks[j]
-            h, t, p = self.decode(batch, kv, mask)
-            out_h[j].copy_(h)
-            out_t[j].copy_(t)
-            out_p[j].copy_(p)
-            tokens, hiddens = out_t[j], out_h[j]
-        return out_h, out_t, out_p
+        step_rows = chain.step_rows(kv.block_size)
+        graphs = self._graphs
+        if graphs is not None and graphs.fits(chain):
+            return graphs.run(chain, step_rows)
+        dev, n = self.device, len(chain)
+        step_rows = step_rows.to(dev)
+        tokens = chain.tokens.to(dev)
+        hiddens = chain.hiddens.to(dev, self.dtype)
+        tables = chain.block_tables.to(dev)
+        seq_ids = torch.arange(n, dtype=torch.int32, device=dev)
+        masks = None if chain.bitmasks is None else chain.bitmasks.to(dev)
+        outputs = []
+        for j, (positions, slots, context_lens) in enumerate(step_rows):
+            batch = RowBatch(tokens, hiddens, positions, seq_ids, slots, tables, context_lens)
+            hiddens, tokens, probs = self.decode(batch, kv, None if masks is None else masks[j])
+            outputs.append((hiddens, tokens, probs))
+        out_h, out_t, out_p = (torch.stack(o) for o in zip(*outputs, strict=True))
+        return ChainOutputs(out_h, out_t.tolist(), out_p.float().tolist())

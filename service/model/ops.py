@@ -27,6 +27,11 @@ class TorchOps:
     def rms_norm(self, x, weight, eps):
         return torch_ops.rms_norm(x, weight, eps)
 
+    def add_rms_norm(self, x, delta, weight, eps):
+        """(x + delta, its RMSNorm): the residual add and the next norm."""
+        x = x + delta
+        return x, torch_ops.rms_norm(x, weight, eps)
+
     def rope_write_kv(self, q, k, v, positions, cos_sin, kv: KVCache, slots) -> torch.Tensor:
         """Rotates q and k, writes k and v at the slots; returns the rotated q."""
         cos, sin = cos_sin[positions].chunk(2, dim=-1)
@@ -62,8 +67,12 @@ class TritonOps:
     def rms_norm(self, x, weight, eps):
         return self.k.rms_norm(x, weight, eps)
 
+    def add_rms_norm(self, x, delta, weight, eps):
+        """One kernel; x is updated in place (it is the forward's own residual stream)."""
+        return x, self.k.add_rms_norm(x, delta, weight, eps)
+
     def rope_write_kv(self, q, k, v, positions, cos_sin, kv: KVCache, slots) -> torch.Tensor:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        """q, k, v may be strided views of the fused projection: rotated where they are."""
         self.k.rope_write_kv(q, k, v, positions, cos_sin, kv.k, kv.v, slots)
         return q
 

@@ -105,6 +105,22 @@ def test_decode(
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
+def test_strided_queries_and_int64_context_lens(device: torch.device) -> None:
+    """q as a view of a fused projection, context lengths as int64: the same attention."""
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d = 4, 2, 16
+    kv = make_paged_kv([9, 40], 8, hkv, d, torch.float32, device, gen)
+    qkv = torch.randn(2, (hq + 2 * hkv) * d, generator=gen).to(device)
+    q = qkv[:, : hq * d].view(2, hq, d)
+    seq = torch.tensor([1, 0], dtype=torch.int32, device=device)
+    ctx = torch.tensor([40, 9], dtype=torch.int64, device=device)
+    args = (kv.k_cache, kv.v_cache, kv.block_tables, seq)
+    out = paged_attention(q, *args, ctx, d**-0.5)
+    ref = paged_attention_ref(q.contiguous(), *args, ctx.int(), d**-0.5)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_single_row_single_key(device: torch.device) -> None:
     """N = 1, context 1: the output is that key's value."""
     kv = make_paged_kv([1], 4, 2, 16, torch.float32, device)
@@ -194,7 +210,7 @@ def _args(**overrides: torch.Tensor) -> list[torch.Tensor | float]:
         ({"block_tables": torch.zeros(2, 3, dtype=torch.int64)}, "block_tables must have dtype"),
         ({"seq_ids": torch.zeros(3, dtype=torch.int32)}, "seq_ids must have shape"),
         ({"context_lens": torch.ones(2)}, "context_lens must have dtype"),
-        ({"q": torch.randn(2, 16, 4).transpose(1, 2)}, "q must be contiguous"),
+        ({"q": torch.randn(2, 16, 4).transpose(1, 2)}, "q must have contiguous rows"),
         ({"k_cache": torch.zeros(3, 4, 2, 16).bfloat16()}, "dtypes must match"),
     ],
 )

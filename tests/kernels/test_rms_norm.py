@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtpdraft.kernels import rms_norm
+from mtpdraft.kernels import add_rms_norm, rms_norm
 
 
 def rms_norm_ref(
@@ -62,6 +62,29 @@ def test_empty_batch(device: torch.device) -> None:
 def test_rejects_bad_arguments(x: torch.Tensor, w: torch.Tensor, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         rms_norm(x, w, 1e-6)
+
+
+@pytest.mark.parametrize("n,h", [(1, 64), (5, 100)])
+def test_add_rms_norm_adds_in_place_then_normalizes(
+    n: int, h: int, dtype_tol: tuple[torch.dtype, float, float], device: torch.device
+) -> None:
+    dtype, atol, rtol = dtype_tol
+    gen = torch.Generator().manual_seed(n + h)
+    x = torch.randn(n, h, generator=gen).to(device, dtype)
+    delta = torch.randn(n, h, generator=gen).to(device, dtype)
+    w = (torch.rand(h, generator=gen) + 0.5).to(device, dtype)
+    total = x + delta  # rounded to dtype, as the unfused add
+    y = add_rms_norm(x, delta, w, 1e-6)
+    # Within rounding of the add (the interpreter rounds bf16 toward zero, GPUs to nearest).
+    torch.testing.assert_close(x.float(), total.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(
+        y.float(), rms_norm_ref(total, w, 1e-6).float(), atol=atol, rtol=rtol
+    )
+
+
+def test_add_rms_norm_rejects_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match="delta must have shape"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
 
 
 @pytest.mark.gpu

@@ -86,6 +86,33 @@ def test_matches_reference(
     assert torch.equal(v, v_before)
 
 
+def test_strided_views_of_one_projection(device: torch.device) -> None:
+    """q, k, v split out of one [N, q + 2 kv] tensor are read and rotated in place."""
+    n, hq, hkv, d, rot, block_size = 5, 4, 2, 16, 16, 4
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen).to(device)
+    untouched = qkv.clone()
+    q, k, v = (
+        t.view(n, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    )  # fmt: skip
+    assert not q.is_contiguous()
+    positions = torch.randint(0, 32, (n,), generator=gen).to(device)
+    cos_sin = make_cos_sin(32, rot).to(device)
+    k_cache = torch.zeros(4, block_size, hkv, d, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, -1, 0, 9, 15], device=device)
+    q_ref, k_ref, kc_ref, vc_ref = rope_write_kv_ref(
+        q.contiguous(), k.contiguous(), v.contiguous(), positions, cos_sin, k_cache, v_cache,
+        slots,
+    )  # fmt: skip
+    rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+    torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_cache, kc_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(v_cache, vc_ref)
+    assert torch.equal(qkv[:, (hq + hkv) * d :], untouched[:, (hq + hkv) * d :])  # v as it was
+
+
 def test_position_zero_is_identity(device: torch.device) -> None:
     q = torch.randn(1, 2, 16, device=device)
     k = torch.randn(1, 1, 16, device=device)
@@ -123,7 +150,8 @@ def _args(**overrides: torch.Tensor) -> list[torch.Tensor]:
         ({"k_cache": torch.zeros(3, 4, 1, 16)}, "k_cache must have shape"),
         ({"v_cache": torch.zeros(2, 4, 2, 16)}, "v_cache must have shape"),
         ({"v": torch.randn(2, 3, 16)}, "v must have shape"),
-        ({"k": torch.randn(2, 16, 2).transpose(1, 2)}, "k must be contiguous"),
+        ({"k": torch.randn(2, 16, 2).transpose(1, 2)}, "k must have contiguous rows"),
+        ({"q": torch.randn(80).as_strided((2, 4, 16), (16, 16, 1))}, "rows must not overlap"),
         ({"q": torch.randn(2, 4, 16).bfloat16()}, "dtypes must match"),
         ({"slot_mapping": torch.arange(3)}, "slot_mapping must have shape"),
     ],

@@ -16,6 +16,8 @@ from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.engine.types import ProposeArgs, Verdict
 from mtpdraft.service.model.batch import RowBatch
 from mtpdraft.service.model.checkpoint import load_mtp_weights
+from mtpdraft.service.model.decode_chain import ChainInputs
+from mtpdraft.service.model.kv_cache import KVCache
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import write_random_checkpoint
 
@@ -24,21 +26,35 @@ from mtpdraft.service.model.synthetic import write_random_checkpoint
 TIE_GAP = 2e-2
 
 
-def _batch(head: MTPHead, lengths: list[int], block_size: int, seed: int) -> RowBatch:
-    """The last row of each of len(lengths) sequences, with contexts already in the cache."""
+def _chain(
+    head: MTPHead, lengths: list[int], limits: list[int], block_size: int, seed: int
+) -> ChainInputs:
+    """Chains from the last row of each of len(lengths) sequences (contexts already cached)."""
     gen = torch.Generator().manual_seed(seed)
-    dev, n = head.device, len(lengths)
-    width = max(-(-length // block_size) for length in lengths)
-    perm = torch.randperm(n * width, generator=gen).reshape(n, width).to(torch.int32)
-    pos = torch.tensor(lengths) - 1
-    slots = perm[torch.arange(n), pos // block_size].long() * block_size + pos % block_size
+    n = len(lengths)
+    width = max(
+        -(-(length + limit) // block_size) for length, limit in zip(lengths, limits, strict=True)
+    )
+    return ChainInputs(
+        tokens=torch.randint(0, head.config.vocab_size, (n,), generator=gen),
+        hiddens=torch.randn(n, head.config.hidden_size, generator=gen).to(head.dtype),
+        positions=torch.tensor(lengths) - 1,
+        limits=torch.tensor(limits),
+        block_tables=torch.randperm(n * width, generator=gen).reshape(n, width).int(),
+    )
+
+
+def _batch(chain: ChainInputs, block_size: int, device: torch.device) -> RowBatch:
+    """The chain's first step as one RowBatch."""
+    positions, slots, context_lens = chain.step_rows(block_size)[0].to(device)
     return RowBatch(
-        tokens=torch.randint(0, head.config.vocab_size, (n,), generator=gen).to(dev),
-        hiddens=torch.randn(n, head.config.hidden_size, generator=gen).to(dev, head.dtype),
-        positions=pos.to(dev),
-        seq_ids=torch.arange(n, dtype=torch.int32, device=dev),
-        slot_mapping=slots.to(dev),
-        block_tables=perm.to(dev),
+        tokens=chain.tokens.to(device),
+        hiddens=chain.hiddens.to(device),
+        positions=positions,
+        seq_ids=torch.arange(len(chain), dtype=torch.int32, device=device),
+        slot_mapping=slots,
+        block_tables=chain.block_tables.to(device),
+        context_lens=context_lens,
     )
 
 
@@ -55,23 +71,31 @@ def _heads(folder, device: torch.device) -> tuple[MTPHead, MTPHead]:
     return MTPHead(weights, device, ops="torch"), MTPHead(weights, device, ops="triton")
 
 
-def _compare(folder, device: torch.device, lengths: list[int], graphs: bool) -> None:
-    ref, fast = _heads(folder, device)
-    blocks = len(lengths) * max(-(-length // 16) for length in lengths)
-    kv_ref = ref.new_kv_cache(blocks, 16)
+def _kv_pair(a: MTPHead, b: MTPHead, blocks: int) -> tuple[KVCache, KVCache]:
+    """Two caches of the same random contents."""
+    kv_a, kv_b = a.new_kv_cache(blocks, 16), b.new_kv_cache(blocks, 16)
     torch.manual_seed(0)
-    kv_ref.k.normal_()
-    kv_ref.v.normal_()
-    kv_fast = fast.new_kv_cache(blocks, 16)
-    kv_fast.k.copy_(kv_ref.k)
-    kv_fast.v.copy_(kv_ref.v)
+    kv_a.k.normal_()
+    kv_a.v.normal_()
+    kv_b.k.copy_(kv_a.k)
+    kv_b.v.copy_(kv_a.v)
+    return kv_a, kv_b
+
+
+def _compare(folder, device: torch.device, lengths: list[int], graphs: bool) -> None:
+    """One step of the fast head's chain (graphed or not) against the torch forward."""
+    ref, fast = _heads(folder, device)
+    chain = _chain(ref, lengths, [1] * len(lengths), 16, seed=1)
+    kv_ref, kv_fast = _kv_pair(ref, fast, len(lengths) * chain.block_tables.shape[1])
     if graphs:
-        fast.capture_decode_graphs(kv_fast, max_batch=8)
-    batch = _batch(ref, lengths, 16, seed=1)
-    h_ref = ref.forward(batch, kv_ref)
+        fast.capture_decode_graphs(kv_fast, max_batch=8, max_steps=4)
+    h_ref = ref.forward(_batch(chain, 16, device), kv_ref)
     logits = ref.logits(h_ref)
     t_ref, p_ref = ref.draft(h_ref, None)
-    h_fast, t_fast, p_fast = fast.decode(batch, kv_fast, None)
+    out = fast.decode_chain(kv_fast, chain)
+    h_fast = out.hiddens[0]
+    t_fast = torch.tensor(out.tokens[0], device=device)
+    p_fast = torch.tensor(out.probs[0], device=device)
     tol = 1e-3 if ref.dtype == torch.float32 else 5e-2
     torch.testing.assert_close(h_fast.float(), h_ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(kv_fast.k.float(), kv_ref.k.float(), atol=tol, rtol=tol)
@@ -92,6 +116,41 @@ def test_graphed_triton_path_matches_torch_on_the_gpu(tmp_path, family: str) -> 
         intermediate_size=2816, vocab_size=32000, dtype=torch.bfloat16, seed=8,
     )  # fmt: skip
     _compare(tmp_path, torch.device("cuda"), [1, 300, 77, 1024, 5], graphs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True])
+def test_graphed_chain_equals_the_same_kernels_launched_one_by_one(tmp_path, masked) -> None:
+    """Chains of different lengths (and masks): drafts, hiddens and KV equal bit for bit."""
+    write_random_checkpoint(
+        tmp_path, "mimo", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=2816, vocab_size=32000, dtype=torch.bfloat16, seed=10,
+    )  # fmt: skip
+    weights = load_mtp_weights(tmp_path)
+    graphed = MTPHead(weights, torch.device("cuda"), ops="triton")
+    eager = MTPHead(weights, torch.device("cuda"), ops="triton")
+    limits = [4, 1, 3, 4, 2]
+    chain = _chain(graphed, [40, 7, 300, 1, 129], limits, 16, seed=2)
+    if masked:  # step j allows only the tokens of one residue mod (j + 2)
+        words = (32000 + 31) // 32
+        allowed = [
+            torch.arange(32 * words) % (j + 2) == i % (j + 2) for j in range(4) for i in range(5)
+        ]
+        bits = torch.stack(allowed).view(4, 5, words, 32).int()
+        chain.bitmasks = (bits << torch.arange(32, dtype=torch.int32)).sum(-1, dtype=torch.int32)
+    kv_g, kv_e = _kv_pair(graphed, eager, len(limits) * chain.block_tables.shape[1])
+    graphed.capture_decode_graphs(kv_g, max_batch=8, max_steps=4)
+    for _ in range(2):  # a second run reuses the graphs' buffers
+        got, want = graphed.decode_chain(kv_g, chain), eager.decode_chain(kv_e, chain)
+        assert got.tokens == want.tokens
+        assert got.probs == want.probs
+        for i, limit in enumerate(limits):  # outputs past a chain's limit are meaningless
+            assert torch.equal(got.hiddens[:limit, i], want.hiddens[:limit, i])
+        assert torch.equal(kv_g.k, kv_e.k) and torch.equal(kv_g.v, kv_e.v)
+    if masked:
+        for j in range(4):
+            for i in range(5):
+                assert got.tokens[j][i] % (j + 2) == i % (j + 2)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,58 @@
+"""Chained decode steps: each sequence's next rows, each fed the previous step's draft.
+
+A proposal of K drafts is K steps of one row per sequence, and every step but the
+first takes its inputs from the step before (the draft token, the output hidden).
+Everything a chain needs is known before it starts (positions, KV slots, masks),
+so the host describes the whole chain once (`ChainInputs`), the device runs it
+without waiting, and the host waits once, for the results (`ChainOutputs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ChainInputs:
+    """n sequences, each to advance by limits[i] rows (one per step), described on the host."""
+
+    tokens: torch.Tensor  # [n] int64: the first row's token
+    hiddens: torch.Tensor  # [n, H]: the first row's hidden (host or device)
+    positions: torch.Tensor  # [n] int64: the first row's position
+    limits: torch.Tensor  # [n] int64, >= 1: rows to compute (and KV rows to write)
+    block_tables: torch.Tensor  # [n, width] int32: KV blocks covering every row written
+    bitmasks: torch.Tensor | None = None  # [steps, n, W] int32: allowed tokens per step
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def steps(self) -> int:
+        return int(self.limits.max())
+
+    def step_rows(self, block_size: int) -> torch.Tensor:
+        """[steps, 3, n] int64: each step's positions, KV slots and context lengths.
+
+        A sequence past its limit repeats its last row's position (a valid context)
+        and writes nothing (slot -1): its later outputs are meaningless.
+        """
+        steps, width = self.steps, self.block_tables.shape[1]
+        step = torch.arange(steps)[:, None]
+        positions = self.positions[None, :] + torch.minimum(step, self.limits[None, :] - 1)
+        pages = (positions // block_size).clamp_max(width - 1)
+        blocks = self.block_tables.long().t().gather(0, pages)
+        slots = torch.where(
+            step < self.limits[None, :], blocks * block_size + positions % block_size, -1
+        )
+        return torch.stack([positions, slots, positions + 1], dim=1)
+
+
+@dataclass
+class ChainOutputs:
+    """Each step's output hiddens (on the device), drafts and their probabilities (host)."""
+
+    hiddens: torch.Tensor  # [steps, n, H]
+    tokens: list[list[int]]  # [steps][n]
+    probs: list[list[float]]  # [steps][n]
