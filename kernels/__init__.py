@@ -6,6 +6,8 @@ under ``TRITON_INTERPRET=1`` (set it before ``triton`` is imported).
 """
 
 from .chain_step import record_step, select_step
+from .gemv import gemv
+from .lm_head_drafts import lm_head_drafts
 from .mtp_input_norms import mtp_input_norms
 from .paged_attention import paged_attention
 from .rms_norm import add_rms_norm, rms_norm
@@ -15,6 +17,8 @@ from .swiglu import swiglu
 
 __all__ = [
     "add_rms_norm",
+    "gemv",
+    "lm_head_drafts",
     "mtp_input_norms",
     "paged_attention",
     "record_step",

@@ -89,10 +89,10 @@ class MTPHead:
             embeds, hiddens, self.norm_embed, self.norm_hidden, batch.positions, eps,
             self._embed_first,
         )  # fmt: skip
-        x = F.linear(x, self.input_proj)
+        x = ops.linear(x, self.input_proj)
 
         y = ops.rms_norm(x, self.input_layernorm, eps)
-        qkv = F.linear(y, self.qkv, self.qkv_bias)
+        qkv = ops.linear(y, self.qkv, self.qkv_bias)
         # Views of the fused projection: the kernels read (and rotate) them in place.
         q, k, v = (
             t.view(n, -1, c.head_dim) for t in qkv.split([c.q_size, c.kv_size, c.kv_size], -1)
@@ -101,9 +101,9 @@ class MTPHead:
         attn = ops.paged_attention(
             q, kv, batch.block_tables, batch.seq_ids, batch.context_lens, c.head_dim**-0.5
         )
-        attn_out = F.linear(attn.reshape(n, c.q_size), self.o_proj)
+        attn_out = ops.linear(attn.reshape(n, c.q_size), self.o_proj)
         x, y = ops.add_rms_norm(x, attn_out, self.post_attention_layernorm, eps)
-        mlp_out = F.linear(ops.swiglu(F.linear(y, self.gate_up)), self.down_proj)
+        mlp_out = ops.linear(ops.swiglu(ops.linear(y, self.gate_up)), self.down_proj)
         if self._pass_normed:
             return ops.add_rms_norm(x, mlp_out, self.final_norm, eps)[1]
         return x + mlp_out
@@ -118,7 +118,9 @@ class MTPHead:
         self, hidden: torch.Tensor, bitmask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafts [N] and their top-1 probabilities [N] under an optional bitmask."""
-        return self.ops.select_drafts(self.logits(hidden), bitmask)
+        if not self._pass_normed:
+            hidden = self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        return self.ops.draft(hidden, self.lm_head, bitmask)
 
     def capture_decode_graphs(self, kv: KVCache, max_batch: int, max_steps: int) -> None:
         """On CUDA: capture the chained decode step for `decode_chain` to replay."""

@@ -1,13 +1,14 @@
 """The forward's ops behind one interface: plain torch (CPU, reference) or Triton kernels (GPU).
 
-The MTP head calls these and nothing else between its matrix products (which stay
-on cuBLAS through torch: at decode batch sizes they are GEMVs that cuBLAS already
-streams near the memory bandwidth).
+The MTP head calls these for everything but its embedding lookup. Matrix products
+of a few rows go to a Triton GEMV, the LM head fused with the draft selection;
+larger ones stay on cuBLAS through torch.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import torch_ops
 from .kv_cache import KVCache
@@ -17,6 +18,13 @@ class TorchOps:
     """Plain torch: runs anywhere; the reference the kernels are held to."""
 
     name = "torch"
+
+    def linear(self, x, weight, bias=None):
+        return F.linear(x, weight, bias)
+
+    def draft(self, hidden, lm_head, bitmask):
+        """Drafts of the normalized hiddens: select_drafts of the LM head's logits."""
+        return torch_ops.select_drafts(F.linear(hidden, lm_head), bitmask)
 
     def input_norms(self, embeds, hiddens, w_embed, w_hidden, positions, eps, embed_first):
         embeds = embeds.masked_fill((positions == 0)[:, None], 0)
@@ -54,10 +62,26 @@ class TritonOps:
 
     name = "triton"
 
+    # Measured on an H200 (bf16, MiMo-7B shapes, each in a CUDA graph): the Triton
+    # GEMV beats cuBLAS up to 16 rows (2-21% per matrix, kernels.gemv.gemv_config)
+    # and loses at 32; the fused LM head beats cuBLAS + select_drafts up to 32 rows
+    # (281-293 us vs 302-319) and ties at 64.
+    GEMV_ROWS, LM_HEAD_ROWS = 16, 32
+
     def __init__(self) -> None:
         from mtpdraft import kernels  # imported here: triton is needed only on this path
 
         self.k = kernels
+
+    def linear(self, x, weight, bias=None):
+        if 0 < x.shape[0] <= self.GEMV_ROWS:
+            return self.k.gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def draft(self, hidden, lm_head, bitmask):
+        if 0 < hidden.shape[0] <= self.LM_HEAD_ROWS:
+            return self.k.lm_head_drafts(hidden, lm_head, bitmask)
+        return self.select_drafts(F.linear(hidden, lm_head), bitmask)
 
     def input_norms(self, embeds, hiddens, w_embed, w_hidden, positions, eps, embed_first):
         return self.k.mtp_input_norms(
