@@ -40,17 +40,19 @@ def decode_tensor(msg: pb.Tensor, field: str, allowed: tuple[int, ...]) -> torch
             field=field,
         )
     dtype = DTYPES[msg.dtype]
+    data = msg.data  # each read of a bytes field builds a new bytes object
     expected = math.prod(shape) * dtype.itemsize
-    if len(msg.data) != expected:
+    if len(data) != expected:
         raise InvalidArgument(
-            f"{field}: {len(msg.data)} bytes of data, but shape {shape} of "
+            f"{field}: {len(data)} bytes of data, but shape {shape} of "
             f"{pb.DType.Name(msg.dtype)} needs {expected}",
             reason="BAD_BYTE_COUNT",
             field=field,
         )
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
+    # A copy (bytearray): the engine gets a writable tensor that no message's memory backs.
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
 def decode_hiddens(msg: pb.Tensor, field: str) -> torch.Tensor:

@@ -66,7 +66,10 @@ from mtpdraft.client import (
 from mtpdraft.v1 import drafter_pb2 as pb
 from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
-TTL = 1.5
+# Long enough that a state kept idle by the test's own slow steps (filling the pool,
+# a busy engine: 1-2 s on 2 loaded cores) is not reaped meanwhile; short enough
+# that abandoned states are reclaimed within a test.
+TTL = 4.0
 SETTLE = TTL + 5.0  # a lease, the reaper's period and a margin for a slow machine
 HERE = Path(__file__).parent
 CUT_SHORT = {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
