@@ -92,9 +92,12 @@ def chain_drafts(head: MTPHead, kv: KVCache, chains: list[Chain]) -> None:
             bitmasks=_chain_bitmasks(chains, max(limits)),
         ),
     )
+    last_step = [0] * len(chains)
     for j, (tokens, probs) in enumerate(zip(out.tokens, out.probs, strict=True)):
         for i, c in enumerate(chains):
             if j < limits[i] and not c.done:
-                c.last_hidden = out.hiddens[j, i]
+                last_step[i] = j
                 c.rows_computed += 1
                 c.take(tokens[i], probs[i])
+    for i, c in enumerate(chains):
+        c.last_hidden = out.hiddens[last_step[i], i]

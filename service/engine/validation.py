@@ -37,7 +37,9 @@ def check_hiddens(hiddens: torch.Tensor, rows: int, hidden_size: int, field: str
             reason="BAD_DTYPE",
             field=field,
         )
-    if not bool(torch.isfinite(hiddens).all()):
+    # NaN and inf survive abs().max(): 6 us for a 4096-wide row, where isfinite().all()
+    # takes 23-30 us (paid per request, 64 times a batch).
+    if hiddens.numel() and not math.isfinite(hiddens.abs().max().item()):
         raise InvalidArgument(
             f"{field}: holds NaN or infinite values", reason="NOT_FINITE", field=field
         )
