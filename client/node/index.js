@@ -152,10 +152,12 @@ class DrafterClient {
       );
       for (let lo = 0; lo < Math.max(rows, 1); lo += perChunk) {
         const hi = Math.min(lo + perChunk, rows);
-        // The first chunk names the state and the start; later chunks continue it.
+        // The first chunk names the state, the start and the row count (so that a stream
+        // cut short is rolled back, never committed); later chunks continue it.
         call.write({
           stateId: lo === 0 ? stateId : '0',
           startPosition: lo === 0 ? startPosition : 0,
+          totalRows: lo === 0 ? rows : 0,
           tokens: tokens.slice(lo, hi),
           hiddens: {
             dtype: hiddens.dtype,

@@ -136,9 +136,11 @@ PrefillResult DrafterClient::Prefill(uint64_t state, int64_t start_position,
   for (int64_t lo = 0; lo < rows || lo == 0; lo += chunk_rows) {
     const int64_t hi = std::min<int64_t>(lo + chunk_rows, rows);
     pb::PrefillChunk chunk;
-    if (lo == 0) {  // the first chunk names the state and the start; later ones continue it
+    if (lo == 0) {  // the first chunk names the state, the start and the row count (so
+                    // that a stream cut short is rolled back); later ones continue it
       chunk.set_state_id(state);
       chunk.set_start_position(start_position);
+      chunk.set_total_rows(rows);
     }
     for (int64_t i = lo; i < hi; ++i) chunk.add_tokens(tokens[i]);
     pb::Tensor* h = chunk.mutable_hiddens();

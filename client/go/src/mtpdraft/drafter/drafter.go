@@ -177,8 +177,10 @@ func (c *Client) Prefill(ctx context.Context, state uint64, startPosition int64,
 			Hiddens: &pb.Tensor{Dtype: hiddens.DType, Shape: []int64{int64(hi - lo), width},
 				Data: hiddens.Data[lo*rowBytes : hi*rowBytes]},
 		}
-		if lo == 0 { // the first chunk names the state and the start; later ones continue it
+		if lo == 0 { // the first chunk names the state, the start and the row count
+			// (so that a stream cut short is rolled back); later ones continue it
 			chunk.StateId, chunk.StartPosition = state, startPosition
+			chunk.TotalRows = int64(len(tokens))
 		}
 		if err := stream.Send(chunk); err != nil {
 			break // the server ended the call: CloseAndRecv returns its status
