@@ -168,3 +168,34 @@ def test_close_frees_everything_and_refuses_new_states(engine: DraftEngine) -> N
     assert engine.pool.num_free == engine.pool.num_total and not engine.handles
     with pytest.raises(Unavailable):
         engine.alloc_state()
+
+
+def test_a_batch_mixing_recomputed_and_chained_first_drafts_equals_one_by_one(
+    head: MTPHead,
+) -> None:
+    """Refeed (rows recomputed, first draft from a forward), all accepted (one row
+    recomputed), none accepted (chained from R0) and a first proposal, in one batch:
+    the same drafts and KV rows as each state served alone."""
+    verdicts = [Verdict(2, h(2, 7)), Verdict(3), Verdict(0), None]
+    engines = [DraftEngine(head, kv_blocks=64, block_size=4, max_drafts=8) for _ in range(2)]
+    states: list[list[int]] = []
+    for engine in engines:
+        states.append([prefill(engine, [5 + i] * (6 + i), h(6 + i, i)) for i in range(4)])
+        for i, verdict in enumerate(verdicts):
+            if verdict is not None:  # a pending proposal of 3 drafts to judge
+                engine.propose(ProposeArgs(states[-1][i], 9, h(1, 20 + i)[0], 7 + i, 3))
+
+    def request(i: int, state: int) -> ProposeArgs:
+        position = 7 + i + (0 if verdicts[i] is None else 1 + verdicts[i].num_accepted)
+        return ProposeArgs(state, 11 + i, h(1, 30 + i)[0], position, 4, previous=verdicts[i])
+
+    batched = engines[0].propose_batch([request(i, s) for i, s in enumerate(states[0])])
+    alone = [engines[1].propose(request(i, s)) for i, s in enumerate(states[1])]
+    for got, want in zip(batched, alone, strict=True):
+        assert got.tokens == want.tokens
+        assert got.probs == pytest.approx(want.probs, abs=1e-5)
+    for a, b in zip(states[0], states[1], strict=True):
+        ka, va = kv_rows(engines[0], a)
+        kb, vb = kv_rows(engines[1], b)
+        torch.testing.assert_close(ka, kb, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(va, vb, atol=1e-6, rtol=1e-5)
