@@ -25,23 +25,23 @@ def draft_all(
     R0; every other chain starts at R0 in the device-side chain of one-row steps.
     """
     recomputing = [
-        (c, v) for c, v in zip(chains, verdicts, strict=True) if v and v.recompute is not None
+        (c, v.recompute)
+        for c, v in zip(chains, verdicts, strict=True)
+        if v is not None and v.recompute is not None
     ]
     if recomputing:
-        first_drafts(head, kv, [c for c, _ in recomputing], [v for _, v in recomputing])
+        first_drafts(head, kv, [c for c, _ in recomputing], [rows for _, rows in recomputing])
     active = [c for c in chains if not c.done]
     if active:
         chain_drafts(head, kv, active)
 
 
 def first_drafts(
-    head: MTPHead, kv: KVCache, chains: list[Chain], verdicts: list[VerdictPlan]
+    head: MTPHead, kv: KVCache, chains: list[Chain], recomputed: list[Segment]
 ) -> None:
     """One forward: each state's recomputed verdict rows followed by its row R0."""
     segments = []
-    for chain, verdict in zip(chains, verdicts, strict=True):
-        rows = verdict.recompute
-        assert rows is not None
+    for chain, rows in zip(chains, recomputed, strict=True):
         hiddens = torch.cat([rows.hiddens.to(head.device), chain.args.hidden.to(head.device)])
         segments.append(
             Segment(chain.state, rows.start_row, [*rows.tokens, chain.args.token], hiddens)
