@@ -15,8 +15,6 @@ import secrets
 import time
 from collections.abc import Callable
 
-import torch
-
 from ..model.mtp_head import MTPHead
 from . import validation as check
 from .block_pool import BlockPool
@@ -185,9 +183,6 @@ class DraftEngine:
                 reason="POSITION_MISMATCH",
                 field=field,
             )
-
-    def _to_device(self, hiddens: torch.Tensor) -> torch.Tensor:
-        return hiddens.to(device=self.head.device, dtype=self.head.dtype)
 
     # ---- lifecycle ---------------------------------------------------------
 

@@ -38,7 +38,7 @@ class PrefillSession:
         engine._reserve([(state, state.num_rows + len(tokens))])
         step = engine.prefill_rows_per_forward
         for lo in range(0, len(tokens), step):
-            rows = engine._to_device(hiddens[lo : lo + step])
+            rows = hiddens[lo : lo + step]  # moved to the device with the batch's inputs
             segment = Segment(state, state.num_rows, tokens[lo : lo + step], rows)
             run_segments(engine.head, engine.kv, [segment])
             state.num_rows += rows.shape[0]

@@ -20,7 +20,7 @@ class Segment:
     state: DrafterState
     start_row: int
     tokens: list[int]
-    hiddens: torch.Tensor  # [n, H] on the model's device
+    hiddens: torch.Tensor  # [n, H], on the host or the model's device
 
 
 def block_tables(states: list[DrafterState]) -> torch.Tensor:

@@ -108,19 +108,21 @@ class MTPHead:
             return ops.add_rms_norm(x, mlp_out, self.final_norm, eps)[1]
         return x + mlp_out
 
+    def _head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head multiplies: the hidden after final_norm."""
+        if self._pass_normed:
+            return hidden
+        return self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V] logits of the hiddens forward() returned."""
-        if not self._pass_normed:
-            hidden = self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        return F.linear(hidden, self.lm_head)
+        return F.linear(self._head_input(hidden), self.lm_head)
 
     def draft(
         self, hidden: torch.Tensor, bitmask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafts [N] and their top-1 probabilities [N] under an optional bitmask."""
-        if not self._pass_normed:
-            hidden = self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        return self.ops.draft(hidden, self.lm_head, bitmask)
+        return self.ops.draft(self._head_input(hidden), self.lm_head, bitmask)
 
     def capture_decode_graphs(self, kv: KVCache, max_batch: int, max_steps: int) -> None:
         """On CUDA: capture the chained decode step for `decode_chain` to replay."""

@@ -53,9 +53,6 @@ class TorchOps:
     def swiglu(self, gate_up):
         return torch_ops.swiglu(gate_up)
 
-    def select_drafts(self, logits, bitmask):
-        return torch_ops.select_drafts(logits, bitmask)
-
 
 class TritonOps:
     """The Triton kernels of mtpdraft.kernels (fused norms, RoPE + KV write, ...)."""
@@ -81,7 +78,7 @@ class TritonOps:
     def draft(self, hidden, lm_head, bitmask):
         if 0 < hidden.shape[0] <= self.LM_HEAD_ROWS:
             return self.k.lm_head_drafts(hidden, lm_head, bitmask)
-        return self.select_drafts(F.linear(hidden, lm_head), bitmask)
+        return self.k.select_drafts(F.linear(hidden, lm_head), bitmask)
 
     def input_norms(self, embeds, hiddens, w_embed, w_hidden, positions, eps, embed_first):
         return self.k.mtp_input_norms(
@@ -105,9 +102,6 @@ class TritonOps:
 
     def swiglu(self, gate_up):
         return self.k.swiglu(gate_up)
-
-    def select_drafts(self, logits, bitmask):
-        return self.k.select_drafts(logits.contiguous(), bitmask)
 
 
 def ops_for(device: torch.device, choice: str = "auto") -> TorchOps | TritonOps:
