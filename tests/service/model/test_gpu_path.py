@@ -14,7 +14,6 @@ import torch
 
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.engine.types import ProposeArgs, Verdict
-from mtpdraft.service.model.batch import RowBatch
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.decode_chain import ChainInputs
 from mtpdraft.service.model.kv_cache import KVCache
@@ -44,20 +43,6 @@ def _chain(
     )
 
 
-def _batch(chain: ChainInputs, block_size: int, device: torch.device) -> RowBatch:
-    """The chain's first step as one RowBatch."""
-    positions, slots, context_lens = chain.step_rows(block_size)[0].to(device)
-    return RowBatch(
-        tokens=chain.tokens.to(device),
-        hiddens=chain.hiddens.to(device),
-        positions=positions,
-        seq_ids=torch.arange(len(chain), dtype=torch.int32, device=device),
-        slot_mapping=slots,
-        block_tables=chain.block_tables.to(device),
-        context_lens=context_lens,
-    )
-
-
 def _assert_drafts_match(ref_logits: torch.Tensor, ref: torch.Tensor, got: torch.Tensor) -> None:
     top2 = ref_logits.float().topk(2, dim=-1).values
     scale = ref_logits.float().abs().amax(dim=-1).clamp_min(1.0)
@@ -83,15 +68,17 @@ def _kv_pair(a: MTPHead, b: MTPHead, blocks: int) -> tuple[KVCache, KVCache]:
 
 
 def _compare(folder, device: torch.device, lengths: list[int], graphs: bool) -> None:
-    """One step of the fast head's chain (graphed or not) against the torch forward."""
+    """One step of the fast head's chain (graphed or not) against the torch ops' chain."""
     ref, fast = _heads(folder, device)
     chain = _chain(ref, lengths, [1] * len(lengths), 16, seed=1)
     kv_ref, kv_fast = _kv_pair(ref, fast, len(lengths) * chain.block_tables.shape[1])
     if graphs:
         fast.capture_decode_graphs(kv_fast, max_batch=8, max_steps=4)
-    h_ref = ref.forward(_batch(chain, 16, device), kv_ref)
+    want = ref.decode_chain(kv_ref, chain)
+    h_ref = want.hiddens[0]
     logits = ref.logits(h_ref)
-    t_ref, p_ref = ref.draft(h_ref, None)
+    t_ref = torch.tensor(want.tokens[0], device=device)
+    p_ref = torch.tensor(want.probs[0], device=device)
     out = fast.decode_chain(kv_fast, chain)
     h_fast = out.hiddens[0]
     t_fast = torch.tensor(out.tokens[0], device=device)
