@@ -14,6 +14,7 @@ import torch
 from mtpdraft.client.loadtest import add_loadtest_parser, run_loadtest
 
 from .engine.engine import DraftEngine
+from .engine.scheduler import DEFAULT_BATCH_WAIT_S
 from .model.checkpoint import load_mtp_weights
 from .model.default_model import DEFAULT_CHECKPOINT
 from .model.errors import CheckpointError
@@ -54,8 +55,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--batch-wait-us",
         type=float,
-        default=0.0,
-        help="wait this long for more calls when fewer than a batch are queued",
+        default=DEFAULT_BATCH_WAIT_S * 1e6,
+        help="the most a batch waits for verifiers due back (0: start at once)",
     )
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain")
     p.add_argument("--no-reflection", action="store_true", help="turn server reflection off")

@@ -15,7 +15,7 @@ from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
 from .engine.engine import DraftEngine
 from .engine.runner import EngineRunner
-from .engine.scheduler import ProposeScheduler
+from .engine.scheduler import DEFAULT_BATCH_WAIT_S, ProposeScheduler
 from .security import TokenAuthInterceptor, TokenSource
 from .servicer import DrafterServicer
 from .telemetry import Telemetry
@@ -46,7 +46,7 @@ class DrafterServer:
         reflection_enabled: bool = True,
         max_queue: int = 4096,
         max_inflight: int | None = None,
-        batch_wait: float = 0.0,
+        batch_wait: float = DEFAULT_BATCH_WAIT_S,
         telemetry: Telemetry | None = None,
         credentials: grpc.ServerCredentials | None = None,
         tokens: TokenSource | Sequence[str | bytes] | None = None,

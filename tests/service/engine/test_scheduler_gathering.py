@@ -1,0 +1,116 @@
+"""The scheduler's gathering wait: verifiers due back share a batch, nobody else waits.
+
+The engine here is a stand-in with a fixed step time, since what is tested is
+when batches start and what they hold, not what they compute (test_scheduler.py
+runs the real engine through the same scheduler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from mtpdraft.service.engine.runner import EngineRunner
+from mtpdraft.service.engine.scheduler import ProposeScheduler
+from mtpdraft.service.engine.types import Proposal, ProposeArgs
+
+
+class TimedEngine:
+    """Answers every batch after `step` seconds; records the states of each batch."""
+
+    max_batch = 8
+
+    def __init__(self, step: float) -> None:
+        self.step = step
+        self.batches: list[set[int]] = []
+
+    def propose_groups(self, groups: list[list[ProposeArgs]]) -> list[list[Proposal]]:
+        time.sleep(self.step)
+        self.batches.append({r.state_id for group in groups for r in group})
+        return [[Proposal(r.state_id, [1], [1.0], 1.0, r.position + 1) for r in g] for g in groups]
+
+
+def _request(state: int, step: int) -> list[ProposeArgs]:
+    return [ProposeArgs(state, 1, torch.zeros(4), step, 1)]
+
+
+async def _verifier(scheduler: ProposeScheduler, state: int, steps: int, think: float) -> None:
+    """A verifier in its decode loop: propose, then `think` seconds before the next step."""
+    for step in range(steps):
+        await scheduler.submit(_request(state, step))
+        await asyncio.sleep(think)
+
+
+def _run(engine: TimedEngine, batch_wait: float, verifiers: list[tuple[int, int, float]]) -> float:
+    """Runs the verifiers (state, steps, think seconds) together; returns the wall time."""
+
+    async def scenario() -> float:
+        runner = EngineRunner()
+        scheduler = ProposeScheduler(engine, runner, batch_wait=batch_wait)  # type: ignore[arg-type]
+        scheduler.start()
+        started = time.monotonic()
+        await asyncio.gather(*(_verifier(scheduler, *v) for v in verifiers))
+        elapsed = time.monotonic() - started
+        await scheduler.stop()
+        runner.shutdown()
+        return elapsed
+
+    return asyncio.run(scenario())
+
+
+# Four verifiers that come back 0, 20, 40 and 60 ms after their answers, a 50 ms step.
+STAGGERED = [(state, 8, 0.02 * state) for state in range(4)]
+
+
+def test_verifiers_due_back_share_one_batch() -> None:
+    engine = TimedEngine(step=0.05)
+    _run(engine, batch_wait=0.5, verifiers=STAGGERED)
+    # A state's round trip is known from its second call on: the first rounds run as
+    # they come (state 0 gets one step ahead), then the batches hold all four.
+    assert engine.batches[3:8] == [{0, 1, 2, 3}] * 5, engine.batches
+    assert len(engine.batches) <= 10  # 32 steps
+
+
+def test_without_gathering_the_first_back_runs_alone() -> None:
+    engine = TimedEngine(step=0.05)
+    _run(engine, batch_wait=0.0, verifiers=STAGGERED)
+    assert len(engine.batches) > 10  # split batches: what gathering prevents
+
+
+def test_a_lone_verifier_never_waits() -> None:
+    engine = TimedEngine(step=0.001)
+    elapsed = _run(engine, batch_wait=5.0, verifiers=[(0, 6, 0.0)])
+    assert elapsed < 2.0  # one wait would have taken 5 s
+
+
+def test_a_verifier_that_stops_coming_back_holds_nobody() -> None:
+    # State 1 stops after 3 steps; state 0 goes on for 6. Were state 1 waited for until
+    # batch_wait (5 s), state 0's last steps would take seconds; 1.5 of state 1's round
+    # trip (a few ms) is the most it may hold them.
+    engine = TimedEngine(step=0.001)
+    elapsed = _run(engine, batch_wait=5.0, verifiers=[(0, 6, 0.0), (1, 3, 0.0)])
+    assert elapsed < 2.0
+
+
+def test_a_verifier_busy_verifying_holds_nobody() -> None:
+    # State 1 thinks for 1.5 s between steps (its target model is verifying): its
+    # return is not due within batch_wait, so state 0 never waits for it.
+    engine = TimedEngine(step=0.001)
+
+    async def scenario() -> float:
+        runner = EngineRunner()
+        scheduler = ProposeScheduler(engine, runner, batch_wait=0.5)  # type: ignore[arg-type]
+        scheduler.start()
+        slow = asyncio.ensure_future(_verifier(scheduler, 1, 2, 1.5))
+        await asyncio.sleep(1.8)  # state 1 has answered twice: its round trip is known
+        started = time.monotonic()
+        await _verifier(scheduler, 0, 5, 0.0)
+        elapsed = time.monotonic() - started
+        await slow
+        await scheduler.stop()
+        runner.shutdown()
+        return elapsed
+
+    assert asyncio.run(scenario()) < 0.45  # one wait for state 1 would take 0.5 s
