@@ -12,7 +12,9 @@ verdict (0 accepted: the same rows every step, on both sides):
    (DESIGN: at least 0.8x at 64);
 4. tracing on (an SDK TracerProvider with a no-op exporter in the server) against
    off (Telemetry()): (2) and (3) at 64 again. Skipped, with a note, when
-   OpenTelemetry is not installed.
+   OpenTelemetry is not installed;
+5. the floor (grpc_floor.py): a grpc.aio server answering the same request bytes
+   with a canned reply, no work: the least any Python grpc.aio service could add.
 
 The server runs in its own process (as a verifier would see it), built by the
 `mtpdraft serve` code from the same checkpoint folder; the clients are the
@@ -52,6 +54,7 @@ from typing import Any
 
 # Kept free of torch at import: client worker processes (spawned) re-import this
 # file, and an fp32 client needs neither torch nor the service.
+import grpc_floor
 from shapes import MIMO_7B, SMALL
 
 # MiMo-7B's own config: room for a 2048-row prompt plus every measured step.
@@ -411,6 +414,25 @@ class ServerProcess:
             self.process.wait()
 
 
+def floor_suite(work: Workload, batches: list[int], procs: int | None) -> dict[str, Any]:
+    """The grpc.aio floor for the same request bytes, at batch 1 and each stream count."""
+    from mtpdraft.client import Verdict
+    from mtpdraft.client import messages as m
+
+    hidden = _hiddens(1, work, seed=1)[0]
+    request = m.propose_request(
+        1, 7, hidden, work.prompt, work.num_drafts, previous=Verdict(0)
+    ).SerializeToString()
+    return grpc_floor.floor(
+        request,
+        work.num_drafts,
+        sorted({1, *batches}),
+        lambda b: min(b, procs if procs is not None else default_client_processes(b)),
+        work.steps,
+        work.warmup,
+    )
+
+
 def default_client_processes(streams: int) -> int:
     """One process up to 8 streams; beyond, up to 4 (a quarter of the cores): one asyncio
     client process tops out at a few thousand messages per second."""
@@ -566,6 +588,22 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {_f(r.get('streams_over_batched', {}).get(b), '.2f', 'x')} | {target} | {met} "
             f"| {stream.get('client_processes', '')} |"
         )
+    floor = report.get("floor", {})
+    if floor and "error" not in floor:
+        lines += [
+            "",
+            "| grpc.aio floor: canned replies, no work (grpc_floor.py) | p50 us "
+            "| messages/s | service messages/s |",
+            "|---|---|---|---|",
+        ]
+        for b, got in floor.items():
+            stream = grpc.get("tracing_off", {}).get("streams", {}).get(b, {})
+            service = _get(stream, "drafts_per_s")
+            service_rate = None if service is None else service / w["num_drafts"]
+            lines.append(
+                f"| {b} stream{'s' if b != '1' else ''} | {_f(_get(got, 'p50_us'), '.1f')} "
+                f"| {_f(_get(got, 'messages_per_s'), '.0f')} | {_f(service_rate, '.0f')} |"
+            )
     if "tracing_on_over_off" in r:
         lines += ["", "| tracing on / off (server spans, no-op exporter) | ratio |", "|---|---|"]
         lines += [f"| {k} | {_f(v, '.3f', 'x')} |" for k, v in r["tracing_on_over_off"].items()]
@@ -689,6 +727,10 @@ def main() -> int:
                 report["grpc"]["tracing_on"] = grpc_suite(
                     argv, True, work, batches, args.client_processes, notes
                 )
+            log("gRPC floor (canned replies)")
+            report["floor"] = _attempt(
+                "floor", notes, floor_suite, work, batches, args.client_processes
+            )
         report["ratios"] = ratios(report)
     finally:
         if written is not None:

@@ -1,0 +1,159 @@
+"""The floor under the service's figures: what grpc.aio alone costs per stream message.
+
+A server that answers each ProposeStream message with a canned reply (no parsing,
+no scheduling, no engine) and clients that send pre-serialized requests: its
+batch-1 round trip and its messages per second at many streams are the most any
+Python grpc.aio service could reach on this machine. bench_service.py reports
+them next to the service's own figures.
+
+    python bench/grpc_floor.py --serve     # the canned-reply server (prints "PORT n")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SERVICE, METHOD = "mtpdraft.v1.Drafter", "ProposeStream"
+START_TIMEOUT_S = 60.0
+
+
+def _canned_reply(num_drafts: int) -> bytes:
+    from mtpdraft.v1 import drafter_pb2 as pb
+
+    proposal = pb.Proposal(
+        state_id=1,
+        tokens=list(range(num_drafts)),
+        probs=[0.5] * num_drafts,
+        confidence=0.5,
+        first_position=2048,
+    )
+    return pb.ProposeStreamResponse(request_id=1, proposal=proposal).SerializeToString()
+
+
+def serve(num_drafts: int) -> None:
+    import grpc
+
+    reply = _canned_reply(num_drafts)
+
+    async def answer(requests: Any, context: Any) -> Any:
+        async for _ in requests:
+            yield reply
+
+    async def main() -> None:
+        handler = grpc.stream_stream_rpc_method_handler(answer)  # bytes in, bytes out
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler}),)
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(f"PORT {port}", flush=True)
+        await asyncio.to_thread(sys.stdin.read)  # the bench closes our stdin to stop us
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+async def _streams(target: str, streams: int, request: bytes, steps: int, warmup: int) -> dict:
+    import grpc
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        open_call = channel.stream_stream(f"/{SERVICE}/{METHOD}")
+        times: list[float] = []
+
+        async def run() -> None:
+            call = open_call()
+            for step in range(warmup + steps):
+                started = time.perf_counter()
+                await call.write(request)
+                await call.read()
+                if step >= warmup:
+                    times.append(time.perf_counter() - started)
+            await call.done_writing()
+
+        started = time.monotonic()
+        await asyncio.gather(*(run() for _ in range(streams)))
+        return {"times": times, "started": started, "finished": time.monotonic()}
+
+
+def _client_process(args: tuple, results: Any) -> None:
+    results.put(asyncio.run(_streams(*args)))
+
+
+def measure(
+    target: str, streams: int, processes: int, request: bytes, steps: int, warmup: int
+) -> dict[str, Any]:
+    """`streams` streams over `processes` client processes: p50 and messages per second."""
+    from bench_service import percentiles_us
+
+    if processes <= 1:
+        parts = [asyncio.run(_streams(target, streams, request, steps, warmup))]
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        results = ctx.Queue()
+        shares = [streams // processes + (i < streams % processes) for i in range(processes)]
+        workers = [
+            ctx.Process(target=_client_process, args=((target, n, request, steps, warmup), results))
+            for n in shares
+        ]
+        for w in workers:
+            w.start()
+        parts = [results.get(timeout=600) for _ in workers]
+        for w in workers:
+            w.join(30)
+    times = [t for p in parts for t in p["times"]]
+    window = max(p["finished"] for p in parts) - min(p["started"] for p in parts)
+    return {
+        "streams": streams,
+        "client_processes": max(processes, 1),
+        **percentiles_us(times),
+        "messages_per_s": streams * (steps + warmup) / window,
+    }
+
+
+class FloorServer:
+    """The canned-reply server in a subprocess."""
+
+    def __init__(self, num_drafts: int) -> None:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(num_drafts)]
+        self.process = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self.process.stdout.readline()))
+        reader.start()
+        reader.join(START_TIMEOUT_S)
+        if not line or not line[0].startswith("PORT "):
+            self.stop()
+            raise RuntimeError("the floor server did not start")
+        self.target = f"127.0.0.1:{int(line[0].split()[1])}"
+
+    def stop(self) -> None:
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            self.process.stdin.close()
+        self.process.wait(30)
+
+
+def floor(
+    request: bytes, num_drafts: int, batches: list[int], processes: Any, steps: int, warmup: int
+) -> dict[str, Any]:
+    """The floor at batch 1 and at each count of streams; `processes(b)` clients for b."""
+    server = FloorServer(num_drafts)
+    try:
+        return {
+            str(b): measure(server.target, b, processes(b), request, steps, warmup) for b in batches
+        }
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        serve(int(sys.argv[2]))
