@@ -29,7 +29,7 @@ from . import wire
 from .engine import errors
 from .engine.engine import DraftEngine, PrefillSession
 from .engine.runner import EngineRunner
-from .engine.scheduler import ProposeScheduler
+from .engine.scheduler import JobTiming, ProposeScheduler
 from .engine.types import Proposal, ProposeArgs, Verdict
 from .telemetry import Telemetry
 
@@ -158,9 +158,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self, requests: list[ProposeArgs], context: grpc.aio.ServicerContext
     ) -> list[Proposal]:
         proposals, timing = await self.scheduler.submit(requests, context.time_remaining())
+        self._record(timing, proposals)
+        return proposals
+
+    def _record(self, timing: JobTiming, proposals: list[Proposal]) -> None:
         self.telemetry.record_job(timing)
         self.telemetry.drafts.add(sum(len(p.tokens) for p in proposals))
-        return proposals
 
     @rpc
     async def GetInfo(self, request, context):
@@ -255,30 +258,58 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     async def ProposeStream(self, request_iterator: AsyncIterator[pb.ProposeRequest], context):
         """An async generator of answers (the form gRPC interceptors expect of a stream).
 
-        Errors are answers, not statuses, so the `rpc` wrapper is not needed here;
-        the RPC's duration is recorded all the same.
+        Each message is queued with the scheduler as it is read, and its answer is
+        made by a callback on the job's future: no task per message, since a task's
+        start and wake-ups cost the loop more than the message's own work when
+        many streams are busy. Errors are answers, not statuses, so the `rpc`
+        wrapper is not needed here; the RPC's duration is recorded all the same.
         """
         started, code = time.perf_counter(), grpc.StatusCode.OK
         answers: asyncio.Queue[pb.ProposeStreamResponse | None] = asyncio.Queue()
-        in_flight: set[asyncio.Task] = set()
+        in_flight: set[asyncio.Future] = set()
 
-        async def answer(msg: pb.ProposeRequest) -> None:
-            try:
-                (proposal,) = await self._propose([_propose_args(msg)], context)
-                reply = pb.ProposeStreamResponse(
-                    request_id=msg.request_id, proposal=_proposal(proposal)
-                )
-            except errors.DrafterError as err:
-                reply = pb.ProposeStreamResponse(request_id=msg.request_id, error=_error_value(err))
-            await answers.put(reply)
+        def error(request_id: int, err: errors.DrafterError) -> pb.ProposeStreamResponse:
+            return pb.ProposeStreamResponse(request_id=request_id, error=_error_value(err))
+
+        def answer(request_id: int, timing: JobTiming, job: asyncio.Future) -> None:
+            in_flight.discard(job)
+            if job.cancelled():  # the stream is going away
+                return
+            if (err := job.exception()) is not None:
+                if not isinstance(err, errors.DrafterError):  # a bug: this request fails alone
+                    log.error("ProposeStream request failed", exc_info=err)
+                    reply = pb.ProposeStreamResponse(
+                        request_id=request_id,
+                        error=pb.Error(
+                            code=grpc.StatusCode.INTERNAL.value[0],
+                            message=f"internal error: {type(err).__name__}",
+                            reason="INTERNAL",
+                        ),
+                    )
+                    answers.put_nowait(reply)
+                    return
+                answers.put_nowait(error(request_id, err))
+                return
+            (proposal,) = job.result()
+            self._record(timing, [proposal])
+            answers.put_nowait(
+                pb.ProposeStreamResponse(request_id=request_id, proposal=_proposal(proposal))
+            )
 
         async def read() -> None:
             async for msg in request_iterator:
-                task = asyncio.create_task(answer(msg))
-                in_flight.add(task)
-                task.add_done_callback(in_flight.discard)
-            await asyncio.gather(*in_flight)
-            await answers.put(None)
+                try:
+                    job, timing = self.scheduler.enqueue(
+                        [_propose_args(msg)], context.time_remaining()
+                    )
+                except errors.DrafterError as err:
+                    answers.put_nowait(error(msg.request_id, err))
+                    continue
+                in_flight.add(job)
+                job.add_done_callback(functools.partial(answer, msg.request_id, timing))
+            if in_flight:
+                await asyncio.wait(list(in_flight))
+            answers.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
@@ -290,8 +321,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             raise
         finally:
             reader.cancel()
-            for task in list(in_flight):
-                task.cancel()
+            for job in list(in_flight):
+                job.cancel()
             self.telemetry.record_rpc("ProposeStream", code, time.perf_counter() - started)
 
     @rpc

@@ -147,6 +147,16 @@ class ProposeScheduler:
         self, requests: list[ProposeArgs], timeout: float | None = None
     ) -> tuple[list[Proposal], JobTiming]:
         """Queues one call's requests; returns their proposals once their batch ran."""
+        future, timing = self.enqueue(requests, timeout)
+        # Cancelling this await (the caller went away) cancels the future: the loop
+        # then skips the job, freeing its place.
+        return await future, timing
+
+    def enqueue(
+        self, requests: list[ProposeArgs], timeout: float | None = None
+    ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
+        """Queues one call's requests; the future holds their proposals once their
+        batch ran. Cancelling it takes the call out of the queue."""
         # A call larger than a batch could never be taken: refuse it here.
         check_batch_size(len(requests), self.max_batch)
         if self.closing:
@@ -168,9 +178,7 @@ class ProposeScheduler:
         self._queue.append(job)
         self._wake.set()
         self._arrived.set()
-        # Cancelling this await (the caller went away) cancels the future: the loop
-        # then skips the job, freeing its place.
-        return await job.future, job.timing
+        return job.future, job.timing
 
     def _take(self) -> list[_Job]:
         now = asyncio.get_running_loop().time()

@@ -114,3 +114,30 @@ def test_async_stream(server) -> None:
             assert await c.free_state(state)
 
     asyncio.run(run())
+
+
+def test_a_failed_forward_answers_internal_and_the_stream_goes_on(mimo_checkpoint) -> None:
+    from servers import InProcessServer, small_engine
+
+    from mtpdraft.client import DrafterRpcError
+
+    engine = small_engine(mimo_checkpoint)
+    forward = engine.propose_groups
+
+    def broken_once(groups):
+        engine.propose_groups = forward
+        raise RuntimeError("a bug in the forward")
+
+    server = InProcessServer(engine)
+    try:
+        with DrafterClient(server.address) as client, client.stream() as stream:
+            state = _prompted(client, 5, 1)
+            engine.propose_groups = broken_once
+            with pytest.raises(DrafterRpcError) as failed:
+                stream.propose(state, 1, hiddens(1, 0), 6, 2)
+            assert failed.value.code.name == "INTERNAL"
+            assert failed.value.reason == "INTERNAL"
+            # The failed forward changed nothing: the same request now drafts.
+            assert stream.propose(state, 1, hiddens(1, 0), 6, 2).first_position == 7
+    finally:
+        server.stop()
