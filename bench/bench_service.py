@@ -414,8 +414,11 @@ class ServerProcess:
             self.process.wait()
 
 
-def floor_suite(work: Workload, batches: list[int], procs: int | None) -> dict[str, Any]:
-    """The grpc.aio floor for the same request bytes, at batch 1 and each stream count."""
+def floor_suite(
+    work: Workload, step_s: float, batches: list[int], procs: int | None
+) -> dict[str, Any]:
+    """The grpc.aio floor for the same request bytes, at batch 1 (answers `step_s` late)
+    and at each stream count."""
     from mtpdraft.client import Verdict
     from mtpdraft.client import messages as m
 
@@ -426,6 +429,7 @@ def floor_suite(work: Workload, batches: list[int], procs: int | None) -> dict[s
     return grpc_floor.floor(
         request,
         work.num_drafts,
+        step_s,
         sorted({1, *batches}),
         lambda b: min(b, procs if procs is not None else default_client_processes(b)),
         work.steps,
@@ -590,13 +594,17 @@ def markdown(report: dict[str, Any]) -> str:
         )
     floor = report.get("floor", {})
     if floor and "error" not in floor:
+        after = floor["b1_after_step"]
         lines += [
             "",
             "| grpc.aio floor: canned replies, no work (grpc_floor.py) | p50 us "
             "| messages/s | service messages/s |",
             "|---|---|---|---|",
+            f"| 1 stream, each answer one in-process step ({after['step_us']:.0f} us) late "
+            f"| {after['p50_us']:.1f} (+{after['p50_us'] - after['step_us']:.1f} us) "
+            f"| {after['messages_per_s']:.0f} | |",
         ]
-        for b, got in floor.items():
+        for b, got in floor["streams"].items():
             stream = grpc.get("tracing_off", {}).get("streams", {}).get(b, {})
             service = _get(stream, "drafts_per_s")
             service_rate = None if service is None else service / w["num_drafts"]
@@ -728,8 +736,9 @@ def main() -> int:
                     argv, True, work, batches, args.client_processes, notes
                 )
             log("gRPC floor (canned replies)")
+            step_s = (_get(batched, "1", "p50_us") or 0.0) * 1e-6
             report["floor"] = _attempt(
-                "floor", notes, floor_suite, work, batches, args.client_processes
+                "floor", notes, floor_suite, work, step_s, batches, args.client_processes
             )
         report["ratios"] = ratios(report)
     finally:

@@ -3,10 +3,13 @@
 A server that answers each ProposeStream message with a canned reply (no parsing,
 no scheduling, no engine) and clients that send pre-serialized requests: its
 batch-1 round trip and its messages per second at many streams are the most any
-Python grpc.aio service could reach on this machine. bench_service.py reports
-them next to the service's own figures.
+Python grpc.aio service could reach on this machine. At batch 1 the server first
+waits as long as the in-process step takes (blocking its loop, as a computing
+engine would): both processes then idle between messages, and waking them costs
+more than a back-to-back echo. bench_service.py reports these next to the
+service's own figures.
 
-    python bench/grpc_floor.py --serve     # the canned-reply server (prints "PORT n")
+    python bench/grpc_floor.py --serve K DELAY_US   # the server (prints "PORT n")
 """
 
 from __future__ import annotations
@@ -37,13 +40,15 @@ def _canned_reply(num_drafts: int) -> bytes:
     return pb.ProposeStreamResponse(request_id=1, proposal=proposal).SerializeToString()
 
 
-def serve(num_drafts: int) -> None:
+def serve(num_drafts: int, delay_s: float) -> None:
     import grpc
 
     reply = _canned_reply(num_drafts)
 
     async def answer(requests: Any, context: Any) -> Any:
         async for _ in requests:
+            if delay_s > 0:
+                time.sleep(delay_s)
             yield reply
 
     async def main() -> None:
@@ -121,8 +126,11 @@ def measure(
 class FloorServer:
     """The canned-reply server in a subprocess."""
 
-    def __init__(self, num_drafts: int) -> None:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(num_drafts)]
+    def __init__(self, num_drafts: int, delay_s: float) -> None:
+        cmd = [
+            sys.executable, str(Path(__file__).resolve()), "--serve", str(num_drafts),
+            str(delay_s * 1e6),
+        ]  # fmt: skip
         self.process = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -142,18 +150,33 @@ class FloorServer:
 
 
 def floor(
-    request: bytes, num_drafts: int, batches: list[int], processes: Any, steps: int, warmup: int
+    request: bytes,
+    num_drafts: int,
+    step_s: float,
+    batches: list[int],
+    processes: Any,
+    steps: int,
+    warmup: int,
 ) -> dict[str, Any]:
-    """The floor at batch 1 and at each count of streams; `processes(b)` clients for b."""
-    server = FloorServer(num_drafts)
+    """The batch-1 floor with each answer `step_s` late, then back-to-back at each
+    count of streams (`processes(b)` client processes for b)."""
+    out: dict[str, Any] = {}
+    server = FloorServer(num_drafts, step_s)
     try:
-        return {
+        out["b1_after_step"] = measure(server.target, 1, 1, request, steps, warmup)
+        out["b1_after_step"]["step_us"] = step_s * 1e6
+    finally:
+        server.stop()
+    server = FloorServer(num_drafts, 0.0)
+    try:
+        out["streams"] = {
             str(b): measure(server.target, b, processes(b), request, steps, warmup) for b in batches
         }
     finally:
         server.stop()
+    return out
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
-        serve(int(sys.argv[2]))
+        serve(int(sys.argv[2]), float(sys.argv[3]) * 1e-6)
