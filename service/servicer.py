@@ -69,6 +69,18 @@ def _error_value(err: errors.DrafterError) -> pb.Error:
     )
 
 
+def _stream_error(err: BaseException) -> pb.Error:
+    """A failed stream request's answer: its error, or INTERNAL for a bug (logged)."""
+    if isinstance(err, errors.DrafterError):
+        return _error_value(err)
+    log.error("a ProposeStream request failed", exc_info=err)
+    return pb.Error(
+        code=grpc.StatusCode.INTERNAL.value[0],
+        message=f"internal error: {type(err).__name__}",
+        reason="INTERNAL",
+    )
+
+
 def _verdict(msg: pb.Verdict, field: str) -> Verdict:
     refeed = None
     if msg.HasField("refeed_hiddens"):
@@ -268,33 +280,18 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         answers: asyncio.Queue[pb.ProposeStreamResponse | None] = asyncio.Queue()
         in_flight: set[asyncio.Future] = set()
 
-        def error(request_id: int, err: errors.DrafterError) -> pb.ProposeStreamResponse:
-            return pb.ProposeStreamResponse(request_id=request_id, error=_error_value(err))
-
         def answer(request_id: int, timing: JobTiming, job: asyncio.Future) -> None:
             in_flight.discard(job)
             if job.cancelled():  # the stream is going away
                 return
+            reply = pb.ProposeStreamResponse(request_id=request_id)
             if (err := job.exception()) is not None:
-                if not isinstance(err, errors.DrafterError):  # a bug: this request fails alone
-                    log.error("ProposeStream request failed", exc_info=err)
-                    reply = pb.ProposeStreamResponse(
-                        request_id=request_id,
-                        error=pb.Error(
-                            code=grpc.StatusCode.INTERNAL.value[0],
-                            message=f"internal error: {type(err).__name__}",
-                            reason="INTERNAL",
-                        ),
-                    )
-                    answers.put_nowait(reply)
-                    return
-                answers.put_nowait(error(request_id, err))
-                return
-            (proposal,) = job.result()
-            self._record(timing, [proposal])
-            answers.put_nowait(
-                pb.ProposeStreamResponse(request_id=request_id, proposal=_proposal(proposal))
-            )
+                reply.error.CopyFrom(_stream_error(err))
+            else:
+                (proposal,) = job.result()
+                self._record(timing, [proposal])
+                reply.proposal.CopyFrom(_proposal(proposal))
+            answers.put_nowait(reply)
 
         async def read() -> None:
             async for msg in request_iterator:
@@ -303,7 +300,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                         [_propose_args(msg)], context.time_remaining()
                     )
                 except errors.DrafterError as err:
-                    answers.put_nowait(error(msg.request_id, err))
+                    refused = pb.ProposeStreamResponse(request_id=msg.request_id)
+                    refused.error.CopyFrom(_error_value(err))
+                    answers.put_nowait(refused)
                     continue
                 in_flight.add(job)
                 job.add_done_callback(functools.partial(answer, msg.request_id, timing))
