@@ -452,6 +452,18 @@ def _attempt(what: str, notes: list[str], fn: Any, *args: Any) -> dict[str, Any]
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
+def with_server_batches(target: str, fn: Any, *args: Any) -> dict[str, Any]:
+    """fn(*args), plus the server's batch-size histogram over it (warm-up included)."""
+    from mtpdraft.client import DrafterClient
+    from mtpdraft.client.loadtest_report import batch_histogram
+
+    with DrafterClient(target, timeout=CALL_TIMEOUT_S) as client:
+        before = client.info()
+        result = fn(*args)
+        result["server_batches"] = batch_histogram(before, client.info())
+    return result
+
+
 def grpc_suite(
     argv: list[str],
     tracing: bool,
@@ -465,13 +477,13 @@ def grpc_suite(
     server = ServerProcess(argv, tracing)
     try:
         target = server.target
+
+        def measure(what: str, *args: Any) -> dict[str, Any]:
+            return _attempt(f"{name}: {what}", notes, with_server_batches, target, over_grpc, *args)
+
         out: dict[str, Any] = {
-            "stream_b1": _attempt(
-                f"{name}: stream, batch 1", notes, over_grpc, target, "stream", 1, work, 1, 10
-            ),
-            "unary_b1": _attempt(
-                f"{name}: unary, batch 1", notes, over_grpc, target, "unary", 1, work, 1, 11
-            ),
+            "stream_b1": measure("stream, batch 1", target, "stream", 1, work, 1, 10),
+            "unary_b1": measure("unary, batch 1", target, "unary", 1, work, 1, 11),
             "streams": {},
         }
         for b in batches:
@@ -479,9 +491,7 @@ def grpc_suite(
             if b == 1:  # one stream is the batch-1 hot path, measured above
                 got = out["stream_b1"]
             else:
-                got = _attempt(
-                    f"{name}: {b} streams", notes, over_grpc, target, "stream", b, work, p, 20 + b
-                )
+                got = measure(f"{b} streams", target, "stream", b, work, p, 20 + b)
             out["streams"][str(b)] = got
             log(f"  {b} streams: {got.get('drafts_per_s', 'failed')} drafts/s")
         return out
@@ -579,8 +589,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "| concurrent streams | drafts/s over gRPC | in-process batched drafts/s | ratio "
-        "| target | met | client processes |",
-        "|---|---|---|---|---|---|---|",
+        "| target | met | client processes | server's mean batch |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for b in inproc:
         stream = grpc.get("tracing_off", {}).get("streams", {}).get(b, {})
@@ -590,7 +600,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {b} | {_f(_get(stream, 'drafts_per_s'), '.0f')} "
             f"| {_f(_get(inproc, b, 'drafts_per_s'), '.0f')} "
             f"| {_f(r.get('streams_over_batched', {}).get(b), '.2f', 'x')} | {target} | {met} "
-            f"| {stream.get('client_processes', '')} |"
+            f"| {stream.get('client_processes', '')} "
+            f"| {_f(_get(stream, 'server_batches', 'mean_batch'), '.1f')} |"
         )
     floor = report.get("floor", {})
     if floor and "error" not in floor:
