@@ -43,10 +43,8 @@ import random
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,6 +53,7 @@ from typing import Any
 # Kept free of torch at import: client worker processes (spawned) re-import this
 # file, and an fp32 client needs neither torch nor the service.
 import grpc_floor
+from server_process import ServerProcess
 from shapes import MIMO_7B, SMALL
 
 # MiMo-7B's own config: room for a 2048-row prompt plus every measured step.
@@ -385,33 +384,12 @@ def serve_main(argv: list[str], tracing: bool) -> int:
     return 0
 
 
-class ServerProcess:
-    """A bench server in a subprocess on loopback."""
-
-    def __init__(self, argv: list[str], tracing: bool) -> None:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *argv]
-        if tracing:
-            cmd.append("--serve-tracing")
-        self.process = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(self.process.stdout.readline()))
-        reader.start()
-        reader.join(SERVER_START_TIMEOUT_S)
-        if not line or not line[0].startswith("PORT "):
-            self.stop()
-            raise RuntimeError(f"the bench server did not start (exit {self.process.poll()})")
-        self.target = f"127.0.0.1:{int(line[0].split()[1])}"
-
-    def stop(self) -> None:
-        if self.process.stdin is not None and not self.process.stdin.closed:
-            self.process.stdin.close()
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+def start_server(argv: list[str], tracing: bool) -> ServerProcess:
+    """This file's --serve mode (the service on ARGV) in a subprocess."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *argv]
+    if tracing:
+        cmd.append("--serve-tracing")
+    return ServerProcess(cmd, SERVER_START_TIMEOUT_S)
 
 
 def floor_suite(
@@ -474,7 +452,7 @@ def grpc_suite(
 ) -> dict[str, Any]:
     """Batch-1 stream and unary, then each batch size in streams, against one server."""
     name = "tracing on" if tracing else "tracing off"
-    server = ServerProcess(argv, tracing)
+    server = start_server(argv, tracing)
     try:
         target = server.target
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from server_process import ServerProcess
 
 SERVICE, METHOD = "mtpdraft.v1.Drafter", "ProposeStream"
 START_TIMEOUT_S = 60.0
@@ -123,30 +123,10 @@ def measure(
     }
 
 
-class FloorServer:
+def start_server(num_drafts: int, delay_s: float) -> ServerProcess:
     """The canned-reply server in a subprocess."""
-
-    def __init__(self, num_drafts: int, delay_s: float) -> None:
-        cmd = [
-            sys.executable, str(Path(__file__).resolve()), "--serve", str(num_drafts),
-            str(delay_s * 1e6),
-        ]  # fmt: skip
-        self.process = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(self.process.stdout.readline()))
-        reader.start()
-        reader.join(START_TIMEOUT_S)
-        if not line or not line[0].startswith("PORT "):
-            self.stop()
-            raise RuntimeError("the floor server did not start")
-        self.target = f"127.0.0.1:{int(line[0].split()[1])}"
-
-    def stop(self) -> None:
-        if self.process.stdin is not None and not self.process.stdin.closed:
-            self.process.stdin.close()
-        self.process.wait(30)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(num_drafts)]
+    return ServerProcess([*cmd, str(delay_s * 1e6)], START_TIMEOUT_S)
 
 
 def floor(
@@ -161,13 +141,13 @@ def floor(
     """The batch-1 floor with each answer `step_s` late, then back-to-back at each
     count of streams (`processes(b)` client processes for b)."""
     out: dict[str, Any] = {}
-    server = FloorServer(num_drafts, step_s)
+    server = start_server(num_drafts, step_s)
     try:
         out["b1_after_step"] = measure(server.target, 1, 1, request, steps, warmup)
         out["b1_after_step"]["step_us"] = step_s * 1e6
     finally:
         server.stop()
-    server = FloorServer(num_drafts, 0.0)
+    server = start_server(num_drafts, 0.0)
     try:
         out["streams"] = {
             str(b): measure(server.target, b, processes(b), request, steps, warmup) for b in batches
