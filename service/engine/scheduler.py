@@ -208,20 +208,24 @@ class ProposeScheduler:
     def _due_back(self, now: float, until: float) -> tuple[set[int], float]:
         """The states not queued that are expected back before `until`, and when the
         last of them is late. Forgets the states that are late already."""
+        self._forget_late(now)
         queued = {state for job in self._queue for state in job.states}
         awaited, last = set(), now
-        for state, answered in list(self._answered.items()):
-            late = answered.late()
-            if now >= late:
-                del self._answered[state]
-            elif (
+        for state, answered in self._answered.items():
+            if (
                 answered.round_trip is not None
                 and answered.at + answered.round_trip <= until
                 and state not in queued
             ):
                 awaited.add(state)
-                last = max(last, late)
+                last = max(last, answered.late())
         return awaited, last
+
+    def _forget_late(self, now: float) -> None:
+        self._pruned_at = now
+        for state, answered in list(self._answered.items()):
+            if now >= answered.late():
+                del self._answered[state]
 
     async def _gather(self) -> None:
         """Waits for the states due back soon (see the module docstring)."""
@@ -306,7 +310,4 @@ class ProposeScheduler:
         for state in job.states:
             self._answered[state] = _Answered(now, job.round_trips.get(state))
         if now - self._pruned_at > _FORGET_S:  # the gathering wait prunes too, when it runs
-            self._pruned_at = now
-            for state, answered in list(self._answered.items()):
-                if now >= answered.late():
-                    del self._answered[state]
+            self._forget_late(now)
