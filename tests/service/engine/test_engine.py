@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from mtpdraft.service.engine.engine import DraftEngine
-from mtpdraft.service.engine.errors import FailedPrecondition, NotFound, Unavailable
+from mtpdraft.service.engine.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from mtpdraft.service.engine.types import ProposeArgs, Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
@@ -122,6 +127,28 @@ def test_batch_mixes_lengths_thresholds_and_masks(engine: DraftEngine) -> None:
         assert one.tokens == many.tokens
         assert one.probs == pytest.approx(many.probs, abs=1e-5)
     assert_accounted(engine)
+
+
+def test_a_failing_group_changes_nothing_and_its_batch_drafts_as_alone(
+    engine: DraftEngine,
+) -> None:
+    """One group of a batch with a NaN hidden is refused alone; the others draft as alone."""
+    nan = h(1, 41)
+    nan[0, 5] = float("nan")
+    good, bad = prefill(engine, [1, 2, 3], h(3, 40)), prefill(engine, [1, 2, 3], h(3, 40))
+    free = engine.pool.num_free
+    together = engine.propose_groups(
+        [[ProposeArgs(good, 4, h(1, 42), 4, 3)], [ProposeArgs(bad, 4, nan, 4, 3)]]
+    )
+    refused = together[1]
+    assert isinstance(refused, InvalidArgument)
+    assert (refused.reason, refused.field) == ("NOT_FINITE", "hidden")
+    assert engine.states[bad].num_rows == 3 and engine.states[bad].pending is None
+    assert engine.pool.num_free == free - 1  # good's rows 4..6 took one more block
+    assert_accounted(engine)
+    alone = engine.propose(ProposeArgs(prefill(engine, [1, 2, 3], h(3, 40)), 4, h(1, 42), 4, 3))
+    (got,) = together[0]
+    assert (got.tokens, got.probs) == (alone.tokens, alone.probs)
 
 
 def test_leases_expire_idle_states_and_handles(engine: DraftEngine, clock: Clock) -> None:
