@@ -9,12 +9,15 @@ verdict (0 accepted: the same rows every step, on both sides):
    (previous=...), p50, against (1) (DESIGN: the stream at most 150 us above);
 3. 1, 8 and 64 concurrent streams (one state each) in drafts per second, against
    the in-process batched step (engine.propose_batch) at the same batch sizes
-   (DESIGN: at least 0.8x at 64);
+   (DESIGN: at least 0.8x at 64), with the server's mean batch and, read from
+   /proc over the measured steps, its event loop's CPU per message, how busy the
+   loop was and the other threads' CPU per message (the engine thread's included);
 4. tracing on (an SDK TracerProvider with a no-op exporter in the server) against
    off (Telemetry()): (2) and (3) at 64 again. Skipped, with a note, when
    OpenTelemetry is not installed;
 5. the floor (grpc_floor.py): a grpc.aio server answering the same request bytes
-   with a canned reply, no work: the least any Python grpc.aio service could add.
+   with a canned reply, no work: the least any Python grpc.aio service could add,
+   and its event loop's CPU per message.
 
 The server runs in its own process (as a verifier would see it), built by the
 `mtpdraft serve` code from the same checkpoint folder; the clients are the
@@ -53,7 +56,7 @@ from typing import Any
 # Kept free of torch at import: client worker processes (spawned) re-import this
 # file, and an fp32 client needs neither torch nor the service.
 import grpc_floor
-from server_process import ServerProcess
+from server_process import CpuTrace, ServerProcess, cpu_per_message
 from shapes import MIMO_7B, SMALL
 
 # MiMo-7B's own config: room for a 2048-row prompt plus every measured step.
@@ -316,14 +319,15 @@ def over_grpc(
             raise RuntimeError(f"a client process failed: {failed[0]}")
     times = [t for p in parts for t in p["times"]]
     drafts = sum(p["drafts"] for p in parts)
-    window = max(p["finished"] for p in parts) - min(p["started"] for p in parts)
+    window = (min(p["started"] for p in parts), max(p["finished"] for p in parts))
     return {
         "mode": mode,
         "streams": streams,
         "client_processes": max(processes, 1),
         **percentiles_us(times),
         "drafts": drafts,
-        "drafts_per_s": drafts / window,
+        "drafts_per_s": drafts / (window[1] - window[0]),
+        "window": window,  # time.monotonic(), the same clock in every process
     }
 
 
@@ -430,15 +434,19 @@ def _attempt(what: str, notes: list[str], fn: Any, *args: Any) -> dict[str, Any]
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
-def with_server_batches(target: str, fn: Any, *args: Any) -> dict[str, Any]:
-    """fn(*args), plus the server's batch-size histogram over it (warm-up included)."""
+def with_server_stats(server: ServerProcess, fn: Any, *args: Any) -> dict[str, Any]:
+    """fn(*args) (a result with "samples" messages timed in "window"), plus the server's
+    batch-size histogram over it (warm-up included) and its CPU per message in the window."""
     from mtpdraft.client import DrafterClient
     from mtpdraft.client.loadtest_report import batch_histogram
 
-    with DrafterClient(target, timeout=CALL_TIMEOUT_S) as client:
+    with DrafterClient(server.target, timeout=CALL_TIMEOUT_S) as client, CpuTrace(server) as cpu:
         before = client.info()
         result = fn(*args)
         result["server_batches"] = batch_histogram(before, client.info())
+    spent = cpu.between(*result["window"])
+    if spent is not None and result.get("samples"):
+        result["server_cpu"] = cpu_per_message(spent, result["samples"], result["window"])
     return result
 
 
@@ -457,7 +465,7 @@ def grpc_suite(
         target = server.target
 
         def measure(what: str, *args: Any) -> dict[str, Any]:
-            return _attempt(f"{name}: {what}", notes, with_server_batches, target, over_grpc, *args)
+            return _attempt(f"{name}: {what}", notes, with_server_stats, server, over_grpc, *args)
 
         out: dict[str, Any] = {
             "stream_b1": measure("stream, batch 1", target, "stream", 1, work, 1, 10),
@@ -540,6 +548,15 @@ def _yes(ok: bool | None) -> str:
     return "n/a" if ok is None else ("yes" if ok else "no")
 
 
+def _cpu_cells(measured: dict[str, Any]) -> str:
+    """The server's event loop CPU per message, its busy share, the other threads' CPU."""
+    cpu = measured.get("server_cpu", {})
+    return (
+        f"{_f(cpu.get('loop_us_per_message'), '.0f')} | {_f(cpu.get('loop_busy'), '.0%')} "
+        f"| {_f(cpu.get('others_us_per_message'), '.0f')}"
+    )
+
+
 def markdown(report: dict[str, Any]) -> str:
     w, r, grpc = report["workload"], report["ratios"], report["grpc"]
     inproc = report["in_process"]["batched"]
@@ -567,8 +584,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "| concurrent streams | drafts/s over gRPC | in-process batched drafts/s | ratio "
-        "| target | met | client processes | server's mean batch |",
-        "|---|---|---|---|---|---|---|---|",
+        "| target | met | client processes | server's mean batch "
+        "| server loop CPU us/message | loop busy | other threads CPU us/message |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for b in inproc:
         stream = grpc.get("tracing_off", {}).get("streams", {}).get(b, {})
@@ -579,7 +597,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {_f(_get(inproc, b, 'drafts_per_s'), '.0f')} "
             f"| {_f(r.get('streams_over_batched', {}).get(b), '.2f', 'x')} | {target} | {met} "
             f"| {stream.get('client_processes', '')} "
-            f"| {_f(_get(stream, 'server_batches', 'mean_batch'), '.1f')} |"
+            f"| {_f(_get(stream, 'server_batches', 'mean_batch'), '.1f')} | {_cpu_cells(stream)} |"
         )
     floor = report.get("floor", {})
     if floor and "error" not in floor:
@@ -587,11 +605,11 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             "",
             "| grpc.aio floor: canned replies, no work (grpc_floor.py) | p50 us "
-            "| messages/s | service messages/s |",
-            "|---|---|---|---|",
+            "| messages/s | service messages/s | server loop CPU us/message |",
+            "|---|---|---|---|---|",
             f"| 1 stream, each answer one in-process step ({after['step_us']:.0f} us) late "
             f"| {after['p50_us']:.1f} (+{after['p50_us'] - after['step_us']:.1f} us) "
-            f"| {after['messages_per_s']:.0f} | |",
+            f"| {after['messages_per_s']:.0f} | | |",
         ]
         for b, got in floor["streams"].items():
             stream = grpc.get("tracing_off", {}).get("streams", {}).get(b, {})
@@ -599,7 +617,8 @@ def markdown(report: dict[str, Any]) -> str:
             service_rate = None if service is None else service / w["num_drafts"]
             lines.append(
                 f"| {b} stream{'s' if b != '1' else ''} | {_f(_get(got, 'p50_us'), '.1f')} "
-                f"| {_f(_get(got, 'messages_per_s'), '.0f')} | {_f(service_rate, '.0f')} |"
+                f"| {_f(_get(got, 'messages_per_s'), '.0f')} | {_f(service_rate, '.0f')} "
+                f"| {_f(_get(got, 'server_cpu', 'loop_us_per_message'), '.0f')} |"
             )
     if "tracing_on_over_off" in r:
         lines += ["", "| tracing on / off (server spans, no-op exporter) | ratio |", "|---|---|"]

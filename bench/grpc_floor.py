@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from server_process import ServerProcess
+from server_process import ServerProcess, cpu_per_message
 
 SERVICE, METHOD = "mtpdraft.v1.Drafter", "ProposeStream"
 START_TIMEOUT_S = 60.0
@@ -149,9 +149,15 @@ def floor(
         server.stop()
     server = start_server(num_drafts, 0.0)
     try:
-        out["streams"] = {
-            str(b): measure(server.target, b, processes(b), request, steps, warmup) for b in batches
-        }
+        out["streams"] = {}
+        for b in batches:
+            before, started = server.cpu_s(), time.monotonic()
+            got = measure(server.target, b, processes(b), request, steps, warmup)
+            after, window = server.cpu_s(), (started, time.monotonic())
+            if before is not None and after is not None:
+                spent = (after[0] - before[0], after[1] - before[1])
+                got["server_cpu"] = cpu_per_message(spent, b * (steps + warmup), window)
+            out["streams"][str(b)] = got
     finally:
         server.stop()
     return out

@@ -1,10 +1,14 @@
 """A bench server in a subprocess on loopback: the script prints "PORT n" once it
-serves and stops when its stdin closes."""
+serves and stops when its stdin closes. Its threads' CPU time is read from
+/proc (Linux), so that a bench can tell how busy the server's event loop was."""
 
 from __future__ import annotations
 
+import bisect
+import os
 import subprocess
 import threading
+import time
 
 
 class ServerProcess:
@@ -31,3 +35,77 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+    def cpu_s(self) -> tuple[float, float] | None:
+        """CPU seconds so far of the main thread (the server's asyncio loop) and of every
+        other live thread together; None where /proc cannot tell (not Linux)."""
+        pid = self.process.pid
+        main = other = 0.0
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            return None
+        for tid in tids:
+            try:  # schedstat's first field: nanoseconds on the CPU
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    spent = int(f.read().split()[0]) * 1e-9
+            except (OSError, ValueError, IndexError):
+                continue  # a thread that ended meanwhile
+            if tid == pid:
+                main = spent
+            else:
+                other += spent
+        return main, other
+
+
+class CpuTrace:
+    """Samples a server's CPU (ServerProcess.cpu_s) every `period` seconds while in use,
+    so that the CPU spent in any window of time.monotonic() can be read afterwards."""
+
+    def __init__(self, server: ServerProcess, period: float = 0.02) -> None:
+        self.server, self.period = server, period
+        self.samples: list[tuple[float, float, float]] = []  # (monotonic, main, other)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> CpuTrace:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            cpu = self.server.cpu_s()
+            if cpu is not None:
+                self.samples.append((time.monotonic(), *cpu))
+            if self._stop.wait(self.period):
+                return
+
+    def _at(self, t: float) -> tuple[float, float]:
+        i = min(max(bisect.bisect(self.samples, (t,)), 1), len(self.samples) - 1)
+        (t0, m0, o0), (t1, m1, o1) = self.samples[i - 1], self.samples[i]
+        w = 0.0 if t1 == t0 else min(max((t - t0) / (t1 - t0), 0.0), 1.0)
+        return m0 + w * (m1 - m0), o0 + w * (o1 - o0)
+
+    def between(self, start: float, end: float) -> tuple[float, float] | None:
+        """CPU seconds of the main thread and of the others from `start` to `end`."""
+        if len(self.samples) < 2:
+            return None
+        (m0, o0), (m1, o1) = self._at(start), self._at(end)
+        return m1 - m0, o1 - o0
+
+
+def cpu_per_message(
+    spent: tuple[float, float], messages: int, window: tuple[float, float]
+) -> dict[str, float]:
+    """A server's CPU over a window: its event loop's and its other threads' (the engine
+    thread, gRPC's poller) per message, and the share of the window the loop was busy."""
+    loop, others = spent
+    return {
+        "loop_us_per_message": loop / messages * 1e6,
+        "others_us_per_message": others / messages * 1e6,
+        "loop_busy": loop / (window[1] - window[0]),
+    }
