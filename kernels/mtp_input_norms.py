@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
-from .rms_norm import _rms_norm_row
+from .rms_norm import _rms_norm_row, row_warps
 
 __all__ = ["mtp_input_norms"]
 
@@ -98,6 +98,6 @@ def mtp_input_norms(
         EMBED_FIRST=embed_first,
         UNIT_OFFSET=unit_offset,
         BLOCK_H=block_h,
-        num_warps=min(max(block_h // 512, 1), 16),
+        num_warps=row_warps(block_h),
     )
     return out

@@ -23,6 +23,12 @@ from ._checks import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
 __all__ = ["add_rms_norm", "rms_norm"]
 
 
+def row_warps(block_h: int) -> int:
+    """Warps for one program holding a whole row of ``block_h`` columns: one per 512
+    columns (16 values a lane), from 1 to 16."""
+    return min(max(block_h // 512, 1), 16)
+
+
 @triton.jit
 def _rms_norm_row(
     x,  # [BLOCK_H] fp32 row, zero beyond H
@@ -72,9 +78,15 @@ def rms_norm(
     if n == 0:
         return y
     block_h = triton.next_power_of_2(h)
-    num_warps = min(max(block_h // 512, 1), 16)
     _rms_norm_kernel[(n,)](
-        x, weight, y, h, float(eps), UNIT_OFFSET=unit_offset, BLOCK_H=block_h, num_warps=num_warps
+        x,
+        weight,
+        y,
+        h,
+        float(eps),
+        UNIT_OFFSET=unit_offset,
+        BLOCK_H=block_h,
+        num_warps=row_warps(block_h),
     )
     return y
 
@@ -130,6 +142,6 @@ def add_rms_norm(
         float(eps),
         UNIT_OFFSET=unit_offset,
         BLOCK_H=block_h,
-        num_warps=min(max(block_h // 512, 1), 16),
+        num_warps=row_warps(block_h),
     )
     return y
