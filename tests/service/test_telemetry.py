@@ -40,6 +40,15 @@ def _metrics(reader: InMemoryMetricReader) -> dict:
     return found
 
 
+def _job_spans(parent, exporter: InMemorySpanExporter) -> dict[str, list]:
+    """The queue and forward spans under `parent`, by name."""
+    found: dict[str, list] = {"mtpdraft.queue": [], "mtpdraft.forward": []}
+    for span in exporter.get_finished_spans():
+        if span.name in found and span.parent.span_id == parent.context.span_id:
+            found[span.name].append(span)
+    return found
+
+
 def test_client_span_parents_server_span_and_children(traced) -> None:
     server, tracer_provider, exporter, reader = traced
     channel = intercept_channel(
@@ -67,13 +76,12 @@ def test_client_span_parents_server_span_and_children(traced) -> None:
         assert server_span.parent.span_id == client_span.context.span_id
         assert server_span.attributes["rpc.system"] == "grpc"
         assert server_span.attributes["rpc.method"] == "Propose"
-    children = {
-        s.name: s
-        for s in spans
-        if s.parent and s.parent.span_id == propose_server[0].context.span_id
-    }
-    assert {"mtpdraft.queue", "mtpdraft.forward"} <= set(children)
-    assert children["mtpdraft.forward"].attributes["mtpdraft.batch.requests"] == 1
+    for server_span in propose_server:
+        children = _job_spans(server_span, exporter)
+        (queue,), (forward,) = children["mtpdraft.queue"], children["mtpdraft.forward"]
+        assert forward.attributes["mtpdraft.batch.requests"] == 1
+        assert server_span.start_time <= queue.start_time <= queue.end_time
+        assert queue.end_time == forward.start_time <= forward.end_time <= server_span.end_time
     prefill_server = one("/mtpdraft.v1.Drafter/Prefill", SpanKind.SERVER)[0]
     kv = [s for s in spans if s.name == "mtpdraft.kv.prefill"]
     assert kv and kv[0].parent.span_id == prefill_server.context.span_id
@@ -120,7 +128,10 @@ def test_streams_work_and_are_traced_with_tracing_on(traced) -> None:
             assert len(stream.propose(state, 2, hiddens(1, 1), 3, 2, previous=Verdict(1)).tokens)
         c.after_verify(state, 0)
         c.free_state(state)
-    names = {s.name for s in exporter.get_finished_spans()}
-    assert "/mtpdraft.v1.Drafter/ProposeStream" in names
+    (stream_span,) = [
+        s for s in exporter.get_finished_spans() if s.name == "/mtpdraft.v1.Drafter/ProposeStream"
+    ]
+    children = _job_spans(stream_span, exporter)  # a queue and a forward span per message
+    assert len(children["mtpdraft.queue"]) == len(children["mtpdraft.forward"]) == 2
     methods = {p.attributes["rpc.method"] for p in _metrics(reader)["rpc.server.duration"]}
     assert "ProposeStream" in methods
