@@ -1,10 +1,10 @@
-"""The gRPC servicer: translates proto <-> engine calls and engine errors <-> status codes.
+"""The gRPC servicer: translates proto <-> backend calls and engine errors <-> status codes.
 
-Propose calls of every kind (unary, batch, stream) go through the scheduler,
-which batches them across clients; the other calls run directly on the engine's
-worker thread. Each handler raises engine errors; the `rpc` wrapper turns them
-into status codes (with ErrorInfo / BadRequest details) and records the RPC's
-duration.
+The backend (backend.py) is the engine in this process or in an engine process
+shared by several front ends; Propose calls of every kind (unary, batch, stream)
+are batched across clients there. Each handler raises engine errors; the `rpc`
+wrapper turns them into status codes (with ErrorInfo / BadRequest details) and
+records the RPC's duration.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ from mtpdraft.v1 import drafter_pb2 as pb
 from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
 from . import wire
+from .backend import DraftBackend
 from .engine import errors
-from .engine.engine import DraftEngine, PrefillSession
-from .engine.runner import EngineRunner
-from .engine.scheduler import JobTiming, ProposeScheduler
-from .engine.types import Proposal, ProposeArgs, Verdict
+from .engine.scheduler import JobTiming
+from .engine.types import Proposal
 from .telemetry import Telemetry
 
 log = logging.getLogger("mtpdraft.servicer")
@@ -81,28 +80,6 @@ def _stream_error(err: BaseException) -> pb.Error:
     )
 
 
-def _verdict(msg: pb.Verdict, field: str) -> Verdict:
-    refeed = None
-    if msg.HasField("refeed_hiddens"):
-        refeed = wire.decode_hiddens(msg.refeed_hiddens, f"{field}.refeed_hiddens")
-    return Verdict(num_accepted=msg.num_accepted, refeed_hiddens=refeed)
-
-
-def _propose_args(msg: pb.ProposeRequest) -> ProposeArgs:
-    if not msg.HasField("hidden"):
-        raise errors.InvalidArgument("hidden: required", reason="MISSING_FIELD", field="hidden")
-    return ProposeArgs(
-        state_id=msg.state_id,
-        token=msg.token,
-        hidden=wire.decode_hiddens(msg.hidden, "hidden"),
-        position=msg.position,
-        num_drafts=msg.num_drafts,
-        bitmask=wire.decode_bitmask(msg.bitmask) if msg.HasField("bitmask") else None,
-        min_confidence=msg.min_confidence,
-        previous=_verdict(msg.previous, "previous") if msg.HasField("previous") else None,
-    )
-
-
 def _proposal(p: Proposal) -> pb.Proposal:
     return pb.Proposal(
         state_id=p.state_id,
@@ -148,28 +125,19 @@ def rpc(handler: Handler) -> Handler:
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(
-        self,
-        engine: DraftEngine,
-        runner: EngineRunner,
-        scheduler: ProposeScheduler,
-        telemetry: Telemetry,
-        max_message_bytes: int,
-    ) -> None:
-        self.engine = engine
-        self.runner = runner
-        self.scheduler = scheduler
+    def __init__(self, backend: DraftBackend, telemetry: Telemetry, max_message_bytes: int) -> None:
+        self.backend = backend
         self.telemetry = telemetry
         self.max_message_bytes = max_message_bytes
 
-    async def _kv(self, operation: str, fn: Callable, *args):
-        with self.telemetry.kv_span(operation):
-            return await self.runner.call(fn, *args)
-
     async def _propose(
-        self, requests: list[ProposeArgs], context: grpc.aio.ServicerContext
+        self,
+        requests: list[pb.ProposeRequest],
+        context: grpc.aio.ServicerContext,
+        batch: bool = False,
     ) -> list[Proposal]:
-        proposals, timing = await self.scheduler.submit(requests, context.time_remaining())
+        future, timing = self.backend.propose(requests, context.time_remaining(), batch)
+        proposals = await future
         self._record(timing, proposals)
         return proposals
 
@@ -179,92 +147,34 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def GetInfo(self, request, context):
-        queued, batches = self.scheduler.queued, dict(self.scheduler.batch_sizes)
-        info = await self.runner.call(self.engine.info)
+        info = await self.backend.info()
         return pb.GetInfoResponse(
-            **vars(info),
+            **vars(info.engine),
             hidden_dtypes=list(wire.HIDDEN_DTYPES),
             max_message_bytes=self.max_message_bytes,
-            batch_size_counts=batches,
-            queued_calls=queued,
+            batch_size_counts=info.batch_size_counts,
+            queued_calls=info.queued_calls,
         )
 
     @rpc
     async def AllocState(self, request, context):
-        owner = _client_host(context.peer())
-        state_id = await self.runner.call(self.engine.alloc_state, owner)
+        state_id = await self.backend.alloc_state(_client_host(context.peer()))
         return pb.AllocStateResponse(state_id=state_id)
 
     @rpc
     async def Prefill(self, request_iterator: AsyncIterator[pb.PrefillChunk], context):
         with self.telemetry.kv_span("prefill"):
-            return await self._prefill(request_iterator)
-
-    async def _begin_prefill(self, state_id: int, start: int) -> PrefillSession:
-        """begin_prefill, aborted once it is done if this call is cancelled meanwhile."""
-        begun = asyncio.ensure_future(self.runner.call(self.engine.begin_prefill, state_id, start))
-        try:
-            return await asyncio.shield(begun)
-        except asyncio.CancelledError:
-
-            def abort(done: asyncio.Future) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    self.runner.submit(done.result().abort)
-
-            begun.add_done_callback(abort)
-            raise
-
-    async def _prefill(self, request_iterator: AsyncIterator[pb.PrefillChunk]):
-        session: PrefillSession | None = None
-        try:
-            state_id = start = total = received = 0
-            async for chunk in request_iterator:
-                if session is None:
-                    state_id, start = chunk.state_id, chunk.start_position
-                    total = chunk.total_rows
-                    session = await self._begin_prefill(state_id, start)
-                elif chunk.state_id not in (0, state_id) or chunk.start_position not in (0, start):
-                    raise errors.InvalidArgument(
-                        "a later chunk names another state or start_position than the first",
-                        reason="CHUNK_MISMATCH",
-                        field="state_id",
-                    )
-                if chunk.HasField("hiddens") or chunk.tokens:
-                    hiddens = wire.decode_hiddens(chunk.hiddens, "hiddens")
-                    await self.runner.call(session.append, list(chunk.tokens), hiddens)
-                    received += len(chunk.tokens)
-            if session is None:
-                raise errors.InvalidArgument(
-                    "Prefill needs at least one chunk", reason="EMPTY_STREAM", field="state_id"
-                )
-            if total and received != total:
-                raise errors.InvalidArgument(
-                    f"the stream ended after {received} of its {total} rows",
-                    reason="INCOMPLETE_PREFILL",
-                    field="total_rows",
-                )
-            rows = await self.runner.call(session.finish)
-            session = None
-            return pb.PrefillResponse(num_rows=rows.num_rows, next_position=rows.next_position)
-        finally:
-            if session is not None:  # error, cancellation or a broken stream: roll back
-                self.runner.submit(session.abort)
+            rows = await self.backend.prefill(request_iterator)
+        return pb.PrefillResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
     @rpc
     async def Propose(self, request, context):
-        (proposal,) = await self._propose([_propose_args(request)], context)
+        (proposal,) = await self._propose([request], context)
         return _proposal(proposal)
 
     @rpc
     async def ProposeBatch(self, request, context):
-        batch = []
-        for i, msg in enumerate(request.requests):
-            try:
-                batch.append(_propose_args(msg))
-            except errors.DrafterError as err:
-                err.message = f"requests[{i}].{err.message}"
-                raise
-        proposals = await self._propose(batch, context)
+        proposals = await self._propose(list(request.requests), context, batch=True)
         return pb.ProposeBatchResponse(proposals=[_proposal(p) for p in proposals])
 
     async def ProposeStream(self, request_iterator: AsyncIterator[pb.ProposeRequest], context):
@@ -296,9 +206,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         async def read() -> None:
             async for msg in request_iterator:
                 try:
-                    job, timing = self.scheduler.enqueue(
-                        [_propose_args(msg)], context.time_remaining()
-                    )
+                    job, timing = self.backend.propose([msg], context.time_remaining())
                 except errors.DrafterError as err:
                     refused = pb.ProposeStreamResponse(request_id=msg.request_id)
                     refused.error.CopyFrom(_error_value(err))
@@ -326,25 +234,26 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def AfterVerify(self, request, context):
-        verdict = _verdict(request.verdict, "verdict")
-        rows = await self._kv("after_verify", self.engine.after_verify, request.state_id, verdict)
+        with self.telemetry.kv_span("after_verify"):
+            rows = await self.backend.after_verify(request)
         return pb.AfterVerifyResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
     @rpc
     async def TakeKV(self, request, context):
-        taken = await self._kv("take", self.engine.take_kv, request.state_id)
+        with self.telemetry.kv_span("take"):
+            taken = await self.backend.take_kv(request.state_id)
         return pb.TakeKVResponse(
             handle_id=taken.handle_id, num_rows=taken.num_rows, ttl_seconds=taken.ttl_seconds
         )
 
     @rpc
     async def InstallKV(self, request, context):
-        rows = await self._kv(
-            "install", self.engine.install_kv, request.state_id, request.handle_id
-        )
+        with self.telemetry.kv_span("install"):
+            rows = await self.backend.install_kv(request.state_id, request.handle_id)
         return pb.InstallKVResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
     @rpc
     async def FreeState(self, request, context):
-        existed = await self._kv("free", self.engine.free_state, request.state_id)
+        with self.telemetry.kv_span("free"):
+            existed = await self.backend.free_state(request.state_id)
         return pb.FreeStateResponse(existed=existed)

@@ -1,0 +1,228 @@
+"""What the servicer asks of the engine: one interface, served here or by another process.
+
+`LocalBackend` runs the calls on an engine in this process (every engine call on
+its worker thread, Propose calls through the batching scheduler).
+`remote_backend.RemoteBackend` forwards the same calls to an engine process that
+several gRPC front-end processes share. Requests come in as proto messages,
+because their tensors are decoded next to the engine; results go out as the
+engine's small dataclasses, which the servicer turns into responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from mtpdraft.v1 import drafter_pb2 as pb
+
+from . import wire
+from .engine import errors
+from .engine.engine import DraftEngine, PrefillSession
+from .engine.runner import EngineRunner
+from .engine.scheduler import DEFAULT_BATCH_WAIT_S, JobTiming, ProposeScheduler
+from .engine.types import EngineInfo, Proposal, ProposeArgs, RowCount, TakenKV, Verdict
+
+log = logging.getLogger("mtpdraft.backend")
+
+
+@dataclass
+class ServerInfo:
+    engine: EngineInfo
+    queued_calls: int
+    batch_size_counts: dict[int, int]  # requests per batch -> batches run
+
+
+class DraftBackend(Protocol):
+    async def info(self) -> ServerInfo: ...
+
+    async def alloc_state(self, owner: str) -> int: ...
+
+    async def prefill(self, chunks: AsyncIterator[pb.PrefillChunk]) -> RowCount: ...
+
+    def propose(
+        self, requests: Sequence[pb.ProposeRequest], timeout: float | None, batch: bool = False
+    ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
+        """Queues one call's requests (`batch`: a ProposeBatch, whose errors name the
+        request's index); the future holds the proposals once their batch ran, and
+        cancelling it takes the call out of the queue."""
+        ...
+
+    async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount: ...
+
+    async def take_kv(self, state_id: int) -> TakenKV: ...
+
+    async def install_kv(self, state_id: int, handle_id: int) -> RowCount: ...
+
+    async def free_state(self, state_id: int) -> bool: ...
+
+
+def verdict(msg: pb.Verdict, field: str) -> Verdict:
+    refeed = None
+    if msg.HasField("refeed_hiddens"):
+        refeed = wire.decode_hiddens(msg.refeed_hiddens, f"{field}.refeed_hiddens")
+    return Verdict(num_accepted=msg.num_accepted, refeed_hiddens=refeed)
+
+
+def propose_args(msg: pb.ProposeRequest) -> ProposeArgs:
+    if not msg.HasField("hidden"):
+        raise errors.InvalidArgument("hidden: required", reason="MISSING_FIELD", field="hidden")
+    return ProposeArgs(
+        state_id=msg.state_id,
+        token=msg.token,
+        hidden=wire.decode_hiddens(msg.hidden, "hidden"),
+        position=msg.position,
+        num_drafts=msg.num_drafts,
+        bitmask=wire.decode_bitmask(msg.bitmask) if msg.HasField("bitmask") else None,
+        min_confidence=msg.min_confidence,
+        previous=verdict(msg.previous, "previous") if msg.HasField("previous") else None,
+    )
+
+
+def _batch_args(requests: Sequence[pb.ProposeRequest]) -> list[ProposeArgs]:
+    batch = []
+    for i, msg in enumerate(requests):
+        try:
+            batch.append(propose_args(msg))
+        except errors.DrafterError as err:
+            err.message = f"requests[{i}].{err.message}"
+            raise
+    return batch
+
+
+class LocalBackend:
+    """The engine in this process: its worker thread, the scheduler and the lease reaper."""
+
+    def __init__(
+        self,
+        engine: DraftEngine,
+        *,
+        max_queue: int = 4096,
+        batch_wait: float = DEFAULT_BATCH_WAIT_S,
+        on_batch=None,
+    ) -> None:
+        self.engine = engine
+        self.runner = EngineRunner()
+        self.scheduler = ProposeScheduler(
+            engine, self.runner, max_queue=max_queue, batch_wait=batch_wait, on_batch=on_batch
+        )
+        self._reaper: asyncio.Task | None = None
+
+    # ---- the calls ---------------------------------------------------------
+
+    async def info(self) -> ServerInfo:
+        queued, batches = self.scheduler.queued, dict(self.scheduler.batch_sizes)
+        return ServerInfo(await self.runner.call(self.engine.info), queued, batches)
+
+    async def alloc_state(self, owner: str) -> int:
+        return await self.runner.call(self.engine.alloc_state, owner)
+
+    def propose(
+        self, requests: Sequence[pb.ProposeRequest], timeout: float | None, batch: bool = False
+    ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
+        args = _batch_args(requests) if batch else [propose_args(m) for m in requests]
+        return self.scheduler.enqueue(args, timeout)
+
+    async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount:
+        given = verdict(request.verdict, "verdict")
+        return await self.runner.call(self.engine.after_verify, request.state_id, given)
+
+    async def take_kv(self, state_id: int) -> TakenKV:
+        return await self.runner.call(self.engine.take_kv, state_id)
+
+    async def install_kv(self, state_id: int, handle_id: int) -> RowCount:
+        return await self.runner.call(self.engine.install_kv, state_id, handle_id)
+
+    async def free_state(self, state_id: int) -> bool:
+        return await self.runner.call(self.engine.free_state, state_id)
+
+    async def prefill(self, chunks: AsyncIterator[pb.PrefillChunk]) -> RowCount:
+        session: PrefillSession | None = None
+        try:
+            state_id = start = total = received = 0
+            async for chunk in chunks:
+                if session is None:
+                    state_id, start = chunk.state_id, chunk.start_position
+                    total = chunk.total_rows
+                    session = await self._begin_prefill(state_id, start)
+                elif chunk.state_id not in (0, state_id) or chunk.start_position not in (0, start):
+                    raise errors.InvalidArgument(
+                        "a later chunk names another state or start_position than the first",
+                        reason="CHUNK_MISMATCH",
+                        field="state_id",
+                    )
+                if chunk.HasField("hiddens") or chunk.tokens:
+                    hiddens = wire.decode_hiddens(chunk.hiddens, "hiddens")
+                    await self.runner.call(session.append, list(chunk.tokens), hiddens)
+                    received += len(chunk.tokens)
+            if session is None:
+                raise errors.InvalidArgument(
+                    "Prefill needs at least one chunk", reason="EMPTY_STREAM", field="state_id"
+                )
+            if total and received != total:
+                raise errors.InvalidArgument(
+                    f"the stream ended after {received} of its {total} rows",
+                    reason="INCOMPLETE_PREFILL",
+                    field="total_rows",
+                )
+            rows = await self.runner.call(session.finish)
+            session = None
+            return rows
+        finally:
+            if session is not None:  # error, cancellation or a broken stream: roll back
+                self.runner.submit(session.abort)
+
+    async def _begin_prefill(self, state_id: int, start: int) -> PrefillSession:
+        """begin_prefill, aborted once it is done if this call is cancelled meanwhile."""
+        begun = asyncio.ensure_future(self.runner.call(self.engine.begin_prefill, state_id, start))
+        try:
+            return await asyncio.shield(begun)
+        except asyncio.CancelledError:
+
+            def abort(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self.runner.submit(done.result().abort)
+
+            begun.add_done_callback(abort)
+            raise
+
+    # ---- lifecycle ---------------------------------------------------------
+
+    def start(self) -> None:
+        self.scheduler.start()
+        self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def _reap_forever(self) -> None:
+        # A quarter of the TTL keeps an expired state's overstay under 25%, and at
+        # most a second apart so that short TTLs (tests) act promptly.
+        period = min(max(self.engine.state_ttl / 4, 0.05), 1.0)
+        while True:
+            await asyncio.sleep(period)
+            states, handles = await self.runner.call(self.engine.reap_expired)
+            if states or handles:
+                log.info("lease expired: freed %d states and %d KV handles", states, handles)
+
+    async def refuse_new_states(self) -> None:
+        await self.runner.call(setattr, self.engine, "draining", True)
+
+    async def wait_for_no_states(self, deadline: float) -> None:
+        """Until every state is freed or the loop's clock reaches `deadline`."""
+        loop = asyncio.get_running_loop()
+        while loop.time() < deadline and self.engine.states:
+            await asyncio.sleep(0.05)
+
+    async def settle(self) -> None:
+        """Refuses new Propose calls and answers the ones already taken."""
+        self.scheduler.closing = True
+        await self.scheduler.settle(timeout=5.0)
+
+    async def close(self) -> int:
+        """Stops the scheduler and the reaper, frees every state; returns how many were live."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        await self.scheduler.stop()
+        freed = await self.runner.call(self.engine.close)
+        self.runner.shutdown()
+        return freed

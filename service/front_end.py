@@ -1,0 +1,90 @@
+"""The gRPC side of a server: the Drafter service over a backend, health, reflection, auth."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from mtpdraft.v1 import drafter_pb2 as pb
+from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
+
+from .backend import DraftBackend
+from .security import TokenAuthInterceptor, TokenSource
+from .servicer import DrafterServicer
+from .telemetry import Telemetry
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
+# 16 MiB: room for a ProposeBatch of 64 states with bf16 hiddens of 4096 and a
+# bitmask row each (64 x (8 KB + 19 KB) = 1.7 MB) and for Prefill chunks of a few
+# MB, while one message can never take a large share of memory.
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+
+
+class FrontEnd:
+    """A grpc.aio server bound to `address`, serving `backend`; not yet started.
+
+    `credentials` (e.g. `security.server_credentials(...)`) serves over TLS instead of
+    plaintext; `tokens` (a `security.TokenSource` or the accepted tokens) makes every
+    call but the health service's carry `authorization: Bearer <token>` metadata.
+    Several front ends (processes) may bind one port: gRPC sets SO_REUSEPORT, and
+    the kernel spreads new connections over them.
+    """
+
+    def __init__(
+        self,
+        backend: DraftBackend,
+        address: str,
+        telemetry: Telemetry,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        reflection_enabled: bool = True,
+        max_inflight: int | None = None,
+        credentials: grpc.ServerCredentials | None = None,
+        tokens: TokenSource | Sequence[str | bytes] | None = None,
+    ) -> None:
+        self.health = health.aio.HealthServicer()
+        # Authentication first, so that an unauthenticated call is refused before any
+        # other interceptor (telemetry's) or handler sees it.
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if tokens is not None:
+            if not isinstance(tokens, TokenSource):
+                tokens = TokenSource(tokens)
+            interceptors.append(TokenAuthInterceptor(tokens))
+        interceptors += telemetry.server_interceptors()
+        # Past max_inflight concurrent RPCs (a stream counts as one) gRPC itself
+        # answers RESOURCE_EXHAUSTED.
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=max_inflight,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ],
+        )
+        servicer = DrafterServicer(backend, telemetry, max_message_bytes)
+        pb_grpc.add_DrafterServicer_to_server(servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if reflection_enabled:
+            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+            reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), self.server)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
+        if self.port == 0:
+            raise OSError(f"could not bind {address}")
+
+    async def start(self) -> None:
+        await self.server.start()
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    async def enter_graceful_shutdown(self) -> None:
+        """Health answers NOT_SERVING from now on; calls are still served."""
+        await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace: float) -> None:
+        await self.server.stop(grace)
