@@ -15,6 +15,7 @@ from mtpdraft.client.loadtest import add_loadtest_parser, run_loadtest
 
 from .engine.engine import DraftEngine
 from .engine.scheduler import DEFAULT_BATCH_WAIT_S
+from .front_end_process import FrontEndSpec
 from .model.checkpoint import load_mtp_weights
 from .model.default_model import DEFAULT_CHECKPOINT
 from .model.errors import CheckpointError
@@ -22,6 +23,7 @@ from .model.kv_cache import KVCache
 from .model.mtp_head import MTPHead
 from .security import TokenSource, server_credentials
 from .server import DEFAULT_MAX_MESSAGE_BYTES, create_server
+from .split_server import SplitServer
 from .telemetry import Telemetry, providers_from_env
 
 log = logging.getLogger("mtpdraft")
@@ -58,6 +60,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_BATCH_WAIT_S * 1e6,
         help="the most a batch waits for verifiers due back (0: start at once)",
     )
+    p.add_argument(
+        "--front-ends",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve gRPC from N processes before the engine's (0: from the engine's own)",
+    )
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain")
     p.add_argument("--no-reflection", action="store_true", help="turn server reflection off")
     p.add_argument(
@@ -80,6 +89,21 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="require 'authorization: Bearer <token>' on every call but health; "
         "one token per line (several while rotating), re-read when it changes",
+    )
+
+
+def _front_end_spec(args: argparse.Namespace) -> FrontEndSpec:
+    """The options of each front-end process (they build their own credentials)."""
+    return FrontEndSpec(
+        socket_path="",
+        address="",
+        max_message_bytes=args.max_message_bytes,
+        reflection_enabled=not args.no_reflection,
+        max_inflight=args.max_inflight,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        auth_token_file=args.auth_token_file,
     )
 
 
@@ -148,20 +172,35 @@ def build_engine(args: argparse.Namespace) -> DraftEngine:
     )
 
 
-async def _serve(args: argparse.Namespace, security: dict) -> None:
+async def _serve(args: argparse.Namespace, security: dict) -> int:
     engine = build_engine(args)
-    server, port = create_server(
-        engine,
-        f"{args.host}:{args.port}",
-        max_message_bytes=args.max_message_bytes,
-        reflection_enabled=not args.no_reflection,
-        max_queue=args.max_queue,
-        max_inflight=args.max_inflight,
-        batch_wait=args.batch_wait_us * 1e-6,
-        telemetry=Telemetry(*providers_from_env()),
-        **security,
-    )
+    scheduling = {"max_queue": args.max_queue, "batch_wait": args.batch_wait_us * 1e-6}
+    telemetry = Telemetry(*providers_from_env())
+    if args.front_ends > 0:
+        server = SplitServer(
+            engine,
+            args.host,
+            args.port,
+            args.front_ends,
+            _front_end_spec(args),
+            telemetry=telemetry,
+            **scheduling,
+        )
+        port, gone = None, server.gone
+    else:
+        server, port = create_server(
+            engine,
+            f"{args.host}:{args.port}",
+            max_message_bytes=args.max_message_bytes,
+            reflection_enabled=not args.no_reflection,
+            max_inflight=args.max_inflight,
+            telemetry=telemetry,
+            **scheduling,
+            **security,
+        )
+        gone = asyncio.Event()  # one process: never set
     await server.start()
+    port = port or server.port
     info = engine.info()
     print(
         f"mtpdraft: serving {info.model_family} MTP head from {args.model} on {info.device} "
@@ -169,16 +208,25 @@ async def _serve(args: argparse.Namespace, security: dict) -> None:
         flush=True,
     )
     print(f"mtpdraft: security: {_describe_security(args)}", flush=True)
+    if args.front_ends > 0:
+        print(f"mtpdraft: {args.front_ends} gRPC front-end processes", flush=True)
     print(f"mtpdraft: listening on {args.host}:{port}", flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(gone.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
+    lost = gone.is_set()  # before the drain, which stops the front ends itself
+    if lost:
+        print("mtpdraft: every front-end process has gone: stopping", flush=True)
     print(f"mtpdraft: draining (grace period {args.grace_period:g} s)", flush=True)
-    freed = await server.drain(args.grace_period)
+    freed = await server.drain(0.0 if lost else args.grace_period)
     print(f"mtpdraft: stopped; freed {freed} live states", flush=True)
+    return 1 if lost else 0  # it lost its front ends: a supervisor should know
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,12 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Bad security flags or files end here, before anything starts.
     security = _security(sub.choices["serve"], args) if args.command == "serve" else {}
+    if args.command == "serve" and args.front_ends < 0:
+        sub.choices["serve"].error("--front-ends must be 0 or more")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.command == "loadtest":
         return run_loadtest(args)
     if args.command == "serve":
         try:
-            asyncio.run(_serve(args, security))
+            return asyncio.run(_serve(args, security))
         except CheckpointError as exc:
             print(f"mtpdraft: cannot load the model: {exc}", file=sys.stderr)
             return 2

@@ -78,9 +78,9 @@ CUT_SHORT = {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEAD
 PREFILL_CANCEL_MAY_COMMIT = False
 
 
-@pytest.fixture(scope="module")
-def srv(mimo_checkpoint):
-    server = ManagedServer(mimo_checkpoint, *server_args(TTL))
+@pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "2-front-ends"])
+def srv(request, mimo_checkpoint):
+    server = ManagedServer(mimo_checkpoint, *server_args(TTL, front_ends=request.param))
     yield server
     assert server.alive(), "the server died"
     assert server.stop() == 0

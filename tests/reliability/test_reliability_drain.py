@@ -125,9 +125,13 @@ def _watch_health(server: ManagedServer, seen: threading.Event) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.parametrize("front_ends", [0, 2], ids=["one-process", "2-front-ends"])
 @pytest.mark.parametrize("stubborn", [0, 2], ids=["cooperative", "two-stubborn"])
-def test_sigterm_under_load_loses_no_accepted_request(mimo_checkpoint, stubborn: int) -> None:
-    server = ManagedServer(mimo_checkpoint, *server_args(600.0, grace_period=GRACE))
+def test_sigterm_under_load_loses_no_accepted_request(
+    mimo_checkpoint, stubborn: int, front_ends: int
+) -> None:
+    args = server_args(600.0, grace_period=GRACE, front_ends=front_ends)
+    server = ManagedServer(mimo_checkpoint, *args)
     draining, sigterm = threading.Event(), threading.Event()
     verifiers = [
         Verifier(server.address, i < stubborn, draining, sigterm) for i in range(2 + stubborn)

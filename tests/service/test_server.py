@@ -77,8 +77,10 @@ def test_leases_free_idle_states_and_untaken_handles(mimo_checkpoint) -> None:
         assert proc.stop() == 0
 
 
-def test_sigterm_drains_then_frees_everything(mimo_checkpoint) -> None:
-    proc = start_server(mimo_checkpoint, *SERVER_ARGS[:-2], "--grace-period", "30")
+@pytest.mark.parametrize("front_ends", ["0", "2"], ids=["one-process", "2-front-ends"])
+def test_sigterm_drains_then_frees_everything(mimo_checkpoint, front_ends: str) -> None:
+    args = (*SERVER_ARGS[:-2], "--grace-period", "30", "--front-ends", front_ends)
+    proc = start_server(mimo_checkpoint, *args)
     with DrafterClient(proc.address, timeout=10) as c:
         state = c.alloc_state()
         c.prefill(state, [1, 2, 3], hiddens(3, 4), 1)
@@ -100,8 +102,12 @@ def test_sigterm_drains_then_frees_everything(mimo_checkpoint) -> None:
     assert "freed 0 live states" in out
 
 
-def test_sigterm_frees_states_left_at_the_end_of_the_grace(mimo_checkpoint) -> None:
-    proc = start_server(mimo_checkpoint, *SERVER_ARGS[:-2], "--grace-period", "1")
+@pytest.mark.parametrize("front_ends", ["0", "2"], ids=["one-process", "2-front-ends"])
+def test_sigterm_frees_states_left_at_the_end_of_the_grace(
+    mimo_checkpoint, front_ends: str
+) -> None:
+    args = (*SERVER_ARGS[:-2], "--grace-period", "1", "--front-ends", front_ends)
+    proc = start_server(mimo_checkpoint, *args)
     with DrafterClient(proc.address, timeout=10) as c:
         for _ in range(2):
             c.prefill(c.alloc_state(), [1, 2], hiddens(2, 6), 1)

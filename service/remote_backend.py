@@ -1,0 +1,148 @@
+"""A front-end process's backend: every call forwarded to the engine process over a link.
+
+Calls are told apart by an id; the answer (a result, or the engine error to raise
+again here) comes back with it. A call cancelled here (the client went away)
+sends a cancel, so that the engine drops it too. Should the engine process go,
+every open call fails with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
+
+from mtpdraft.v1 import drafter_pb2 as pb
+
+from .backend import ServerInfo
+from .engine import errors
+from .engine.scheduler import JobTiming
+from .engine.types import Proposal, RowCount, TakenKV
+from .link import Link, Message
+
+# What an answer's error is: (class name in engine.errors, message, reason, field),
+# the class name None for an unexpected failure.
+ErrorValue = tuple[str | None, str, str, str | None]
+
+
+def error_value(err: BaseException) -> ErrorValue:
+    if isinstance(err, errors.DrafterError):
+        return type(err).__name__, err.message, err.reason, err.field
+    return None, f"internal error: {type(err).__name__}: {err}", "INTERNAL", None
+
+
+def rebuild_error(value: ErrorValue) -> Exception:
+    name, message, reason, field = value
+    if name is None:
+        return RuntimeError(message)
+    return getattr(errors, name)(message, reason=reason, field=field)
+
+
+class RemoteBackend:
+    """The DraftBackend of a front end. `on_control` gets the engine process's other
+    messages (drain, stop); `on_lost` is called once the link is gone."""
+
+    def __init__(self, on_control: Callable[[Message], None], on_lost: Callable[[], None]) -> None:
+        self.on_control, self.on_lost = on_control, on_lost
+        self._link: Link | None = None
+        self._ids = itertools.count(1)
+        self._open: dict[int, tuple[asyncio.Future, JobTiming | None]] = {}
+
+    async def connect(self, path: str) -> asyncio.Task:
+        """Connects to the engine process; the task returned reads its messages."""
+        self._link = await Link.connect(path, self._received)
+        return asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        assert self._link is not None
+        try:
+            await self._link.run()
+        finally:
+            gone = errors.Unavailable("the engine process is gone", reason="ENGINE_GONE")
+            for future, _ in self._open.values():
+                if not future.done():
+                    future.set_exception(gone)
+            self._open.clear()
+            self.on_lost()
+
+    def send(self, message: Message) -> None:
+        assert self._link is not None
+        self._link.send(message)
+
+    def _received(self, message: Message) -> None:
+        kind = message[0]
+        if kind not in ("ok", "err"):
+            self.on_control(message)
+            return
+        entry = self._open.pop(message[1], None)
+        if entry is None or entry[0].done():
+            return
+        future, timing = entry
+        if kind == "err":
+            future.set_exception(rebuild_error(message[2]))
+            return
+        if timing is not None:  # the queue wait starts when this process sent the call
+            (timing.started_ns, timing.done_ns, timing.batch_requests, timing.batch_jobs) = message[
+                3
+            ]
+        future.set_result(message[2])
+
+    def _open_call(self, timing: JobTiming | None = None) -> tuple[int, asyncio.Future]:
+        call, future = next(self._ids), asyncio.get_running_loop().create_future()
+        self._open[call] = (future, timing)
+        future.add_done_callback(partial(self._closed, call))
+        return call, future
+
+    def _closed(self, call: int, future: asyncio.Future) -> None:
+        if future.cancelled() and self._open.pop(call, None) is not None:
+            self.send(("cancel", call))
+
+    async def _call(self, method: str, *args):
+        call, future = self._open_call()
+        self.send(("call", call, method, args))
+        return await future
+
+    # ---- DraftBackend ------------------------------------------------------
+
+    async def info(self) -> ServerInfo:
+        return await self._call("info")
+
+    async def alloc_state(self, owner: str) -> int:
+        return await self._call("alloc_state", owner)
+
+    def propose(
+        self, requests: Sequence[pb.ProposeRequest], timeout: float | None, batch: bool = False
+    ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
+        timing = JobTiming(time.time_ns())
+        call, future = self._open_call(timing)
+        self.send(("propose", call, list(requests), timeout, batch))
+        return future, timing
+
+    async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount:
+        return await self._call("after_verify", request)
+
+    async def take_kv(self, state_id: int) -> TakenKV:
+        return await self._call("take_kv", state_id)
+
+    async def install_kv(self, state_id: int, handle_id: int) -> RowCount:
+        return await self._call("install_kv", state_id, handle_id)
+
+    async def free_state(self, state_id: int) -> bool:
+        return await self._call("free_state", state_id)
+
+    async def prefill(self, chunks: AsyncIterator[pb.PrefillChunk]) -> RowCount:
+        call, future = self._open_call()
+        self.send(("prefill", call))
+        try:
+            async for chunk in chunks:
+                if future.done():  # refused already: the rest of the stream is moot
+                    break
+                self.send(("chunk", call, chunk))
+            else:
+                self.send(("end", call))
+            return await future
+        finally:
+            if not future.done():  # cancelled, or the request stream broke: roll back
+                future.cancel()
