@@ -354,6 +354,7 @@ def serve_main(argv: list[str], tracing: bool) -> int:
     prints "PORT n", serves until its stdin closes."""
     from mtpdraft.service import cli
     from mtpdraft.service.server import create_server
+    from mtpdraft.service.split_server import SplitServer
     from mtpdraft.service.telemetry import Telemetry
 
     parser = argparse.ArgumentParser()
@@ -370,17 +371,28 @@ def serve_main(argv: list[str], tracing: bool) -> int:
 
     async def serve() -> None:
         engine = cli.build_engine(args)
-        server, port = create_server(
-            engine,
-            f"{args.host}:{args.port}",
-            max_message_bytes=args.max_message_bytes,
-            reflection_enabled=not args.no_reflection,
-            max_queue=args.max_queue,
-            batch_wait=args.batch_wait_us * 1e-6,
-            telemetry=telemetry,
-        )
+        scheduling = {"max_queue": args.max_queue, "batch_wait": args.batch_wait_us * 1e-6}
+        if args.front_ends > 0:
+            server: Any = SplitServer(
+                engine,
+                args.host,
+                args.port,
+                args.front_ends,
+                cli._front_end_spec(args),
+                telemetry=telemetry,
+                **scheduling,
+            )
+        else:
+            server, _ = create_server(
+                engine,
+                f"{args.host}:{args.port}",
+                max_message_bytes=args.max_message_bytes,
+                reflection_enabled=not args.no_reflection,
+                telemetry=telemetry,
+                **scheduling,
+            )
         await server.start()
-        print(f"PORT {port}", flush=True)
+        print(f"PORT {server.port}", flush=True)
         await asyncio.to_thread(sys.stdin.read)  # the bench closes our stdin to stop us
         await server.drain(0)
 
@@ -460,6 +472,8 @@ def grpc_suite(
 ) -> dict[str, Any]:
     """Batch-1 stream and unary, then each batch size in streams, against one server."""
     name = "tracing on" if tracing else "tracing off"
+    if "--front-ends" in argv:
+        name += f", {argv[argv.index('--front-ends') + 1]} front ends"
     server = start_server(argv, tracing)
     try:
         target = server.target
@@ -518,6 +532,18 @@ def ratios(report: dict[str, Any]) -> dict[str, Any]:
         )
         for b in sizes
     }
+    for suite in [k for k in grpc if k.startswith("front_ends_")]:
+        p50 = _get(grpc, suite, "stream_b1", "p50_us")
+        out[suite] = {
+            "stream_b1_overhead_us": None if p50 is None or b1 is None else p50 - b1,
+            "streams_over_batched": {
+                b: _over(
+                    _get(grpc, suite, "streams", b, "drafts_per_s"),
+                    _get(inproc, "batched", b, "drafts_per_s"),
+                )
+                for b in sizes
+            },
+        }
     overhead, ratio64 = out["stream_b1_overhead_us"], out["streams_over_batched"].get("64")
     out["meets"] = {
         "stream_b1_overhead": None if overhead is None else overhead <= STREAM_OVERHEAD_TARGET_US,
@@ -557,6 +583,13 @@ def _cpu_cells(measured: dict[str, Any]) -> str:
     )
 
 
+def _suites(grpc: dict[str, Any]) -> list[tuple[str, str]]:
+    """The tracing-off suites, one process first: (key, how the server ran)."""
+    split = sorted((k for k in grpc if k.startswith("front_ends_")), key=lambda k: int(k[11:]))
+    suites = [("tracing_off", "one process")] if "tracing_off" in grpc else []
+    return suites + [(k, f"{k[11:]} front-end processes") for k in split]
+
+
 def markdown(report: dict[str, Any]) -> str:
     w, r, grpc = report["workload"], report["ratios"], report["grpc"]
     inproc = report["in_process"]["batched"]
@@ -581,24 +614,44 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {_f(b1, '.1f')} | {_f(overhead, '+.1f', ' us')} "
             f"({_f(r.get(f'{mode}_b1_over_in_process'), '.2f', 'x')}) | {targets[mode]} | {met} |"
         )
+    for suite, server in _suites(grpc):
+        if suite == "tracing_off":
+            continue
+        stream_b1 = _get(grpc, suite, "stream_b1", "p50_us")
+        overhead = r[suite]["stream_b1_overhead_us"]
+        met = _yes(None if overhead is None else overhead <= STREAM_OVERHEAD_TARGET_US)
+        lines.append(
+            f"| ProposeStream, {server} | {_f(stream_b1, '.1f')} | {_f(b1, '.1f')} "
+            f"| {_f(overhead, '+.1f', ' us')} ({_f(_over(stream_b1, b1), '.2f', 'x')}) "
+            f"| {targets['stream']} | {met} |"
+        )
     lines += [
         "",
-        "| concurrent streams | drafts/s over gRPC | in-process batched drafts/s | ratio "
+        "| concurrent streams | server | drafts/s over gRPC | in-process batched drafts/s | ratio "
         "| target | met | client processes | server's mean batch "
-        "| server loop CPU us/message | loop busy | other threads CPU us/message |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| engine process loop CPU us/message | loop busy | its other threads CPU us/message |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for b in inproc:
-        stream = grpc.get("tracing_off", {}).get("streams", {}).get(b, {})
-        target = f">= {STREAMS_RATIO_TARGET}x" if b == "64" else ""
-        met = _yes(r["meets"]["streams64"]) if b == "64" else ""
-        lines.append(
-            f"| {b} | {_f(_get(stream, 'drafts_per_s'), '.0f')} "
-            f"| {_f(_get(inproc, b, 'drafts_per_s'), '.0f')} "
-            f"| {_f(r.get('streams_over_batched', {}).get(b), '.2f', 'x')} | {target} | {met} "
-            f"| {stream.get('client_processes', '')} "
-            f"| {_f(_get(stream, 'server_batches', 'mean_batch'), '.1f')} | {_cpu_cells(stream)} |"
+    for suite, server in _suites(grpc):
+        ratio = (
+            r["streams_over_batched"]
+            if suite == "tracing_off"
+            else r[suite]["streams_over_batched"]
         )
+        for b in inproc:
+            stream = grpc[suite].get("streams", {}).get(b, {})
+            target = f">= {STREAMS_RATIO_TARGET}x" if b == "64" else ""
+            met = ""
+            if b == "64":
+                met = _yes(None if ratio.get(b) is None else ratio[b] >= STREAMS_RATIO_TARGET)
+            lines.append(
+                f"| {b} | {server} | {_f(_get(stream, 'drafts_per_s'), '.0f')} "
+                f"| {_f(_get(inproc, b, 'drafts_per_s'), '.0f')} "
+                f"| {_f(ratio.get(b), '.2f', 'x')} | {target} | {met} "
+                f"| {stream.get('client_processes', '')} "
+                f"| {_f(_get(stream, 'server_batches', 'mean_batch'), '.1f')} "
+                f"| {_cpu_cells(stream)} |"
+            )
     floor = report.get("floor", {})
     if floor and "error" not in floor:
         after = floor["b1_after_step"]
@@ -651,6 +704,11 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, help="warm-up steps per state")
     parser.add_argument("--batches", default="1,8,64", help="concurrent streams to compare")
     parser.add_argument("--client-processes", type=int, help="default: 1 up to 8 streams, else 4")
+    parser.add_argument(
+        "--front-ends",
+        default="4",
+        help="gRPC front-end process counts to measure besides one process (serve --front-ends)",
+    )
     if sys.argv[1:2] == ["--serve"]:  # a server process: the rest is `mtpdraft serve` options
         tracing = "--serve-tracing" in sys.argv
         return serve_main([a for a in sys.argv[2:] if a != "--serve-tracing"], tracing)
@@ -742,6 +800,16 @@ def main() -> int:
                 log("gRPC, tracing on")
                 report["grpc"]["tracing_on"] = grpc_suite(
                     argv, True, work, batches, args.client_processes, notes
+                )
+            for n in [int(n) for n in args.front_ends.split(",") if n and int(n) > 0]:
+                log(f"gRPC, tracing off, {n} front-end processes")
+                report["grpc"][f"front_ends_{n}"] = grpc_suite(
+                    [*argv, "--front-ends", str(n)],
+                    False,
+                    work,
+                    batches,
+                    args.client_processes,
+                    notes,
                 )
             log("gRPC floor (canned replies)")
             step_s = (_get(batched, "1", "p50_us") or 0.0) * 1e-6
