@@ -25,8 +25,13 @@ log = logging.getLogger("mtpdraft.engine_process")
 _CALLS = frozenset({"info", "alloc_state", "after_verify", "take_kv", "install_kv", "free_state"})
 
 
-async def _until_end(queue: asyncio.Queue):
-    while (chunk := await queue.get()) is not None:
+async def _until_end(queue: asyncio.Queue, ask_for_more: Callable[[], None]):
+    """A Prefill's chunks as they come; asks the front end for each next one."""
+    while True:
+        if queue.empty():
+            ask_for_more()
+        if (chunk := await queue.get()) is None:
+            return
         yield chunk
 
 
@@ -49,7 +54,8 @@ class _FrontEndCalls:
             self._track(call, asyncio.ensure_future(getattr(self.backend, message[2])(*message[3])))
         elif kind == "prefill":
             self.chunks[call] = queue = asyncio.Queue()
-            self._track(call, asyncio.ensure_future(self.backend.prefill(_until_end(queue))))
+            chunks = _until_end(queue, partial(self.link.send, ("more", call)))
+            self._track(call, asyncio.ensure_future(self.backend.prefill(chunks)))
         elif kind in ("chunk", "end"):
             if (queue := self.chunks.get(call)) is not None:  # else: answered already
                 queue.put_nowait(message[2] if kind == "chunk" else None)
@@ -112,7 +118,7 @@ class BackendHost:
     ) -> None:
         self.backend = backend
         self.on_control, self.on_lost = on_control, on_lost
-        self.links: set[Link] = set()
+        self.calls: dict[Link, _FrontEndCalls] = {}  # each connected front end's open calls
         self._server: asyncio.base_events.Server | None = None
 
     async def listen(self, path: str) -> None:
@@ -122,21 +128,21 @@ class BackendHost:
         link = Link(reader, writer, lambda _: None)
         calls = _FrontEndCalls(self.backend, link, self.on_control)
         link.on_message = calls.received
-        self.links.add(link)
+        self.calls[link] = calls
         try:
             await link.run()
         finally:
-            self.links.discard(link)
+            del self.calls[link]
             if cancelled := calls.cancel_all():
                 log.warning("a front end went away: %d open calls cancelled", cancelled)
             self.on_lost(link)
 
     def broadcast(self, message: Message) -> None:
-        for link in self.links:
+        for link in self.calls:
             link.send(message)
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for link in list(self.links):
+        for link in list(self.calls):
             link.close()

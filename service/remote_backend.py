@@ -49,6 +49,7 @@ class RemoteBackend:
         self._link: Link | None = None
         self._ids = itertools.count(1)
         self._open: dict[int, tuple[asyncio.Future, JobTiming | None]] = {}
+        self._credits: dict[int, asyncio.Semaphore] = {}  # open Prefill -> chunks it may send
 
     async def connect(self, path: str) -> asyncio.Task:
         """Connects to the engine process; the task returned reads its messages."""
@@ -73,6 +74,10 @@ class RemoteBackend:
 
     def _received(self, message: Message) -> None:
         kind = message[0]
+        if kind == "more":
+            if (credit := self._credits.get(message[1])) is not None:
+                credit.release()
+            return
         if kind not in ("ok", "err"):
             self.on_control(message)
             return
@@ -134,9 +139,15 @@ class RemoteBackend:
 
     async def prefill(self, chunks: AsyncIterator[pb.PrefillChunk]) -> RowCount:
         call, future = self._open_call()
+        # Flow control: past the first, a chunk leaves only once the engine asks for
+        # more (it does each time it waits for one), so that a fast client has at most
+        # two chunks held here or there, as gRPC's flow control holds them in one process.
+        self._credits[call] = credit = asyncio.Semaphore(1)
+        future.add_done_callback(lambda _: credit.release())  # no waiting on a done call
         self.send(("prefill", call))
         try:
             async for chunk in chunks:
+                await credit.acquire()
                 if future.done():  # refused already: the rest of the stream is moot
                     break
                 self.send(("chunk", call, chunk))
@@ -144,5 +155,6 @@ class RemoteBackend:
                 self.send(("end", call))
             return await future
         finally:
+            del self._credits[call]
             if not future.done():  # cancelled, or the request stream broke: roll back
                 future.cancel()

@@ -89,7 +89,7 @@ class SplitServer:
     def _lost(self, link: Link) -> None:
         self._ready.discard(link)
         self._changed.set()
-        if not self.link_host.links:
+        if not self.link_host.calls:
             self.gone.set()
 
     async def start(self) -> None:

@@ -1,0 +1,141 @@
+"""RemoteBackend and BackendHost over a real unix-socket link, without gRPC around them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from drafting import hiddens
+from servers import small_engine
+
+from mtpdraft.client import messages as m
+from mtpdraft.service.backend import LocalBackend
+from mtpdraft.service.backend_host import BackendHost
+from mtpdraft.service.engine import errors
+from mtpdraft.service.remote_backend import RemoteBackend
+
+
+async def _linked(engine, tmp_path):
+    """(remote, local, host): a RemoteBackend connected to a LocalBackend on `engine`."""
+    local = LocalBackend(engine, batch_wait=0)
+    host = BackendHost(local, lambda *_: None, lambda _: None)
+    path = str(tmp_path / "engine.sock")
+    await host.listen(path)
+    local.start()
+    remote = RemoteBackend(lambda _: None, lambda: None)
+    await remote.connect(path)
+    return remote, local, host
+
+
+async def _close(local: LocalBackend, host: BackendHost) -> None:
+    await host.close()
+    await local.close()
+
+
+def test_errors_and_results_cross_the_link_unchanged(mimo_checkpoint, tmp_path) -> None:
+    async def run() -> None:
+        engine = small_engine(mimo_checkpoint)
+        remote, local, host = await _linked(engine, tmp_path)
+        try:
+            assert not await remote.free_state(12345)
+            with pytest.raises(errors.NotFound) as missing:
+                await remote.take_kv(12345)
+            assert missing.value.reason == "STATE_NOT_FOUND"
+            state = await remote.alloc_state("test")
+            assert state in engine.states and engine.states[state].owner == "test"
+            chunks = m.prefill_chunks(state, [1, 2, 3], hiddens(3, 1), 1)
+
+            async def stream():
+                for chunk in chunks:
+                    yield chunk
+
+            rows = await remote.prefill(stream())
+            assert (rows.num_rows, rows.next_position) == (3, 4)
+            request = m.propose_request(state, 4, hiddens(1, 2)[0], 4, 3)
+            future, timing = remote.propose([request], None)
+            (proposal,) = await future
+            assert proposal.state_id == state and len(proposal.tokens) == 3
+            assert timing.queued_ns <= timing.started_ns <= timing.done_ns
+            assert timing.batch_requests == 1
+            bad = m.propose_request(state, 4, hiddens(1, 2)[0], 4, 3)
+            bad.hidden.ClearField("data")
+            future, _ = remote.propose([bad], None, batch=True)
+            with pytest.raises(errors.InvalidArgument) as invalid:
+                await future
+            assert invalid.value.field == "hidden" and invalid.value.message.startswith(
+                "requests[0]."
+            )
+            assert await remote.free_state(state)
+        finally:
+            await _close(local, host)
+
+    asyncio.run(run())
+
+
+def test_a_fast_prefill_stream_is_held_back_while_the_engine_is_busy(
+    mimo_checkpoint, tmp_path
+) -> None:
+    """The front end takes a chunk from its client only when the engine asks for more."""
+
+    async def run() -> None:
+        engine = small_engine(mimo_checkpoint)
+        remote, local, host = await _linked(engine, tmp_path)
+        state = engine.alloc_state()
+        busy = threading.Event()
+        begin = engine.begin_prefill
+
+        def slow_begin(*args):
+            busy.wait(30)
+            return begin(*args)
+
+        engine.begin_prefill = slow_begin
+        rows = hiddens(20, 3)
+        pulled = 0
+
+        async def fast_client():
+            nonlocal pulled
+            for chunk in m.prefill_chunks(state, list(range(20)), rows, 1, chunk_bytes=600):
+                pulled += 1
+                yield chunk
+
+        try:
+            prefill = asyncio.ensure_future(remote.prefill(fast_client()))
+            await asyncio.sleep(0.5)
+            assert 1 <= pulled <= 3, f"{pulled} chunks taken from the client while the engine waits"
+            busy.set()
+            result = await prefill
+            assert result.num_rows == 20 and pulled > 3
+        finally:
+            busy.set()
+            await _close(local, host)
+
+    torch.manual_seed(0)
+    asyncio.run(run())
+
+
+def test_a_cancelled_propose_leaves_the_engine_queue(mimo_checkpoint, tmp_path) -> None:
+    async def run() -> None:
+        engine = small_engine(mimo_checkpoint)
+        remote, local, host = await _linked(engine, tmp_path)
+        state = engine.alloc_state()
+        hold = threading.Event()
+        local.runner.submit(hold.wait, 30)  # the engine thread is busy: calls stay queued
+        try:
+            request = m.propose_request(state, 4, hiddens(1, 4)[0], 1, 2)
+            future, _ = remote.propose([request], None)
+            await asyncio.sleep(0.3)  # queued, then taken into a batch that waits for the thread
+            (calls,) = host.calls.values()
+            assert len(calls.open) == 1
+            future.cancel()
+            await asyncio.sleep(0.3)
+            assert not calls.open, "the engine process still holds the cancelled call"
+            hold.set()
+            await local.scheduler.settle(5.0)
+            assert engine.states[state].pending is None, "the cancelled call was drafted"
+        finally:
+            hold.set()
+            await _close(local, host)
+
+    asyncio.run(run())
