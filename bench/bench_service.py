@@ -13,7 +13,9 @@ verdict (0 accepted: the same rows every step, on both sides):
    /proc over the measured steps, its event loop's CPU per message, how busy the
    loop was and the other threads' CPU per message (the engine thread's included);
 4. tracing on (an SDK TracerProvider with a no-op exporter in the server) against
-   off (Telemetry()): (2) and (3) at 64 again. Skipped, with a note, when
+   off (Telemetry()): (2) and (3) at 64 again, for one process and for the most
+   front ends measured (--front-ends: `serve --front-ends N`, whose (2) and (3)
+   are measured too). Skipped, with a note, when
    OpenTelemetry is not installed;
 5. the floor (grpc_floor.py): a grpc.aio server answering the same request bytes
    with a canned reply, no work: the least any Python grpc.aio service could add,
@@ -562,6 +564,13 @@ def ratios(report: dict[str, Any]) -> dict[str, Any]:
                 _get(grpc, "tracing_on", "streams", b, "drafts_per_s"),
                 _get(grpc, "tracing_off", "streams", b, "drafts_per_s"),
             )
+        for suite in [k for k in grpc if k.startswith("tracing_on_front_ends_")]:
+            n = suite.removeprefix("tracing_on_front_ends_")
+            for b in sizes:
+                on_off[f"streams{b}_drafts_per_s, {n} front ends"] = _over(
+                    _get(grpc, suite, "streams", b, "drafts_per_s"),
+                    _get(grpc, f"front_ends_{n}", "streams", b, "drafts_per_s"),
+                )
         out["tracing_on_over_off"] = on_off
     return out
 
@@ -801,11 +810,19 @@ def main() -> int:
                 report["grpc"]["tracing_on"] = grpc_suite(
                     argv, True, work, batches, args.client_processes, notes
                 )
-            for n in [int(n) for n in args.front_ends.split(",") if n and int(n) > 0]:
+            counts = [int(n) for n in args.front_ends.split(",") if n and int(n) > 0]
+            for n in counts:
                 log(f"gRPC, tracing off, {n} front-end processes")
+                split_argv = [*argv, "--front-ends", str(n)]
                 report["grpc"][f"front_ends_{n}"] = grpc_suite(
+                    split_argv, False, work, batches, args.client_processes, notes
+                )
+            if counts and not sdk_missing:  # where the spans are made matters: measure it
+                n = max(counts)
+                log(f"gRPC, tracing on, {n} front-end processes")
+                report["grpc"][f"tracing_on_front_ends_{n}"] = grpc_suite(
                     [*argv, "--front-ends", str(n)],
-                    False,
+                    True,
                     work,
                     batches,
                     args.client_processes,
