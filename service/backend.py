@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from mtpdraft.v1 import drafter_pb2 as pb
@@ -22,17 +21,18 @@ from . import wire
 from .engine import errors
 from .engine.engine import DraftEngine, PrefillSession
 from .engine.runner import EngineRunner
-from .engine.scheduler import DEFAULT_BATCH_WAIT_S, JobTiming, ProposeScheduler
-from .engine.types import EngineInfo, Proposal, ProposeArgs, RowCount, TakenKV, Verdict
+from .engine.scheduler import DEFAULT_BATCH_WAIT_S, ProposeScheduler
+from .engine.types import (
+    JobTiming,
+    Proposal,
+    ProposeArgs,
+    RowCount,
+    ServerInfo,
+    TakenKV,
+    Verdict,
+)
 
 log = logging.getLogger("mtpdraft.backend")
-
-
-@dataclass
-class ServerInfo:
-    engine: EngineInfo
-    queued_calls: int
-    batch_size_counts: dict[int, int]  # requests per batch -> batches run
 
 
 class DraftBackend(Protocol):
@@ -114,7 +114,8 @@ class LocalBackend:
 
     async def info(self) -> ServerInfo:
         queued, batches = self.scheduler.queued, dict(self.scheduler.batch_sizes)
-        return ServerInfo(await self.runner.call(self.engine.info), queued, batches)
+        engine = await self.runner.call(self.engine.info)
+        return ServerInfo(engine, list(wire.HIDDEN_DTYPES), queued, batches)
 
     async def alloc_state(self, owner: str) -> int:
         return await self.runner.call(self.engine.alloc_state, owner)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from functools import partial
 
 from .backend import LocalBackend
-from .engine.scheduler import JobTiming
+from .engine.types import JobTiming
 from .link import Link, Message
 from .remote_backend import error_value
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -11,10 +12,12 @@ from grpc_reflection.v1alpha import reflection
 from mtpdraft.v1 import drafter_pb2 as pb
 from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
-from .backend import DraftBackend
 from .security import TokenAuthInterceptor, TokenSource
 from .servicer import DrafterServicer
 from .telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from .backend import DraftBackend
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 # 16 MiB: room for a ProposeBatch of 64 states with bf16 hiddens of 4096 and a

@@ -16,10 +16,8 @@ from functools import partial
 
 from mtpdraft.v1 import drafter_pb2 as pb
 
-from .backend import ServerInfo
 from .engine import errors
-from .engine.scheduler import JobTiming
-from .engine.types import Proposal, RowCount, TakenKV
+from .engine.types import JobTiming, Proposal, RowCount, ServerInfo, TakenKV
 from .link import Link, Message
 
 # What an answer's error is: (class name in engine.errors, message, reason, field),

@@ -14,6 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf import any_pb2
@@ -25,12 +26,12 @@ from opentelemetry.trace import Status, StatusCode
 from mtpdraft.v1 import drafter_pb2 as pb
 from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
-from . import wire
-from .backend import DraftBackend
 from .engine import errors
-from .engine.scheduler import JobTiming
-from .engine.types import Proposal
+from .engine.types import JobTiming, Proposal
 from .telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from .backend import DraftBackend
 
 log = logging.getLogger("mtpdraft.servicer")
 
@@ -150,7 +151,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         info = await self.backend.info()
         return pb.GetInfoResponse(
             **vars(info.engine),
-            hidden_dtypes=list(wire.HIDDEN_DTYPES),
+            hidden_dtypes=info.hidden_dtypes,
             max_message_bytes=self.max_message_bytes,
             batch_size_counts=info.batch_size_counts,
             queued_calls=info.queued_calls,

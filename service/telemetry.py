@@ -19,13 +19,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from .engine.engine import DraftEngine
-from .engine.scheduler import JobTiming
+from .engine.types import JobTiming
+
+if TYPE_CHECKING:
+    from .engine.engine import DraftEngine
 
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 _MS_BUCKETS = [0.1, 0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 250, 1000, 5000]

@@ -33,19 +33,8 @@ from dataclasses import dataclass, field
 from .engine import DraftEngine
 from .errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from .runner import EngineRunner
-from .types import Proposal, ProposeArgs
+from .types import JobTiming, Proposal, ProposeArgs
 from .validation import check_batch_size
-
-
-@dataclass
-class JobTiming:
-    """When a job was queued, taken into a batch and done (time.time_ns), and the batch size."""
-
-    queued_ns: int
-    started_ns: int = 0
-    done_ns: int = 0
-    batch_requests: int = 0
-    batch_jobs: int = 0
 
 
 @dataclass

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch stays out of the gRPC front-end processes, which unpickle these
+    import torch
 
 
 @dataclass
@@ -70,3 +72,24 @@ class EngineInfo:
     state_ttl_seconds: float
     bitmask_words: int
     draining: bool
+
+
+@dataclass
+class JobTiming:
+    """When a job was queued, taken into a batch and done (time.time_ns), and the batch size."""
+
+    queued_ns: int
+    started_ns: int = 0
+    done_ns: int = 0
+    batch_requests: int = 0
+    batch_jobs: int = 0
+
+
+@dataclass
+class ServerInfo:
+    """GetInfo's answer, less what the gRPC front end adds."""
+
+    engine: EngineInfo
+    hidden_dtypes: list[int]  # the wire's DType values accepted for hiddens
+    queued_calls: int
+    batch_size_counts: dict[int, int]  # requests per batch -> batches run

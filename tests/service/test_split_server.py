@@ -127,10 +127,16 @@ def test_the_server_stops_once_every_front_end_is_gone(mimo_checkpoint):
         server.stop()
 
 
-def test_sigterm_stops_every_front_end(mimo_checkpoint):
+def test_front_ends_stay_light_and_sigterm_stops_them_all(mimo_checkpoint):
     server = start_server(mimo_checkpoint, *SERVER_ARGS, "--front-ends", "3")
     front_ends = front_end_pids(server)
     assert len(front_ends) == 3
+    with DrafterClient(server.address, timeout=10) as c:  # answers unpickled in a front end
+        assert c.info().hidden_size > 0
+        c.free_state(c.alloc_state())
+    for pid in front_ends:  # the gRPC side needs no torch: a fraction of the memory and start
+        with open(f"/proc/{pid}/maps") as f:
+            assert "libtorch" not in f.read(), f"front end {pid} loaded torch"
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=30) == 0
     for pid in front_ends:
