@@ -32,8 +32,8 @@ from .telemetry import Telemetry
 
 log = logging.getLogger("mtpdraft.engine_process")
 
-# Spawning a front end imports grpc, protobuf and torch afresh: about 2 s each, in
-# parallel; a loaded machine (CI) may take several times that.
+# A spawned front end imports grpc, protobuf and OpenTelemetry afresh (no torch):
+# well under a second each, in parallel; a loaded machine (CI) may take far longer.
 START_TIMEOUT_S = 120.0
 
 
