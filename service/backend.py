@@ -31,8 +31,17 @@ from .engine.types import (
     TakenKV,
     Verdict,
 )
+from .telemetry import Telemetry
 
 log = logging.getLogger("mtpdraft.backend")
+
+
+class Serving(Protocol):
+    """What serves a backend over gRPC: one front end, or the processes of several."""
+
+    async def enter_graceful_shutdown(self) -> None: ...
+
+    async def stop(self, grace: float) -> None: ...
 
 
 class DraftBackend(Protocol):
@@ -93,21 +102,28 @@ def _batch_args(requests: Sequence[pb.ProposeRequest]) -> list[ProposeArgs]:
 
 
 class LocalBackend:
-    """The engine in this process: its worker thread, the scheduler and the lease reaper."""
+    """The engine in this process: its worker thread, the scheduler and the lease reaper,
+    with the engine's metrics recorded by `telemetry`."""
 
     def __init__(
         self,
         engine: DraftEngine,
+        telemetry: Telemetry | None = None,
         *,
         max_queue: int = 4096,
         batch_wait: float = DEFAULT_BATCH_WAIT_S,
-        on_batch=None,
     ) -> None:
+        telemetry = telemetry or Telemetry()
         self.engine = engine
         self.runner = EngineRunner()
         self.scheduler = ProposeScheduler(
-            engine, self.runner, max_queue=max_queue, batch_wait=batch_wait, on_batch=on_batch
+            engine,
+            self.runner,
+            max_queue=max_queue,
+            batch_wait=batch_wait,
+            on_batch=lambda requests, _: telemetry.batch_size.record(requests),
         )
+        telemetry.observe_engine(engine, lambda: self.scheduler.queued)
         self._reaper: asyncio.Task | None = None
 
     # ---- the calls ---------------------------------------------------------
@@ -205,19 +221,22 @@ class LocalBackend:
             if states or handles:
                 log.info("lease expired: freed %d states and %d KV handles", states, handles)
 
-    async def refuse_new_states(self) -> None:
+    async def drain(self, grace: float, serving: Serving) -> int:
+        """Stops taking new states, lets live ones finish for up to `grace` seconds, stops
+        `serving` and the engine. Returns how many states were still live (and freed)."""
         await self.runner.call(setattr, self.engine, "draining", True)
-
-    async def wait_for_no_states(self, deadline: float) -> None:
-        """Until every state is freed or the loop's clock reaches `deadline`."""
+        await serving.enter_graceful_shutdown()
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         while loop.time() < deadline and self.engine.states:
             await asyncio.sleep(0.05)
-
-    async def settle(self) -> None:
-        """Refuses new Propose calls and answers the ones already taken."""
+        # Grace is over: refuse new Propose calls, answer the ones already taken,
+        # then close the connections (a taken request is never left unanswered).
         self.scheduler.closing = True
         await self.scheduler.settle(timeout=5.0)
+        # Half a second at least: time to write the answers just given.
+        await serving.stop(max(0.5, min(1.0, deadline - loop.time())))
+        return await self.close()
 
     async def close(self) -> int:
         """Stops the scheduler and the reaper, frees every state; returns how many were live."""

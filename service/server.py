@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from .backend import LocalBackend
 from .engine.engine import DraftEngine
 from .engine.scheduler import DEFAULT_BATCH_WAIT_S
@@ -33,13 +31,9 @@ class DrafterServer:
         self.engine = engine
         self.telemetry = telemetry or Telemetry()
         self.backend = LocalBackend(
-            engine,
-            max_queue=max_queue,
-            batch_wait=batch_wait,
-            on_batch=lambda requests, _: self.telemetry.batch_size.record(requests),
+            engine, self.telemetry, max_queue=max_queue, batch_wait=batch_wait
         )
         self.runner, self.scheduler = self.backend.runner, self.backend.scheduler
-        self.telemetry.observe_engine(engine, lambda: self.scheduler.queued)
         self.front_end = FrontEnd(self.backend, address, self.telemetry, **front_end_options)
         self.port = self.front_end.port
 
@@ -52,17 +46,7 @@ class DrafterServer:
 
         Returns how many states were still live (and freed) at the end.
         """
-        await self.backend.refuse_new_states()
-        await self.front_end.enter_graceful_shutdown()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
-        await self.backend.wait_for_no_states(deadline)
-        # Grace is over: refuse new Propose calls, answer the ones already taken,
-        # then close the connections (a taken request is never left unanswered).
-        await self.backend.settle()
-        # Half a second at least: time to write the answers just given.
-        await self.front_end.stop(max(0.5, min(1.0, deadline - loop.time())))
-        freed = await self.backend.close()
+        freed = await self.backend.drain(grace, self.front_end)
         self.telemetry.shutdown()
         return freed
 

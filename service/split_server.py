@@ -67,12 +67,8 @@ class SplitServer:
         self.engine = engine
         self.telemetry = telemetry or Telemetry()
         self.backend = LocalBackend(
-            engine,
-            max_queue=max_queue,
-            batch_wait=batch_wait,
-            on_batch=lambda requests, _: self.telemetry.batch_size.record(requests),
+            engine, self.telemetry, max_queue=max_queue, batch_wait=batch_wait
         )
-        self.telemetry.observe_engine(engine, lambda: self.backend.scheduler.queued)
         self.host_name, self.port, self.front_ends, self.spec = host, port, front_ends, spec
         self.link_host = BackendHost(self.backend, self._control, self._lost)
         self.processes: list[multiprocessing.process.BaseProcess] = []
@@ -124,18 +120,19 @@ class SplitServer:
 
     async def drain(self, grace: float) -> int:
         """As DrafterServer.drain, every front end taking part; returns the states freed."""
-        await self.backend.refuse_new_states()
-        self.link_host.broadcast(("drain",))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
-        await self.backend.wait_for_no_states(deadline)
-        await self.backend.settle()
-        await self._stop_front_ends(max(0.5, min(1.0, deadline - loop.time())))
-        await self.link_host.close()
-        freed = await self.backend.close()
+        freed = await self.backend.drain(grace, self)
         self.telemetry.shutdown()
         shutil.rmtree(self._dir, ignore_errors=True)
         return freed
+
+    async def enter_graceful_shutdown(self) -> None:
+        """Every front end's health answers NOT_SERVING from now on."""
+        self.link_host.broadcast(("drain",))
+
+    async def stop(self, grace: float) -> None:
+        """Every front end stops (its calls given `grace` to end), then the links close."""
+        await self._stop_front_ends(grace)
+        await self.link_host.close()
 
     async def _stop_front_ends(self, grace: float) -> None:
         """Tells each front end to stop within `grace`; one still running 5 s later is killed."""
