@@ -351,48 +351,36 @@ class _NoOpExporter:
         return True
 
 
+def traced_telemetry() -> Any:
+    """Server spans through an SDK TracerProvider to an exporter that drops them: what
+    tracing costs the server itself. Module-level, so that front-end processes can
+    be spawned with it too."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from mtpdraft.service.telemetry import Telemetry
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(_NoOpExporter()))  # type: ignore[arg-type]
+    return Telemetry(provider, None)
+
+
 def serve_main(argv: list[str], tracing: bool) -> int:
-    """The server process: `mtpdraft serve ARGV`'s engine and server, optionally traced;
-    prints "PORT n", serves until its stdin closes."""
+    """The server process: `mtpdraft serve ARGV`'s engine and server (its front ends
+    too), optionally traced; prints "PORT n", serves until its stdin closes."""
     from mtpdraft.service import cli
-    from mtpdraft.service.server import create_server
-    from mtpdraft.service.split_server import SplitServer
     from mtpdraft.service.telemetry import Telemetry
 
     parser = argparse.ArgumentParser()
     cli._serve_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", *argv])
-    telemetry = Telemetry()
-    if tracing:
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        provider = TracerProvider()
-        provider.add_span_processor(BatchSpanProcessor(_NoOpExporter()))  # type: ignore[arg-type]
-        telemetry = Telemetry(provider, None)
 
     async def serve() -> None:
         engine = cli.build_engine(args)
-        scheduling = {"max_queue": args.max_queue, "batch_wait": args.batch_wait_us * 1e-6}
-        if args.front_ends > 0:
-            server: Any = SplitServer(
-                engine,
-                args.host,
-                args.port,
-                args.front_ends,
-                cli._front_end_spec(args),
-                telemetry=telemetry,
-                **scheduling,
-            )
-        else:
-            server, _ = create_server(
-                engine,
-                f"{args.host}:{args.port}",
-                max_message_bytes=args.max_message_bytes,
-                reflection_enabled=not args.no_reflection,
-                telemetry=telemetry,
-                **scheduling,
-            )
+        telemetry = traced_telemetry() if tracing else Telemetry()
+        server = cli.build_server(
+            args, engine, telemetry, front_end_telemetry=traced_telemetry if tracing else None
+        )
         await server.start()
         print(f"PORT {server.port}", flush=True)
         await asyncio.to_thread(sys.stdin.read)  # the bench closes our stdin to stop us

@@ -8,6 +8,8 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +24,7 @@ from .model.errors import CheckpointError
 from .model.kv_cache import KVCache
 from .model.mtp_head import MTPHead
 from .security import TokenSource, server_credentials
-from .server import DEFAULT_MAX_MESSAGE_BYTES, create_server
+from .server import DEFAULT_MAX_MESSAGE_BYTES, DrafterServer, create_server
 from .split_server import SplitServer
 from .telemetry import Telemetry, providers_from_env
 
@@ -172,35 +174,48 @@ def build_engine(args: argparse.Namespace) -> DraftEngine:
     )
 
 
-async def _serve(args: argparse.Namespace, security: dict) -> int:
-    engine = build_engine(args)
+def build_server(
+    args: argparse.Namespace,
+    engine: DraftEngine,
+    telemetry: Telemetry,
+    security: dict | None = None,
+    front_end_telemetry: Callable[[], Telemetry] | None = None,
+) -> DrafterServer | SplitServer:
+    """The server `mtpdraft serve` runs on `engine`, not yet started: one process, or the
+    engine's before --front-ends processes (which read the security flags' files
+    themselves, and make their telemetry with `front_end_telemetry` if given)."""
     scheduling = {"max_queue": args.max_queue, "batch_wait": args.batch_wait_us * 1e-6}
-    telemetry = Telemetry(*providers_from_env())
     if args.front_ends > 0:
-        server = SplitServer(
+        spec = replace(_front_end_spec(args), telemetry=front_end_telemetry)
+        return SplitServer(
             engine,
             args.host,
             args.port,
             args.front_ends,
-            _front_end_spec(args),
+            spec,
             telemetry=telemetry,
             **scheduling,
         )
-        port, gone = None, server.gone
-    else:
-        server, port = create_server(
-            engine,
-            f"{args.host}:{args.port}",
-            max_message_bytes=args.max_message_bytes,
-            reflection_enabled=not args.no_reflection,
-            max_inflight=args.max_inflight,
-            telemetry=telemetry,
-            **scheduling,
-            **security,
-        )
-        gone = asyncio.Event()  # one process: never set
+    server, _ = create_server(
+        engine,
+        f"{args.host}:{args.port}",
+        max_message_bytes=args.max_message_bytes,
+        reflection_enabled=not args.no_reflection,
+        max_inflight=args.max_inflight,
+        telemetry=telemetry,
+        **scheduling,
+        **(security or {}),
+    )
+    return server
+
+
+async def _serve(args: argparse.Namespace, security: dict) -> int:
+    engine = build_engine(args)
+    server = build_server(args, engine, Telemetry(*providers_from_env()), security)
+    # Set once every front-end process has gone; one process never sets it.
+    gone = server.gone if isinstance(server, SplitServer) else asyncio.Event()
     await server.start()
-    port = port or server.port
+    port = server.port
     info = engine.info()
     print(
         f"mtpdraft: serving {info.model_family} MTP head from {args.model} on {info.device} "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .front_end import FrontEnd
@@ -30,6 +31,9 @@ class FrontEndSpec:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     auth_token_file: str | None = None
+    # Makes the front end's telemetry (a module-level function, for the spawn); by
+    # default the OTEL_* variables choose, as in the engine process.
+    telemetry: Callable[[], Telemetry] | None = None
 
     def security(self) -> dict:
         options: dict = {}
@@ -72,7 +76,7 @@ async def _serve(spec: FrontEndSpec) -> None:
 
     backend = RemoteBackend(control, lost)
     reading = await backend.connect(spec.socket_path)
-    telemetry = Telemetry(*providers_from_env())
+    telemetry = spec.telemetry() if spec.telemetry else Telemetry(*providers_from_env())
     front_end = FrontEnd(
         backend,
         spec.address,
