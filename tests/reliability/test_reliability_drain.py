@@ -200,13 +200,14 @@ def test_requests_taken_before_the_grace_ends_are_answered(mimo_checkpoint) -> N
     """In-process, to see which messages the server took: each one must be answered."""
     server = InProcessServer(small_engine(mimo_checkpoint))
     taken: set[tuple[int, int]] = set()
-    submit = server.server.scheduler.submit
+    enqueue = server.server.scheduler.enqueue  # every Propose call's way in, streams' too
 
-    async def recording_submit(requests, timeout=None):
+    def recording_enqueue(requests, timeout=None):
+        queued = enqueue(requests, timeout)  # a refused call is not taken
         taken.update((r.state_id, r.position) for r in requests)
-        return await submit(requests, timeout)
+        return queued
 
-    server.server.scheduler.submit = recording_submit
+    server.server.scheduler.enqueue = recording_enqueue
     draining, sigterm = threading.Event(), threading.Event()
     verifier = Verifier(server.address, True, draining, sigterm)
     thread = threading.Thread(target=verifier.run, daemon=True)
@@ -225,5 +226,6 @@ def test_requests_taken_before_the_grace_ends_are_answered(mimo_checkpoint) -> N
     finally:
         server.loop.call_soon_threadsafe(server.loop.stop)
     assert verifier.failure is None, verifier.failure
+    assert taken, "no request was seen taken: the recording missed the server's path"
     lost = taken - verifier.answered_keys
     assert not lost, f"{len(lost)} taken requests were never answered (stream {verifier.code})"
