@@ -325,9 +325,11 @@ class DraftEngine:
         chains: list[Chain] = []
         verdicts: list[VerdictPlan | None] = []
         busy: set[int] = set()
+        finite = iter(check.finite_flags([args.hidden for group in groups for args in group]))
         for index, group in enumerate(groups):
+            flags = [next(finite) for _ in group]
             try:
-                planned = self._plan_group(group, busy)
+                planned = self._plan_group(group, busy, flags)
                 self._reserve([(c.state, c.base_row + c.args.num_drafts) for c, _ in planned])
             except DrafterError as err:
                 results[index] = err
@@ -343,7 +345,7 @@ class DraftEngine:
         return results  # type: ignore[return-value]
 
     def _plan_group(
-        self, group: list[ProposeArgs], busy: set[int]
+        self, group: list[ProposeArgs], busy: set[int], finite: list[bool]
     ) -> list[tuple[Chain, VerdictPlan | None]]:
         check.check_batch_size(len(group), self.max_batch)
         planned, seen = [], set(busy)
@@ -355,7 +357,7 @@ class DraftEngine:
                     field="requests",
                 )
             seen.add(args.state_id)
-            planned.append(self._plan_proposal(args))
+            planned.append(self._plan_proposal(args, finite[i]))
         return planned
 
     def _run_chains(self, chains: list[Chain], verdicts: list[VerdictPlan | None]) -> None:
@@ -365,7 +367,8 @@ class DraftEngine:
                 self._apply_truncation(chain.state, verdict)
         draft_all(self.head, self.kv, chains, verdicts)
 
-    def _plan_proposal(self, args: ProposeArgs) -> tuple[Chain, VerdictPlan | None]:
+    def _plan_proposal(self, args: ProposeArgs, finite: bool) -> tuple[Chain, VerdictPlan | None]:
+        """`finite`: whether args.hidden is free of NaN and inf (checked for the batch)."""
         c = self.head.config
         if args.previous is not None:
             state = self._state(args.state_id)
@@ -377,7 +380,7 @@ class DraftEngine:
             verdict, base_row = None, state.num_rows
         self._check_position(args.position, base_row + 1, "position")
         check.check_tokens([args.token], c.vocab_size, "token")
-        hidden = check.check_hiddens(args.hidden, 1, c.hidden_size, "hidden")
+        hidden = check.check_hiddens(args.hidden, 1, c.hidden_size, "hidden", finite)
         check.check_num_drafts(args.num_drafts, self.max_drafts)
         check.check_min_confidence(args.min_confidence)
         bitmask = check.check_bitmask(args.bitmask, args.num_drafts, c.vocab_size)

@@ -9,8 +9,10 @@ without waiting, and the host waits once, for the results (`ChainOutputs`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -28,7 +30,7 @@ class ChainInputs:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    @property
+    @functools.cached_property
     def steps(self) -> int:
         return int(self.limits.max())
 
@@ -38,15 +40,16 @@ class ChainInputs:
         A sequence past its limit repeats its last row's position (a valid context)
         and writes nothing (slot -1): its later outputs are meaningless.
         """
-        steps, width = self.steps, self.block_tables.shape[1]
-        step = torch.arange(steps)[:, None]
-        positions = self.positions[None, :] + torch.minimum(step, self.limits[None, :] - 1)
-        pages = (positions // block_size).clamp_max(width - 1)
-        blocks = self.block_tables.long().t().gather(0, pages)
-        slots = torch.where(
-            step < self.limits[None, :], blocks * block_size + positions % block_size, -1
-        )
-        return torch.stack([positions, slots, positions + 1], dim=1)
+        # In numpy, which keeps the GIL for arrays this small: each of the eight torch
+        # calls this took would let go of it, and the served engine thread then waits
+        # for the event loop to give it back.
+        limits, width = self.limits.numpy()[None, :], self.block_tables.shape[1]
+        step = np.arange(self.steps)[:, None]
+        positions = self.positions.numpy()[None, :] + np.minimum(step, limits - 1)
+        pages = np.minimum(positions // block_size, width - 1)
+        blocks = np.take_along_axis(self.block_tables.numpy().T, pages, axis=0).astype(np.int64)
+        slots = np.where(step < limits, blocks * block_size + positions % block_size, -1)
+        return torch.from_numpy(np.stack([positions, slots, positions + 1], axis=1))
 
 
 @dataclass
