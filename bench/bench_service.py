@@ -706,6 +706,12 @@ def main() -> int:
         default="4",
         help="gRPC front-end process counts to measure besides one process (serve --front-ends)",
     )
+    parser.add_argument(
+        "--serve-options",
+        default="",
+        help='more `mtpdraft serve` options for the engine and every server, e.g. '
+        '"--gil-switch-us 5000" (an A/B against the defaults)',
+    )
     if sys.argv[1:2] == ["--serve"]:  # a server process: the rest is `mtpdraft serve` options
         tracing = "--serve-tracing" in sys.argv
         return serve_main([a for a in sys.argv[2:] if a != "--serve-tracing"], tracing)
@@ -749,6 +755,7 @@ def main() -> int:
     try:
         kv_blocks = max(batches) * math.ceil(work.rows_per_state / BLOCK_SIZE) + 64
         argv = serve_argv(Path(folder), args.device, kv_blocks, work.num_drafts)
+        argv += shlex.split(args.serve_options)
         report: dict[str, Any] = {
             "command": "python " + shlex.join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),

@@ -16,6 +16,7 @@ import torch
 from mtpdraft.client.loadtest import add_loadtest_parser, run_loadtest
 
 from .engine.engine import DraftEngine
+from .engine.runner import GIL_SWITCH_INTERVAL_S
 from .engine.scheduler import DEFAULT_BATCH_WAIT_S
 from .front_end_process import FrontEndSpec
 from .model.checkpoint import load_mtp_weights
@@ -61,6 +62,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=DEFAULT_BATCH_WAIT_S * 1e6,
         help="the most a batch waits for verifiers due back (0: start at once)",
+    )
+    p.add_argument(
+        "--gil-switch-us",
+        type=float,
+        default=GIL_SWITCH_INTERVAL_S * 1e6,
+        help="the engine process's GIL switch interval (Python's default: 5000)",
     )
     p.add_argument(
         "--front-ends",
@@ -184,6 +191,7 @@ def build_server(
     """The server `mtpdraft serve` runs on `engine`, not yet started: one process, or the
     engine's before --front-ends processes (which read the security flags' files
     themselves, and make their telemetry with `front_end_telemetry` if given)."""
+    sys.setswitchinterval(args.gil_switch_us * 1e-6)  # see GIL_SWITCH_INTERVAL_S
     scheduling = {"max_queue": args.max_queue, "batch_wait": args.batch_wait_us * 1e-6}
     if args.front_ends > 0:
         spec = replace(_front_end_spec(args), telemetry=front_end_telemetry)

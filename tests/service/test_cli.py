@@ -1,0 +1,48 @@
+"""`mtpdraft serve` options that change the serving process itself."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtpdraft.client import DrafterClient
+from mtpdraft.service import cli
+from mtpdraft.service.engine.runner import GIL_SWITCH_INTERVAL_S
+from mtpdraft.service.telemetry import Telemetry
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli._serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_the_server_sets_the_engine_process_gil_switch_interval(mimo_checkpoint: Path) -> None:
+    assert _serve_args().gil_switch_us == GIL_SWITCH_INTERVAL_S * 1e6
+    args = _serve_args(
+        "--model", str(mimo_checkpoint), "--device", "cpu", "--port", "0", "--gil-switch-us", "250"
+    )  # fmt: skip
+    engine = cli.build_engine(args)
+    before = sys.getswitchinterval()
+
+    async def serve() -> float:
+        server = cli.build_server(args, engine, Telemetry())
+        try:
+            await server.start()
+            interval = sys.getswitchinterval()
+            # It serves: the setting is made where the server is built, not instead of it.
+            with DrafterClient(f"127.0.0.1:{server.port}") as client:
+                info = await asyncio.to_thread(client.info)
+            assert info.max_batch == args.max_batch
+            return interval
+        finally:
+            await server.drain(0)
+
+    try:
+        assert asyncio.run(serve()) == pytest.approx(250e-6)
+    finally:
+        sys.setswitchinterval(before)
