@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..model.mtp_head import MTPHead
 from . import validation as check
@@ -32,6 +32,19 @@ from .prefill import PrefillSession
 from .rows import Segment, run_segments
 from .state import DrafterState, KVHandle, PendingProposal
 from .types import EngineInfo, Proposal, ProposeArgs, RowCount, TakenKV, Verdict
+
+# id(tensor) -> whether it is free of NaN and inf, for every hidden of one batch.
+Finiteness = dict[int, bool]
+
+
+def _finiteness(requests: Iterable[ProposeArgs]) -> Finiteness:
+    """Checks a batch's hiddens and refeed hiddens together (see check.finite_flags)."""
+    tensors = {}
+    for args in requests:
+        tensors[id(args.hidden)] = args.hidden
+        if args.previous is not None and args.previous.refeed_hiddens is not None:
+            tensors[id(args.previous.refeed_hiddens)] = args.previous.refeed_hiddens
+    return dict(zip(tensors, check.finite_flags(list(tensors.values())), strict=True))
 
 
 class DraftEngine:
@@ -251,7 +264,9 @@ class DraftEngine:
 
     # ---- the propose / verify cycle -----------------------------------------
 
-    def _plan_verdict(self, state: DrafterState, verdict: Verdict, field: str) -> VerdictPlan:
+    def _plan_verdict(
+        self, state: DrafterState, verdict: Verdict, field: str, finite: Finiteness | None = None
+    ) -> VerdictPlan:
         pending = state.pending
         if pending is None:
             raise FailedPrecondition(
@@ -271,7 +286,11 @@ class DraftEngine:
         rows_after = pending.first_row + 1 + a
         if refeed is not None:
             hiddens = check.check_hiddens(
-                refeed, a, self.head.config.hidden_size, f"{field}.refeed_hiddens"
+                refeed,
+                a,
+                self.head.config.hidden_size,
+                f"{field}.refeed_hiddens",
+                None if finite is None else finite.get(id(refeed)),
             )
             segment = Segment(state, pending.first_row + 1, pending.drafts[:a], hiddens)
             return VerdictPlan(pending.first_row + 1, segment, rows_after)
@@ -325,11 +344,10 @@ class DraftEngine:
         chains: list[Chain] = []
         verdicts: list[VerdictPlan | None] = []
         busy: set[int] = set()
-        finite = iter(check.finite_flags([args.hidden for group in groups for args in group]))
+        finite = _finiteness(args for group in groups for args in group)
         for index, group in enumerate(groups):
-            flags = [next(finite) for _ in group]
             try:
-                planned = self._plan_group(group, busy, flags)
+                planned = self._plan_group(group, busy, finite)
                 self._reserve([(c.state, c.base_row + c.args.num_drafts) for c, _ in planned])
             except DrafterError as err:
                 results[index] = err
@@ -345,7 +363,7 @@ class DraftEngine:
         return results  # type: ignore[return-value]
 
     def _plan_group(
-        self, group: list[ProposeArgs], busy: set[int], finite: list[bool]
+        self, group: list[ProposeArgs], busy: set[int], finite: Finiteness
     ) -> list[tuple[Chain, VerdictPlan | None]]:
         check.check_batch_size(len(group), self.max_batch)
         planned, seen = [], set(busy)
@@ -357,7 +375,7 @@ class DraftEngine:
                     field="requests",
                 )
             seen.add(args.state_id)
-            planned.append(self._plan_proposal(args, finite[i]))
+            planned.append(self._plan_proposal(args, finite))
         return planned
 
     def _run_chains(self, chains: list[Chain], verdicts: list[VerdictPlan | None]) -> None:
@@ -367,20 +385,23 @@ class DraftEngine:
                 self._apply_truncation(chain.state, verdict)
         draft_all(self.head, self.kv, chains, verdicts)
 
-    def _plan_proposal(self, args: ProposeArgs, finite: bool) -> tuple[Chain, VerdictPlan | None]:
-        """`finite`: whether args.hidden is free of NaN and inf (checked for the batch)."""
+    def _plan_proposal(
+        self, args: ProposeArgs, finite: Finiteness
+    ) -> tuple[Chain, VerdictPlan | None]:
         c = self.head.config
         if args.previous is not None:
             state = self._state(args.state_id)
             self._check_not_prefilling(state, "propose")
-            verdict = self._plan_verdict(state, args.previous, "previous")
+            verdict = self._plan_verdict(state, args.previous, "previous", finite)
             base_row = verdict.rows_after
         else:
             state = self._idle_state(args.state_id, "propose")
             verdict, base_row = None, state.num_rows
         self._check_position(args.position, base_row + 1, "position")
         check.check_tokens([args.token], c.vocab_size, "token")
-        hidden = check.check_hiddens(args.hidden, 1, c.hidden_size, "hidden", finite)
+        hidden = check.check_hiddens(
+            args.hidden, 1, c.hidden_size, "hidden", finite[id(args.hidden)]
+        )
         check.check_num_drafts(args.num_drafts, self.max_drafts)
         check.check_min_confidence(args.min_confidence)
         bitmask = check.check_bitmask(args.bitmask, args.num_drafts, c.vocab_size)

@@ -151,6 +151,31 @@ def test_a_failing_group_changes_nothing_and_its_batch_drafts_as_alone(
     assert (got.tokens, got.probs) == (alone.tokens, alone.probs)
 
 
+def test_a_nan_refeed_in_a_batch_refuses_its_group_alone(engine: DraftEngine) -> None:
+    """Refeed hiddens are checked with the batch's hiddens: a NaN among them refuses
+    only the group that sent it, and leaves its state's proposal pending."""
+    good, bad = prefill(engine, [1, 2, 3], h(3, 40)), prefill(engine, [1, 2, 3], h(3, 40))
+    for state in (good, bad):
+        engine.propose(ProposeArgs(state, 4, h(1, 41), 4, 4))
+    rows = {s: engine.states[s].num_rows for s in (good, bad)}
+    nan = h(2, 43)
+    nan[1, 7] = float("nan")
+    together = engine.propose_groups(
+        [
+            [ProposeArgs(good, 5, h(1, 44), 7, 3, previous=Verdict(2, h(2, 43)))],
+            [ProposeArgs(bad, 5, h(1, 44), 7, 3, previous=Verdict(2, nan))],
+        ]
+    )
+    refused = together[1]
+    assert isinstance(refused, InvalidArgument)
+    assert (refused.reason, refused.field) == ("NOT_FINITE", "previous.refeed_hiddens")
+    assert engine.states[bad].num_rows == rows[bad]
+    assert engine.states[bad].pending is not None  # its verdict can still come
+    (drafted,) = together[0]
+    assert len(drafted.tokens) == 3 and drafted.first_position == 8
+    assert_accounted(engine)
+
+
 def test_leases_expire_idle_states_and_handles(engine: DraftEngine, clock: Clock) -> None:
     idle = prefill(engine, [1, 2, 3], h(3, 0))
     busy = engine.alloc_state()
