@@ -709,7 +709,7 @@ def main() -> int:
     parser.add_argument(
         "--serve-options",
         default="",
-        help='more `mtpdraft serve` options for the engine and every server, e.g. '
+        help="more `mtpdraft serve` options for the engine and every server, e.g. "
         '"--gil-switch-us 5000" (an A/B against the defaults)',
     )
     if sys.argv[1:2] == ["--serve"]:  # a server process: the rest is `mtpdraft serve` options
