@@ -33,7 +33,10 @@ def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
         if t.is_floating_point() and t.numel():
             alike.setdefault((t.dtype, t.numel()), []).append(i)
     for members in alike.values():
-        rows = torch.stack([tensors[i].reshape(-1) for i in members])
+        if len(members) == 1:  # a Prefill chunk, say: no copy of it
+            rows = tensors[members[0]].reshape(1, -1)
+        else:
+            rows = torch.stack([tensors[i].reshape(-1) for i in members])
         # NaN and inf survive abs().amax(), which is faster than isfinite().all().
         for i, ok in zip(members, rows.abs().amax(dim=1).isfinite().tolist(), strict=True):
             flags[i] = ok
