@@ -24,7 +24,6 @@ from .model.default_model import DEFAULT_CHECKPOINT
 from .model.errors import CheckpointError
 from .model.kv_cache import KVCache
 from .model.mtp_head import MTPHead
-from .security import TokenSource, server_credentials
 from .server import DEFAULT_MAX_MESSAGE_BYTES, DrafterServer, create_server
 from .split_server import SplitServer
 from .telemetry import Telemetry, providers_from_env
@@ -122,17 +121,10 @@ def _security(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
-    options: dict = {}
     try:
-        if args.tls_cert:
-            options["credentials"] = server_credentials(
-                args.tls_cert, args.tls_key, args.tls_client_ca
-            )
-        if args.auth_token_file:
-            options["tokens"] = TokenSource(path=args.auth_token_file)
+        return _front_end_spec(args).security()  # what each front-end process builds too
     except ValueError as exc:
         parser.error(str(exc))
-    return options
 
 
 def _describe_security(args: argparse.Namespace) -> str:
