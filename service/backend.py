@@ -113,7 +113,7 @@ class LocalBackend:
         max_queue: int = 4096,
         batch_wait: float = DEFAULT_BATCH_WAIT_S,
     ) -> None:
-        telemetry = telemetry or Telemetry()
+        self.telemetry = telemetry = telemetry or Telemetry()
         self.engine = engine
         self.runner = EngineRunner()
         self.scheduler = ProposeScheduler(
@@ -223,7 +223,8 @@ class LocalBackend:
 
     async def drain(self, grace: float, serving: Serving) -> int:
         """Stops taking new states, lets live ones finish for up to `grace` seconds, stops
-        `serving` and the engine. Returns how many states were still live (and freed)."""
+        `serving` and the engine, flushes the telemetry. Returns how many states were
+        still live (and freed)."""
         await self.runner.call(setattr, self.engine, "draining", True)
         await serving.enter_graceful_shutdown()
         loop = asyncio.get_running_loop()
@@ -236,7 +237,9 @@ class LocalBackend:
         await self.scheduler.settle(timeout=5.0)
         # Half a second at least: time to write the answers just given.
         await serving.stop(max(0.5, min(1.0, deadline - loop.time())))
-        return await self.close()
+        freed = await self.close()
+        self.telemetry.shutdown()
+        return freed
 
     async def close(self) -> int:
         """Stops the scheduler and the reaper, frees every state; returns how many were live."""

@@ -29,10 +29,8 @@ class DrafterServer:
         **front_end_options,
     ) -> None:
         self.engine = engine
-        self.telemetry = telemetry or Telemetry()
-        self.backend = LocalBackend(
-            engine, self.telemetry, max_queue=max_queue, batch_wait=batch_wait
-        )
+        self.backend = LocalBackend(engine, telemetry, max_queue=max_queue, batch_wait=batch_wait)
+        self.telemetry = self.backend.telemetry
         self.runner, self.scheduler = self.backend.runner, self.backend.scheduler
         self.front_end = FrontEnd(self.backend, address, self.telemetry, **front_end_options)
         self.port = self.front_end.port
@@ -46,9 +44,7 @@ class DrafterServer:
 
         Returns how many states were still live (and freed) at the end.
         """
-        freed = await self.backend.drain(grace, self.front_end)
-        self.telemetry.shutdown()
-        return freed
+        return await self.backend.drain(grace, self.front_end)
 
     async def wait_for_termination(self) -> None:
         await self.front_end.server.wait_for_termination()

@@ -65,10 +65,7 @@ class SplitServer:
         telemetry: Telemetry | None = None,
     ) -> None:
         self.engine = engine
-        self.telemetry = telemetry or Telemetry()
-        self.backend = LocalBackend(
-            engine, self.telemetry, max_queue=max_queue, batch_wait=batch_wait
-        )
+        self.backend = LocalBackend(engine, telemetry, max_queue=max_queue, batch_wait=batch_wait)
         self.host_name, self.port, self.front_ends, self.spec = host, port, front_ends, spec
         self.link_host = BackendHost(self.backend, self._control, self._lost)
         self.processes: list[multiprocessing.process.BaseProcess] = []
@@ -121,7 +118,6 @@ class SplitServer:
     async def drain(self, grace: float) -> int:
         """As DrafterServer.drain, every front end taking part; returns the states freed."""
         freed = await self.backend.drain(grace, self)
-        self.telemetry.shutdown()
         shutil.rmtree(self._dir, ignore_errors=True)
         return freed
 
