@@ -32,6 +32,19 @@ def test_finite_flags_match_isfinite_across_dtypes_and_shapes() -> None:
     assert finite_flags([]) == []
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_finite_flags_read_the_exponent_bits_right_at_the_edges(dtype: torch.dtype) -> None:
+    info = torch.finfo(dtype)
+    edges = [info.max, -info.max, info.tiny, info.tiny / 4, -0.0, 0.0]  # all finite
+    nonfinite = [float("inf"), -float("inf"), float("nan"), -float("nan")]
+    tensors = [_rows(v, dtype) for v in edges + nonfinite]
+    tensors.append(_rows(float("nan"), dtype, (8, 2)).t())  # a lone, non-contiguous one
+    expected = [bool(torch.isfinite(t).all()) for t in tensors]
+    assert expected == [True] * len(edges) + [False] * (len(nonfinite) + 1)
+    assert finite_flags(tensors) == expected
+    assert finite_flags(tensors[-1:]) == [False]
+
+
 def test_check_hiddens_takes_a_known_flag_or_finds_it() -> None:
     good, bad = _rows(1.0, torch.bfloat16), _rows(float("nan"), torch.bfloat16)
     assert check_hiddens(good, 1, 8, "hidden").shape == (1, 8)
