@@ -12,7 +12,7 @@ from mtpdraft.service.engine.errors import (
     NotFound,
     Unavailable,
 )
-from mtpdraft.service.engine.types import ProposeArgs, Verdict
+from mtpdraft.service.engine.types import Proposal, ProposeArgs, Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import write_random_checkpoint
@@ -118,11 +118,23 @@ def test_batch_mixes_lengths_thresholds_and_masks(engine: DraftEngine) -> None:
     def states() -> list[int]:
         return [prefill(engine, list(range(1, n + 1)), h(n, n)) for n in (2, 5, 9)]
 
-    together = engine.propose_batch(requests(states()))
-    alone = [engine.propose(args) for args in requests(states())]
+    def accept_all(states: list[int], proposals: list[Proposal]) -> list[ProposeArgs]:
+        """Every draft accepted: each next row is (last draft, its chain's last hidden)."""
+        return [
+            ProposeArgs(s, 4, h(1, 40 + i), p.first_position + len(p.tokens), 3,
+                        previous=Verdict(len(p.tokens)))
+            for i, (s, p) in enumerate(zip(states, proposals, strict=True))
+        ]  # fmt: skip
+
+    batched, single = states(), states()
+    together = engine.propose_batch(requests(batched))
+    alone = [engine.propose(args) for args in requests(single)]
     assert len(together[0].tokens) == 2
     assert all(p >= 0.99 for p in together[1].probs) and len(together[1].tokens) < 8
     assert set(together[2].tokens) <= {32, 33, 34, 35} and len(together[2].tokens) == 5
+    # The chains stopped after different steps: the next proposals read each one's own.
+    together += engine.propose_batch(accept_all(batched, together))
+    alone += [engine.propose(args) for args in accept_all(single, alone)]
     for one, many in zip(alone, together, strict=True):
         assert one.tokens == many.tokens
         assert one.probs == pytest.approx(many.probs, abs=1e-5)
