@@ -26,6 +26,31 @@ function tensor(t) {
   return t ? Tensor.raw(t.dtype, t.shape, Buffer.from(t.data, 'base64')) : null;
 }
 
+// The client's propose arguments for a Propose operation (or a ProposeStream message).
+function proposeArgs(op) {
+  const prev = op.previous;
+  return {
+    token: op.token,
+    hidden: tensor(op.hidden),
+    position: op.position,
+    numDrafts: op.num_drafts,
+    bitmask: tensor(op.bitmask),
+    minConfidence: op.min_confidence,
+    previous: prev && { numAccepted: prev.num_accepted, refeedHiddens: tensor(prev.refeed_hiddens) },
+  };
+}
+
+// A Proposal's outputs, named as in the vector; it must be the state's.
+function proposalOutputs(p, state) {
+  if (p.stateId !== state) throw new Error(`Proposal.state_id ${p.stateId} != state ${state}`);
+  return {
+    tokens: p.tokens,
+    probs: p.probs,
+    confidence: p.confidence,
+    first_position: p.firstPosition,
+  };
+}
+
 const FLOAT_KEYS = new Set(['probs', 'confidence']);
 
 function mismatches(expected, actual, tol) {
@@ -81,25 +106,8 @@ class Replayer {
         });
         return { num_rows: r.numRows, next_position: r.nextPosition, chunks: r.chunks };
       }
-      case 'Propose': {
-        const prev = op.previous;
-        const p = await c.propose(state, {
-          token: op.token,
-          hidden: tensor(op.hidden),
-          position: op.position,
-          numDrafts: op.num_drafts,
-          bitmask: tensor(op.bitmask),
-          minConfidence: op.min_confidence,
-          previous: prev && { numAccepted: prev.num_accepted, refeedHiddens: tensor(prev.refeed_hiddens) },
-        });
-        if (p.stateId !== state) throw new Error(`Proposal.state_id ${p.stateId} != state ${state}`);
-        return {
-          tokens: p.tokens,
-          probs: p.probs,
-          confidence: p.confidence,
-          first_position: p.firstPosition,
-        };
-      }
+      case 'Propose':
+        return proposalOutputs(await c.propose(state, proposeArgs(op)), state);
       case 'AfterVerify': {
         const r = await c.afterVerify(state, op.num_accepted, tensor(op.refeed_hiddens));
         return { num_rows: r.numRows, next_position: r.nextPosition };
@@ -122,9 +130,33 @@ class Replayer {
 
   // [ok, message] for one operation.
   async step(op) {
+    if (op.op === 'ProposeStream') return await this.streamStep(op);
+    return await this.judge(op, () => this.call(op));
+  }
+
+  // One stream, its messages sent one at a time, each answered before the next; ok when every
+  // answer is as expected. An error answer leaves the stream open for the next message.
+  async streamStep(op) {
+    const stream = this.client.stream();
+    const results = [];
+    try {
+      for (const msg of op.messages) {
+        const state = this.states.get(msg.state);
+        const send = async () => proposalOutputs(await stream.propose(state, proposeArgs(msg)), state);
+        results.push(await this.judge(msg, send));
+      }
+    } finally {
+      await stream.close();
+    }
+    const ok = results.every(([good]) => good);
+    return [ok, results.map(([, text], j) => `[${j}] ${text}`).join('; ')];
+  }
+
+  // [ok, message]: runs `call` and compares its outputs (or its error) with what `op` expects.
+  async judge(op, call) {
     let actual;
     try {
-      actual = await this.call(op);
+      actual = await call();
     } catch (err) {
       if (!(err instanceof DrafterError)) return [false, `error: ${err.message}`];
       if (op.expect_error === err.codeName) return [true, `${err.codeName} as expected`];
@@ -147,7 +179,8 @@ async function main() {
     for (const [i, op] of vector.operations.entries()) {
       const [ok, message] = await replayer.step(op);
       ok ? passed++ : failed++;
-      const label = op.state ? `${op.op} ${op.state}` : op.op;
+      let label = op.state ? `${op.op} ${op.state}` : op.op;
+      if (op.messages) label += ` (${op.messages.length} messages)`;
       console.log(`${ok ? 'ok  ' : 'FAIL'} ${String(i).padStart(2, '0')} ${label}: ${message}`);
     }
   } finally {

@@ -9,12 +9,28 @@
 //   await drafter.afterVerify(state, accepted);
 //   await drafter.freeState(state);
 //
+// The hot path is one round trip per verify step: a ProposeStream, each message carrying the
+// verdict on the state's last proposal (`previous`) and the next proposal's inputs. One stream
+// serves many states, with many requests in flight; each answer settles its own promise.
+//
+//   const stream = drafter.stream({ timeoutMs: 0 }); // lives as long as the verifier
+//   let proposal = await stream.propose(state, { token, hidden, position, numDrafts: 3 });
+//   // The target accepted `a` of proposal.tokens and sampled `bonus`; h is its hidden at
+//   // proposal.firstPosition + a - 1.
+//   proposal = await stream.propose(state, {
+//     token: bonus, hidden: h, position: proposal.firstPosition + a, numDrafts: 3,
+//     previous: { numAccepted: a }, // optionally refeedHiddens: the target's hiddens, [a, hiddenSize]
+//   });
+//   await stream.close(); // once the verifier is done with it
+//
 // State and handle ids are uint64: they travel as decimal strings. Tensors are
 // { dtype: 'DTYPE_FP32' | 'DTYPE_BF16' | 'DTYPE_FP16' | 'DTYPE_INT32', shape, data: Buffer }
-// with data the raw little-endian bytes. A failed call rejects with a DrafterError.
+// with data the raw little-endian bytes. A failed call rejects with a DrafterError; so does a
+// stream message that the server refused (the stream stays open).
 
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
+const protobuf = require('protobufjs');
 const protoLoader = require('@grpc/proto-loader');
 
 const PROTO_ROOT = path.resolve(__dirname, '..', '..', 'protos');
@@ -39,17 +55,76 @@ function loadService(protoRoot = PROTO_ROOT) {
   return service;
 }
 
-/** A failed RPC: `code` is the gRPC status number, `codeName` its name ("NOT_FOUND"). */
+/**
+ * A failed RPC, or a ProposeStream message the server refused: `code` is the gRPC status
+ * number, `codeName` its name ("NOT_FOUND"), `reason` the machine-readable reason
+ * (google.rpc.ErrorInfo) and `field` the offending request field (google.rpc.BadRequest),
+ * each null when the server sent none. `metadata` is the trailers of a failed call (undefined
+ * for a stream message's error).
+ */
 class DrafterError extends Error {
-  constructor(err) {
+  constructor(err, { reason, field } = richDetails(err.metadata)) {
     const codeName = STATUS_NAMES[err.code] ?? 'UNKNOWN';
     super(`${codeName}: ${err.details || err.message}`);
     this.name = 'DrafterError';
     this.code = err.code;
     this.codeName = codeName;
     this.details = err.details;
+    this.reason = reason;
+    this.field = field;
     this.metadata = err.metadata;
   }
+}
+
+const ERROR_INFO_TYPE = 'type.googleapis.com/google.rpc.ErrorInfo';
+const BAD_REQUEST_TYPE = 'type.googleapis.com/google.rpc.BadRequest';
+
+// google.rpc.Status and the two details the server attaches, declared with the fields read
+// here (the wire format of googleapis' own definitions, without shipping them).
+const RICH_STATUS = protobuf.parse(`
+  syntax = "proto3";
+  package google.rpc;
+  message Any { string type_url = 1; bytes value = 2; }
+  message Status { int32 code = 1; string message = 2; repeated Any details = 3; }
+  message ErrorInfo { string reason = 1; string domain = 2; }
+  message FieldViolation { string field = 1; string description = 2; }
+  message BadRequest { repeated FieldViolation field_violations = 1; }
+`, { keepCase: true }).root;
+const [StatusType, ErrorInfoType, BadRequestType] = ['Status', 'ErrorInfo', 'BadRequest'].map(
+  (name) => RICH_STATUS.lookupType(`google.rpc.${name}`),
+);
+
+// reason and field from the google.rpc.Status the server attaches to a failed call
+// (grpc-status-details-bin), so that unary and stream errors carry the same fields.
+function richDetails(metadata) {
+  const out = { reason: null, field: null };
+  const [status] = metadata?.get?.('grpc-status-details-bin') ?? [];
+  if (!Buffer.isBuffer(status)) return out;
+  try {
+    for (const any of StatusType.decode(status).details) {
+      if (any.type_url === ERROR_INFO_TYPE) {
+        out.reason ??= ErrorInfoType.decode(any.value).reason || null;
+      } else if (any.type_url === BAD_REQUEST_TYPE) {
+        out.field ??= BadRequestType.decode(any.value).field_violations[0]?.field || null;
+      }
+    }
+  } catch {
+    // Malformed details: the code and message still say what failed.
+  }
+  return out;
+}
+
+// The DrafterError of an Error carried as a value (a ProposeStream answer).
+function errorFromValue(error) {
+  return new DrafterError(
+    { code: error.code, details: error.message },
+    { reason: error.reason || null, field: error.field || null },
+  );
+}
+
+// Why a ProposeStream message got no answer: the stream ended (closed or finished by the server).
+function streamClosedError() {
+  return new DrafterError({ code: grpc.status.UNAVAILABLE, details: 'the propose stream is closed' });
 }
 
 /** Tensor helpers: raw little-endian bytes plus dtype and shape. */
@@ -88,6 +163,107 @@ function parseRows(resp) {
   return { numRows: Number(resp.numRows), nextPosition: Number(resp.nextPosition) };
 }
 
+// The ProposeRequest of propose's arguments (unary and stream alike).
+function proposeRequest(stateId, { token, hidden, position, numDrafts, bitmask, minConfidence, previous }) {
+  const req = { stateId, token, hidden, position, numDrafts, minConfidence: minConfidence ?? 0 };
+  if (bitmask) req.bitmask = bitmask;
+  if (previous) req.previous = verdictMessage(previous);
+  return req;
+}
+
+function parseProposal(p) {
+  return {
+    stateId: p.stateId,
+    tokens: p.tokens,
+    probs: p.probs,
+    confidence: p.confidence,
+    firstPosition: Number(p.firstPosition),
+  };
+}
+
+function deadlineOptions(timeoutMs) {
+  return timeoutMs ? { deadline: new Date(Date.now() + timeoutMs) } : {};
+}
+
+/**
+ * The hot path: one ProposeStream call, one message and one answer per verify step (made by
+ * DrafterClient.stream()). Many states may share it and many requests may be in flight: answers
+ * come as they are ready, possibly out of order, and settle their own promise by request id. A
+ * message the server refuses rejects its promise with a DrafterError and leaves the stream open;
+ * once the stream ends (close(), its deadline, a server or network failure) every pending and
+ * later propose rejects.
+ */
+class ProposeStream {
+  constructor(stub, callOptions) {
+    this._pending = new Map(); // request id (a decimal string, as answers carry it) -> promise settlers
+    this._nextId = 1; // not 0: the proto default must not match a request
+    this._ended = false; // true once close() ran or the call failed or ended: no more writes
+    this._failure = null; // the call's DrafterError, if it failed
+    this._call = stub.ProposeStream(callOptions);
+    // Pending promises are rejected on 'end', not on 'error' or 'status': grpc-js reports the
+    // status as soon as it arrives, while answers received before it may still wait in the
+    // readable buffer; 'end' comes after the last of them.
+    let unseen = 2; // 'status' and 'end'
+    this._finished = new Promise((resolve) => {
+      const seen = () => --unseen === 0 && resolve();
+      this._call.once('status', seen);
+      this._call.once('end', () => {
+        this._ended = true;
+        const failure = this._failure ?? streamClosedError();
+        for (const { reject } of this._pending.values()) reject(failure);
+        this._pending.clear();
+        seen();
+      });
+    });
+    this._call.on('data', (resp) => this._answer(resp));
+    // Also keeps a failed call from being an uncaught 'error' event.
+    this._call.on('error', (err) => {
+      this._ended = true;
+      this._failure = new DrafterError(err);
+    });
+  }
+
+  _answer(resp) {
+    const pending = this._pending.get(resp.requestId);
+    if (!pending) return; // not ours (or already settled by the end of the stream)
+    this._pending.delete(resp.requestId);
+    if (resp.proposal) pending.resolve(parseProposal(resp.proposal));
+    else pending.reject(errorFromValue(resp.error ?? { code: grpc.status.UNKNOWN, message: 'empty answer' }));
+  }
+
+  /**
+   * One verify step's round trip: the arguments of DrafterClient.propose (usually with
+   * `previous` set). Resolves to the Proposal; rejects with a DrafterError.
+   *
+   * A request that the serializer rejects (an argument of the wrong JavaScript type) makes
+   * grpc-js cancel the whole call with INTERNAL, failing the other requests in flight too.
+   */
+  async propose(stateId, args) {
+    if (this._ended) throw this._failure ?? streamClosedError();
+    const req = proposeRequest(stateId, args);
+    req.requestId = String(this._nextId++);
+    return await new Promise((resolve, reject) => {
+      this._pending.set(req.requestId, { resolve, reject });
+      // No wait on backpressure: grpc-js buffers, and what is in flight is bounded by the
+      // caller's pending promises.
+      this._call.write(req);
+    });
+  }
+
+  /**
+   * Ends the writing side; resolves once the server has answered the requests in flight and
+   * finished the call (at once if it already has). Never rejects: a failure of the call has
+   * already rejected the promises it concerns.
+   */
+  async close() {
+    if (!this._ended) {
+      this._ended = true;
+      this._call.end();
+    }
+    await this._finished;
+  }
+}
+
 class DrafterClient {
   /**
    * @param {string} address host:port of the server
@@ -109,7 +285,7 @@ class DrafterClient {
   }
 
   _callOptions() {
-    return this.timeoutMs ? { deadline: new Date(Date.now() + this.timeoutMs) } : {};
+    return deadlineOptions(this.timeoutMs);
   }
 
   _unary(method, request) {
@@ -172,23 +348,22 @@ class DrafterClient {
   }
 
   /**
-   * Drafts after `token` (its target hidden `hidden`, at position - 1). Options: bitmask
-   * (int32 tensor), minConfidence, previous: { numAccepted, refeedHiddens } (the fused
-   * verdict on the pending proposal). Resolves to { stateId, tokens, probs, confidence,
-   * firstPosition }.
+   * Drafts after `token` (its target hidden `hidden`, at position - 1): args are { token,
+   * hidden, position, numDrafts } and the options bitmask (int32 tensor), minConfidence,
+   * previous: { numAccepted, refeedHiddens } (the fused verdict on the pending proposal).
+   * Resolves to { stateId, tokens, probs, confidence, firstPosition }.
    */
-  async propose(stateId, { token, hidden, position, numDrafts, bitmask, minConfidence, previous }) {
-    const req = { stateId, token, hidden, position, numDrafts, minConfidence: minConfidence ?? 0 };
-    if (bitmask) req.bitmask = bitmask;
-    if (previous) req.previous = verdictMessage(previous);
-    const p = await this._unary('Propose', req);
-    return {
-      stateId: p.stateId,
-      tokens: p.tokens,
-      probs: p.probs,
-      confidence: p.confidence,
-      firstPosition: Number(p.firstPosition),
-    };
+  async propose(stateId, args) {
+    return parseProposal(await this._unary('Propose', proposeRequest(stateId, args)));
+  }
+
+  /**
+   * The hot path: a ProposeStream (see the class) for proposals with `previous` set, one round
+   * trip per verify step. Options: timeoutMs, the deadline of the whole stream (default the
+   * client's; 0: none, as a stream kept for a verifier's lifetime wants). Close it when done.
+   */
+  stream({ timeoutMs = this.timeoutMs } = {}) {
+    return new ProposeStream(this.stub, deadlineOptions(timeoutMs));
   }
 
   /** The verifier accepted the first numAccepted drafts (refeedHiddens: [a, hidden] or null). */
@@ -214,4 +389,4 @@ class DrafterClient {
   }
 }
 
-module.exports = { DrafterClient, DrafterError, Tensor, loadService };
+module.exports = { DrafterClient, DrafterError, ProposeStream, Tensor, loadService };

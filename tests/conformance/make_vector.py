@@ -56,6 +56,10 @@ RULES = [
     "state_id and start_position. `chunks` in expect is the number of chunks sent.",
     "Propose: `previous` is the fused verdict on the pending proposal. A Proposal's "
     "state_id must equal the state's id.",
+    "ProposeStream: open one stream and send its `messages` (each a Propose operation "
+    "without `op`) one at a time, each answered before the next; an error comes as an "
+    "answer (expect_error: the code name of its Error value) and the stream stays open. "
+    "Close the stream after the last answer.",
     "expect: every listed field must match, exactly except probs and confidence "
     "(absolute tolerance prob_tolerance). expect_error: the gRPC status code name.",
     "GetInfo lists only fields that are fixed for the server command (no live counters).",
@@ -100,6 +104,10 @@ def scenario(seed: int) -> list[dict[str, Any]]:
         if "expect_error" not in extra:
             op["expect"] = {"first_position": position + 1}
         return op | extra
+
+    def message(state: str, position: int, k: int, **extra: Any) -> dict[str, Any]:
+        """A ProposeStream message: a Propose operation without its `op`."""
+        return {k: v for k, v in propose(state, position, k, **extra).items() if k != "op"}
 
     def verify(state: str, a: int, rows: int, refeed: bool = False) -> dict[str, Any]:
         op: dict[str, Any] = {"op": "AfterVerify", "state": state, "num_accepted": a}
@@ -160,6 +168,18 @@ def scenario(seed: int) -> list[dict[str, Any]]:
         {"op": "InstallKV", "state": "A", "handle": "H1", "expect_error": "NOT_FOUND"},  # used
         propose("B", 19, 3),
         verify("B", 3, rows=22, refeed=True),
+        {  # the hot path: each message carries the verdict on the one before
+            "op": "ProposeStream",
+            "messages": [
+                message("B", 23, 3),
+                # a = 1 leaves 22 + 1 + 1 rows: position 26 does not continue B, and
+                # the refused message changes nothing (its verdict is not applied)
+                message("B", 26, 2, previous={"num_accepted": 1}, expect_error="INVALID_ARGUMENT"),
+                message("B", 25, 2, previous={"num_accepted": 1}),
+                message("B", 28, 4, previous={"num_accepted": 2, "refeed_hiddens": hiddens(2)}),
+            ],
+        },
+        verify("B", 0, rows=28),
         {"op": "AllocState", "state": "C"},
         {
             "op": "Prefill",
@@ -274,20 +294,31 @@ def main() -> int:
 def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Where `new` departs from `old`: inputs exactly, expected outputs within tolerance."""
     out = [f"{k} differs" for k in new if k != "operations" and old.get(k) != new[k]]
-    if len(old["operations"]) != len(new["operations"]):
-        return [*out, "the number of operations differs"]
-    for i, (was, now) in enumerate(zip(old["operations"], new["operations"], strict=True)):
-        strip = ("expect",)
-        if {k: v for k, v in was.items() if k not in strip} != {
-            k: v for k, v in now.items() if k not in strip
+    olds, news = _checked(old["operations"]), _checked(new["operations"])
+    if [label for label, _ in olds] != [label for label, _ in news]:
+        return [*out, "the operations differ"]
+    for (label, was), (_, now) in zip(olds, news, strict=True):
+        if {k: v for k, v in was.items() if k != "expect"} != {
+            k: v for k, v in now.items() if k != "expect"
         }:
-            out.append(f"{i:02d} {now['op']}: inputs differ")
+            out.append(f"{label}: inputs differ")
         elif was.get("expect", {}).keys() != now.get("expect", {}).keys():
-            out.append(f"{i:02d} {now['op']}: expected fields differ")
+            out.append(f"{label}: expected fields differ")
         else:
             bad = mismatches(was.get("expect", {}), now.get("expect", {}), PROB_TOLERANCE)
-            out += [f"{i:02d} {now['op']}: {b}" for b in bad]
+            out += [f"{label}: {b}" for b in bad]
     return out
+
+
+def _checked(ops: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, item) for every operation, and for every message of a ProposeStream."""
+    items = []
+    for i, op in enumerate(ops):
+        if op["op"] == "ProposeStream":
+            items += [(f"{i:02d} ProposeStream[{j}]", m) for j, m in enumerate(op["messages"])]
+        else:
+            items.append((f"{i:02d} {op['op']}", op))
+    return items
 
 
 def dump(vector: dict[str, Any]) -> str:

@@ -11,6 +11,10 @@ are `{"dtype": "DTYPE_FP32" | "DTYPE_INT32", "shape": [...], "data": base64}`, t
 little-endian bytes sent as they are. A Proposal's `state_id` must equal the state's
 id, and every id the server returns must be non-zero.
 
+ProposeStream opens one stream and sends its `messages` (each shaped as a Propose
+operation without `op`) one at a time, each answered before the next; an error
+answer (`expect_error`: the code name of its Error value) leaves the stream open.
+
 `Replayer(client).run(ops)` checks; `Replayer(client, record=True).run(ops)` fills
 in `expect` from the server (make_vector.py), checking the fields that were given.
 """
@@ -18,6 +22,7 @@ in `expect` from the server (make_vector.py), checking the fields that were give
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 import re
@@ -137,25 +142,48 @@ class Replayer:
         return outcomes
 
     def step(self, index: int, op: dict[str, Any]) -> Outcome:
+        if op["op"] == "ProposeStream":
+            return self.stream_step(index, op)
         label = op["op"] + (f" {op['state']}" if "state" in op else "")
+        ok, message = self.judge(f"{index:02d} {label}", op, lambda: self.call(op))
+        return Outcome(index, label, ok, message)
+
+    def stream_step(self, index: int, op: dict[str, Any]) -> Outcome:
+        """One stream, its messages sent one by one; ok when every answer is as expected."""
+        results = []
+        with self.client.stream() as stream:
+
+            def send(msg: dict[str, Any]) -> dict[str, Any]:
+                state = self.states[msg["state"]]
+                return _proposal(stream.propose(**_propose(msg, state)), state)
+
+            for j, msg in enumerate(op["messages"]):
+                where = f"{index:02d} ProposeStream[{j}] {msg['state']}"
+                results.append(self.judge(where, msg, functools.partial(send, msg)))
+        ok = all(good for good, _ in results)
+        lines = "; ".join(f"[{j}] {text}" for j, (_, text) in enumerate(results))
+        return Outcome(index, f"ProposeStream ({len(results)} messages)", ok, lines)
+
+    def judge(self, where: str, op: dict[str, Any], call: Any) -> tuple[bool, str]:
+        """Runs `call` and compares its result (or its error) with what `op` expects."""
         try:
-            actual = self.call(op)
+            actual = call()
         except DrafterError as e:
             got = e.code.name
             want = op.get("expect_error")
             if want == got:
-                return Outcome(index, label, True, f"{got} as expected")
-            return Outcome(index, label, False, f"expected {want or 'success'}, got {e}")
+                return True, f"{got} as expected"
+            return False, f"expected {want or 'success'}, got {e}"
         if "expect_error" in op:
-            return Outcome(index, label, False, f"expected {op['expect_error']}, got {actual}")
+            return False, f"expected {op['expect_error']}, got {actual}"
         bad = mismatches(op.get("expect", {}), actual, self.tolerance)
         if self.record:
             if bad:
-                raise AssertionError(f"{index:02d} {label}: " + "; ".join(bad))
+                raise AssertionError(f"{where}: " + "; ".join(bad))
             op["expect"] = actual
         if bad:
-            return Outcome(index, label, False, "; ".join(bad))
-        return Outcome(index, label, True, json.dumps(actual, sort_keys=True))
+            return False, "; ".join(bad)
+        return True, json.dumps(actual, sort_keys=True)
 
     def call(self, op: dict[str, Any]) -> dict[str, Any]:
         c = self.client
@@ -182,30 +210,7 @@ class Replayer:
             r = c.prefill(*args, chunk_bytes=chunk_bytes)
             return {"num_rows": r.num_rows, "next_position": r.next_position, "chunks": len(chunks)}
         if name == "Propose":
-            previous = None
-            if "previous" in op:
-                prev = op["previous"]
-                refeed = prev.get("refeed_hiddens")
-                previous = Verdict(prev["num_accepted"], refeed and decode_tensor(refeed))
-            bitmask = op.get("bitmask")
-            p = c.propose(
-                state,
-                op["token"],
-                decode_tensor(op["hidden"]),
-                op["position"],
-                op["num_drafts"],
-                bitmask=None if bitmask is None else decode_tensor(bitmask),
-                min_confidence=op.get("min_confidence", 0.0),
-                previous=previous,
-            )
-            if p.state_id != state:
-                raise AssertionError(f"Proposal.state_id {p.state_id} != state {state}")
-            return {
-                "tokens": p.tokens,
-                "probs": p.probs,
-                "confidence": p.confidence,
-                "first_position": p.first_position,
-            }
+            return _proposal(c.propose(**_propose(op, state)), state)
         if name == "AfterVerify":
             refeed = op.get("refeed_hiddens")
             r = c.after_verify(
@@ -224,6 +229,37 @@ class Replayer:
         if name == "FreeState":
             return {"existed": c.free_state(state)}
         raise ValueError(f"unknown operation {name!r}")
+
+
+def _propose(op: dict[str, Any], state: int) -> dict[str, Any]:
+    """The client's propose arguments for a Propose operation (or a stream message)."""
+    previous = None
+    if "previous" in op:
+        prev = op["previous"]
+        refeed = prev.get("refeed_hiddens")
+        previous = Verdict(prev["num_accepted"], refeed and decode_tensor(refeed))
+    bitmask = op.get("bitmask")
+    return dict(
+        state=state,
+        token=op["token"],
+        hidden=decode_tensor(op["hidden"]),
+        position=op["position"],
+        num_drafts=op["num_drafts"],
+        bitmask=None if bitmask is None else decode_tensor(bitmask),
+        min_confidence=op.get("min_confidence", 0.0),
+        previous=previous,
+    )
+
+
+def _proposal(p: Any, state: int) -> dict[str, Any]:
+    if p.state_id != state:
+        raise AssertionError(f"Proposal.state_id {p.state_id} != state {state}")
+    return {
+        "tokens": p.tokens,
+        "probs": p.probs,
+        "confidence": p.confidence,
+        "first_position": p.first_position,
+    }
 
 
 class DefaultServer:

@@ -8,8 +8,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -128,25 +130,7 @@ class Replayer {
                                *TensorOf(op, "hiddens"), op.at("chunk_rows"));
       return {{"num_rows", r.num_rows}, {"next_position", r.next_position}, {"chunks", r.chunks}};
     }
-    if (name == "Propose") {
-      mtpdraft::ProposeArgs args;
-      args.token = op.at("token");
-      args.hidden = *TensorOf(op, "hidden");
-      args.position = op.at("position");
-      args.num_drafts = op.at("num_drafts");
-      args.bitmask = TensorOf(op, "bitmask");
-      args.min_confidence = op.value("min_confidence", 0.0f);
-      if (op.contains("previous")) {
-        const json& prev = op["previous"];
-        args.previous = mtpdraft::Verdict{prev.at("num_accepted"), TensorOf(prev, "refeed_hiddens")};
-      }
-      mtpdraft::Proposal p = client_.Propose(state, args);
-      if (p.state_id != state) throw std::runtime_error("Proposal.state_id differs from the state");
-      return {{"tokens", p.tokens},
-              {"probs", p.probs},
-              {"confidence", p.confidence},
-              {"first_position", p.first_position}};
-    }
+    if (name == "Propose") return ProposalJson(client_.Propose(state, ProposeArgsOf(op)), state);
     if (name == "AfterVerify") {
       auto r = client_.AfterVerify(state, op.at("num_accepted"), TensorOf(op, "refeed_hiddens"));
       return {{"num_rows", r.num_rows}, {"next_position", r.next_position}};
@@ -166,10 +150,41 @@ class Replayer {
 
   // Whether the operation did what the vector expects, and a message.
   std::pair<bool, std::string> Step(const json& op) {
+    if (op.at("op") == "ProposeStream") return StreamStep(op);
+    return Judge(op, [&] { return Call(op); });
+  }
+
+  // One stream, its messages (Propose operations without "op") sent one at a time, each
+  // answered before the next; ok when every answer is as expected.
+  std::pair<bool, std::string> StreamStep(const json& op) {
+    std::unique_ptr<mtpdraft::ProposeStream> stream;
+    try {
+      stream = client_.OpenStream();
+    } catch (const std::exception& e) {
+      return {false, std::string("error: ") + e.what()};
+    }
+    bool ok = true;
+    std::string lines;
+    const json& messages = op.at("messages");
+    for (size_t j = 0; j < messages.size(); ++j) {
+      const json& msg = messages[j];
+      auto [good, text] = Judge(msg, [&] {
+        const uint64_t state = states_[msg.at("state")];
+        return ProposalJson(stream->Propose(state, ProposeArgsOf(msg)), state);
+      });
+      ok = ok && good;
+      lines += (j == 0 ? "[" : "; [") + std::to_string(j) + "] " + text;
+    }
+    stream->Close();
+    return {ok, lines};
+  }
+
+  // Runs `call` and compares its outputs (or its error) with what `op` expects.
+  std::pair<bool, std::string> Judge(const json& op, const std::function<json()>& call) {
     const std::string want_error = op.value("expect_error", "");
     json actual;
     try {
-      actual = Call(op);
+      actual = call();
     } catch (const mtpdraft::DrafterError& e) {
       if (e.code_name() == want_error) return {true, want_error + " as expected"};
       return {false, "expected " + (want_error.empty() ? "success" : want_error) + ", got " +
@@ -195,6 +210,31 @@ class Replayer {
   }
 
  private:
+  // The client's arguments for a Propose operation (or a ProposeStream message).
+  static mtpdraft::ProposeArgs ProposeArgsOf(const json& op) {
+    mtpdraft::ProposeArgs args;
+    args.token = op.at("token");
+    args.hidden = *TensorOf(op, "hidden");
+    args.position = op.at("position");
+    args.num_drafts = op.at("num_drafts");
+    args.bitmask = TensorOf(op, "bitmask");
+    args.min_confidence = op.value("min_confidence", 0.0f);
+    if (op.contains("previous")) {
+      const json& prev = op["previous"];
+      args.previous = mtpdraft::Verdict{prev.at("num_accepted"), TensorOf(prev, "refeed_hiddens")};
+    }
+    return args;
+  }
+
+  // A Proposal's outputs, named as in the vector; it must be the state's.
+  static json ProposalJson(const mtpdraft::Proposal& p, uint64_t state) {
+    if (p.state_id != state) throw std::runtime_error("Proposal.state_id differs from the state");
+    return {{"tokens", p.tokens},
+            {"probs", p.probs},
+            {"confidence", p.confidence},
+            {"first_position", p.first_position}};
+  }
+
   static uint64_t NonZero(uint64_t id, const char* what) {
     if (id == 0) throw std::runtime_error(std::string(what) + " returned id 0");
     return id;
@@ -205,6 +245,16 @@ class Replayer {
   std::map<std::string, uint64_t> states_;
   std::map<std::string, uint64_t> handles_;
 };
+
+// An operation's name in its line: the op and its state, or a stream's message count.
+std::string Label(const json& op) {
+  std::string label = op.at("op").get<std::string>();
+  if (label == "ProposeStream") {
+    return label + " (" + std::to_string(op.at("messages").size()) + " messages)";
+  }
+  if (op.contains("state")) label += " " + op["state"].get<std::string>();
+  return label;
+}
 
 }  // namespace
 
@@ -242,9 +292,8 @@ int main(int argc, char** argv) {
   for (const json& op : vector.at("operations")) {
     auto [ok, message] = replayer.Step(op);
     ok ? ++passed : ++failed;
-    std::string label = op.at("op").get<std::string>();
-    if (op.contains("state")) label += " " + op["state"].get<std::string>();
-    std::printf("%s %02d %s: %s\n", ok ? "ok  " : "FAIL", index++, label.c_str(), message.c_str());
+    std::printf("%s %02d %s: %s\n", ok ? "ok  " : "FAIL", index++, Label(op).c_str(),
+                message.c_str());
   }
   replayer.FreeAll();
   std::printf("cpp: %d passed, %d failed\n", passed, failed);

@@ -163,9 +163,9 @@ void FillVerdict(const Verdict& v, pb::Verdict* out) {
   out->set_num_accepted(v.num_accepted);
   if (v.refeed_hiddens) v.refeed_hiddens->ToProto(out->mutable_refeed_hiddens());
 }
-}  // namespace
 
-Proposal DrafterClient::Propose(uint64_t state, const ProposeArgs& args) {
+// The request of a Propose, unary or on a stream.
+pb::ProposeRequest ProposeRequestOf(uint64_t state, const ProposeArgs& args) {
   pb::ProposeRequest req;
   req.set_state_id(state);
   req.set_token(args.token);
@@ -175,13 +175,133 @@ Proposal DrafterClient::Propose(uint64_t state, const ProposeArgs& args) {
   if (args.bitmask) args.bitmask->ToProto(req.mutable_bitmask());
   req.set_min_confidence(args.min_confidence);
   if (args.previous) FillVerdict(*args.previous, req.mutable_previous());
+  return req;
+}
+
+Proposal ProposalOf(const pb::Proposal& p) {
+  return {p.state_id(), {p.tokens().begin(), p.tokens().end()},
+          {p.probs().begin(), p.probs().end()}, p.confidence(), p.first_position()};
+}
+
+// An error answer as the status the unary call would have failed with. A code this client
+// does not know, or OK (which no error has), reads as UNKNOWN.
+grpc::Status StatusOf(const pb::Error& error) {
+  int code = error.code();
+  if (code <= grpc::StatusCode::OK || code > grpc::StatusCode::UNAUTHENTICATED) {
+    code = grpc::StatusCode::UNKNOWN;
+  }
+  return grpc::Status(static_cast<grpc::StatusCode>(code), error.message());
+}
+
+// Why requests fail once a stream has ended cleanly or is closing.
+grpc::Status StreamClosed() {
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the propose stream is closed");
+}
+}  // namespace
+
+Proposal DrafterClient::Propose(uint64_t state, const ProposeArgs& args) {
+  pb::ProposeRequest req = ProposeRequestOf(state, args);
   grpc::ClientContext context;
   Prepare(&context);
   pb::Proposal resp;
   Check(stub_->Propose(&context, req, &resp));
-  return {resp.state_id(), {resp.tokens().begin(), resp.tokens().end()},
-          {resp.probs().begin(), resp.probs().end()}, resp.confidence(), resp.first_position()};
+  return ProposalOf(resp);
 }
+
+std::unique_ptr<ProposeStream> DrafterClient::OpenStream(std::chrono::milliseconds timeout) {
+  return std::unique_ptr<ProposeStream>(new ProposeStream(*stub_, timeout));
+}
+
+ProposeStream::ProposeStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout)
+    : failure_(StreamClosed()) {
+  if (timeout.count() > 0) context_.set_deadline(std::chrono::system_clock::now() + timeout);
+  call_ = stub.ProposeStream(&context_);
+  reader_ = std::thread(&ProposeStream::Read, this);
+}
+
+ProposeStream::~ProposeStream() { Close(); }
+
+std::future<Proposal> ProposeStream::Submit(uint64_t state, const ProposeArgs& args) {
+  pb::ProposeRequest req = ProposeRequestOf(state, args);
+  std::promise<Proposal> promise;
+  std::future<Proposal> future = promise.get_future();
+  std::lock_guard<std::mutex> write_lock(write_mu_);
+  // gRPC allows no write after WritesDone or Finish: say why the stream is over instead.
+  if (!writable_) throw DrafterError(Failure());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    req.set_request_id(next_id_++);
+    pending_.emplace(req.request_id(), std::move(promise));
+  }
+  // False when the call has ended: the reader then fails the promise with its status.
+  call_->Write(req);
+  return future;
+}
+
+Proposal ProposeStream::Propose(uint64_t state, const ProposeArgs& args) {
+  return Submit(state, args).get();
+}
+
+grpc::Status ProposeStream::Failure() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
+void ProposeStream::Read() {
+  pb::ProposeStreamResponse resp;
+  while (call_->Read(&resp)) {
+    std::map<uint64_t, std::promise<Proposal>>::node_type answered;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      answered = pending_.extract(resp.request_id());
+    }
+    if (answered.empty()) continue;  // not a request of this stream
+    std::promise<Proposal>& promise = answered.mapped();
+    switch (resp.result_case()) {
+      case pb::ProposeStreamResponse::kProposal:
+        promise.set_value(ProposalOf(resp.proposal()));
+        break;
+      case pb::ProposeStreamResponse::kError:
+        promise.set_exception(std::make_exception_ptr(DrafterError(StatusOf(resp.error()))));
+        break;
+      default:  // a result this client does not know
+        promise.set_exception(std::make_exception_ptr(DrafterError(
+            grpc::Status(grpc::StatusCode::UNKNOWN, "an answer with no known result"))));
+    }
+  }
+  // The server has ended the call: no answer will come for what is still pending.
+  std::map<uint64_t, std::promise<Proposal>> pending;
+  grpc::Status failure;
+  {
+    std::lock_guard<std::mutex> write_lock(write_mu_);  // no Write may start after Finish
+    writable_ = false;
+    grpc::Status status = call_->Finish();
+    std::lock_guard<std::mutex> lock(mu_);
+    status_ = status;
+    if (!status.ok()) failure_ = status;
+    failure = failure_;
+    pending.swap(pending_);
+  }
+  for (auto& [id, promise] : pending) {
+    promise.set_exception(std::make_exception_ptr(DrafterError(failure)));
+  }
+}
+
+grpc::Status ProposeStream::Close() {
+  std::lock_guard<std::mutex> close_lock(close_mu_);
+  {
+    std::lock_guard<std::mutex> write_lock(write_mu_);
+    if (writable_) {
+      writable_ = false;
+      call_->WritesDone();  // the server answers what is in flight, then ends the call
+    }
+  }
+  if (reader_.joinable()) reader_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  return status_;
+}
+
+void ProposeStream::Cancel() { context_.TryCancel(); }
 
 Rows DrafterClient::AfterVerify(uint64_t state, int32_t num_accepted,
                                 const std::optional<Tensor>& refeed_hiddens) {

@@ -9,18 +9,35 @@
 //   drafter.AfterVerify(state, accepted);
 //   drafter.FreeState(state);
 //
+// The hot path is a stream, one round trip per verify step: each Propose carries the verdict
+// on the state's pending proposal (its fused AfterVerify). Many states and threads may share
+// one stream.
+//   std::unique_ptr<mtpdraft::ProposeStream> stream = drafter.OpenStream();
+//   mtpdraft::Proposal p = stream->Propose(state, args);
+//   // the target accepts the first `a` of p.tokens and samples the bonus token b:
+//   args.previous = mtpdraft::Verdict{a};
+//   args.token = b, args.position = p.first_position + a;
+//   args.hidden = mtpdraft::Tensor::FP32(h);  // the target hidden at args.position - 1
+//   p = stream->Propose(state, args);
+//   stream->Close();
+//
 // Tensors are raw little-endian bytes with a dtype and a shape. A failed RPC throws
-// mtpdraft::DrafterError, whose code() is the grpc::StatusCode.
+// mtpdraft::DrafterError, whose code() is the grpc::StatusCode; so does a stream's error
+// answer, which leaves the stream open.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
 #include <cstdint>
+#include <future>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "mtpdraft/v1/drafter.grpc.pb.h"
@@ -98,6 +115,47 @@ struct KVHandle {
   double ttl_seconds = 0.0;
 };
 
+// One ProposeStream call: many requests in flight, for any states, from any threads. Answers
+// come as they are ready, matched to their requests by request_id. An error answer fails
+// only its request; when the call itself ends (server gone, deadline, Cancel) every request
+// in flight fails with its status, and so do later ones.
+class ProposeStream {
+ public:
+  ~ProposeStream();  // Close()
+  ProposeStream(const ProposeStream&) = delete;
+  ProposeStream& operator=(const ProposeStream&) = delete;
+
+  // Sends one request; its future throws DrafterError for an error answer. Throws
+  // DrafterError itself once the stream has ended or is closing.
+  std::future<Proposal> Submit(uint64_t state, const ProposeArgs& args);
+  // One verify step's round trip: Submit(state, args).get().
+  Proposal Propose(uint64_t state, const ProposeArgs& args);
+  // Ends the stream once the answers in flight have arrived; the call's final status.
+  // Idempotent.
+  grpc::Status Close();
+  // Ends the call now: requests in flight fail with CANCELLED. Close() still joins.
+  void Cancel();
+
+ private:
+  friend class DrafterClient;
+  ProposeStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout);
+  void Read();
+  // What a request fails with once the stream has ended.
+  grpc::Status Failure();
+
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<pb::ProposeRequest, pb::ProposeStreamResponse>> call_;
+  std::mutex write_mu_;  // one write (or WritesDone, or Finish) at a time on the call
+  bool writable_ = true;  // guarded by write_mu_: false after WritesDone or Finish
+  std::mutex mu_;         // guards the fields below; taken after write_mu_, never before
+  uint64_t next_id_ = 1;
+  std::map<uint64_t, std::promise<Proposal>> pending_;
+  grpc::Status failure_;  // what Failure() returns
+  grpc::Status status_;   // the call's final status, once the reader has finished it
+  std::mutex close_mu_;  // one Close() joins the reader
+  std::thread reader_;
+};
+
 class DrafterClient {
  public:
   // An insecure channel to `address` ("host:port"); `timeout` is every call's deadline.
@@ -113,6 +171,10 @@ class DrafterClient {
   PrefillResult Prefill(uint64_t state, int64_t start_position, const std::vector<int32_t>& tokens,
                         const Tensor& hiddens, int chunk_rows = 0);
   Proposal Propose(uint64_t state, const ProposeArgs& args);
+  // The hot path: a ProposeStream. `timeout` is the whole stream's deadline; zero (the
+  // default) sets none, since a stream lives as long as its verifier, not one call.
+  std::unique_ptr<ProposeStream> OpenStream(
+      std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
   Rows AfterVerify(uint64_t state, int32_t num_accepted,
                    const std::optional<Tensor>& refeed_hiddens = std::nullopt);
   KVHandle TakeKV(uint64_t state);

@@ -8,6 +8,9 @@
 //	_, err = c.AfterVerify(ctx, state, accepted, nil)
 //	_, err = c.FreeState(ctx, state)
 //
+// In a decode loop, a Stream (OpenStream) spends one round trip per verify step: each Propose
+// carries Previous, the verdict on the state's last proposal, instead of a separate AfterVerify.
+//
 // Tensors are raw little-endian bytes with a dtype and a shape. Errors are gRPC status errors:
 // status.Code(err) is codes.NotFound, codes.InvalidArgument, codes.FailedPrecondition, ...
 package drafter
@@ -51,6 +54,21 @@ func FP32(values []float32, shape ...int64) Tensor {
 		binary.LittleEndian.PutUint32(data[4*i:], math.Float32bits(v))
 	}
 	return Tensor{pb.DType_DTYPE_FP32, shapeOr(shape, len(values)), data}
+}
+
+// BF16 is a bfloat16 tensor of the values (rounded to nearest even) with the given shape.
+func BF16(values []float32, shape ...int64) Tensor {
+	data := make([]byte, 2*len(values))
+	for i, v := range values {
+		bits := math.Float32bits(v)
+		if v != v {
+			bits |= 0x00400000 // a quiet NaN: its payload may lie in the bits dropped
+		} else {
+			bits += 0x7FFF + (bits>>16)&1
+		}
+		binary.LittleEndian.PutUint16(data[2*i:], uint16(bits>>16))
+	}
+	return Tensor{pb.DType_DTYPE_BF16, shapeOr(shape, len(values)), data}
 }
 
 // Int32 is an int32 tensor (e.g. an xgrammar bitmask of shape [words] or [rows, words]).
@@ -212,7 +230,11 @@ func verdict(v *Verdict) *pb.Verdict {
 // probabilities and the chain confidence. The proposal then awaits AfterVerify (or a Propose
 // whose Previous carries the verdict).
 func (c *Client) Propose(ctx context.Context, state uint64, args ProposeArgs) (*pb.Proposal, error) {
-	return c.stub.Propose(ctx, &pb.ProposeRequest{
+	return c.stub.Propose(ctx, proposeRequest(state, args))
+}
+
+func proposeRequest(state uint64, args ProposeArgs) *pb.ProposeRequest {
+	return &pb.ProposeRequest{
 		StateId:       state,
 		Token:         args.Token,
 		Hidden:        args.Hidden.message(),
@@ -221,7 +243,7 @@ func (c *Client) Propose(ctx context.Context, state uint64, args ProposeArgs) (*
 		Bitmask:       args.Bitmask.message(),
 		MinConfidence: args.MinConfidence,
 		Previous:      verdict(args.Previous),
-	})
+	}
 }
 
 // AfterVerify tells the state that the first numAccepted drafts were accepted; refeed

@@ -56,6 +56,7 @@ type operation struct {
 	RefeedHiddens *tensorJSON            `json:"refeed_hiddens"`
 	Expect        map[string]interface{} `json:"expect"`
 	ExpectError   string                 `json:"expect_error"`
+	Messages      []operation            `json:"messages"` // of a ProposeStream
 }
 
 type vector struct {
@@ -211,21 +212,8 @@ func (r *replayer) call(op *operation) (map[string]interface{}, error) {
 		res, err := r.client.Prefill(c, state, op.StartPosition, op.Tokens, *mustTensor(op.Hiddens), op.ChunkRows)
 		return map[string]interface{}{"num_rows": res.NumRows, "next_position": res.NextPosition, "chunks": res.Chunks}, err
 	case "Propose":
-		args := drafter.ProposeArgs{Token: op.Token, Hidden: *mustTensor(op.Hidden), Position: op.Position,
-			NumDrafts: op.NumDrafts, Bitmask: mustTensor(op.Bitmask), MinConfidence: op.MinConfidence}
-		if op.Previous != nil {
-			args.Previous = &drafter.Verdict{NumAccepted: op.Previous.NumAccepted,
-				RefeedHiddens: mustTensor(op.Previous.RefeedHiddens)}
-		}
-		p, err := r.client.Propose(c, state, args)
-		if err != nil {
-			return nil, err
-		}
-		if p.StateId != state {
-			return nil, fmt.Errorf("Proposal.state_id %d != state %d", p.StateId, state)
-		}
-		return map[string]interface{}{"tokens": p.Tokens, "probs": p.Probs,
-			"confidence": p.Confidence, "first_position": p.FirstPosition}, nil
+		p, err := r.client.Propose(c, state, proposeArgs(op))
+		return proposalFields(p, err, state)
 	case "AfterVerify":
 		rows, err := r.client.AfterVerify(c, state, op.NumAccepted, mustTensor(op.RefeedHiddens))
 		return map[string]interface{}{"num_rows": rows.NumRows, "next_position": rows.NextPosition}, err
@@ -246,8 +234,64 @@ func (r *replayer) call(op *operation) (map[string]interface{}, error) {
 	return nil, fmt.Errorf("unknown operation %q", op.Op)
 }
 
+// proposeArgs are the Propose inputs of an operation (or of a ProposeStream message).
+func proposeArgs(op *operation) drafter.ProposeArgs {
+	args := drafter.ProposeArgs{Token: op.Token, Hidden: *mustTensor(op.Hidden), Position: op.Position,
+		NumDrafts: op.NumDrafts, Bitmask: mustTensor(op.Bitmask), MinConfidence: op.MinConfidence}
+	if op.Previous != nil {
+		args.Previous = &drafter.Verdict{NumAccepted: op.Previous.NumAccepted,
+			RefeedHiddens: mustTensor(op.Previous.RefeedHiddens)}
+	}
+	return args
+}
+
+// proposalFields are the fields of a Propose result that the vector compares.
+func proposalFields(p *pb.Proposal, err error, state uint64) (map[string]interface{}, error) {
+	if err != nil {
+		return nil, err
+	}
+	if p.StateId != state {
+		return nil, fmt.Errorf("Proposal.state_id %d != state %d", p.StateId, state)
+	}
+	return map[string]interface{}{"tokens": p.Tokens, "probs": p.Probs,
+		"confidence": p.Confidence, "first_position": p.FirstPosition}, nil
+}
+
+// streamStep sends a ProposeStream's messages on one stream, each answered before the next.
+func (r *replayer) streamStep(op *operation) (bool, string) {
+	c, cancel := ctx()
+	defer cancel()
+	stream, err := r.client.OpenStream(c)
+	if err != nil {
+		return false, "error: " + err.Error()
+	}
+	allOK, lines := true, make([]string, len(op.Messages))
+	for i := range op.Messages {
+		m := &op.Messages[i]
+		state := r.states[m.State]
+		p, err := stream.Propose(c, state, proposeArgs(m))
+		actual, err := proposalFields(p, err, state)
+		ok, msg := judge(m, actual, err, r.tol)
+		allOK = allOK && ok
+		lines[i] = fmt.Sprintf("[%d] %s", i, msg)
+	}
+	if err := stream.Close(); err != nil {
+		allOK = false
+		lines = append(lines, "closing: "+err.Error())
+	}
+	return allOK, strings.Join(lines, "; ")
+}
+
 func (r *replayer) step(op *operation) (bool, string) {
+	if op.Op == "ProposeStream" {
+		return r.streamStep(op)
+	}
 	actual, err := r.call(op)
+	return judge(op, actual, err, r.tol)
+}
+
+// judge compares a call's result, or its error, with what the operation expects.
+func judge(op *operation, actual map[string]interface{}, err error, tol float64) (bool, string) {
 	if err != nil {
 		st, isStatus := status.FromError(err)
 		if !isStatus {
@@ -267,7 +311,7 @@ func (r *replayer) step(op *operation) (bool, string) {
 		j, _ := json.Marshal(actual)
 		return false, fmt.Sprintf("expected %s, got %s", op.ExpectError, j)
 	}
-	if bad := mismatches(op.Expect, actual, r.tol); len(bad) > 0 {
+	if bad := mismatches(op.Expect, actual, tol); len(bad) > 0 {
 		return false, strings.Join(bad, "; ")
 	}
 	j, _ := json.Marshal(actual)
@@ -325,6 +369,9 @@ func main() {
 		label := op.Op
 		if op.State != "" {
 			label += " " + op.State
+		}
+		if op.Op == "ProposeStream" {
+			label += fmt.Sprintf(" (%d messages)", len(op.Messages))
 		}
 		fmt.Printf("%s %02d %s: %s\n", mark, i, label, msg)
 	}
