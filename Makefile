@@ -25,7 +25,8 @@ test-gpu:
 bench:
 	$(PYTHON) bench/bench_step.py --out-dir bench/results
 
-# On a machine with a CUDA GPU: writes bench/results/service.{json,md}.
+# On a machine with a CUDA GPU: writes bench/results/service.{json,md}; with a Go
+# verifier's figures too where client/go/build/bin/mtpdraft-hotpath is built (make polyglot-go).
 bench-service:
 	$(PYTHON) bench/bench_service.py --out-dir bench/results
 

@@ -19,7 +19,11 @@ verdict (0 accepted: the same rows every step, on both sides):
    OpenTelemetry is not installed;
 5. the floor (grpc_floor.py): a grpc.aio server answering the same request bytes
    with a canned reply, no work: the least any Python grpc.aio service could add,
-   and its event loop's CPU per message.
+   and its event loop's CPU per message;
+6. a Go verifier's view (--go-hotpath, client/go's mtpdraft-hotpath, built by
+   `make polyglot-go`): (2) and (3) for the stream again, every stream a goroutine of
+   one process, against each tracing-off server. A Go or C++ verifier engine spends
+   far less per message than the asyncio client, so this is what the server adds.
 
 The server runs in its own process (as a verifier would see it), built by the
 `mtpdraft serve` code from the same checkpoint folder; the clients are the
@@ -48,6 +52,7 @@ import random
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -278,6 +283,23 @@ async def _client_run(job: ClientJob, barrier: Any = None) -> dict[str, Any]:
         await client.close()
 
 
+def go_client(binary: str, target: str, streams: int, work: Workload, seed: int) -> dict[str, Any]:
+    """`streams` verifiers of the Go client (client/go's mtpdraft-hotpath), one process."""
+    cmd = [
+        binary, "-address", target, "-streams", str(streams), "-prompt", str(work.prompt),
+        "-num-drafts", str(work.num_drafts), "-warmup", str(work.warmup),
+        "-steps", str(work.steps), "-seed", str(seed),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=CALL_TIMEOUT_S * 5)
+    if done.returncode:
+        raise RuntimeError(done.stderr.strip()[-500:] or f"exit status {done.returncode}")
+    ended = time.monotonic()
+    got = json.loads(done.stdout)
+    # Its window ends when it has its last answer, a few ms before it exits (it frees its
+    # states first): close enough to read the server's CPU over.
+    return got | {"samples": got["steps"], "window": (ended - got["window_s"], ended)}
+
+
 def _client_process(job: ClientJob, barrier: Any, results: Any) -> None:
     try:
         results.put(asyncio.run(_client_run(job, barrier)))
@@ -459,8 +481,10 @@ def grpc_suite(
     batches: list[int],
     procs: int | None,
     notes: list[str],
+    go_hotpath: str | None = None,
 ) -> dict[str, Any]:
-    """Batch-1 stream and unary, then each batch size in streams, against one server."""
+    """Batch-1 stream and unary, then each batch size in streams, against one server; then
+    each batch size with the Go client (`go_hotpath`), if given."""
     name = "tracing on" if tracing else "tracing off"
     if "--front-ends" in argv:
         name += f", {argv[argv.index('--front-ends') + 1]} front ends"
@@ -484,6 +508,15 @@ def grpc_suite(
                 got = measure(f"{b} streams", target, "stream", b, work, p, 20 + b)
             out["streams"][str(b)] = got
             log(f"  {b} streams: {got.get('drafts_per_s', 'failed')} drafts/s")
+        if go_hotpath is not None:
+            out["go"] = {}
+            for b in sorted({1, *batches}):
+                got = _attempt(
+                    f"{name}: Go client, {b} streams", notes, with_server_stats, server,
+                    go_client, go_hotpath, target, b, work, 40 + b,
+                )  # fmt: skip
+                out["go"][str(b)] = got
+                log(f"  Go client, {b} streams: {got.get('drafts_per_s', 'failed')} drafts/s")
         return out
     finally:
         server.stop()
@@ -515,24 +548,30 @@ def ratios(report: dict[str, Any]) -> dict[str, Any]:
         out[f"{mode}_b1_overhead_us"] = None if p50 is None or b1 is None else p50 - b1
         out[f"{mode}_b1_over_in_process"] = _over(p50, b1)
     sizes = list(inproc["batched"])
-    out["streams_over_batched"] = {
-        b: _over(
-            _get(grpc, "tracing_off", "streams", b, "drafts_per_s"),
-            _get(inproc, "batched", b, "drafts_per_s"),
-        )
-        for b in sizes
-    }
+
+    def over_batched(suite: str, client: str) -> dict[str, float | None]:
+        return {
+            b: _over(
+                _get(grpc, suite, client, b, "drafts_per_s"),
+                _get(inproc, "batched", b, "drafts_per_s"),
+            )
+            for b in sizes
+        }
+
+    def go_b1_overhead(suite: str) -> float | None:
+        p50 = _get(grpc, suite, "go", "1", "p50_us")
+        return None if p50 is None or b1 is None else p50 - b1
+
+    out["streams_over_batched"] = over_batched("tracing_off", "streams")
+    out["go_stream_b1_overhead_us"] = go_b1_overhead("tracing_off")
+    out["go_streams_over_batched"] = over_batched("tracing_off", "go")
     for suite in [k for k in grpc if k.startswith("front_ends_")]:
         p50 = _get(grpc, suite, "stream_b1", "p50_us")
         out[suite] = {
             "stream_b1_overhead_us": None if p50 is None or b1 is None else p50 - b1,
-            "streams_over_batched": {
-                b: _over(
-                    _get(grpc, suite, "streams", b, "drafts_per_s"),
-                    _get(inproc, "batched", b, "drafts_per_s"),
-                )
-                for b in sizes
-            },
+            "streams_over_batched": over_batched(suite, "streams"),
+            "go_stream_b1_overhead_us": go_b1_overhead(suite),
+            "go_streams_over_batched": over_batched(suite, "go"),
         }
     overhead, ratio64 = out["stream_b1_overhead_us"], out["streams_over_batched"].get("64")
     out["meets"] = {
@@ -612,16 +651,20 @@ def markdown(report: dict[str, Any]) -> str:
             f"({_f(r.get(f'{mode}_b1_over_in_process'), '.2f', 'x')}) | {targets[mode]} | {met} |"
         )
     for suite, server in _suites(grpc):
-        if suite == "tracing_off":
-            continue
-        stream_b1 = _get(grpc, suite, "stream_b1", "p50_us")
-        overhead = r[suite]["stream_b1_overhead_us"]
-        met = _yes(None if overhead is None else overhead <= STREAM_OVERHEAD_TARGET_US)
-        lines.append(
-            f"| ProposeStream, {server} | {_f(stream_b1, '.1f')} | {_f(b1, '.1f')} "
-            f"| {_f(overhead, '+.1f', ' us')} ({_f(_over(stream_b1, b1), '.2f', 'x')}) "
-            f"| {targets['stream']} | {met} |"
-        )
+        ours = r if suite == "tracing_off" else r[suite]
+        rows = [("ProposeStream", ("stream_b1",), "stream_b1_overhead_us")]
+        rows += [("ProposeStream, Go client", ("go", "1"), "go_stream_b1_overhead_us")]
+        for label, path, key in rows:
+            if (suite == "tracing_off" and path == ("stream_b1",)) or path[0] not in grpc[suite]:
+                continue  # one process's Python stream is the first row
+            stream_b1, overhead = _get(grpc, suite, *path, "p50_us"), ours[key]
+            met = _yes(None if overhead is None else overhead <= STREAM_OVERHEAD_TARGET_US)
+            where = "" if suite == "tracing_off" else f", {server}"
+            lines.append(
+                f"| {label}{where} | {_f(stream_b1, '.1f')} | {_f(b1, '.1f')} "
+                f"| {_f(overhead, '+.1f', ' us')} ({_f(_over(stream_b1, b1), '.2f', 'x')}) "
+                f"| {targets['stream']} | {met} |"
+            )
     lines += [
         "",
         "| concurrent streams | server | drafts/s over gRPC | in-process batched drafts/s | ratio "
@@ -630,25 +673,28 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for suite, server in _suites(grpc):
-        ratio = (
-            r["streams_over_batched"]
-            if suite == "tracing_off"
-            else r[suite]["streams_over_batched"]
-        )
-        for b in inproc:
-            stream = grpc[suite].get("streams", {}).get(b, {})
-            target = f">= {STREAMS_RATIO_TARGET}x" if b == "64" else ""
-            met = ""
-            if b == "64":
-                met = _yes(None if ratio.get(b) is None else ratio[b] >= STREAMS_RATIO_TARGET)
-            lines.append(
-                f"| {b} | {server} | {_f(_get(stream, 'drafts_per_s'), '.0f')} "
-                f"| {_f(_get(inproc, b, 'drafts_per_s'), '.0f')} "
-                f"| {_f(ratio.get(b), '.2f', 'x')} | {target} | {met} "
-                f"| {stream.get('client_processes', '')} "
-                f"| {_f(_get(stream, 'server_batches', 'mean_batch'), '.1f')} "
-                f"| {_cpu_cells(stream)} |"
-            )
+        ours = r if suite == "tracing_off" else r[suite]
+        for client, key, ratios_key in (
+            ("", "streams", "streams_over_batched"),
+            (", Go client", "go", "go_streams_over_batched"),
+        ):
+            if key not in grpc[suite]:
+                continue
+            ratio = ours[ratios_key]
+            for b in inproc:
+                stream = grpc[suite][key].get(b, {})
+                target = f">= {STREAMS_RATIO_TARGET}x" if b == "64" else ""
+                met = ""
+                if b == "64":
+                    met = _yes(None if ratio.get(b) is None else ratio[b] >= STREAMS_RATIO_TARGET)
+                lines.append(
+                    f"| {b} | {server}{client} | {_f(_get(stream, 'drafts_per_s'), '.0f')} "
+                    f"| {_f(_get(inproc, b, 'drafts_per_s'), '.0f')} "
+                    f"| {_f(ratio.get(b), '.2f', 'x')} | {target} | {met} "
+                    f"| {stream.get('client_processes', 1)} "
+                    f"| {_f(_get(stream, 'server_batches', 'mean_batch'), '.1f')} "
+                    f"| {_cpu_cells(stream)} |"
+                )
     floor = report.get("floor", {})
     if floor and "error" not in floor:
         after = floor["b1_after_step"]
@@ -705,6 +751,12 @@ def main() -> int:
         "--front-ends",
         default="4",
         help="gRPC front-end process counts to measure besides one process (serve --front-ends)",
+    )
+    parser.add_argument(
+        "--go-hotpath",
+        default="client/go/build/bin/mtpdraft-hotpath",
+        help="the Go client's hot-path binary (make polyglot-go), run against every "
+        "tracing-off server; skipped with a note where it is missing",
     )
     parser.add_argument(
         "--serve-options",
@@ -791,9 +843,12 @@ def main() -> int:
         if server_missing:
             notes.append(f"gRPC comparisons skipped: the server does not import ({server_missing})")
         else:
+            go_hotpath = args.go_hotpath if Path(args.go_hotpath).is_file() else None
+            if go_hotpath is None:
+                notes.append(f"Go client skipped: no {args.go_hotpath} (make polyglot-go)")
             log("gRPC, tracing off")
             report["grpc"]["tracing_off"] = grpc_suite(
-                argv, False, work, batches, args.client_processes, notes
+                argv, False, work, batches, args.client_processes, notes, go_hotpath
             )
             sdk_missing = _importable("opentelemetry.sdk.trace")
             if sdk_missing:
@@ -810,7 +865,7 @@ def main() -> int:
                 log(f"gRPC, tracing off, {n} front-end processes")
                 split_argv = [*argv, "--front-ends", str(n)]
                 report["grpc"][f"front_ends_{n}"] = grpc_suite(
-                    split_argv, False, work, batches, args.client_processes, notes
+                    split_argv, False, work, batches, args.client_processes, notes, go_hotpath
                 )
             if counts and not sdk_missing:  # where the spans are made matters: measure it
                 n = max(counts)

@@ -16,6 +16,8 @@ PG_GO_DIR := client/go
 PG_GO_BUILD := $(PG_GO_DIR)/build
 PG_GO_GEN := $(PG_GO_BUILD)/gopath/src/mtpdraft/gen/mtpdraftv1
 PG_GO_BIN := $(PG_GO_BUILD)/bin/mtpdraft-conformance
+# A Go verifier's view of the hot path (bench/bench_service.py --go-hotpath runs it).
+PG_GO_HOTPATH := $(PG_GO_BUILD)/bin/mtpdraft-hotpath
 PG_GO_SRCS := $(wildcard $(PG_GO_DIR)/src/mtpdraft/*/*.go $(PG_GO_DIR)/src/mtpdraft/cmd/*/*.go)
 PG_GO_ENV = GO111MODULE=off GOFLAGS= GOCACHE=$(abspath $(PG_GO_BUILD)/cache) \
 	GOPATH=$(abspath $(PG_GO_BUILD)/gopath):$(abspath $(PG_GO_DIR)):/usr/share/gocode
@@ -43,7 +45,7 @@ polyglot-node: client/node/node_modules/.package-lock.json
 client/node/node_modules/.package-lock.json: client/node/package.json client/node/package-lock.json
 	cd client/node && npm ci --no-audit --no-fund
 
-polyglot-go: $(PG_GO_BIN)
+polyglot-go: $(PG_GO_BIN) $(PG_GO_HOTPATH)
 
 $(PG_GO_BUILD)/gen.stamp: $(PG_PROTO)
 	mkdir -p $(PG_GO_BUILD)/gopath/src
@@ -55,6 +57,11 @@ $(PG_GO_BUILD)/gen.stamp: $(PG_PROTO)
 $(PG_GO_BIN): $(PG_GO_BUILD)/gen.stamp $(PG_GO_SRCS)
 	$(PG_GO_ENV) go vet mtpdraft/drafter mtpdraft/cmd/mtpdraft-conformance
 	$(PG_GO_ENV) go build -o $@ mtpdraft/cmd/mtpdraft-conformance
+
+# Static (no cgo), so that it runs on a machine without Go or gRPC installed.
+$(PG_GO_HOTPATH): $(PG_GO_BUILD)/gen.stamp $(PG_GO_SRCS)
+	$(PG_GO_ENV) go vet mtpdraft/cmd/mtpdraft-hotpath
+	$(PG_GO_ENV) CGO_ENABLED=0 go build -o $@ mtpdraft/cmd/mtpdraft-hotpath
 
 polyglot-cpp: $(PG_CPP_BIN)
 
