@@ -543,9 +543,13 @@ def ratios(report: dict[str, Any]) -> dict[str, Any]:
     inproc, grpc = report["in_process"], report["grpc"]
     b1 = _get(inproc, "batched", "1", "p50_us")
     out: dict[str, Any] = {}
+
+    def over_b1(p50: float | None) -> float | None:
+        return None if p50 is None or b1 is None else p50 - b1
+
     for mode in ("stream", "unary"):
         p50 = _get(grpc, "tracing_off", f"{mode}_b1", "p50_us")
-        out[f"{mode}_b1_overhead_us"] = None if p50 is None or b1 is None else p50 - b1
+        out[f"{mode}_b1_overhead_us"] = over_b1(p50)
         out[f"{mode}_b1_over_in_process"] = _over(p50, b1)
     sizes = list(inproc["batched"])
 
@@ -558,19 +562,14 @@ def ratios(report: dict[str, Any]) -> dict[str, Any]:
             for b in sizes
         }
 
-    def go_b1_overhead(suite: str) -> float | None:
-        p50 = _get(grpc, suite, "go", "1", "p50_us")
-        return None if p50 is None or b1 is None else p50 - b1
-
     out["streams_over_batched"] = over_batched("tracing_off", "streams")
-    out["go_stream_b1_overhead_us"] = go_b1_overhead("tracing_off")
+    out["go_stream_b1_overhead_us"] = over_b1(_get(grpc, "tracing_off", "go", "1", "p50_us"))
     out["go_streams_over_batched"] = over_batched("tracing_off", "go")
     for suite in [k for k in grpc if k.startswith("front_ends_")]:
-        p50 = _get(grpc, suite, "stream_b1", "p50_us")
         out[suite] = {
-            "stream_b1_overhead_us": None if p50 is None or b1 is None else p50 - b1,
+            "stream_b1_overhead_us": over_b1(_get(grpc, suite, "stream_b1", "p50_us")),
             "streams_over_batched": over_batched(suite, "streams"),
-            "go_stream_b1_overhead_us": go_b1_overhead(suite),
+            "go_stream_b1_overhead_us": over_b1(_get(grpc, suite, "go", "1", "p50_us")),
             "go_streams_over_batched": over_batched(suite, "go"),
         }
     overhead, ratio64 = out["stream_b1_overhead_us"], out["streams_over_batched"].get("64")
@@ -641,30 +640,31 @@ def markdown(report: dict[str, Any]) -> str:
         "| batch 1 | p50 us | in-process p50 us | over in-process | target | met |",
         "|---|---|---|---|---|---|",
     ]
-    targets = {"stream": f"<= +{STREAM_OVERHEAD_TARGET_US:g} us", "unary": ""}
-    for mode, label in (("stream", "ProposeStream"), ("unary", "unary Propose(previous)")):
-        overhead = r.get(f"{mode}_b1_overhead_us")
-        met = _yes(r["meets"]["stream_b1_overhead"]) if mode == "stream" else ""
-        lines.append(
-            f"| {label} | {_f(_get(grpc, 'tracing_off', f'{mode}_b1', 'p50_us'), '.1f')} "
-            f"| {_f(b1, '.1f')} | {_f(overhead, '+.1f', ' us')} "
-            f"({_f(r.get(f'{mode}_b1_over_in_process'), '.2f', 'x')}) | {targets[mode]} | {met} |"
+
+    def b1_row(label: str, p50: float | None, overhead: float | None, stream: bool) -> str:
+        """A batch-1 row; a stream's has the target and whether it met it."""
+        target, met = "", ""
+        if stream:
+            target = f"<= +{STREAM_OVERHEAD_TARGET_US:g} us"
+            met = _yes(None if overhead is None else overhead <= STREAM_OVERHEAD_TARGET_US)
+        return (
+            f"| {label} | {_f(p50, '.1f')} | {_f(b1, '.1f')} | {_f(overhead, '+.1f', ' us')} "
+            f"({_f(_over(p50, b1), '.2f', 'x')}) | {target} | {met} |"
         )
+
+    for mode, label in (("stream", "ProposeStream"), ("unary", "unary Propose(previous)")):
+        p50 = _get(grpc, "tracing_off", f"{mode}_b1", "p50_us")
+        lines.append(b1_row(label, p50, r.get(f"{mode}_b1_overhead_us"), mode == "stream"))
     for suite, server in _suites(grpc):
         ours = r if suite == "tracing_off" else r[suite]
-        rows = [("ProposeStream", ("stream_b1",), "stream_b1_overhead_us")]
-        rows += [("ProposeStream, Go client", ("go", "1"), "go_stream_b1_overhead_us")]
-        for label, path, key in rows:
-            if (suite == "tracing_off" and path == ("stream_b1",)) or path[0] not in grpc[suite]:
-                continue  # one process's Python stream is the first row
-            stream_b1, overhead = _get(grpc, suite, *path, "p50_us"), ours[key]
-            met = _yes(None if overhead is None else overhead <= STREAM_OVERHEAD_TARGET_US)
-            where = "" if suite == "tracing_off" else f", {server}"
-            lines.append(
-                f"| {label}{where} | {_f(stream_b1, '.1f')} | {_f(b1, '.1f')} "
-                f"| {_f(overhead, '+.1f', ' us')} ({_f(_over(stream_b1, b1), '.2f', 'x')}) "
-                f"| {targets['stream']} | {met} |"
-            )
+        where = "" if suite == "tracing_off" else f", {server}"
+        if suite != "tracing_off":  # one process's Python stream is the first row
+            p50 = _get(grpc, suite, "stream_b1", "p50_us")
+            lines.append(b1_row(f"ProposeStream{where}", p50, ours["stream_b1_overhead_us"], True))
+        if "go" in grpc[suite]:
+            p50 = _get(grpc, suite, "go", "1", "p50_us")
+            label = f"ProposeStream, Go client{where}"
+            lines.append(b1_row(label, p50, ours["go_stream_b1_overhead_us"], True))
     lines += [
         "",
         "| concurrent streams | server | drafts/s over gRPC | in-process batched drafts/s | ratio "
