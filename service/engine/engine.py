@@ -1,7 +1,7 @@
 """The drafter engine: states, their KV blocks and the propose / verify cycle.
 
-Synchronous and single-threaded by design: the server runs every call on one
-worker thread, so no call sees another half done. It knows nothing of gRPC.
+Synchronous and single-threaded by design: the server runs its calls one at a
+time (runner.py), so no call sees another half done. It knows nothing of gRPC.
 
 Row bookkeeping (DESIGN.md, "The contract"): Propose(x, h[p-1], p) computes the
 committed row R0 = (x, h[p-1]) at row index p - 1 and the speculative rows
@@ -170,13 +170,10 @@ class DraftEngine:
                 reason="KV_BLOCKS_EXHAUSTED",
             )
         for state, n in extra:
-            state.blocks.extend(self.pool.allocate(n))
+            state.add_blocks(self.pool.allocate(n))
 
     def _trim(self, state: DrafterState) -> None:
-        keep = self._blocks_for(state.num_rows)
-        if len(state.blocks) > keep:
-            self.pool.free(state.blocks[keep:])
-            del state.blocks[keep:]
+        self.pool.free(state.drop_blocks(self._blocks_for(state.num_rows)))
 
     def _check_rows_fit(self, last_row: int, field: str) -> None:
         limit = self.head.config.max_position_embeddings
@@ -227,8 +224,7 @@ class DraftEngine:
             self._owned[state.owner] = left
         else:
             del self._owned[state.owner]
-        self.pool.free(state.blocks)
-        state.blocks = []
+        self.pool.free(state.replace_blocks([]))
         return True
 
     def reap_expired(self) -> tuple[int, int]:
@@ -434,12 +430,12 @@ class DraftEngine:
         state = self._idle_state(state_id, "take its KV")
         handle = KVHandle(
             id=self._new_id(self.handles),
-            blocks=state.blocks,
+            blocks=state.replace_blocks([]),
             num_rows=state.num_rows,
             expires_at=self.clock() + self.state_ttl,
         )
         self.handles[handle.id] = handle
-        state.blocks, state.num_rows = [], 0
+        state.num_rows = 0
         return TakenKV(handle.id, handle.num_rows, self.state_ttl)
 
     def install_kv(self, state_id: int, handle_id: int) -> RowCount:
@@ -458,6 +454,6 @@ class DraftEngine:
                 reason="STATE_NOT_EMPTY",
             )
         del self.handles[handle_id]
-        self.pool.free(state.blocks)
-        state.blocks, state.num_rows = handle.blocks, handle.num_rows
+        self.pool.free(state.replace_blocks(handle.blocks))
+        state.num_rows = handle.num_rows
         return RowCount(state.num_rows, state.next_position)

@@ -25,11 +25,11 @@ class Segment:
 
 def block_tables(states: list[DrafterState]) -> torch.Tensor:
     """[len(states), widest] int32 on the host: each state's KV blocks, padded with zeros."""
-    # Filled through numpy: 4.5x faster than a torch.tensor per state (0.3 vs 1.3 ms
-    # for 64 states of 2k rows).
+    # Filled through numpy from each state's cached int32 row (DrafterState.block_row).
     tables = np.zeros((len(states), max(len(s.blocks) for s in states)), dtype=np.int32)
     for i, state in enumerate(states):
-        tables[i, : len(state.blocks)] = state.blocks
+        row = state.block_row()
+        tables[i, : len(row)] = row
     return torch.from_numpy(tables)
 
 

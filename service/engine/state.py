@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -29,15 +30,42 @@ class DrafterState:
     id: int
     last_used: float
     owner: str = ""  # who allocated it (the client's host), for the per-owner limit
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # changed only by the methods below
     num_rows: int = 0  # rows in the KV, speculative ones of a pending proposal included
     pending: PendingProposal | None = None
     prefilling: bool = False  # a Prefill stream is open on it
+    _block_row: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def next_position(self) -> int:
         """Position of the next row's token (rows are numbered by their hidden's position)."""
         return self.num_rows + 1
+
+    def add_blocks(self, blocks: list[int]) -> None:
+        if blocks:
+            self.blocks.extend(blocks)
+            self._block_row = None
+
+    def drop_blocks(self, keep: int) -> list[int]:
+        """Keeps the first `keep` blocks; returns the others."""
+        dropped = self.blocks[keep:]
+        if dropped:
+            del self.blocks[keep:]
+            self._block_row = None
+        return dropped
+
+    def replace_blocks(self, blocks: list[int]) -> list[int]:
+        """Holds `blocks` from now on; returns the blocks held until now."""
+        old, self.blocks, self._block_row = self.blocks, blocks, None
+        return old
+
+    def block_row(self) -> np.ndarray:
+        """The blocks as int32, made again only after they change: a block table
+        filled from these took 94 us for 64 states of 220 blocks, 713 us from the
+        lists (the engine's host time in a served batch-64 step was 15% that fill)."""
+        if self._block_row is None:
+            self._block_row = np.array(self.blocks, dtype=np.int32)
+        return self._block_row
 
 
 @dataclass

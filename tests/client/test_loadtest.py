@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from servers import InProcessServer, ServerProcess, small_engine
 
+from mtpdraft.client import DrafterClient
 from mtpdraft.client.loadtest import (
     LoadTestConfig,
     LoadTestError,
@@ -119,17 +120,27 @@ def test_split_mode_counts_requests_over_two_processes(server: ServerProcess) ->
 
 
 def test_errors_are_counted_and_fail_only_when_asked(server: ServerProcess) -> None:
-    # 40 verifiers, 32 state slots: some allocations are refused.
-    many = ("--verifiers", "40", "--prompt-len", "2", "--seq-len", "2", "--num-drafts", "2")
-    common = ("--target", server.address, *many, "--mode", "unary", "--duration", "1", "--quiet")
-    assert _cli(*common) == 0
-    assert _cli(*common, "--fail-on-error") == 1
-    report = run_load(
-        _config(server, verifiers=40, prompt_len=IntRange(2, 2), seq_len=2, duration=1.0)
-    ).report
-    assert report["errors"].get("RESOURCE_EXHAUSTED", 0) > 0
-    assert set(report["errors_by_rpc"]) == {"AllocState RESOURCE_EXHAUSTED"}
-    assert report["live_states_after"] == 0
+    # All of the server's state slots but one are held here: the verifiers' allocations
+    # are refused while another verifier holds the last one, however fast the server.
+    with DrafterClient(server.address, timeout=30) as c:
+        held = [c.alloc_state() for _ in range(c.info().max_states - 1)]
+        try:
+            many = ("--verifiers", "8", "--prompt-len", "2", "--seq-len", "4", "--num-drafts", "2")
+            common = (
+                "--target", server.address, *many, "--mode", "unary", "--duration", "1", "--quiet"
+            )  # fmt: skip
+            assert _cli(*common) == 0
+            assert _cli(*common, "--fail-on-error") == 1
+            report = run_load(
+                _config(server, verifiers=8, prompt_len=IntRange(2, 2), seq_len=4, duration=1.0)
+            ).report
+            assert report["errors"].get("RESOURCE_EXHAUSTED", 0) > 0
+            assert set(report["errors_by_rpc"]) == {"AllocState RESOURCE_EXHAUSTED"}
+            assert report["steps"] > 0  # the free slot served
+            assert report["live_states_after"] == len(held)  # the verifiers freed theirs
+        finally:
+            for state in held:
+                c.free_state(state)
 
 
 def test_step_spans_are_ancestors_of_server_spans(mimo_checkpoint: Path) -> None:

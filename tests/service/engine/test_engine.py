@@ -68,6 +68,7 @@ def assert_accounted(engine: DraftEngine) -> None:
     assert held + engine.pool.num_free == engine.pool.num_total
     for s in engine.states.values():
         assert len(s.blocks) == -(-s.num_rows // engine.block_size)
+        assert s.block_row().tolist() == s.blocks  # the cached row follows every change
 
 
 @pytest.mark.parametrize("accepted", [0, 2, 4])
