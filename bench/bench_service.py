@@ -486,8 +486,6 @@ def grpc_suite(
     """Batch-1 stream and unary, then each batch size in streams, against one server; then
     each batch size with the Go client (`go_hotpath`), if given."""
     name = "tracing on" if tracing else "tracing off"
-    if "--engine-thread" in argv:
-        name += ", engine thread"
     if "--front-ends" in argv:
         name += f", {argv[argv.index('--front-ends') + 1]} front ends"
     server = start_server(argv, tracing)
@@ -567,7 +565,7 @@ def ratios(report: dict[str, Any]) -> dict[str, Any]:
     out["streams_over_batched"] = over_batched("tracing_off", "streams")
     out["go_stream_b1_overhead_us"] = over_b1(_get(grpc, "tracing_off", "go", "1", "p50_us"))
     out["go_streams_over_batched"] = over_batched("tracing_off", "go")
-    for suite, _ in _suites(grpc)[1:]:
+    for suite in [k for k in grpc if k.startswith("front_ends_")]:
         out[suite] = {
             "stream_b1_overhead_us": over_b1(_get(grpc, suite, "stream_b1", "p50_us")),
             "streams_over_batched": over_batched(suite, "streams"),
@@ -624,8 +622,6 @@ def _suites(grpc: dict[str, Any]) -> list[tuple[str, str]]:
     """The tracing-off suites, one process first: (key, how the server ran)."""
     split = sorted((k for k in grpc if k.startswith("front_ends_")), key=lambda k: int(k[11:]))
     suites = [("tracing_off", "one process")] if "tracing_off" in grpc else []
-    if "engine_thread" in grpc:
-        suites.append(("engine_thread", "one process, engine thread"))
     return suites + [(k, f"{k[11:]} front-end processes") for k in split]
 
 
@@ -864,12 +860,6 @@ def main() -> int:
                 report["grpc"]["tracing_on"] = grpc_suite(
                     argv, True, work, batches, args.client_processes, notes
                 )
-            # The one-process server's other runner (service/engine/runner.py weighs them).
-            log("gRPC, tracing off, one process, engine thread")
-            report["grpc"]["engine_thread"] = grpc_suite(
-                [*argv, "--engine-thread"], False, work, batches, args.client_processes, notes,
-                go_hotpath,
-            )  # fmt: skip
             counts = [int(n) for n in args.front_ends.split(",") if n and int(n) > 0]
             for n in counts:
                 log(f"gRPC, tracing off, {n} front-end processes")

@@ -1,7 +1,7 @@
 """What the servicer asks of the engine: one interface, served here or by another process.
 
-`LocalBackend` runs the calls on an engine in this process (every engine call
-through its runner, Propose calls through the batching scheduler).
+`LocalBackend` runs the calls on an engine in this process (every engine call on
+its worker thread, Propose calls through the batching scheduler).
 `remote_backend.RemoteBackend` forwards the same calls to an engine process that
 several gRPC front-end processes share. Requests come in as proto messages,
 because their tensors are decoded next to the engine; results go out as the
@@ -102,8 +102,7 @@ def _batch_args(requests: Sequence[pb.ProposeRequest]) -> list[ProposeArgs]:
 
 
 class LocalBackend:
-    """The engine in this process: its runner (a worker thread, or the loop's own thread
-    where `engine_thread` is false; see runner.py), the scheduler and the lease reaper,
+    """The engine in this process: its worker thread, the scheduler and the lease reaper,
     with the engine's metrics recorded by `telemetry`."""
 
     def __init__(
@@ -113,11 +112,10 @@ class LocalBackend:
         *,
         max_queue: int = 4096,
         batch_wait: float = DEFAULT_BATCH_WAIT_S,
-        engine_thread: bool = True,
     ) -> None:
         self.telemetry = telemetry = telemetry or Telemetry()
         self.engine = engine
-        self.runner = EngineRunner(thread=engine_thread)
+        self.runner = EngineRunner()
         self.scheduler = ProposeScheduler(
             engine,
             self.runner,

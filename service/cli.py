@@ -75,12 +75,6 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="serve gRPC from N processes before the engine's (0: from the engine's own)",
     )
-    p.add_argument(
-        "--engine-thread",
-        action="store_true",
-        help="one process: run the engine on a worker thread, not the event loop's "
-        "(the loop stays free during long forwards; slower, see engine/runner.py)",
-    )
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain")
     p.add_argument("--no-reflection", action="store_true", help="turn server reflection off")
     p.add_argument(
@@ -209,7 +203,6 @@ def build_server(
         reflection_enabled=not args.no_reflection,
         max_inflight=args.max_inflight,
         telemetry=telemetry,
-        engine_thread=args.engine_thread,
         **scheduling,
         **(security or {}),
     )
@@ -261,9 +254,6 @@ def main(argv: list[str] | None = None) -> int:
     security = _security(sub.choices["serve"], args) if args.command == "serve" else {}
     if args.command == "serve" and args.front_ends < 0:
         sub.choices["serve"].error("--front-ends must be 0 or more")
-    if args.command == "serve" and args.front_ends and args.engine_thread:
-        # The engine process before front ends always runs its engine on a worker thread.
-        sub.choices["serve"].error("--engine-thread is for the one-process server")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.command == "loadtest":
         return run_loadtest(args)

@@ -16,8 +16,6 @@ class DrafterServer:
 
     Takes FrontEnd's options (credentials, tokens, max_message_bytes,
     reflection_enabled, max_inflight) and the scheduler's (max_queue, batch_wait).
-    The engine runs on the event loop's thread unless `engine_thread` (runner.py
-    weighs the two).
     """
 
     def __init__(
@@ -28,17 +26,10 @@ class DrafterServer:
         max_queue: int = 4096,
         batch_wait: float = DEFAULT_BATCH_WAIT_S,
         telemetry: Telemetry | None = None,
-        engine_thread: bool = False,
         **front_end_options,
     ) -> None:
         self.engine = engine
-        self.backend = LocalBackend(
-            engine,
-            telemetry,
-            max_queue=max_queue,
-            batch_wait=batch_wait,
-            engine_thread=engine_thread,
-        )
+        self.backend = LocalBackend(engine, telemetry, max_queue=max_queue, batch_wait=batch_wait)
         self.telemetry = self.backend.telemetry
         self.runner, self.scheduler = self.backend.runner, self.backend.scheduler
         self.front_end = FrontEnd(self.backend, address, self.telemetry, **front_end_options)

@@ -71,13 +71,6 @@ class InProcessServer:
         self.server, port = asyncio.run_coroutine_threadsafe(make(), self.loop).result(30)
         self.address = f"127.0.0.1:{port}"
 
-    def hold_engine(self, seconds: float) -> None:
-        """Keeps the engine busy for `seconds` (as another client's long Prefill would),
-        whichever thread it runs on."""
-        import time
-
-        self.loop.call_soon_threadsafe(self.server.runner.submit, time.sleep, seconds)
-
     def stop(self) -> None:
         import asyncio
 

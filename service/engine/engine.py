@@ -1,7 +1,7 @@
 """The drafter engine: states, their KV blocks and the propose / verify cycle.
 
-Synchronous and single-threaded by design: the server runs its calls one at a
-time (runner.py), so no call sees another half done. It knows nothing of gRPC.
+Synchronous and single-threaded by design: the server runs every call on one
+worker thread, so no call sees another half done. It knows nothing of gRPC.
 
 Row bookkeeping (DESIGN.md, "The contract"): Propose(x, h[p-1], p) computes the
 committed row R0 = (x, h[p-1]) at row index p - 1 and the speculative rows

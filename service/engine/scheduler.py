@@ -254,10 +254,10 @@ class ProposeScheduler:
         started = time.time_ns()
 
         def compute() -> tuple[list[_Job], list]:
-            # Where the engine runs, right before the forward: a job whose caller went
-            # away or whose deadline passed while the batch waited for the engine is
+            # On the engine thread, right before the forward: a job whose caller went
+            # away or whose deadline passed while the batch waited for this thread is
             # left out, so that a failed call changes nothing. (future.done() read from
-            # a worker thread is a plain flag read; the loop alone ever sets it.)
+            # this thread is a plain flag read; the loop alone ever sets it.)
             now = time.monotonic()  # the clock of loop.time()
             live = [
                 job

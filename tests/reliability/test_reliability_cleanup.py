@@ -478,8 +478,8 @@ def test_a_restarted_server_starts_empty_and_drains_what_it_holds(mimo_checkpoin
 # ---- server bugs, pinned with injected delays -------------------------------------------
 
 
-def _in_process(checkpoint, ttl: float, engine_thread: bool = False):
-    return InProcessServer(small_engine(checkpoint, state_ttl=ttl), engine_thread=engine_thread)
+def _in_process(checkpoint, ttl: float):
+    return InProcessServer(small_engine(checkpoint, state_ttl=ttl))
 
 
 def test_a_prefill_cut_short_is_rolled_back(clean) -> None:
@@ -539,17 +539,14 @@ def test_a_prefill_cut_short_while_it_begins_is_reclaimed(mimo_checkpoint) -> No
         server.stop()
 
 
-@pytest.mark.parametrize("engine_thread", [False, True], ids=["on-the-loop", "engine-thread"])
-def test_a_propose_past_its_deadline_while_queued_changes_nothing(
-    mimo_checkpoint, engine_thread
-) -> None:
-    server = _in_process(mimo_checkpoint, ttl=60, engine_thread=engine_thread)
+def test_a_propose_past_its_deadline_while_queued_changes_nothing(mimo_checkpoint) -> None:
+    server = _in_process(mimo_checkpoint, ttl=60)
     try:
         with DrafterClient(server.address, timeout=10) as c:
             s = prefilled(c, 5, 1)
             h = hiddens(1, 2)[0]
-            # The engine is busy for a second (as with another client's long Prefill).
-            server.hold_engine(1.0)
+            # The engine thread is busy for a second (as with another client's long Prefill).
+            server.server.runner.submit(time.sleep, 1.0)
             with pytest.raises(DeadlineExceeded):
                 c.propose(s, 1, h, 6, 3, timeout=0.3)
             time.sleep(1.0)

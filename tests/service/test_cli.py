@@ -46,33 +46,3 @@ def test_the_server_sets_the_engine_process_gil_switch_interval(mimo_checkpoint:
         assert asyncio.run(serve()) == pytest.approx(250e-6)
     finally:
         sys.setswitchinterval(before)
-
-
-@pytest.mark.parametrize("flag", [False, True], ids=["default", "--engine-thread"])
-def test_one_process_runs_its_engine_on_the_loop_unless_asked(
-    mimo_checkpoint: Path, flag: bool
-) -> None:
-    argv = ["--model", str(mimo_checkpoint), "--device", "cpu", "--port", "0"]
-    args = _serve_args(*argv, *(["--engine-thread"] if flag else []))
-
-    async def serve() -> bool:
-        server = cli.build_server(args, cli.build_engine(args), Telemetry())
-        try:
-            await server.start()
-            with DrafterClient(f"127.0.0.1:{server.port}") as client:
-                state = await asyncio.to_thread(client.alloc_state)
-                assert await asyncio.to_thread(client.free_state, state)
-            return server.runner.threaded
-        finally:
-            await server.drain(0)
-
-    assert asyncio.run(serve()) is flag
-
-
-def test_the_engine_thread_flag_is_refused_with_front_ends(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    with pytest.raises(SystemExit) as exited:
-        cli.main(["serve", "--front-ends", "2", "--engine-thread"])
-    assert exited.value.code == 2
-    assert "--engine-thread is for the one-process server" in capsys.readouterr().err
