@@ -27,9 +27,15 @@ PG_CPP_DIR := client/cpp
 PG_CPP_BUILD := $(PG_CPP_DIR)/build
 PG_CPP_GEN := $(PG_CPP_BUILD)/gen
 PG_CPP_BIN := $(PG_CPP_BUILD)/mtpdraft-conformance
-PG_CPP_GEN_SRCS := $(PG_CPP_GEN)/mtpdraft/v1/drafter.pb.cc $(PG_CPP_GEN)/mtpdraft/v1/drafter.grpc.pb.cc
+PG_CPP_GEN_SRCS := $(PG_CPP_GEN)/mtpdraft/v1/drafter.pb.cc $(PG_CPP_GEN)/mtpdraft/v1/drafter.grpc.pb.cc \
+	$(PG_CPP_GEN)/google/rpc/status.pb.cc $(PG_CPP_GEN)/google/rpc/error_details.pb.cc
 PG_CPP_OBJS := $(PG_CPP_BUILD)/obj/drafter.pb.o $(PG_CPP_BUILD)/obj/drafter.grpc.pb.o \
+	$(PG_CPP_BUILD)/obj/status.pb.o $(PG_CPP_BUILD)/obj/error_details.pb.o \
 	$(PG_CPP_BUILD)/obj/drafter_client.o $(PG_CPP_BUILD)/obj/conformance_main.o
+# google/rpc/{status,error_details}.proto (an error's reason and field), as the Python
+# package googleapis-common-protos ships them (a dependency of the service's own).
+PG_RPC_PROTO_DIR = $(shell python3 -c 'import pathlib, google.rpc.status_pb2 as m; \
+	print(pathlib.Path(m.__file__).parents[2])')
 PG_CXX ?= g++
 PG_CXXFLAGS ?= -std=c++17 -O1 -g0 -Wall
 # Recursive (=): pkg-config runs only when a C++ recipe does.
@@ -69,11 +75,17 @@ $(PG_CPP_BUILD)/gen.stamp: $(PG_PROTO)
 	mkdir -p $(PG_CPP_GEN)
 	protoc -I$(PG_PROTO_DIR) --cpp_out=$(PG_CPP_GEN) --grpc_out=$(PG_CPP_GEN) \
 		--plugin=protoc-gen-grpc=$$(command -v grpc_cpp_plugin) $(PG_PROTO)
+	protoc -I$(PG_RPC_PROTO_DIR) --cpp_out=$(PG_CPP_GEN) \
+		$(PG_RPC_PROTO_DIR)/google/rpc/status.proto $(PG_RPC_PROTO_DIR)/google/rpc/error_details.proto
 	touch $@
 
 $(PG_CPP_GEN_SRCS): $(PG_CPP_BUILD)/gen.stamp
 
 $(PG_CPP_BUILD)/obj/%.o: $(PG_CPP_GEN)/mtpdraft/v1/%.cc $(PG_CPP_BUILD)/gen.stamp
+	@mkdir -p $(dir $@)
+	$(PG_CXX) $(PG_CXXFLAGS) $(PG_CPP_CFLAGS) -c $< -o $@
+
+$(PG_CPP_BUILD)/obj/%.o: $(PG_CPP_GEN)/google/rpc/%.cc $(PG_CPP_BUILD)/gen.stamp
 	@mkdir -p $(dir $@)
 	$(PG_CXX) $(PG_CXXFLAGS) $(PG_CPP_CFLAGS) -c $< -o $@
 

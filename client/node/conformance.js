@@ -159,13 +159,22 @@ class Replayer {
       actual = await call();
     } catch (err) {
       if (!(err instanceof DrafterError)) return [false, `error: ${err.message}`];
-      if (op.expect_error === err.codeName) return [true, `${err.codeName} as expected`];
-      return [false, `expected ${op.expect_error ?? 'success'}, got ${err.message}`];
+      const got = errorText(err.codeName, err.reason, err.field);
+      const want = op.expect_error
+        ? errorText(op.expect_error, op.expect_reason, op.expect_field)
+        : 'success';
+      if (got === want) return [true, `${got} as expected`];
+      return [false, `expected ${want}, got ${got}: ${err.message}`];
     }
     if (op.expect_error) return [false, `expected ${op.expect_error}, got ${JSON.stringify(actual)}`];
     const bad = mismatches(op.expect ?? {}, actual, this.tolerance);
     return bad.length ? [false, bad.join('; ')] : [true, JSON.stringify(actual)];
   }
+}
+
+// An error as every runner prints it: "CODE (reason R, field F)".
+function errorText(code, reason, field) {
+  return `${code} (reason ${reason ?? ''}, field ${field ?? ''})`;
 }
 
 async function main() {

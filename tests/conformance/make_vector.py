@@ -58,10 +58,13 @@ RULES = [
     "state_id must equal the state's id.",
     "ProposeStream: open one stream and send its `messages` (each a Propose operation "
     "without `op`) one at a time, each answered before the next; an error comes as an "
-    "answer (expect_error: the code name of its Error value) and the stream stays open. "
+    "answer (expect_error, expect_reason, expect_field: its Error value's code name, "
+    "reason and field) and the stream stays open. "
     "Close the stream after the last answer.",
     "expect: every listed field must match, exactly except probs and confidence "
-    "(absolute tolerance prob_tolerance). expect_error: the gRPC status code name.",
+    "(absolute tolerance prob_tolerance). expect_error: the gRPC status code name; "
+    "expect_reason: its google.rpc.ErrorInfo reason; expect_field: the first "
+    "google.rpc.BadRequest field violation's field (absent: none). Compare all three.",
     "GetInfo lists only fields that are fixed for the server command (no live counters).",
     "Print one line per operation and finally `N passed, M failed`; exit non-zero on any "
     "failure. Free every state you allocated before exiting.",

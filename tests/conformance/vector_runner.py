@@ -5,15 +5,18 @@ replay in order against one live server (`python3 -m mtpdraft serve --device cpu
 the embedded default model). Each operation names its RPC (`op`), its inputs and
 either `expect` (output fields, compared exactly except `probs` and `confidence`,
 which are compared within `prob_tolerance`) or `expect_error` (a gRPC status code
-name). States and KV handles are named ("A", "H1"): AllocState and TakeKV bind a
-name to the id the server returns; the other operations look the name up. Tensors
+name) with `expect_reason` (its google.rpc.ErrorInfo reason) and, where the server
+names one, `expect_field` (the request field at fault). States and KV handles are
+named ("A", "H1"): AllocState and TakeKV bind a name to the id the server returns;
+the other operations look the name up. Tensors
 are `{"dtype": "DTYPE_FP32" | "DTYPE_INT32", "shape": [...], "data": base64}`, the raw
 little-endian bytes sent as they are. A Proposal's `state_id` must equal the state's
 id, and every id the server returns must be non-zero.
 
 ProposeStream opens one stream and sends its `messages` (each shaped as a Propose
 operation without `op`) one at a time, each answered before the next; an error
-answer (`expect_error`: the code name of its Error value) leaves the stream open.
+answer (`expect_error`, `expect_reason`, `expect_field`: its Error value's code name,
+reason and field) leaves the stream open.
 
 `Replayer(client).run(ops)` checks; `Replayer(client, record=True).run(ops)` fills
 in `expect` from the server (make_vector.py), checking the fields that were given.
@@ -121,6 +124,18 @@ def mismatches(expected: dict[str, Any], actual: dict[str, Any], tol: float) -> 
     return out
 
 
+def error_text(code: str, reason: str | None, field: str | None) -> str:
+    """An error as the runners print it: "CODE (reason R, field F)"."""
+    return f"{code} (reason {reason or ''}, field {field or ''})"
+
+
+def expected_error(op: dict[str, Any]) -> str | None:
+    """The error `op` expects, as error_text prints it; None for a success."""
+    if "expect_error" not in op:
+        return None
+    return error_text(op["expect_error"], op.get("expect_reason"), op.get("expect_field"))
+
+
 class Replayer:
     """Interprets the vector's operations against a server through a DrafterClient."""
 
@@ -169,8 +184,12 @@ class Replayer:
         try:
             actual = call()
         except DrafterError as e:
-            got = e.code.name
-            want = op.get("expect_error")
+            if self.record and op.get("expect_error") == e.code.name:
+                op["expect_reason"] = e.reason
+                if e.field:
+                    op["expect_field"] = e.field
+            got = error_text(e.code.name, e.reason, e.field)
+            want = expected_error(op)
             if want == got:
                 return True, f"{got} as expected"
             return False, f"expected {want or 'success'}, got {e}"

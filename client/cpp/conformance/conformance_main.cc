@@ -54,6 +54,12 @@ std::optional<mtpdraft::Tensor> TensorOf(const json& op, const char* key) {
 }
 
 // A GetInfoResponse field by its proto name (enums by name) as JSON.
+// An error as every runner prints it: "CODE (reason R, field F)".
+std::string ErrorText(const std::string& code, const std::string& reason,
+                      const std::string& field) {
+  return code + " (reason " + reason + ", field " + field + ")";
+}
+
 json InfoField(const google::protobuf::Message& m, const std::string& name) {
   using google::protobuf::FieldDescriptor;
   const FieldDescriptor* fd = m.GetDescriptor()->FindFieldByName(name);
@@ -186,9 +192,13 @@ class Replayer {
     try {
       actual = call();
     } catch (const mtpdraft::DrafterError& e) {
-      if (e.code_name() == want_error) return {true, want_error + " as expected"};
-      return {false, "expected " + (want_error.empty() ? "success" : want_error) + ", got " +
-                         e.what()};
+      const std::string got = ErrorText(e.code_name(), e.reason(), e.field());
+      const std::string want =
+          want_error.empty()
+              ? "success"
+              : ErrorText(want_error, op.value("expect_reason", ""), op.value("expect_field", ""));
+      if (got == want) return {true, got + " as expected"};
+      return {false, "expected " + want + ", got " + got + ": " + e.what()};
     } catch (const std::exception& e) {
       return {false, std::string("error: ") + e.what()};
     }

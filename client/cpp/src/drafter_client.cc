@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
+
 namespace mtpdraft {
 namespace {
 
@@ -85,7 +88,25 @@ std::string StatusCodeName(grpc::StatusCode code) {
 
 DrafterError::DrafterError(const grpc::Status& status)
     : std::runtime_error(StatusCodeName(status.error_code()) + ": " + status.error_message()),
-      status_(status) {}
+      status_(status) {
+  google::rpc::Status details;
+  if (status.error_details().empty() || !details.ParseFromString(status.error_details())) return;
+  for (const google::protobuf::Any& any : details.details()) {
+    google::rpc::ErrorInfo info;
+    google::rpc::BadRequest bad;
+    if (any.UnpackTo(&info)) {
+      reason_ = info.reason();
+    } else if (any.UnpackTo(&bad) && bad.field_violations_size() > 0) {
+      field_ = bad.field_violations(0).field();
+    }
+  }
+}
+
+DrafterError::DrafterError(const grpc::Status& status, std::string reason, std::string field)
+    : std::runtime_error(StatusCodeName(status.error_code()) + ": " + status.error_message()),
+      status_(status),
+      reason_(std::move(reason)),
+      field_(std::move(field)) {}
 
 std::string DrafterError::code_name() const { return StatusCodeName(code()); }
 
@@ -262,7 +283,8 @@ void ProposeStream::Read() {
         promise.set_value(ProposalOf(resp.proposal()));
         break;
       case pb::ProposeStreamResponse::kError:
-        promise.set_exception(std::make_exception_ptr(DrafterError(StatusOf(resp.error()))));
+        promise.set_exception(std::make_exception_ptr(
+            DrafterError(StatusOf(resp.error()), resp.error().reason(), resp.error().field())));
         break;
       default:  // a result this client does not know
         promise.set_exception(std::make_exception_ptr(DrafterError(

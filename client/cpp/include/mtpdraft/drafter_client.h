@@ -22,8 +22,8 @@
 //   stream->Close();
 //
 // Tensors are raw little-endian bytes with a dtype and a shape. A failed RPC throws
-// mtpdraft::DrafterError, whose code() is the grpc::StatusCode; so does a stream's error
-// answer, which leaves the stream open.
+// mtpdraft::DrafterError, whose code() is the grpc::StatusCode and reason() and field()
+// say why; so does a stream's error answer, which leaves the stream open.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -59,17 +59,27 @@ struct Tensor {
   void ToProto(pb::Tensor* out) const;
 };
 
-// A failed RPC: the gRPC status code and message.
+// A failed RPC: the gRPC status code and message, the machine-readable reason
+// (google.rpc.ErrorInfo, e.g. "KV_BLOCKS_EXHAUSTED" against "QUEUE_FULL" for one
+// RESOURCE_EXHAUSTED) and the request field at fault (google.rpc.BadRequest, e.g.
+// "position"), each empty where the server sent none.
 class DrafterError : public std::runtime_error {
  public:
+  // Reads the reason and field from the status's details (grpc-status-details-bin).
   explicit DrafterError(const grpc::Status& status);
+  // A stream's error answer, whose Error value carries them itself.
+  DrafterError(const grpc::Status& status, std::string reason, std::string field);
   grpc::StatusCode code() const { return status_.error_code(); }
   const grpc::Status& status() const { return status_; }
   // The canonical name of the code, e.g. "NOT_FOUND".
   std::string code_name() const;
+  const std::string& reason() const { return reason_; }
+  const std::string& field() const { return field_; }
 
  private:
   grpc::Status status_;
+  std::string reason_;
+  std::string field_;
 };
 
 // The canonical name of a status code ("INVALID_ARGUMENT").

@@ -18,6 +18,7 @@ import (
 	"strings"
 	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -56,6 +57,8 @@ type operation struct {
 	RefeedHiddens *tensorJSON            `json:"refeed_hiddens"`
 	Expect        map[string]interface{} `json:"expect"`
 	ExpectError   string                 `json:"expect_error"`
+	ExpectReason  string                 `json:"expect_reason"`
+	ExpectField   string                 `json:"expect_field"`
 	Messages      []operation            `json:"messages"` // of a ProposeStream
 }
 
@@ -297,13 +300,14 @@ func judge(op *operation, actual map[string]interface{}, err error, tol float64)
 		if !isStatus {
 			return false, "error: " + err.Error()
 		}
-		got := codeNames[st.Code()]
-		if got == op.ExpectError {
-			return true, got + " as expected"
+		reason, field := errorDetails(st)
+		got := errorText(codeNames[st.Code()], reason, field)
+		want := "success"
+		if op.ExpectError != "" {
+			want = errorText(op.ExpectError, op.ExpectReason, op.ExpectField)
 		}
-		want := op.ExpectError
-		if want == "" {
-			want = "success"
+		if got == want {
+			return true, got + " as expected"
 		}
 		return false, fmt.Sprintf("expected %s, got %s: %s", want, got, st.Message())
 	}
@@ -319,6 +323,26 @@ func judge(op *operation, actual map[string]interface{}, err error, tol float64)
 }
 
 // codeNames are the canonical status code names, as the vector writes them.
+// errorText is an error as every runner prints it: "CODE (reason R, field F)".
+func errorText(code, reason, field string) string {
+	return fmt.Sprintf("%s (reason %s, field %s)", code, reason, field)
+}
+
+// errorDetails is the status's ErrorInfo reason and its first BadRequest field, if any.
+func errorDetails(st *status.Status) (reason, field string) {
+	for _, d := range st.Details() {
+		switch d := d.(type) {
+		case *errdetails.ErrorInfo:
+			reason = d.Reason
+		case *errdetails.BadRequest:
+			if len(d.FieldViolations) > 0 {
+				field = d.FieldViolations[0].Field
+			}
+		}
+	}
+	return reason, field
+}
+
 var codeNames = map[codes.Code]string{
 	codes.OK: "OK", codes.Canceled: "CANCELLED", codes.Unknown: "UNKNOWN",
 	codes.InvalidArgument: "INVALID_ARGUMENT", codes.DeadlineExceeded: "DEADLINE_EXCEEDED",
