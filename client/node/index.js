@@ -284,13 +284,9 @@ class DrafterClient {
     this.stub.close();
   }
 
-  _callOptions() {
-    return deadlineOptions(this.timeoutMs);
-  }
-
   _unary(method, request) {
     return new Promise((resolve, reject) => {
-      this.stub[method](request, this._callOptions(), (err, resp) =>
+      this.stub[method](request, deadlineOptions(this.timeoutMs), (err, resp) =>
         err ? reject(new DrafterError(err)) : resolve(resp),
       );
     });
@@ -323,7 +319,7 @@ class DrafterClient {
     const perChunk = chunkRows ?? Math.max(1, Math.floor((DEFAULT_CHUNK_BYTES - 64) / (rowBytes + 5)));
     return await new Promise((resolve, reject) => {
       let chunks = 0;
-      const call = this.stub.Prefill(this._callOptions(), (err, resp) =>
+      const call = this.stub.Prefill(deadlineOptions(this.timeoutMs), (err, resp) =>
         err ? reject(new DrafterError(err)) : resolve({ ...parseRows(resp), chunks }),
       );
       for (let lo = 0; lo < Math.max(rows, 1); lo += perChunk) {
