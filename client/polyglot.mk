@@ -34,7 +34,8 @@ PG_CPP_OBJS := $(PG_CPP_BUILD)/obj/drafter.pb.o $(PG_CPP_BUILD)/obj/drafter.grpc
 	$(PG_CPP_BUILD)/obj/drafter_client.o $(PG_CPP_BUILD)/obj/conformance_main.o
 # google/rpc/{status,error_details}.proto (an error's reason and field), as the Python
 # package googleapis-common-protos ships them (a dependency of the service's own).
-PG_RPC_PROTO_DIR = $(shell python3 -c 'import pathlib, google.rpc.status_pb2 as m; \
+PYTHON ?= python3
+PG_RPC_PROTO_DIR = $(shell $(PYTHON) -c 'import pathlib, google.rpc.status_pb2 as m; \
 	print(pathlib.Path(m.__file__).parents[2])')
 PG_CXX ?= g++
 PG_CXXFLAGS ?= -std=c++17 -O1 -g0 -Wall

@@ -86,9 +86,7 @@ std::string StatusCodeName(grpc::StatusCode code) {
   }
 }
 
-DrafterError::DrafterError(const grpc::Status& status)
-    : std::runtime_error(StatusCodeName(status.error_code()) + ": " + status.error_message()),
-      status_(status) {
+DrafterError::DrafterError(const grpc::Status& status) : DrafterError(status, "", "") {
   google::rpc::Status details;
   if (status.error_details().empty() || !details.ParseFromString(status.error_details())) return;
   for (const google::protobuf::Any& any : details.details()) {
