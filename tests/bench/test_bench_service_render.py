@@ -1,0 +1,28 @@
+"""The service bench's markdown, re-rendered from a committed report (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_render_rewrites_the_markdown_with_the_floor_column(tmp_path: Path) -> None:
+    report_path = tmp_path / "service.json"
+    shutil.copy(ROOT / "bench/results/service.json", report_path)
+    script = ROOT / "bench/bench_service.py"
+    subprocess.run([sys.executable, script, "--render", report_path], check=True, timeout=120)
+
+    report = json.loads(report_path.read_text())
+    b1 = report["in_process"]["batched"]["1"]["p50_us"]
+    floor = report["floor"]["b1_after_step"]["p50_us"] - b1
+    stream = report["grpc"]["tracing_off"]["stream_b1"]["p50_us"] - b1
+    rows = (tmp_path / "service.md").read_text().splitlines()
+    assert "over the canned-reply floor" in next(r for r in rows if r.startswith("| batch 1 |"))
+    first = next(r for r in rows if r.startswith("| ProposeStream |"))
+    assert first.endswith(f"| +{stream - floor:.1f} us |")
+    assert f"Command: `{report['command']}`" in rows
