@@ -52,3 +52,14 @@ def test_check_hiddens_takes_a_known_flag_or_finds_it() -> None:
         with pytest.raises(InvalidArgument) as refused:
             check_hiddens(hiddens, 1, 8, "hidden", flag)
         assert (refused.value.reason, refused.value.field) == ("NOT_FINITE", "hidden")
+
+
+def test_finite_flags_take_scalars_alongside_rows() -> None:
+    # A 0-d hidden is refused later for its shape; checking it must not fail first.
+    tensors = [
+        torch.tensor(1.0),
+        torch.tensor(float("nan")),
+        torch.tensor(2.0),
+        _rows(1.0, torch.float32),
+    ]
+    assert finite_flags(tensors) == [True, False, True, True]
