@@ -19,7 +19,8 @@ verdict (0 accepted: the same rows every step, on both sides):
    OpenTelemetry is not installed;
 5. the floor (grpc_floor.py): a grpc.aio server answering the same request bytes
    with a canned reply, no work: the least any Python grpc.aio service could add,
-   and its event loop's CPU per message;
+   and its event loop's CPU per message; each batch-1 row of (2) also shows its
+   overhead past this floor's answer one step late;
 6. a Go verifier's view (--go-hotpath, client/go's mtpdraft-hotpath, built by
    `make polyglot-go`): (2) and (3) for the stream again, every stream a goroutine of
    one process, against each tracing-off server. A Go or C++ verifier engine spends
@@ -34,6 +35,7 @@ differ. Only ratios within this run are meaningful. Writes service.json and
 service.md to --out-dir (bench/results by default; CPU smoke runs belong in /tmp).
 
     python bench/bench_service.py [--small] [--device cuda|cpu] [--out-dir DIR]
+    python bench/bench_service.py --render DIR/service.json   # its markdown again
 """
 
 from __future__ import annotations
