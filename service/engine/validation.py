@@ -34,7 +34,8 @@ def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
             alike.setdefault((t.dtype, t.shape, t.device), []).append(i)
     for members in alike.values():
         # Same shape: stacked as they are, one row per tensor (a reshape per tensor
-        # first would cost a torch call each, 2 us on a slow CPU).
+        # first would cost a torch call each, 2 us on a slow CPU); a lone one, a
+        # Prefill chunk say, is read in place, not copied.
         group = [tensors[i] for i in members]
         rows = (group[0] if len(group) == 1 else torch.stack(group)).reshape(len(group), -1)
         for i, ok in zip(members, _finite_rows(rows), strict=True):
@@ -59,7 +60,7 @@ def _finite_rows(rows: torch.Tensor) -> list[bool]:
     if bits is None:  # NaN and inf survive abs().amax(), faster than isfinite().all()
         return rows.abs().amax(dim=1).isfinite().tolist()
     as_int, exponent = bits
-    return rows.contiguous().view(as_int).bitwise_and(exponent).amax(dim=1).ne(exponent).tolist()
+    return rows.view(as_int).bitwise_and(exponent).amax(dim=1).ne(exponent).tolist()
 
 
 def check_hiddens(
