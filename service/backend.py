@@ -3,9 +3,10 @@
 `LocalBackend` runs the calls on an engine in this process (every engine call on
 its worker thread, Propose calls through the batching scheduler).
 `remote_backend.RemoteBackend` forwards the same calls to an engine process that
-several gRPC front-end processes share. Requests come in as proto messages,
-because their tensors are decoded next to the engine; results go out as the
-engine's small dataclasses, which the servicer turns into responses.
+several gRPC front-end processes share. Requests come in as proto messages; a
+Propose's are read and checked (`wire_values`) where they arrive, in the front-end
+process when there is one, and reach the engine as tensors (`wire`). Results go
+out as the engine's small dataclasses, which the servicer turns into responses.
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ from .engine.scheduler import DEFAULT_BATCH_WAIT_S, ProposeScheduler
 from .engine.types import (
     JobTiming,
     Proposal,
-    ProposeArgs,
     RowCount,
     ServerInfo,
     TakenKV,
-    Verdict,
 )
 from .telemetry import Telemetry
+from .wire_values import HIDDEN_DTYPES, RawPropose, read_proposes, read_verdict
 
 log = logging.getLogger("mtpdraft.backend")
 
@@ -68,39 +68,6 @@ class DraftBackend(Protocol):
     async def free_state(self, state_id: int) -> bool: ...
 
 
-def verdict(msg: pb.Verdict, field: str) -> Verdict:
-    refeed = None
-    if msg.HasField("refeed_hiddens"):
-        refeed = wire.decode_hiddens(msg.refeed_hiddens, f"{field}.refeed_hiddens")
-    return Verdict(num_accepted=msg.num_accepted, refeed_hiddens=refeed)
-
-
-def propose_args(msg: pb.ProposeRequest) -> ProposeArgs:
-    if not msg.HasField("hidden"):
-        raise errors.InvalidArgument("hidden: required", reason="MISSING_FIELD", field="hidden")
-    return ProposeArgs(
-        state_id=msg.state_id,
-        token=msg.token,
-        hidden=wire.decode_hiddens(msg.hidden, "hidden"),
-        position=msg.position,
-        num_drafts=msg.num_drafts,
-        bitmask=wire.decode_bitmask(msg.bitmask) if msg.HasField("bitmask") else None,
-        min_confidence=msg.min_confidence,
-        previous=verdict(msg.previous, "previous") if msg.HasField("previous") else None,
-    )
-
-
-def _batch_args(requests: Sequence[pb.ProposeRequest]) -> list[ProposeArgs]:
-    batch = []
-    for i, msg in enumerate(requests):
-        try:
-            batch.append(propose_args(msg))
-        except errors.DrafterError as err:
-            err.message = f"requests[{i}].{err.message}"
-            raise
-    return batch
-
-
 class LocalBackend:
     """The engine in this process: its worker thread, the scheduler and the lease reaper,
     with the engine's metrics recorded by `telemetry`."""
@@ -131,7 +98,7 @@ class LocalBackend:
     async def info(self) -> ServerInfo:
         queued, batches = self.scheduler.queued, dict(self.scheduler.batch_sizes)
         engine = await self.runner.call(self.engine.info)
-        return ServerInfo(engine, list(wire.HIDDEN_DTYPES), queued, batches)
+        return ServerInfo(engine, list(HIDDEN_DTYPES), queued, batches)
 
     async def alloc_state(self, owner: str) -> int:
         return await self.runner.call(self.engine.alloc_state, owner)
@@ -139,11 +106,16 @@ class LocalBackend:
     def propose(
         self, requests: Sequence[pb.ProposeRequest], timeout: float | None, batch: bool = False
     ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
-        args = _batch_args(requests) if batch else [propose_args(m) for m in requests]
-        return self.scheduler.enqueue(args, timeout)
+        return self.propose_read(read_proposes(requests, batch), timeout)
+
+    def propose_read(
+        self, requests: list[RawPropose], timeout: float | None
+    ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
+        """As propose, the requests read already (by a front-end process)."""
+        return self.scheduler.enqueue([wire.propose_args(r) for r in requests], timeout)
 
     async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount:
-        given = verdict(request.verdict, "verdict")
+        given = wire.verdict(read_verdict(request.verdict, "verdict"))
         return await self.runner.call(self.engine.after_verify, request.state_id, given)
 
     async def take_kv(self, state_id: int) -> TakenKV:

@@ -1,8 +1,9 @@
 """The engine process's side of the links: serves a LocalBackend to the front ends.
 
-A front end's calls arrive as messages (see remote_backend.py). Propose calls go
-straight to the scheduler from the reading callback, with no task per call, and
-their answers leave from the job's done-callback; the other calls run as tasks.
+A front end's calls arrive as messages (see remote_backend.py). Propose calls,
+their requests read and checked already by the front end, go straight to the
+scheduler from the reading callback, with no task per call, and their answers
+leave from the job's done-callback; the other calls run as tasks.
 When a front end's link closes (it stopped or died), everything it had open is
 cancelled: queued Propose calls leave the queue and open Prefills roll back.
 """
@@ -18,6 +19,7 @@ from .backend import LocalBackend
 from .engine.types import JobTiming
 from .link import Link, Message
 from .remote_backend import error_value
+from .wire_values import RawPropose
 
 log = logging.getLogger("mtpdraft.engine_process")
 
@@ -66,9 +68,9 @@ class _FrontEndCalls:
         else:
             self.on_control(self.link, message)
 
-    def _propose(self, call: int, requests, timeout: float | None, batch: bool) -> None:
+    def _propose(self, call: int, requests: list[RawPropose], timeout: float | None) -> None:
         try:
-            job, timing = self.backend.propose(requests, timeout, batch)
+            job, timing = self.backend.propose_read(requests, timeout)
         except Exception as err:
             self._answer_error(call, err)
             return

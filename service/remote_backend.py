@@ -1,7 +1,8 @@
 """A front-end process's backend: every call forwarded to the engine process over a link.
 
 Calls are told apart by an id; the answer (a result, or the engine error to raise
-again here) comes back with it. A call cancelled here (the client went away)
+again here) comes back with it. A Propose's requests are read and checked here
+(wire_values.py) and cross as plain values. A call cancelled here (the client went away)
 sends a cancel, so that the engine drops it too. Should the engine process go,
 every open call fails with UNAVAILABLE.
 """
@@ -19,6 +20,7 @@ from mtpdraft.v1 import drafter_pb2 as pb
 from .engine import errors
 from .engine.types import JobTiming, Proposal, RowCount, ServerInfo, TakenKV
 from .link import Link, Message
+from .wire_values import read_proposes
 
 # What an answer's error is: (class name in engine.errors, message, reason, field),
 # the class name None for an unexpected failure.
@@ -118,9 +120,10 @@ class RemoteBackend:
     def propose(
         self, requests: Sequence[pb.ProposeRequest], timeout: float | None, batch: bool = False
     ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
+        read = read_proposes(requests, batch)  # a malformed request goes no further
         timing = JobTiming(time.time_ns())
         call, future = self._open_call(timing)
-        self.send(("propose", call, list(requests), timeout, batch))
+        self.send(("propose", call, read, timeout))
         return future, timing
 
     async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount:

@@ -1,14 +1,17 @@
-"""Decodes the wire's raw-bytes tensors into torch tensors, checking dtype and byte count."""
+"""The wire's tensors and Propose requests as the engine takes them (torch tensors).
+
+`wire_values.py` reads and checks them (in a front-end process, for the split
+server); this turns its plain values into the engine's arguments.
+"""
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from mtpdraft.v1 import drafter_pb2 as pb
 
-from .engine.errors import InvalidArgument
+from .engine.types import ProposeArgs, Verdict
+from .wire_values import HIDDEN_DTYPES, RawPropose, RawTensor, RawVerdict, read_tensor
 
 DTYPES: dict[int, torch.dtype] = {
     pb.DTYPE_BF16: torch.bfloat16,
@@ -16,48 +19,38 @@ DTYPES: dict[int, torch.dtype] = {
     pb.DTYPE_FP32: torch.float32,
     pb.DTYPE_INT32: torch.int32,
 }
-HIDDEN_DTYPES = (pb.DTYPE_BF16, pb.DTYPE_FP16, pb.DTYPE_FP32)
-# No real tensor here has a dimension past 2**31; an empty tensor's other
-# dimensions could otherwise be anything, up to sizes torch cannot represent.
-_MAX_DIM = 2**31 - 1
 
 
-def decode_tensor(msg: pb.Tensor, field: str, allowed: tuple[int, ...]) -> torch.Tensor:
-    """A CPU tensor from raw little-endian bytes; INVALID_ARGUMENT when malformed."""
-    if msg.dtype not in allowed:
-        names = ", ".join(pb.DType.Name(d) for d in allowed)
-        raise InvalidArgument(
-            f"{field}: dtype {pb.DType.Name(msg.dtype) if msg.dtype in DTYPES else msg.dtype} "
-            f"is not accepted here (expected one of {names})",
-            reason="BAD_DTYPE",
-            field=field,
-        )
-    shape = list(msg.shape)
-    if any(not 0 <= d <= _MAX_DIM for d in shape):
-        raise InvalidArgument(
-            f"{field}: shape {shape} has a dimension outside [0, {_MAX_DIM}]",
-            reason="BAD_SHAPE",
-            field=field,
-        )
-    dtype = DTYPES[msg.dtype]
-    data = msg.data  # each read of a bytes field builds a new bytes object
-    expected = math.prod(shape) * dtype.itemsize
-    if len(data) != expected:
-        raise InvalidArgument(
-            f"{field}: {len(data)} bytes of data, but shape {shape} of "
-            f"{pb.DType.Name(msg.dtype)} needs {expected}",
-            reason="BAD_BYTE_COUNT",
-            field=field,
-        )
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype)
-    # A copy (bytearray): the engine gets a writable tensor that no message's memory backs.
-    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+def to_tensor(raw: RawTensor) -> torch.Tensor:
+    """A CPU tensor over the raw value's buffer (no copy)."""
+    dtype = DTYPES[raw.dtype]
+    if not raw.data:
+        return torch.empty(raw.shape, dtype=dtype)
+    return torch.frombuffer(raw.data, dtype=dtype).reshape(raw.shape)
 
 
 def decode_hiddens(msg: pb.Tensor, field: str) -> torch.Tensor:
-    return decode_tensor(msg, field, HIDDEN_DTYPES)
+    """A Prefill chunk's hiddens, their NaN/inf check left to the engine: torch's threads
+    take 177 us for 2047 rows of 4096 where one numpy thread takes 2.8 ms (H200 host)."""
+    return to_tensor(read_tensor(msg, field, HIDDEN_DTYPES))
 
 
-def decode_bitmask(msg: pb.Tensor, field: str = "bitmask") -> torch.Tensor:
-    return decode_tensor(msg, field, (pb.DTYPE_INT32,))
+def verdict(raw: RawVerdict) -> Verdict:
+    refeed = raw.refeed_hiddens
+    if refeed is None:
+        return Verdict(raw.num_accepted)
+    return Verdict(raw.num_accepted, to_tensor(refeed), refeed_finite=refeed.finite)
+
+
+def propose_args(raw: RawPropose) -> ProposeArgs:
+    return ProposeArgs(
+        state_id=raw.state_id,
+        token=raw.token,
+        hidden=to_tensor(raw.hidden),
+        position=raw.position,
+        num_drafts=raw.num_drafts,
+        bitmask=None if raw.bitmask is None else to_tensor(raw.bitmask),
+        min_confidence=raw.min_confidence,
+        previous=None if raw.previous is None else verdict(raw.previous),
+        hidden_finite=raw.hidden.finite,
+    )

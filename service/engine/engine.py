@@ -38,13 +38,21 @@ Finiteness = dict[int, bool]
 
 
 def _finiteness(requests: Iterable[ProposeArgs]) -> Finiteness:
-    """Checks a batch's hiddens and refeed hiddens together (see check.finite_flags)."""
-    tensors = {}
+    """Whether a batch's hiddens and refeed hiddens are free of NaN and inf: as their
+    reader found, or else checked here together (see check.finite_flags)."""
+    known: Finiteness = {}
+    unknown = {}
     for args in requests:
-        tensors[id(args.hidden)] = args.hidden
+        pairs = [(args.hidden, args.hidden_finite)]
         if args.previous is not None and args.previous.refeed_hiddens is not None:
-            tensors[id(args.previous.refeed_hiddens)] = args.previous.refeed_hiddens
-    return dict(zip(tensors, check.finite_flags(list(tensors.values())), strict=True))
+            pairs.append((args.previous.refeed_hiddens, args.previous.refeed_finite))
+        for tensor, finite in pairs:
+            if finite is None:
+                unknown[id(tensor)] = tensor
+            else:
+                known[id(tensor)] = finite
+    known.update(zip(unknown, check.finite_flags(list(unknown.values())), strict=True))
+    return known
 
 
 class DraftEngine:
@@ -286,7 +294,7 @@ class DraftEngine:
                 a,
                 self.head.config.hidden_size,
                 f"{field}.refeed_hiddens",
-                None if finite is None else finite.get(id(refeed)),
+                verdict.refeed_finite if finite is None else finite.get(id(refeed)),
             )
             segment = Segment(state, pending.first_row + 1, pending.drafts[:a], hiddens)
             return VerdictPlan(pending.first_row + 1, segment, rows_after)

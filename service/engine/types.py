@@ -15,6 +15,7 @@ class Verdict:
 
     num_accepted: int
     refeed_hiddens: torch.Tensor | None = None  # [num_accepted, H]: h[p] .. h[p + a - 1]
+    refeed_finite: bool | None = None  # free of NaN and inf, where the reader checked already
 
 
 @dataclass
@@ -27,6 +28,7 @@ class ProposeArgs:
     bitmask: torch.Tensor | None = None  # int32 [W] or [n, W], xgrammar layout
     min_confidence: float = 0.0
     previous: Verdict | None = None
+    hidden_finite: bool | None = None  # free of NaN and inf, where the reader checked already
 
 
 @dataclass

@@ -59,14 +59,22 @@ def test_errors_and_results_cross_the_link_unchanged(mimo_checkpoint, tmp_path) 
             assert proposal.state_id == state and len(proposal.tokens) == 3
             assert timing.queued_ns <= timing.started_ns <= timing.done_ns
             assert timing.batch_requests == 1
+            unknown = m.propose_request(state + 1, 4, hiddens(1, 2)[0], 4, 3)
+            future, _ = remote.propose([unknown], None, batch=True)
+            with pytest.raises(errors.NotFound) as missing:
+                await future
+            assert missing.value.reason == "STATE_NOT_FOUND"
+            # A malformed tensor is refused on this side: nothing reaches the engine.
+            batches = dict(local.scheduler.batch_sizes)
             bad = m.propose_request(state, 4, hiddens(1, 2)[0], 4, 3)
             bad.hidden.ClearField("data")
-            future, _ = remote.propose([bad], None, batch=True)
             with pytest.raises(errors.InvalidArgument) as invalid:
-                await future
+                remote.propose([bad], None, batch=True)
             assert invalid.value.field == "hidden" and invalid.value.message.startswith(
                 "requests[0]."
             )
+            assert not remote._open
+            assert dict(local.scheduler.batch_sizes) == batches
             assert await remote.free_state(state)
         finally:
             await _close(local, host)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtpdraft.service.engine import validation
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.engine.errors import (
     FailedPrecondition,
@@ -186,6 +187,33 @@ def test_a_nan_refeed_in_a_batch_refuses_its_group_alone(engine: DraftEngine) ->
     assert engine.states[bad].pending is not None  # its verdict can still come
     (drafted,) = together[0]
     assert len(drafted.tokens) == 3 and drafted.first_position == 8
+    assert_accounted(engine)
+
+
+def test_a_finiteness_the_reader_found_is_not_checked_again(
+    engine: DraftEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hiddens read off the wire come with their NaN/inf flag: the engine takes it as
+    given and checks only the hiddens that come without one."""
+    checked: list[int] = []
+    find = validation.finite_flags
+    monkeypatch.setattr(validation, "finite_flags", lambda ts: checked.append(len(ts)) or find(ts))
+    states = [prefill(engine, [1, 2, 3], h(3, 40)) for _ in range(3)]
+    engine.propose(ProposeArgs(states[2], 4, h(1, 41), 4, 2))
+    checked.clear()
+    flagged_refeed = Verdict(1, h(1, 43), refeed_finite=False)
+    together = engine.propose_groups(
+        [
+            [ProposeArgs(states[0], 4, h(1, 42), 4, 3)],  # no flag: checked here
+            [ProposeArgs(states[1], 4, h(1, 42), 4, 3, hidden_finite=False)],
+            [ProposeArgs(states[2], 5, h(1, 44), 6, 3, previous=flagged_refeed)],
+        ]
+    )
+    assert checked == [2]  # the unflagged hidden, and the hidden beside the flagged refeed
+    assert len(together[0][0].tokens) == 3
+    for refused, field in zip(together[1:], ("hidden", "previous.refeed_hiddens"), strict=True):
+        assert isinstance(refused, InvalidArgument)
+        assert (refused.reason, refused.field) == ("NOT_FINITE", field)
     assert_accounted(engine)
 
 
