@@ -106,7 +106,8 @@ class LocalBackend:
     def propose(
         self, requests: Sequence[pb.ProposeRequest], timeout: float | None, batch: bool = False
     ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
-        return self.propose_read(read_proposes(requests, batch), timeout)
+        # No NaN/inf flags here: the engine thread checks the batch (see wire_values).
+        return self.propose_read(read_proposes(requests, batch, flag_finite=False), timeout)
 
     def propose_read(
         self, requests: list[RawPropose], timeout: float | None
@@ -115,7 +116,7 @@ class LocalBackend:
         return self.scheduler.enqueue([wire.propose_args(r) for r in requests], timeout)
 
     async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount:
-        given = wire.verdict(read_verdict(request.verdict, "verdict"))
+        given = wire.verdict(read_verdict(request.verdict, "verdict", flag_finite=False))
         return await self.runner.call(self.engine.after_verify, request.state_id, given)
 
     async def take_kv(self, state_id: int) -> TakenKV:

@@ -120,7 +120,8 @@ class RemoteBackend:
     def propose(
         self, requests: Sequence[pb.ProposeRequest], timeout: float | None, batch: bool = False
     ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
-        read = read_proposes(requests, batch)  # a malformed request goes no further
+        # A malformed request goes no further; the engine process takes the NaN/inf flags.
+        read = read_proposes(requests, batch, flag_finite=True)
         timing = JobTiming(time.time_ns())
         call, future = self._open_call(timing)
         self.send(("propose", call, read, timeout))

@@ -131,6 +131,13 @@ def test_unknown_handle_is_not_found(client: DrafterClient) -> None:
         ({"hidden": T("FP32", [H + 1], bytes(4 * H + 4))}, "BAD_SHAPE", "hidden"),
         ({"hidden": T("FP32", [2, H], bytes(8 * H))}, "BAD_SHAPE", "hidden"),
         ({"hidden": T(99, [H], bytes(4 * H))}, "BAD_DTYPE", "hidden"),
+        # NaN and inf, little-endian: read in a front end or by the engine, refused alike.
+        (
+            {"hidden": T("FP32", [H], bytes(4 * H - 4) + b"\x00\x00\xc0\x7f")},
+            "NOT_FINITE",
+            "hidden",
+        ),
+        ({"hidden": T("BF16", [H], b"\x80\xff" + bytes(2 * H - 2))}, "NOT_FINITE", "hidden"),
         ({"token": V}, "TOKEN_OUT_OF_RANGE", "token"),
         ({"token": -1}, "TOKEN_OUT_OF_RANGE", "token"),
         ({"position": 9}, "POSITION_MISMATCH", "position"),
@@ -145,6 +152,15 @@ def test_unknown_handle_is_not_found(client: DrafterClient) -> None:
             {"previous": pb.Verdict(num_accepted=4)},
             "NUM_ACCEPTED_OUT_OF_RANGE",
             "previous.num_accepted",
+        ),
+        (
+            {
+                "previous": pb.Verdict(
+                    num_accepted=1, refeed_hiddens=T("FP16", [1, H], bytes(2 * H - 2) + b"\x00\x7c")
+                )
+            },
+            "NOT_FINITE",
+            "previous.refeed_hiddens",
         ),
     ],
 )

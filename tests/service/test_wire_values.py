@@ -31,12 +31,12 @@ def test_the_finite_flag_matches_isfinite_at_the_edges(dtype: torch.dtype) -> No
         for where in (0, 37, 63):  # first, inner, last element
             values = torch.randn(2, 32).to(dtype)
             values.view(-1)[where] = value
-            raw = read_hiddens(_tensor(values), "hidden")
+            raw = read_hiddens(_tensor(values), "hidden", flag_finite=True)
             assert raw.finite == bool(torch.isfinite(values).all()), (value, where)
             back = wire.to_tensor(raw)
             assert back.dtype == dtype  # and the same bits (NaN equals nothing):
             assert torch.equal(back.view(torch.uint8), values.view(torch.uint8))
-    assert read_hiddens(_tensor(torch.empty(0, 32, dtype=dtype)), "hidden").finite
+    assert read_hiddens(_tensor(torch.empty(0, 32, dtype=dtype)), "hidden", True).finite
 
 
 def test_malformed_tensors_are_refused_with_their_field() -> None:
@@ -52,17 +52,17 @@ def test_malformed_tensors_are_refused_with_their_field() -> None:
         bad.CopyFrom(good)
         spoil(bad)
         with pytest.raises(InvalidArgument) as refused:
-            read_propose(bad)
+            read_propose(bad, flag_finite=False)
         assert (refused.value.reason, refused.value.field) == (reason, "hidden")
         with pytest.raises(InvalidArgument) as in_batch:
-            read_proposes([good, bad], batch=True)
+            read_proposes([good, bad], batch=True, flag_finite=False)
         assert in_batch.value.message == f"requests[1].{refused.value.message}"
     bad_refeed = pb.ProposeRequest()
     bad_refeed.CopyFrom(good)
     bad_refeed.previous.refeed_hiddens.CopyFrom(_tensor(torch.randn(1, 8)))
     bad_refeed.previous.refeed_hiddens.dtype = pb.DTYPE_INT32
     with pytest.raises(InvalidArgument) as refused:
-        read_propose(bad_refeed)
+        read_propose(bad_refeed, flag_finite=True)
     assert refused.value.field == "previous.refeed_hiddens"
 
 
@@ -74,8 +74,11 @@ def test_read_values_cross_a_pickle_and_become_the_engines_arguments() -> None:
     request = m.propose_request(
         7, 2, hidden, 3, 4, bitmask=mask, min_confidence=0.25, previous=ClientVerdict(2, refeed)
     )
-    read = pickle.loads(pickle.dumps(read_proposes([request], batch=False), protocol=5))
-    (args,) = [wire.propose_args(r) for r in read]
+    read = read_proposes([request, request], batch=False, flag_finite=True)
+    read[1:] = read_proposes([request], batch=False, flag_finite=False)
+    args, unflagged = [wire.propose_args(r) for r in pickle.loads(pickle.dumps(read, protocol=5))]
+    # Unflagged: the engine checks them itself (a process's loop beside the engine's thread).
+    assert unflagged.hidden_finite is None and unflagged.previous.refeed_finite is None
     assert (args.state_id, args.token, args.position, args.num_drafts) == (7, 2, 3, 4)
     assert args.min_confidence == 0.25
     assert torch.equal(args.hidden, hidden) and args.hidden_finite
