@@ -42,11 +42,11 @@ class Chain:
         return self.stopped or len(self.drafts) == self.args.num_drafts
 
     def next_input(self) -> tuple[int, torch.Tensor, int]:
-        """(token, hidden [1, H], row index) of the chain's next row."""
+        """(token, hidden [H] or [1, H], row index) of the chain's next row."""
         if self.rows_computed == 0:
             return self.args.token, self.args.hidden, self.base_row
         assert self.last_hidden is not None
-        return self.drafts[-1], self.last_hidden[None], self.base_row + self.rows_computed
+        return self.drafts[-1], self.last_hidden, self.base_row + self.rows_computed
 
     def mask_row(self) -> torch.Tensor | None:
         if self.bitmask is None:

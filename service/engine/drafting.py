@@ -42,7 +42,8 @@ def first_drafts(
     """One forward: each state's recomputed verdict rows followed by its row R0."""
     segments = []
     for chain, rows in zip(chains, recomputed, strict=True):
-        hiddens = torch.cat([rows.hiddens.to(head.device), chain.args.hidden.to(head.device)])
+        hidden = chain.args.hidden.reshape(1, -1)
+        hiddens = torch.cat([rows.hiddens.to(head.device), hidden.to(head.device)])
         segments.append(
             Segment(chain.state, rows.start_row, [*rows.tokens, chain.args.token], hiddens)
         )
@@ -74,6 +75,14 @@ def _chain_bitmasks(chains: list[Chain], steps: int) -> torch.Tensor | None:
     return out
 
 
+def _rows(hiddens: list[torch.Tensor]) -> torch.Tensor:
+    """[n, H] from rows of [H] (the usual) or [1, H]: one torch call when they agree, as
+    each torch call on the engine thread hands the GIL to the event loop."""
+    if all(h.dim() == 1 for h in hiddens):
+        return torch.stack(hiddens)
+    return torch.cat([h if h.dim() == 2 else h[None] for h in hiddens])
+
+
 def chain_drafts(head: MTPHead, kv: KVCache, chains: list[Chain]) -> None:
     """The remaining drafts of every chain in one device-side chain of decode steps."""
     limits = [c.args.num_drafts - len(c.drafts) for c in chains]
@@ -85,7 +94,7 @@ def chain_drafts(head: MTPHead, kv: KVCache, chains: list[Chain]) -> None:
         kv,
         ChainInputs(
             tokens=torch.tensor([t for t, _, _ in starts], dtype=torch.int64),
-            hiddens=torch.cat(hiddens),
+            hiddens=_rows(hiddens),
             positions=torch.tensor([row for _, _, row in starts], dtype=torch.int64),
             limits=torch.tensor(limits, dtype=torch.int64),
             block_tables=block_tables([c.state for c in chains]),

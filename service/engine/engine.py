@@ -403,9 +403,7 @@ class DraftEngine:
             verdict, base_row = None, state.num_rows
         self._check_position(args.position, base_row + 1, "position")
         check.check_tokens([args.token], c.vocab_size, "token")
-        hidden = check.check_hiddens(
-            args.hidden, 1, c.hidden_size, "hidden", finite[id(args.hidden)]
-        )
+        hidden = check.check_row(args.hidden, c.hidden_size, "hidden", finite[id(args.hidden)])
         check.check_num_drafts(args.num_drafts, self.max_drafts)
         check.check_min_confidence(args.min_confidence)
         bitmask = check.check_bitmask(args.bitmask, args.num_drafts, c.vocab_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from mtpdraft.service.engine import validation
 from mtpdraft.service.engine.engine import DraftEngine
@@ -215,6 +216,51 @@ def test_a_finiteness_the_reader_found_is_not_checked_again(
         assert isinstance(refused, InvalidArgument)
         assert (refused.reason, refused.field) == ("NOT_FINITE", field)
     assert_accounted(engine)
+
+
+class _TorchCalls(TorchFunctionMode):
+    """Counts the torch calls that do work (not metadata reads), the MTP head's own aside."""
+
+    _METADATA = frozenset({"dim", "is_floating_point", "size", "numel", "__get__"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count, self.in_head = 0, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if not self.in_head and name not in self._METADATA:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_batch_makes_no_torch_call_per_request(
+    engine: DraftEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Around the head's forward, a batch's host work makes as many torch calls for 6
+    fresh proposals as for 2: on a serving engine thread every torch call hands the GIL
+    to the event loop, and winning it back can take a switch interval."""
+    counter = _TorchCalls()
+    decode_chain = engine.head.decode_chain
+
+    def uncounted(*args):
+        counter.in_head = True
+        try:
+            return decode_chain(*args)
+        finally:
+            counter.in_head = False
+
+    monkeypatch.setattr(engine.head, "decode_chain", uncounted)
+    counts = []
+    for n in (2, 6):
+        states = [prefill(engine, [1, 2, 3], h(3, 40 + i)) for i in range(n)]
+        groups = [[ProposeArgs(s, 4, h(1, 50 + i)[0], 4, 3)] for i, s in enumerate(states)]
+        with counter:
+            before = counter.count
+            results = engine.propose_groups(groups)
+            counts.append(counter.count - before)
+        assert all(len(r[0].tokens) == 3 for r in results)
+    assert counts[0] == counts[1], counts
 
 
 def test_leases_expire_idle_states_and_handles(engine: DraftEngine, clock: Clock) -> None:
