@@ -2,9 +2,9 @@
 
 Calls are told apart by an id; the answer (a result, or the engine error to raise
 again here) comes back with it. A Propose's requests are read and checked here
-(wire_values.py) and cross as plain values. A call cancelled here (the client went away)
-sends a cancel, so that the engine drops it too. Should the engine process go,
-every open call fails with UNAVAILABLE.
+(wire_values.py) and cross as plain values. A call cancelled here (the client
+went away) sends a cancel, so that the engine drops it too. Should the engine
+process go, every open call fails with UNAVAILABLE.
 """
 
 from __future__ import annotations
