@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mtpdraft.client import DrafterClient
 from mtpdraft.service import cli
@@ -46,3 +47,16 @@ def test_the_server_sets_the_engine_process_gil_switch_interval(mimo_checkpoint:
         assert asyncio.run(serve()) == pytest.approx(250e-6)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_torch_threads_are_set_where_the_engine_is_built(mimo_checkpoint: Path) -> None:
+    before = torch.get_num_threads()
+    assert _serve_args().torch_threads is None  # torch's own default unless asked
+    args = _serve_args("--model", str(mimo_checkpoint), "--device", "cpu", "--torch-threads", "1")
+    try:
+        torch.set_num_threads(2)  # so that the option, not the machine, makes it 1
+        engine = cli.build_engine(args)
+        assert torch.get_num_threads() == 1
+        assert engine.head.device.type == "cpu"
+    finally:
+        torch.set_num_threads(before)
