@@ -26,3 +26,28 @@ def test_render_rewrites_the_markdown_with_the_floor_column(tmp_path: Path) -> N
     first = next(r for r in rows if r.startswith("| ProposeStream |"))
     assert first.endswith(f"| +{stream - floor:.1f} us |")
     assert f"Command: `{report['command']}`" in rows
+
+
+def test_repeated_starts_are_reported_by_median_and_range() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_service
+
+    report = json.loads((ROOT / "bench/results/service.json").read_text())
+    engine = report["in_process"]["batched"]["64"]["drafts_per_s"]
+    report["repeats"] = {
+        "streams": 64,
+        "client": "Go",
+        "starts": 3,
+        "drafts_per_s": {"tracing_off": [16300.0, 21600.0, 19000.0], "front_ends_4": [20500.0]},
+    }
+    report["ratios"] = bench_service.ratios(report)
+    got = report["ratios"]["repeats"]["tracing_off"]
+    assert (got["median"], got["min"], got["max"]) == (19000.0, 16300.0, 21600.0)
+    assert got["median_over_batched"] == 19000.0 / engine
+    rows = bench_service.markdown(report).splitlines()
+    assert "| 64 streams, Go client, on 3 server starts |" in "\n".join(rows)
+    assert (
+        f"| one process | 16300, 21600, 19000 | 19000 | 16300 - 21600 | {19000 / engine:.2f}x |"
+        in rows
+    )
+    assert any(r.startswith("| 4 front-end processes | 20500 | 20500 |") for r in rows)
