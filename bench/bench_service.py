@@ -442,15 +442,18 @@ def floor_suite(
         work.num_drafts,
         step_s,
         sorted({1, *batches}),
-        lambda b: min(b, procs if procs is not None else default_client_processes(b)),
+        lambda b: client_processes(b, procs),
         work.steps,
         work.warmup,
     )
 
 
-def default_client_processes(streams: int) -> int:
-    """One process up to 8 streams; beyond, up to 4 (a quarter of the cores): one asyncio
-    client process tops out at a few thousand messages per second."""
+def client_processes(streams: int, asked: int | None) -> int:
+    """The asyncio client processes for `streams` streams: as asked (at most one a
+    stream), or one up to 8 streams and beyond, up to 4 (a quarter of the cores): one
+    asyncio client process tops out at a few thousand messages per second."""
+    if asked is not None:
+        return min(streams, asked)
     return 1 if streams <= 8 else max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
@@ -506,7 +509,7 @@ def grpc_suite(
             "streams": {},
         }
         for b in batches:
-            p = min(b, procs if procs is not None else default_client_processes(b))
+            p = client_processes(b, procs)
             if b == 1:  # one stream is the batch-1 hot path, measured above
                 got = out["stream_b1"]
             else:
@@ -571,7 +574,7 @@ def _on_new_server(
             return with_server_stats(
                 server, go_client, go_hotpath, server.target, streams, work, seed
             )
-        p = min(streams, procs if procs is not None else default_client_processes(streams))
+        p = client_processes(streams, procs)
         return with_server_stats(server, over_grpc, server.target, "stream", streams, work, p, seed)
     finally:
         server.stop()
@@ -635,16 +638,16 @@ def ratios(report: dict[str, Any]) -> dict[str, Any]:
     if "repeats" in report:
         b = str(report["repeats"]["streams"])
         engine = _get(inproc, "batched", b, "drafts_per_s")
-        out["repeats"] = {
-            key: {
-                "median": statistics.median(values),
-                "min": min(values),
-                "max": max(values),
-                "median_over_batched": _over(statistics.median(values), engine),
-            }
-            for key, values in report["repeats"]["drafts_per_s"].items()
-            if values
-        }
+        out["repeats"] = {}
+        for key, values in report["repeats"]["drafts_per_s"].items():
+            if values:
+                median = statistics.median(values)
+                out["repeats"][key] = {
+                    "median": median,
+                    "min": min(values),
+                    "max": max(values),
+                    "median_over_batched": _over(median, engine),
+                }
     if "tracing_on" in grpc:
         on_off = {
             f"{mode}_b1_p50": _over(
@@ -968,9 +971,9 @@ def main() -> int:
                     argv, True, work, batches, args.client_processes, notes
                 )
             counts = [int(n) for n in args.front_ends.split(",") if n and int(n) > 0]
-            for n in counts:
+            split = {n: [*argv, "--front-ends", str(n)] for n in counts}
+            for n, split_argv in split.items():
                 log(f"gRPC, tracing off, {n} front-end processes")
-                split_argv = [*argv, "--front-ends", str(n)]
                 report["grpc"][f"front_ends_{n}"] = grpc_suite(
                     split_argv, False, work, batches, args.client_processes, notes, go_hotpath
                 )
@@ -978,7 +981,7 @@ def main() -> int:
                 n = max(counts)
                 log(f"gRPC, tracing on, {n} front-end processes")
                 report["grpc"][f"tracing_on_front_ends_{n}"] = grpc_suite(
-                    [*argv, "--front-ends", str(n)],
+                    split[n],
                     True,
                     work,
                     batches,
@@ -988,7 +991,7 @@ def main() -> int:
             if args.repeats > 1:
                 most = max(batches)
                 servers = {"tracing_off": argv}
-                servers |= {f"front_ends_{n}": [*argv, "--front-ends", str(n)] for n in counts}
+                servers |= {f"front_ends_{n}": split_argv for n, split_argv in split.items()}
                 log(f"gRPC, {most} streams on {args.repeats - 1} more starts of each server")
                 report["repeats"] = {
                     "streams": most,
