@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from mtp_reference import Reference
 from torch.overrides import TorchFunctionMode
 
 from mtpdraft.service.engine import validation
@@ -29,9 +32,18 @@ class Clock:
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory) -> MTPHead:
-    folder = write_random_checkpoint(tmp_path_factory.mktemp("ckpt"), "mimo", seed=3)
-    return MTPHead(load_mtp_weights(folder), torch.device("cpu"))
+def checkpoint(tmp_path_factory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("ckpt"), "mimo", seed=3)
+
+
+@pytest.fixture(scope="module")
+def head(checkpoint: Path) -> MTPHead:
+    return MTPHead(load_mtp_weights(checkpoint), torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def ref(checkpoint: Path) -> Reference:
+    return Reference(checkpoint)
 
 
 @pytest.fixture
@@ -106,20 +118,30 @@ def test_row_counts_through_every_verdict(engine: DraftEngine) -> None:
     assert engine.pool.num_free == engine.pool.num_total
 
 
-def test_batch_mixes_lengths_thresholds_and_masks(engine: DraftEngine) -> None:
-    """One batch of different prompt lengths, K, thresholds and masks equals each alone."""
+def test_batch_mixes_lengths_thresholds_and_masks(engine: DraftEngine, ref: Reference) -> None:
+    """One batch of different prompt lengths, K, thresholds and masks equals each alone;
+    a threshold stops its chain where the oracle's running minimum first falls below it."""
     mask = torch.zeros(7, dtype=torch.int32)
     mask[1] = 0b1111  # tokens 32..35 only
+    # The oracle's chain for prompt 1..5 then token 2: a threshold halfway across the
+    # largest drop of its running minimum after the first draft keeps some drafts, then stops.
+    drafts, probs, _ = ref.propose([1, 2, 3, 4, 5, 2], torch.cat([h(5, 5), h(1, 31)]), 8)
+    running = [min(probs[: i + 1]) for i in range(8)]
+    cut = max(range(1, 8), key=lambda i: running[i - 1] - running[i])
+    assert running[cut - 1] - running[cut] > 0.01, running  # a drop far beyond fp32's error
+    tau = (running[cut - 1] + running[cut]) / 2
+    assert running[-1] < tau  # the full chain falls below tau: with 0 instead, no stop
 
     def requests(states: list[int]) -> list[ProposeArgs]:
         return [
             ProposeArgs(states[0], 1, h(1, 30), 3, 2),
-            ProposeArgs(states[1], 2, h(1, 31), 6, 8, min_confidence=0.99),
+            ProposeArgs(states[1], 2, h(1, 31), 6, 8, min_confidence=tau),
             ProposeArgs(states[2], 3, h(1, 32), 10, 5, bitmask=mask),
+            ProposeArgs(states[3], 2, h(1, 31), 6, 8, min_confidence=0.0),
         ]
 
     def states() -> list[int]:
-        return [prefill(engine, list(range(1, n + 1)), h(n, n)) for n in (2, 5, 9)]
+        return [prefill(engine, list(range(1, n + 1)), h(n, n)) for n in (2, 5, 9, 5)]
 
     def accept_all(states: list[int], proposals: list[Proposal]) -> list[ProposeArgs]:
         """Every draft accepted: each next row is (last draft, its chain's last hidden)."""
@@ -133,7 +155,13 @@ def test_batch_mixes_lengths_thresholds_and_masks(engine: DraftEngine) -> None:
     together = engine.propose_batch(requests(batched))
     alone = [engine.propose(args) for args in requests(single)]
     assert len(together[0].tokens) == 2
-    assert all(p >= 0.99 for p in together[1].probs) and len(together[1].tokens) < 8
+    stopped, unstopped = together[1], together[3]
+    assert 0 < cut < 8 and stopped.tokens == drafts[:cut]
+    assert stopped.probs == pytest.approx(probs[:cut], abs=1e-4)
+    assert stopped.confidence == pytest.approx(running[cut], abs=1e-4) and stopped.confidence < tau
+    assert unstopped.tokens == drafts  # the same chain with no threshold: all 8 drafts
+    assert unstopped.probs == pytest.approx(probs, abs=1e-4)
+    assert unstopped.confidence == pytest.approx(running[-1], abs=1e-4)
     assert set(together[2].tokens) <= {32, 33, 34, 35} and len(together[2].tokens) == 5
     # The chains stopped after different steps: the next proposals read each one's own.
     together += engine.propose_batch(accept_all(batched, together))
