@@ -6,7 +6,8 @@ import asyncio
 import threading
 
 import pytest
-from drafting import hiddens, tokens
+from drafting import Expected, hiddens, tokens
+from mtp_reference import Reference
 
 from mtpdraft.client import (
     AsyncDrafterClient,
@@ -16,6 +17,16 @@ from mtpdraft.client import (
     StateNotFound,
     Verdict,
 )
+
+
+@pytest.fixture(scope="module")
+def ref(mimo_checkpoint) -> Reference:
+    return Reference(mimo_checkpoint)
+
+
+def _assert_oracle(got, drafts: list[int], probs: list[float]) -> None:
+    assert got.tokens == drafts
+    assert got.probs == pytest.approx(probs, abs=2e-4)
 
 
 def _prompted(client: DrafterClient, n: int, seed: int) -> int:
@@ -35,6 +46,19 @@ def _steps(client: DrafterClient, state: int, propose) -> list:
         previous = Verdict(accepted, hiddens(accepted, 20 + step))
         position += accepted + 1
     client.after_verify(state, previous.num_accepted, refeed_hiddens=previous.refeed_hiddens)
+    return out
+
+
+def _oracle_steps(ref: Reference, n: int, seed: int) -> list[tuple[list[int], list[float]]]:
+    """The oracle's (drafts, probs) of `_steps` on a state prompted as `_prompted` does."""
+    exp = Expected(ref)
+    exp.add(tokens(n, seed), hiddens(n, seed))
+    out = []
+    for step in range(3):
+        x, h = tokens(1, 10 + step)[0], hiddens(1, 10 + step)
+        out.append(exp.propose(x, h, 3))
+        accepted = step % 3
+        exp.verdict(accepted, hiddens(accepted, 20 + step))
     return out
 
 
@@ -58,9 +82,24 @@ def test_stream_equals_unary_and_survives_errors(client: DrafterClient) -> None:
         client.free_state(state)
 
 
-def test_one_stream_carries_many_states_in_flight(client: DrafterClient) -> None:
+def test_one_stream_carries_many_states_in_flight(client: DrafterClient, ref: Reference) -> None:
+    """Six requests in flight on one stream, batched together: each answer is its own
+    state's, the oracle's drafts and what the same request gets alone on a twin state."""
     states = [_prompted(client, 3 + i, 30 + i) for i in range(6)]
-    alone = [client.propose(s, 1, hiddens(1, 40 + i), 4 + i, 4) for i, s in enumerate(states)]
+    twins = [_prompted(client, 3 + i, 30 + i) for i in range(6)]
+    oracle = []
+    for i, (state, twin) in enumerate(zip(states, twins, strict=True)):
+        exp = Expected(ref)
+        exp.add(tokens(3 + i, 30 + i), hiddens(3 + i, 30 + i))
+        first = exp.propose(1, hiddens(1, 40 + i), 4)
+        for s in (state, twin):
+            _assert_oracle(client.propose(s, 1, hiddens(1, 40 + i), 4 + i, 4), *first)
+        exp.verdict(0)
+        oracle.append(exp.propose(2, hiddens(1, 50 + i), 4))
+    alone = [
+        client.propose(s, 2, hiddens(1, 50 + i), 5 + i, 4, previous=Verdict(0))
+        for i, s in enumerate(twins)
+    ]
     before = client.info().batch_size_counts
     with client.stream() as stream:
         futures = [
@@ -72,31 +111,45 @@ def test_one_stream_carries_many_states_in_flight(client: DrafterClient) -> None
     requests = sum(n * (after.get(n, 0) - before.get(n, 0)) for n in after)
     assert requests == 6  # the server's batch-size histogram counted each request once
     assert [r.state_id for r in results] == states
-    assert all(len(r.tokens) == 4 for r in results)
-    assert all(len(a.tokens) == 4 for a in alone)
-    for state in states:
+    assert len({tuple(drafts) for drafts, _ in oracle}) > 1  # the answers tell states apart
+    for got, one, want in zip(results, alone, oracle, strict=True):
+        _assert_oracle(got, *want)
+        assert got.tokens == one.tokens and got.probs == pytest.approx(one.probs, abs=1e-5)
+        assert got.first_position == one.first_position
+    for state in states + twins:
         client.after_verify(state, 0)
         client.free_state(state)
 
 
-def test_streams_from_many_threads_at_once(client: DrafterClient, server) -> None:
+def test_streams_from_many_threads_at_once(client: DrafterClient, server, ref: Reference) -> None:
+    """Eight verifiers, each on its own channel and stream: each gets its own state's drafts."""
     errors: list[BaseException] = []
+    answers: dict[int, list] = {}
 
     def verifier(seed: int) -> None:
         try:
             with DrafterClient(server.address, timeout=30) as own, own.stream() as stream:
                 state = _prompted(own, 5, seed)
-                _steps(own, state, stream.propose)
+                answers[seed] = _steps(own, state, stream.propose)
+                assert all(p.state_id == state for p in answers[seed])
                 own.free_state(state)
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=verifier, args=(60 + i,)) for i in range(8)]
+    seeds = [60 + i for i in range(8)]
+    threads = [threading.Thread(target=verifier, args=(seed,)) for seed in seeds]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a verifier did not finish"
     assert not errors, errors
+    assert sorted(answers) == seeds
+    oracle = {seed: _oracle_steps(ref, 5, seed) for seed in seeds}
+    assert len({tuple(o[0][0]) for o in oracle.values()}) > 1  # the answers tell states apart
+    for seed in seeds:
+        for got, want in zip(answers[seed], oracle[seed], strict=True):
+            _assert_oracle(got, *want)
 
 
 def test_async_stream(server) -> None:
