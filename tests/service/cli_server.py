@@ -1,0 +1,62 @@
+"""`mtpdraft serve ARGV` built in this process, as the command builds it.
+
+The command parses its flags, builds the engine (`cli.build_engine`) and the
+server around it (`cli.build_server`) and starts it; `CliServer` does the same,
+with the event loop on a thread of its own, so that a test can reach into the
+engine and the scheduler of the server it talks to. Cheaper than a subprocess
+(no second torch import), for the flags whose effect lives in those builders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from mtpdraft.service import cli
+from mtpdraft.service.telemetry import Telemetry
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    """`mtpdraft serve ARGV` parsed by the command's own parser."""
+    parser = argparse.ArgumentParser()
+    cli._serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+class CliServer:
+    """The server of `mtpdraft serve --port 0 --device cpu ARGV`, started; `stop()` drains it."""
+
+    def __init__(self, *argv: str, telemetry: Telemetry | None = None) -> None:
+        self.args = serve_args("--port", "0", "--device", "cpu", *argv)
+        self.engine = cli.build_engine(self.args)
+        self._switch_interval = sys.getswitchinterval()  # build_server sets the process's
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+        async def start():
+            server = cli.build_server(self.args, self.engine, telemetry or Telemetry())
+            await server.start()
+            return server
+
+        self.server = self.run(start())
+        self.address = f"{self.args.host}:{self.server.port}"
+
+    @property
+    def scheduler(self):
+        return self.server.backend.scheduler
+
+    def run(self, coroutine: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        try:
+            self.run(self.server.drain(0))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            sys.setswitchinterval(self._switch_interval)
