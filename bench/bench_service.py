@@ -6,10 +6,10 @@ verdict (0 accepted: the same rows every step, on both sides):
 
 1. the in-process draft step at batch 1 (engine.propose), p50;
 2. the batch-1 hot path over gRPC on loopback: ProposeStream and unary Propose
-   (previous=...), p50, against (1) (DESIGN: the stream at most 150 us above);
+   (previous=...), p50, against (1) (DESIGN.md, "Targets": the stream at most 150 us above);
 3. 1, 8 and 64 concurrent streams (one state each) in drafts per second, against
    the in-process batched step (engine.propose_batch) at the same batch sizes
-   (DESIGN: at least 0.8x at 64), with the server's mean batch and, read from
+   (DESIGN.md, "Targets": at least 0.8x at 64), with the server's mean batch and, read from
    /proc over the measured steps, its event loop's CPU per message, how busy the
    loop was and the other threads' CPU per message (the engine thread's included);
 4. tracing on (an SDK TracerProvider with a no-op exporter in the server) against
@@ -597,7 +597,7 @@ def _over(a: float | None, b: float | None) -> float | None:
 
 
 def ratios(report: dict[str, Any]) -> dict[str, Any]:
-    """Every comparison the DESIGN asks for, None where a side is missing."""
+    """Every comparison DESIGN.md ("Targets") asks for, None where a side is missing."""
     inproc, grpc = report["in_process"], report["grpc"]
     b1 = _get(inproc, "batched", "1", "p50_us")
     out: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """Model shapes the benchmarks use (no imports: client worker processes re-import it)."""
 
-# The MiMo-7B MTP layer's shape (DESIGN.md), with random weights.
+# The MiMo-7B MTP layer's shape (DESIGN.md, "MTP families"), with random weights.
 MIMO_7B = dict(
     hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
     intermediate_size=11008, vocab_size=151680,

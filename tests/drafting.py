@@ -1,6 +1,6 @@
 """A verifier's view of one state for the tests: what rows the server must hold.
 
-`Expected` mirrors a state's rows (token, hidden) as DESIGN.md defines them and
+`Expected` mirrors a state's rows (token, hidden) as DESIGN.md ("The contract") defines them and
 asks the float64 oracle what the next proposal must be, so a test can pin every
 AfterVerify case by the drafts that follow it.
 """

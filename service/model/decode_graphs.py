@@ -2,7 +2,7 @@
 
 A draft step at decode batch sizes is a couple dozen short kernels; launched one
 by one from Python they cost more than the step itself (measured: the eager step
-is 5-6x the HBM roofline at batch 1, DESIGN.md). So the step is captured once per
+is 5-6x the HBM roofline at batch 1, DESIGN.md, "The draft step"). So the step is captured once per
 batch-size bucket, and it advances itself: it reads its step's positions, slots
 and mask from tables staged for the whole chain (indexed by a step counter on the
 device), writes its draft, probability and hidden into per-step outputs, and feeds

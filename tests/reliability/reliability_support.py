@@ -27,7 +27,7 @@ H = 64  # hidden size of the test checkpoint (tests/drafting.py)
 V = 200  # its vocabulary
 BLOCK = 4  # rows per KV block on every reliability server
 
-# The codes DESIGN.md and the proto document; anything else (UNKNOWN, INTERNAL, ...) is a bug.
+# The codes DESIGN.md ("Errors") and the proto document; any other (UNKNOWN, INTERNAL...) is a bug.
 DOCUMENTED = frozenset({
     grpc.StatusCode.OK,
     grpc.StatusCode.NOT_FOUND,

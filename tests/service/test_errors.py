@@ -1,4 +1,4 @@
-"""Every error of DESIGN.md over the wire: its status code, its reason, and no change.
+"""Every error of DESIGN.md ("Errors") over the wire: its status code, its reason, and no change.
 
 Each bad request is followed by a check that the state is as it was: the next
 valid proposal equals the oracle's over the rows the state held before, and
