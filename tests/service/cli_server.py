@@ -1,4 +1,4 @@
-"""`mtpdraft serve ARGV` built in this process, as the command builds it.
+"""`mtpdraft serve ARGV` built in this process, as the command builds it; an engine held busy.
 
 The command parses its flags, builds the engine (`cli.build_engine`) and the
 server around it (`cli.build_server`) and starts it; `CliServer` does the same,
@@ -17,6 +17,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from mtpdraft.service import cli
+from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.telemetry import Telemetry
 
 
@@ -60,3 +61,18 @@ class CliServer:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
             sys.setswitchinterval(self._switch_interval)
+
+
+def hold_the_engine(engine: DraftEngine) -> tuple[threading.Event, threading.Event]:
+    """Makes the engine's next batched forward wait until `release` is set (60 s at most):
+    returns (entered, release). Calls that come meanwhile stay queued."""
+    entered, release = threading.Event(), threading.Event()
+    forward = engine.propose_groups
+
+    def held(groups):
+        entered.set()
+        release.wait(60)
+        return forward(groups)
+
+    engine.propose_groups = held
+    return entered, release

@@ -7,14 +7,13 @@ scheduler's queue; a server per test, since each test's flags differ.
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from cli_server import CliServer, serve_args
+from cli_server import CliServer, hold_the_engine, serve_args
 from drafting import Expected, hiddens, tokens
 from mtp_reference import Reference
 
@@ -146,25 +145,11 @@ def test_no_cuda_graphs_serves_eagerly_on_a_gpu(mimo_checkpoint) -> None:
 # --- --max-queue ----------------------------------------------------------------------
 
 
-def _hold_the_engine(server: CliServer) -> tuple[threading.Event, threading.Event]:
-    """Makes the next batched forward wait: (entered, release)."""
-    entered, release = threading.Event(), threading.Event()
-    forward = server.engine.propose_groups
-
-    def held(groups):
-        entered.set()
-        release.wait(60)
-        return forward(groups)
-
-    server.engine.propose_groups = held
-    return entered, release
-
-
 def test_max_queue_refuses_the_call_past_n_waiting(serve) -> None:
     server = serve("--max-queue", "2")
     with DrafterClient(server.address, timeout=60) as c, ThreadPoolExecutor(4) as pool:
         states = [c.alloc_state() for _ in range(4)]
-        entered, release = _hold_the_engine(server)
+        entered, release = hold_the_engine(server.engine)
 
         def propose(i: int):
             return c.propose(states[i], 1, hiddens(1, i)[0], 1, 2)

@@ -1,9 +1,15 @@
-"""OpenTelemetry: the client's span parents the server's, child spans, and the metrics."""
+"""OpenTelemetry: the client's span parents the server's, child spans, the metrics, and the
+OTEL_* variables that switch it on (test_otel_export.py: through server processes)."""
 
 from __future__ import annotations
 
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import pytest
+from cli_server import hold_the_engine
 from drafting import hiddens, tokens
 from opentelemetry.instrumentation.grpc import client_interceptor, intercept_channel
 from opentelemetry.sdk.metrics import MeterProvider
@@ -15,7 +21,7 @@ from opentelemetry.trace import SpanKind
 from servers import InProcessServer, small_engine
 
 from mtpdraft.client import DrafterClient, Verdict
-from mtpdraft.service.telemetry import Telemetry
+from mtpdraft.service.telemetry import Telemetry, providers_from_env
 
 
 @pytest.fixture
@@ -135,3 +141,140 @@ def test_streams_work_and_are_traced_with_tracing_on(traced) -> None:
     assert len(children["mtpdraft.queue"]) == len(children["mtpdraft.forward"]) == 2
     methods = {p.attributes["rpc.method"] for p in _metrics(reader)["rpc.server.duration"]}
     assert "ProposeStream" in methods
+
+
+def _gauges(reader: InMemoryMetricReader) -> dict[str, int]:
+    """The engine's gauges as read now, by name without the `mtpdraft.` prefix."""
+    names = ("kv.blocks.used", "kv.blocks.free", "kv.handles", "states.live", "queue.depth")
+    found = _metrics(reader)
+    return {name: found[f"mtpdraft.{name}"][0].value for name in names}
+
+
+def _server_span(exporter: InMemorySpanExporter, method: str) -> list:
+    name = f"/mtpdraft.v1.Drafter/{method}"
+    return [s for s in exporter.get_finished_spans() if s.name == name]
+
+
+def test_kv_gauges_follow_the_states_and_kv_calls_have_spans(traced) -> None:
+    server, _, exporter, reader = traced
+
+    def used() -> tuple[int, int]:
+        gauges = _gauges(reader)
+        return gauges["kv.blocks.used"], gauges["kv.blocks.free"]
+
+    def counts() -> tuple[int, int]:
+        gauges = _gauges(reader)
+        return gauges["states.live"], gauges["kv.handles"]
+
+    assert used() == (0, 256) and counts() == (0, 0)
+    with DrafterClient(server.address, timeout=30) as c:
+        donor, taker = c.alloc_state(), c.alloc_state()
+        assert used() == (0, 256) and counts() == (2, 0)  # no KV until rows arrive
+        c.prefill(donor, tokens(9, 1), hiddens(9, 1), 1)  # 9 rows in blocks of 4
+        assert used() == (3, 253)
+        handle = c.take_kv(donor)
+        assert used() == (3, 253) and counts() == (2, 1)  # the handle holds the blocks
+        c.install_kv(taker, handle)
+        assert used() == (3, 253) and counts() == (2, 0)
+        c.free_state(donor)
+        assert used() == (3, 253) and counts() == (1, 0)  # the donor was empty
+        c.free_state(taker)
+        assert used() == (0, 256) and counts() == (0, 0)
+    for method, operation in (("TakeKV", "take"), ("InstallKV", "install"), ("FreeState", "free")):
+        parents = {s.context.span_id for s in _server_span(exporter, method)}
+        kv = [s for s in exporter.get_finished_spans() if s.name == f"mtpdraft.kv.{operation}"]
+        assert parents and {s.parent.span_id for s in kv} == parents, method
+
+
+def test_queue_depth_counts_the_calls_waiting_for_a_batch(traced) -> None:
+    server, _, _, reader = traced
+
+    def depth() -> int:
+        return _gauges(reader)["queue.depth"]
+
+    with DrafterClient(server.address, timeout=60) as c, ThreadPoolExecutor(3) as pool:
+        states = [c.alloc_state() for _ in range(3)]
+        entered, release = hold_the_engine(server.server.engine)
+
+        def propose(i: int):
+            return c.propose(states[i], 1, hiddens(1, i)[0], 1, 2)
+
+        try:
+            calls = [pool.submit(propose, 0)]
+            assert entered.wait(30), "the first call never reached the engine"
+            assert depth() == 0  # computing, not waiting
+            calls += [pool.submit(propose, i) for i in (1, 2)]
+            deadline = time.monotonic() + 30
+            while depth() != 2:
+                assert time.monotonic() < deadline, "the two calls never showed as queued"
+                time.sleep(0.02)
+        finally:
+            release.set()
+        assert all(len(call.result(60).tokens) == 2 for call in calls)
+        assert depth() == 0
+        for state in states:
+            c.after_verify(state, 0)
+            c.free_state(state)
+
+
+# --- the OTEL_* variables ----------------------------------------------------------------
+
+
+@pytest.fixture
+def otel_env(monkeypatch):
+    """No OTEL_* variable set, whatever the environment of the run holds."""
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"},
+        {
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_METRICS_EXPORTER": "console",
+            "OTEL_SDK_DISABLED": "true",
+        },
+    ],
+    ids=["unset", "none", "sdk-disabled"],
+)
+def test_telemetry_is_off_unless_an_exporter_is_named(otel_env, env) -> None:
+    for name, value in env.items():
+        otel_env.setenv(name, value)
+    assert providers_from_env() == (None, None)
+    telemetry = Telemetry(*providers_from_env())
+    assert not telemetry.tracing and not telemetry.metering
+    assert telemetry.server_interceptors() == []  # no per-call cost
+
+
+def test_each_exporter_variable_switches_on_its_own_signal(otel_env) -> None:
+    otel_env.setenv("OTEL_TRACES_EXPORTER", "console")
+    tracer_provider, meter_provider = providers_from_env()
+    assert tracer_provider is not None and meter_provider is None
+    otel_env.delenv("OTEL_TRACES_EXPORTER")
+    otel_env.setenv("OTEL_METRICS_EXPORTER", "CONSOLE")
+    tracer_provider, meter_provider = providers_from_env()
+    assert tracer_provider is None and meter_provider is not None
+    meter_provider.shutdown()
+
+
+@pytest.mark.parametrize("variable", ["OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER"])
+def test_an_unknown_exporter_is_refused_by_name(otel_env, variable: str) -> None:
+    otel_env.setenv(variable, "zipkin")
+    with pytest.raises(ValueError, match=f"{variable}='zipkin': use otlp, console or none"):
+        providers_from_env()
+
+
+def test_the_resource_is_named_by_the_otel_variables(otel_env) -> None:
+    otel_env.setenv("OTEL_TRACES_EXPORTER", "console")
+    tracer_provider, _ = providers_from_env()
+    assert tracer_provider.resource.attributes["service.name"] == "mtpdraft"  # the default
+    otel_env.setenv("OTEL_SERVICE_NAME", "drafter-eu")
+    otel_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=staging")
+    tracer_provider, _ = providers_from_env()
+    attributes = tracer_provider.resource.attributes
+    assert attributes["service.name"] == "drafter-eu"
+    assert attributes["deployment.environment"] == "staging"
