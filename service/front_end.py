@@ -10,10 +10,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from mtpdraft.v1 import drafter_pb2 as pb
-from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
 from .security import TokenAuthInterceptor, TokenSource
-from .servicer import DrafterServicer
+from .servicer import DrafterServicer, add_to_server
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -68,7 +67,7 @@ class FrontEnd:
             ],
         )
         servicer = DrafterServicer(backend, telemetry, max_message_bytes)
-        pb_grpc.add_DrafterServicer_to_server(servicer, self.server)
+        add_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if reflection_enabled:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)

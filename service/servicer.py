@@ -5,6 +5,12 @@ shared by several front ends; Propose calls of every kind (unary, batch, stream)
 are batched across clients there. Each handler raises engine errors; the `rpc`
 wrapper turns them into status codes (with ErrorInfo / BadRequest details) and
 records the RPC's duration.
+
+`add_to_server` registers the handlers with request deserializers that never
+raise: bytes that do not parse as the method's message reach the handler as an
+`Undecodable`, which it refuses as INVALID_ARGUMENT (reason MALFORMED_MESSAGE)
+like any other bad request, with at most one log line per MALFORMED_LOG_PERIOD_S
+(grpc would answer UNKNOWN and log a traceback for each, and end nothing on a stream).
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, message_factory
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from opentelemetry import trace
@@ -36,6 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("mtpdraft.servicer")
 
 ERROR_DOMAIN = "mtpdraft.v1"
+# At most one log line this often about requests that do not parse: junk cannot flood it.
+MALFORMED_LOG_PERIOD_S = 10.0
 _CODES: dict[type[errors.DrafterError], grpc.StatusCode] = {
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -99,6 +108,68 @@ def _client_host(peer: str) -> str:
     return peer
 
 
+class Undecodable:
+    """What a request deserializer gives for bytes that do not parse as `message_type`."""
+
+    __slots__ = ("message_type",)
+
+    def __init__(self, message_type: str) -> None:
+        self.message_type = message_type
+
+
+def _parser(message_class) -> Callable[[bytes], object]:
+    """`message_class`'s deserializer, an `Undecodable` where it would raise."""
+    parse, undecodable = message_class.FromString, Undecodable(message_class.DESCRIPTOR.full_name)
+
+    def parse_or_mark(data: bytes):
+        try:
+            return parse(data)
+        except DecodeError:
+            return undecodable
+
+    return parse_or_mark
+
+
+class _MalformedLog:
+    """Logs refused undecodable messages: a line at once, then at most one a period,
+    counting those it stood for."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self._count = 0
+        self._next = 0.0  # monotonic time from which the next line may go
+
+    def refused(self, message: Undecodable, peer: str) -> errors.InvalidArgument:
+        """The error that answers `message`, logged."""
+        self._count += 1
+        now = time.monotonic()
+        if now >= self._next:
+            log.warning(
+                "%d request message(s) refused since the last such line: they do not parse "
+                "(the last as a %s, from %s); at most one such line every %g s",
+                self._count,
+                message.message_type,
+                peer,
+                self.period,
+            )
+            self._count, self._next = 0, now + self.period
+        return errors.InvalidArgument(
+            f"the request's bytes do not parse as {message.message_type}",
+            reason="MALFORMED_MESSAGE",
+        )
+
+
+_malformed = _MalformedLog(MALFORMED_LOG_PERIOD_S)
+
+
+async def _parsed(messages: AsyncIterator, peer: str) -> AsyncIterator:
+    """A client stream's messages; INVALID_ARGUMENT at one that does not parse."""
+    async for msg in messages:
+        if type(msg) is Undecodable:
+            raise _malformed.refused(msg, peer)
+        yield msg
+
+
 Handler = Callable[..., Awaitable]
 
 
@@ -109,6 +180,8 @@ def rpc(handler: Handler) -> Handler:
     async def wrapper(self: DrafterServicer, request, context: grpc.aio.ServicerContext):
         started, code = time.perf_counter(), grpc.StatusCode.OK
         try:
+            if type(request) is Undecodable:
+                raise _malformed.refused(request, context.peer())
             return await handler(self, request, context)
         except errors.DrafterError as err:
             code = _CODES[type(err)]
@@ -165,7 +238,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     @rpc
     async def Prefill(self, request_iterator: AsyncIterator[pb.PrefillChunk], context):
         with self.telemetry.kv_span("prefill"):
-            rows = await self.backend.prefill(request_iterator)
+            rows = await self.backend.prefill(_parsed(request_iterator, context.peer()))
         return pb.PrefillResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
     @rpc
@@ -186,6 +259,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         start and wake-ups cost the loop more than the message's own work when
         many streams are busy. Errors are answers, not statuses, so the `rpc`
         wrapper is not needed here; the RPC's duration is recorded all the same.
+        A message that does not parse is answered so too, with request_id 0.
         """
         started, code = time.perf_counter(), grpc.StatusCode.OK
         answers: asyncio.Queue[pb.ProposeStreamResponse | None] = asyncio.Queue()
@@ -204,20 +278,28 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 reply.proposal.CopyFrom(_proposal(proposal))
             answers.put_nowait(reply)
 
+        def refuse(request_id: int, err: errors.DrafterError) -> None:
+            refused = pb.ProposeStreamResponse(request_id=request_id)
+            refused.error.CopyFrom(_error_value(err))
+            answers.put_nowait(refused)
+
         async def read() -> None:
-            async for msg in request_iterator:
-                try:
-                    job, timing = self.backend.propose([msg], context.time_remaining())
-                except errors.DrafterError as err:
-                    refused = pb.ProposeStreamResponse(request_id=msg.request_id)
-                    refused.error.CopyFrom(_error_value(err))
-                    answers.put_nowait(refused)
-                    continue
-                in_flight.add(job)
-                job.add_done_callback(functools.partial(answer, msg.request_id, timing))
-            if in_flight:
-                await asyncio.wait(list(in_flight))
-            answers.put_nowait(None)
+            try:
+                async for msg in request_iterator:
+                    if type(msg) is Undecodable:  # its request_id cannot be read: 0
+                        refuse(0, _malformed.refused(msg, context.peer()))
+                        continue
+                    try:
+                        job, timing = self.backend.propose([msg], context.time_remaining())
+                    except errors.DrafterError as err:
+                        refuse(msg.request_id, err)
+                        continue
+                    in_flight.add(job)
+                    job.add_done_callback(functools.partial(answer, msg.request_id, timing))
+                if in_flight:
+                    await asyncio.wait(list(in_flight))
+            finally:
+                answers.put_nowait(None)  # also when reading failed: the stream ends, never hangs
 
         reader = asyncio.create_task(read())
         try:
@@ -258,3 +340,32 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         with self.telemetry.kv_span("free"):
             existed = await self.backend.free_state(request.state_id)
         return pb.FreeStateResponse(existed=existed)
+
+
+_HANDLERS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_to_server(servicer: DrafterServicer, server: grpc.aio.Server) -> None:
+    """As the generated add_DrafterServicer_to_server, but every method's request
+    deserializer hands bytes that do not parse to the handler as an `Undecodable`."""
+    service = pb.DESCRIPTOR.services_by_name["Drafter"]
+    handlers = {}
+    for method in service.methods:
+        make = _HANDLERS[method.client_streaming, method.server_streaming]
+        request, response = map(
+            message_factory.GetMessageClass, (method.input_type, method.output_type)
+        )
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_parser(request),
+            response_serializer=response.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(service.full_name, handlers)

@@ -140,7 +140,10 @@ class DrafterServicer(object):
         unary Propose would have returned; an error does not end the stream. One
         stream may carry many states and many requests in flight: answers come as
         they are ready, possibly out of order. Requests from all streams and
-        calls are batched together.
+        calls are batched together. A message whose bytes do not parse as a
+        ProposeRequest is answered too, with request_id 0 (its own cannot be
+        read) and an INVALID_ARGUMENT error, reason MALFORMED_MESSAGE; the
+        stream goes on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
