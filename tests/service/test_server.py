@@ -15,9 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from mtp_reference import Reference
 from servers import SERVER_ARGS, start_server
 
-from mtpdraft.client import DrafterClient, StateNotFound, Unavailable
+from mtpdraft.client import DrafterClient, StateNotFound, Unavailable, Verdict
+from mtpdraft.service.model.default_model import DEFAULT_CHECKPOINT
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -124,10 +126,51 @@ def test_cli_names_a_broken_checkpoint(tmp_path) -> None:
     assert "no *.safetensors files" in done.stderr
 
 
+# How far a bf16 server's log-probabilities may be from the float64 oracle's. The
+# default model's logits reach |12|, where bf16 keeps a spacing of 2^-4: storing a
+# logit alone moves it by up to 0.031, and log p = l - logsumexp(l) can double that;
+# every op before it (the hidden passed on included) rounds to 8 significant bits
+# too. One CPU's worst over 36 drafts was 0.058. A draft whose oracle log-probability
+# is within this of the top's is a near-tie either token may win; a larger margin
+# decides the token.
+BF16_LOG_TOL = 0.2
+
+
+def _oracle_follow(
+    ref: Reference, tokens: list[int], hiddens: torch.Tensor, drafts: list[int]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The oracle's log-probabilities at each step of a chain whose drafts are given
+    (the server's), and the output hidden each step passes on."""
+    tokens, hiddens = list(tokens), hiddens.double()
+    log_probs, outs = [], []
+    for draft in drafts:
+        out = ref.rows(tokens, hiddens)[-1]
+        log_probs.append(ref.logits(out).log_softmax(-1))
+        outs.append(out)
+        tokens.append(draft)
+        hiddens = torch.cat([hiddens, out[None]])
+    return log_probs, outs
+
+
+def _assert_bf16_chain(proposal, log_probs: list[torch.Tensor]) -> int:
+    """Each draft is the oracle's top token or within a near-tie of it, with the
+    oracle's probability; returns how many drafts the oracle's margin decided."""
+    assert len(proposal.tokens) == len(log_probs)
+    decided = 0
+    for token, prob, lp in zip(proposal.tokens, proposal.probs, log_probs, strict=True):
+        top2 = lp.topk(2).values
+        assert lp[token] >= top2[0] - BF16_LOG_TOL, (token, int(lp.argmax()))
+        assert abs(torch.tensor(prob).log() - lp[token]) <= BF16_LOG_TOL, (prob, lp[token].exp())
+        decided += int(top2[0] - top2[1] > BF16_LOG_TOL)
+    return decided
+
+
 def test_the_embedded_default_model_serves_drafts() -> None:
-    """What a newcomer runs first: `mtpdraft serve` with no --model."""
+    """What a newcomer runs first: `mtpdraft serve` with no --model. Its bf16 drafts
+    follow the float64 oracle on the embedded checkpoint, over a verdict too."""
     cmd = [sys.executable, "-m", "mtpdraft", "serve", "--port", "0", "--device", "cpu"]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ref = Reference(DEFAULT_CHECKPOINT)
     try:
         address = None
         for line in process.stdout:
@@ -138,13 +181,23 @@ def test_the_embedded_default_model_serves_drafts() -> None:
         with DrafterClient(address, timeout=30) as c:
             info = c.info()
             assert (info.model_family, info.compute_dtype) == ("mimo", "bfloat16")
+            assert (info.vocab_size, info.hidden_size) == (256, 384)
+            rows = torch.randn(10, info.hidden_size, generator=torch.Generator().manual_seed(0))
+            rows = rows.to(torch.bfloat16)  # the oracle reads the same values, in float64
             state = c.alloc_state()
-            prompt = torch.randn(8, info.hidden_size).to(torch.bfloat16)
-            c.prefill(state, list(range(1, 9)), prompt, 1)
-            proposal = c.propose(state, 9, prompt[-1], 9, 4)
-            assert len(proposal.tokens) == 4
-            assert all(0 <= t < info.vocab_size for t in proposal.tokens)
-            assert all(0 < p <= 1 for p in proposal.probs)
+            c.prefill(state, list(range(1, 9)), rows[:8], 1)
+            first = c.propose(state, 9, rows[8], 9, 6)
+            tokens, hiddens = [*range(1, 10)], rows[:9].double()
+            log_probs, outs = _oracle_follow(ref, tokens, hiddens, first.tokens)
+            decided = _assert_bf16_chain(first, log_probs)
+            # Two drafts accepted: their rows keep the chain's hiddens, then R0 = (20, h).
+            second = c.propose(state, 20, rows[9], 12, 4, previous=Verdict(2))
+            tokens += [*first.tokens[:2], 20]
+            hiddens = torch.cat([hiddens, *(o[None] for o in outs[:2]), rows[9:].double()])
+            log_probs, _ = _oracle_follow(ref, tokens, hiddens, second.tokens)
+            decided += _assert_bf16_chain(second, log_probs)
+            assert decided >= 5  # most drafts are no near-tie: their tokens are checked exactly
+            c.after_verify(state, 0)
             assert c.free_state(state)
     finally:
         process.terminate()
