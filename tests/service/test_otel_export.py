@@ -1,0 +1,244 @@
+"""Telemetry switched on by the standard OTEL_* variables, from real `mtpdraft serve` processes.
+
+An OTLP/gRPC collector in this process receives what a server exports, in one
+process and with two front-end processes (the RPC spans and duration metric come
+from the front ends there, the engine's metrics from the engine process): the
+same spans, parented by a traced client's, and the same metrics, under the
+resource and at the endpoint the variables name. Every server flushes its
+telemetry when it stops, so the checks run on what arrived by then.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+from drafting import hiddens, tokens
+from opentelemetry.instrumentation.grpc import client_interceptor, intercept_channel
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from servers import SERVER_ARGS, ServerProcess, start_server
+
+from mtpdraft.client import DrafterClient, Verdict
+
+SERVICE = "/mtpdraft.v1.Drafter/"
+METRICS = {
+    "rpc.server.duration",
+    "mtpdraft.batch.size",
+    "mtpdraft.drafts.proposed",
+    "mtpdraft.drafts.verified",
+    "mtpdraft.drafts.accepted",
+    "mtpdraft.kv.blocks.free",
+    "mtpdraft.kv.blocks.used",
+    "mtpdraft.kv.handles",
+    "mtpdraft.states.live",
+    "mtpdraft.queue.depth",
+}
+
+
+@dataclass
+class Collector:
+    """An OTLP/gRPC receiver of spans and metrics; keeps every request and its metadata."""
+
+    spans: list = field(default_factory=list)  # (resource attributes, span)
+    metric_names: set[str] = field(default_factory=set)
+    resources: list[dict] = field(default_factory=list)
+    headers: list[dict] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> str:
+        collector = self
+
+        class Traces(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):
+                collector.received(request.resource_spans, "scope_spans", context)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
+            def Export(self, request, context):
+                collector.received(request.resource_metrics, "scope_metrics", context)
+                return metrics_service_pb2.ExportMetricsServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), self.server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Metrics(), self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        return f"http://127.0.0.1:{port}"
+
+    def received(self, resources, scopes: str, context) -> None:
+        with self.lock:
+            self.headers.append(dict(context.invocation_metadata()))
+            for resource in resources:
+                attributes = {a.key: a.value.string_value for a in resource.resource.attributes}
+                self.resources.append(attributes)
+                for scope in getattr(resource, scopes):
+                    if scopes == "scope_spans":
+                        self.spans += [(attributes, s) for s in scope.spans]
+                    else:
+                        self.metric_names |= {m.name for m in scope.metrics}
+
+    def named(self, name: str) -> list:
+        return [span for _, span in self.spans if span.name == name]
+
+
+@dataclass
+class Exported:
+    """What one server exported, and the client's own spans of the same calls."""
+
+    collector: Collector
+    client_spans: list
+    output: str
+    exit_code: int
+
+
+OTEL_ENV = {
+    "OTEL_TRACES_EXPORTER": "otlp",
+    "OTEL_METRICS_EXPORTER": "otlp",
+    "OTEL_SERVICE_NAME": "drafter-under-test",
+    "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=ci",
+    "OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=verifiers",
+}
+
+
+def _start(mimo_checkpoint, collector: Collector, front_ends: str) -> ServerProcess:
+    with pytest.MonkeyPatch.context() as env:  # the server process inherits these
+        for name, value in OTEL_ENV.items():
+            env.setenv(name, value)
+        env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.start())
+        return start_server(mimo_checkpoint, *SERVER_ARGS, "--front-ends", front_ends)
+
+
+def _traced_calls(address: str) -> list:
+    """Every call kind from a traced client; returns the client's finished spans."""
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    channel = intercept_channel(
+        grpc.insecure_channel(address), client_interceptor(tracer_provider=tracer_provider)
+    )
+    with DrafterClient(channel=channel, timeout=30) as c:
+        state, other = c.alloc_state(), c.alloc_state()
+        c.prefill(state, tokens(5, 1), hiddens(5, 1), 1)
+        c.propose(state, 1, hiddens(1, 2)[0], 6, 3)
+        with c.stream() as stream:
+            stream.propose(state, 2, hiddens(1, 3)[0], 9, 3, previous=Verdict(2))
+        c.after_verify(state, 1)
+        c.install_kv(other, c.take_kv(state))
+        c.free_state(state)
+        c.free_state(other)
+    channel.close()
+    return list(exporter.get_finished_spans())
+
+
+@pytest.fixture(scope="module")
+def exported(mimo_checkpoint) -> dict[str, Exported]:
+    """One server in one process and one with two front ends, each exporting to a
+    collector of its own; the same calls to each; both stopped (which flushes)."""
+    collectors = {"0": Collector(), "2": Collector()}
+    servers: dict[str, ServerProcess] = {}
+    results = {}
+    try:
+        for n, collector in collectors.items():  # one after the other: each its own env
+            servers[n] = _start(mimo_checkpoint, collector, n)
+        for n, server in servers.items():
+            results[n] = _traced_calls(server.address)
+    finally:
+        for server in servers.values():  # both drain at once
+            server.process.terminate()
+        codes = {n: server.process.wait(60) for n, server in servers.items()}
+        for collector in collectors.values():
+            collector.server.stop(0)
+    return {
+        n: Exported(
+            collectors[n],
+            results[n],
+            "".join(server.lines) + server.process.stdout.read(),
+            codes[n],
+        )
+        for n, server in servers.items()
+    }
+
+
+FRONT_ENDS = pytest.mark.parametrize("front_ends", ["0", "2"], ids=["one-process", "2-front-ends"])
+
+
+@FRONT_ENDS
+def test_otlp_goes_to_the_endpoint_with_the_headers_and_resource_named(exported, front_ends):
+    got = exported[front_ends]
+    assert got.exit_code == 0, got.output
+    assert got.collector.headers, "nothing was exported"
+    assert all(h.get("x-tenant") == "verifiers" for h in got.collector.headers)
+    for resource in got.collector.resources:
+        assert resource["service.name"] == "drafter-under-test"
+        assert resource["deployment.environment"] == "ci"
+
+
+@FRONT_ENDS
+def test_each_rpc_has_a_server_span_parented_by_the_clients(exported, front_ends) -> None:
+    got = exported[front_ends]
+    client = [s for s in got.client_spans if s.kind == SpanKind.CLIENT]
+    methods = ["AllocState", "Prefill", "Propose", "ProposeStream", "AfterVerify", "TakeKV"]
+    methods += ["InstallKV", "FreeState"]
+    assert {s.name for s in client} == {SERVICE + m for m in methods}
+    served = {s.span_id: s for _, s in got.collector.spans if s.name.startswith(SERVICE)}
+    assert len(served) == len(client) == 10
+    for span in client:
+        (server_span,) = [s for s in served.values() if s.parent_span_id == span_id(span)]
+        assert server_span.name == span.name
+        assert server_span.trace_id == span.context.trace_id.to_bytes(16, "big")
+
+
+def span_id(span) -> bytes:
+    return span.context.span_id.to_bytes(8, "big")
+
+
+@FRONT_ENDS
+def test_queue_forward_and_kv_spans_sit_under_their_rpc(exported, front_ends) -> None:
+    collector = exported[front_ends].collector
+
+    def parents(name: str) -> list[str]:
+        by_id = {s.span_id: s.name for _, s in collector.spans}
+        return sorted(by_id[s.parent_span_id] for s in collector.named(name))
+
+    proposing = [SERVICE + "Propose", SERVICE + "ProposeStream"]
+    assert parents("mtpdraft.queue") == parents("mtpdraft.forward") == proposing
+    for forward in collector.named("mtpdraft.forward"):
+        (size,) = [a.value.int_value for a in forward.attributes if a.key.endswith("requests")]
+        assert size == 1
+    for operation, rpc in [
+        ("prefill", "Prefill"),
+        ("after_verify", "AfterVerify"),
+        ("take", "TakeKV"),
+        ("install", "InstallKV"),
+    ]:
+        assert parents(f"mtpdraft.kv.{operation}") == [SERVICE + rpc]
+    assert parents("mtpdraft.kv.free") == [SERVICE + "FreeState"] * 2
+
+
+@FRONT_ENDS
+def test_every_metric_is_exported(exported, front_ends) -> None:
+    assert exported[front_ends].collector.metric_names >= METRICS
+
+
+def test_console_exporters_print_spans_and_metrics(mimo_checkpoint, monkeypatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "console")
+    server = start_server(mimo_checkpoint, *SERVER_ARGS)
+    try:
+        with DrafterClient(server.address, timeout=30) as c:
+            c.free_state(c.alloc_state())
+    finally:
+        assert server.stop() == 0
+    out = "".join(server.lines) + server.process.stdout.read()
+    for name in (SERVICE + "AllocState", SERVICE + "FreeState", "mtpdraft.kv.free"):
+        assert f'"name": "{name}"' in out
+    for name in ("mtpdraft.states.live", "rpc.server.duration"):
+        assert f'"name": "{name}"' in out
