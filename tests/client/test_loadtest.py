@@ -27,6 +27,7 @@ from mtpdraft.client.loadtest import (
     run_load,
     run_loadtest,
 )
+from mtpdraft.client.loadtest_report import MAX_PLOT_POINTS
 from mtpdraft.client.loadtest_verifier import Acceptance, IntRange
 from mtpdraft.service.telemetry import Telemetry
 
@@ -73,9 +74,71 @@ def _check_report(report: dict, *, k: int = 3) -> None:
     assert sum(bin["steps"] for bin in report["timeline"]) == report["steps"]
 
 
+def _check_plot(fig, report: dict, plot: Path) -> None:
+    """The figure shows the report's run: every step's latency, the timeline's p50 and
+    p99, the server's batch sizes; the PNG is that figure, read back."""
+    import matplotlib.image
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    ax_lat, ax_batch = fig.axes
+    c = report["config"]
+    assert ax_lat.get_title() == (
+        f"{c['verifiers']} verifiers, stream, closed loop, K={c['num_drafts']}: "
+        f"{report['drafts_per_s']:.0f} drafts/s"
+    )
+    assert (ax_lat.get_xlabel(), ax_lat.get_ylabel()) == (
+        "seconds since the first step",
+        "latency (ms)",
+    )
+    (scatter,) = ax_lat.collections
+    sent, latency = np.asarray(scatter.get_offsets()).T
+    stats = report["latency_ms"]["propose"]
+    assert stats["count"] == report["steps"]
+    assert len(latency) == min(report["steps"], MAX_PLOT_POINTS)
+    if len(latency) == report["steps"]:  # every step drawn, none sampled away
+        assert latency.max() == pytest.approx(stats["max"])
+        assert np.percentile(latency, 50) == pytest.approx(stats["p50"])
+    assert sent.min() >= 0 and sent.max() <= report["elapsed_s"]
+    bins = [b for b in report["timeline"] if b["steps"]]
+    lines = {line.get_label(): line for line in ax_lat.get_lines()}
+    assert set(lines) == {"p50", "p99"}
+    for name, line in lines.items():
+        assert list(line.get_ydata()) == pytest.approx([b[f"{name}_ms"] for b in bins])
+        middles = [b["t"] + report["timeline_bin_s"] / 2 for b in bins]
+        assert list(line.get_xdata()) == pytest.approx(middles)
+    legend = [t.get_text() for t in ax_lat.get_legend().get_texts()]
+    assert legend == ["propose round trip", "p50", "p99"]
+    counts = report["server_batches"]["counts"]
+    assert ax_batch.get_title() == (
+        f"server batch sizes (mean {report['server_batches']['mean_batch']:.2f})"
+    )
+    assert (ax_batch.get_xlabel(), ax_batch.get_ylabel()) == (
+        "requests per batched forward",
+        "batches",
+    )
+    bars = {round(bar.get_x() + bar.get_width() / 2): bar.get_height() for bar in ax_batch.patches}
+    assert bars == {int(size): n for size, n in counts.items()}
+    # The file is this figure: its size at 100 dpi, with the bars' and the p99 line's colours.
+    image = matplotlib.image.imread(plot)[..., :3]
+    assert image.shape[:2] == (round(fig.get_figheight() * 100), round(fig.get_figwidth() * 100))
+    for colour in ("tab:orange", "tab:red"):
+        assert (np.abs(image - to_rgb(colour)).max(-1) < 0.02).sum() > 20, colour
+
+
 def test_stream_closed_loop_writes_json_and_png(
-    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch
 ) -> None:
+    from matplotlib.figure import Figure
+
+    saved = []
+    savefig = Figure.savefig
+
+    def keep(fig, *args, **kwargs):  # the figure the loadtest saves, for _check_plot
+        saved.append(fig)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
     out, plot = tmp_path / "report.json", tmp_path / "report.png"
     rc = _cli(
         "--target", server.address, *SHORT, "--duration", "2", "--out", str(out),
@@ -89,6 +152,8 @@ def test_stream_closed_loop_writes_json_and_png(
     assert "from_arrival" not in report["latency_ms"]
     assert report["sequences"] >= 4
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (fig,) = saved
+    _check_plot(fig, report, plot)
 
 
 def test_unary_open_loop_with_refeed(server: ServerProcess) -> None:
