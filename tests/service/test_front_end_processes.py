@@ -1,0 +1,105 @@
+"""The front-end processes of `mtpdraft serve --front-ends N` and the engine process's
+signals: the front ends ignore signals, stop once the engine process is gone, and a
+front end that dies takes its queued Proposes out of the engine's queue undrafted.
+
+test_split_server.py has the rest of the split's lifecycle (a front end killed
+mid-Prefill, the last one gone, SIGTERM stopping them all).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from cli_server import CliServer, hold_the_engine
+from drafting import hiddens
+from servers import SERVER_ARGS, ServerProcess, start_server
+
+from mtpdraft.client import DrafterClient, Unavailable
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/net"), reason="reads /proc (Linux)")
+
+
+def wait_until(predicate, timeout: float = 30.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def front_end_pids(server: ServerProcess) -> list[int]:
+    """The server's front-end processes (spawned children; not multiprocessing's tracker)."""
+    pid = server.process.pid
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    pids = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                pids.append(child)
+    return pids
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_front_ends_ignore_signals_and_stop_once_the_engine_process_is_gone(mimo_checkpoint):
+    server = start_server(mimo_checkpoint, *SERVER_ARGS, "--front-ends", "2")
+    try:
+        front_ends = front_end_pids(server)
+        assert len(front_ends) == 2
+        for pid in front_ends:  # a terminal's Ctrl-C reaches every process of the group
+            os.kill(pid, signal.SIGINT)
+            os.kill(pid, signal.SIGTERM)
+        with DrafterClient(server.address, timeout=10) as c:
+            for _ in range(8):  # fresh connections, spread over both
+                with DrafterClient(server.address, timeout=10) as fresh:
+                    fresh.free_state(fresh.alloc_state())
+            time.sleep(0.5)
+            assert all(running(pid) for pid in front_ends)
+            assert c.info().live_states == 0
+        # The engine process killed outright: no drain, no word to the front ends.
+        server.process.kill()
+        server.process.wait(10)
+        wait_until(lambda: not any(running(pid) for pid in front_ends), what="front ends to stop")
+        with DrafterClient(server.address, timeout=5) as c, pytest.raises(Unavailable):
+            c.info()
+    finally:
+        server.stop()
+
+
+def test_a_dead_front_ends_queued_proposes_are_never_drafted(mimo_checkpoint) -> None:
+    server = CliServer("--model", str(mimo_checkpoint), *SERVER_ARGS, "--front-ends", "1")
+    try:
+        (process,) = server.server.processes
+        with DrafterClient(server.address, timeout=30) as c, ThreadPoolExecutor(2) as pool:
+            busy, queued = c.alloc_state(), c.alloc_state()
+            entered, release = hold_the_engine(server.engine)
+            try:
+                calls = [pool.submit(c.propose, busy, 1, hiddens(1, 1)[0], 1, 2)]
+                assert entered.wait(30), "the first call never reached the engine"
+                calls.append(pool.submit(c.propose, queued, 1, hiddens(1, 2)[0], 1, 2))
+                wait_until(lambda: server.scheduler.queued == 1, what="the queued call")
+                process.kill()
+                # The engine process sees the link close and cancels what it had open.
+                wait_until(server.server.gone.is_set, what="the front end's link to close")
+            finally:
+                release.set()
+            for call in calls:
+                with pytest.raises(Unavailable):
+                    call.result(30)
+        wait_until(lambda: server.scheduler.queued == 0, what="the queue to empty")
+        server.run(server.scheduler.settle(10))
+        # Both states are kept (their verifier's lease); the queued call was not drafted.
+        assert set(server.engine.states) == {busy, queued}
+        assert server.engine.states[queued].pending is None
+    finally:
+        server.stop()
