@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import grpc
@@ -14,24 +15,58 @@ from mtpdraft.client import DrafterClient, ResourceExhausted
 LIMITS = ("--max-states-per-client", "3", "--max-rows-per-state", "40", "--max-inflight", "3")
 
 
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def limited(mimo_checkpoint):
-    proc = start_server(mimo_checkpoint, *SERVER_ARGS, *LIMITS)
+    # "localhost" binds 127.0.0.1 and ::1 on one port: two client hosts on loopback.
+    proc = start_server(mimo_checkpoint, *SERVER_ARGS, *LIMITS, "--host", "localhost")
     yield proc
     assert proc.stop() == 0
 
 
+# A channel of its own: not the process's shared connection to the same target.
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="needs ::1 for a second client host")
 def test_states_per_client(limited) -> None:
-    with DrafterClient(limited.address, timeout=10) as c:
+    """The limit is each client host's: 127.0.0.1 at its limit is refused (on any of its
+    connections) while ::1 still allocates, up to a limit of its own."""
+    port = limited.address.rsplit(":", 1)[1]
+    with (
+        DrafterClient(f"127.0.0.1:{port}", timeout=10) as c,
+        DrafterClient(f"127.0.0.1:{port}", timeout=10, options=OWN_CONNECTION) as same_host,
+        DrafterClient(f"[::1]:{port}", timeout=10) as other,
+    ):
         states = [c.alloc_state() for _ in range(3)]
+        for client in (c, same_host):
+            with pytest.raises(ResourceExhausted) as err:
+                client.alloc_state()
+            assert err.value.reason == "STATES_PER_CLIENT_EXCEEDED"
+            assert "limit per client" in err.value.details
+        others = [other.alloc_state() for _ in range(3)]  # the other host is not at its limit
         with pytest.raises(ResourceExhausted) as err:
-            c.alloc_state()
+            other.alloc_state()
         assert err.value.reason == "STATES_PER_CLIENT_EXCEEDED"
-        assert "limit per client" in err.value.details
+        assert c.info().live_states == 6
+        other.free_state(others.pop())
+        with pytest.raises(ResourceExhausted):  # another host's free makes no room here
+            c.alloc_state()
         c.free_state(states.pop())
-        states.append(c.alloc_state())  # freeing one makes room again
+        states.append(same_host.alloc_state())  # freeing one makes room again
+        others.append(other.alloc_state())
         for state in states:
             c.free_state(state)
+        for state in others:
+            other.free_state(state)
         assert c.info().live_states == 0
 
 
