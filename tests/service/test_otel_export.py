@@ -49,6 +49,7 @@ class Collector:
 
     spans: list = field(default_factory=list)  # (resource attributes, span)
     metric_names: set[str] = field(default_factory=set)
+    metric_exports: list[set[str]] = field(default_factory=list)  # each from one process
     resources: list[dict] = field(default_factory=list)
     headers: list[dict] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -76,6 +77,8 @@ class Collector:
     def received(self, resources, scopes: str, context) -> None:
         with self.lock:
             self.headers.append(dict(context.invocation_metadata()))
+            if scopes == "scope_metrics":
+                self.metric_exports.append(set())
             for resource in resources:
                 attributes = {a.key: a.value.string_value for a in resource.resource.attributes}
                 self.resources.append(attributes)
@@ -84,6 +87,7 @@ class Collector:
                         self.spans += [(attributes, s) for s in scope.spans]
                     else:
                         self.metric_names |= {m.name for m in scope.metrics}
+                        self.metric_exports[-1] |= {m.name for m in scope.metrics}
 
     def named(self, name: str) -> list:
         return [span for _, span in self.spans if span.name == name]
@@ -226,6 +230,23 @@ def test_queue_forward_and_kv_spans_sit_under_their_rpc(exported, front_ends) ->
 @FRONT_ENDS
 def test_every_metric_is_exported(exported, front_ends) -> None:
     assert exported[front_ends].collector.metric_names >= METRICS
+
+
+def test_front_ends_export_the_rpc_metrics_and_the_engine_process_the_rest(exported) -> None:
+    """Each export comes from one process's meter: with front ends, the RPCs' metrics
+    (their duration, the drafts they returned) and the engine's never share one; in one
+    process they do."""
+    rpc_metrics = {"rpc.server.duration", "mtpdraft.drafts.proposed"}
+
+    def kinds(front_ends: str) -> list[tuple[bool, bool]]:
+        return [
+            (bool(names & rpc_metrics), bool(names & (METRICS - rpc_metrics)))
+            for names in exported[front_ends].collector.metric_exports
+        ]
+
+    assert (True, True) in kinds("0")
+    assert (True, True) not in kinds("2")
+    assert (True, False) in kinds("2") and (False, True) in kinds("2")
 
 
 def test_console_exporters_print_spans_and_metrics(mimo_checkpoint, monkeypatch) -> None:
