@@ -7,6 +7,8 @@ scheduler's queue; a server per test, since each test's flags differ.
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +18,7 @@ import torch
 from cli_server import CliServer, hold_the_engine, serve_args
 from drafting import Expected, hiddens, tokens
 from mtp_reference import Reference
+from safetensors.torch import save_file
 
 from mtpdraft.client import DrafterClient, ResourceExhausted, Unavailable
 from mtpdraft.service import cli
@@ -53,6 +56,49 @@ def _draft(address: str, seed: int = 0, k: int = 4):
         proposal = c.propose(state, 7, hiddens(1, seed + 1)[0], 7, k)
         c.free_state(state)
     return proposal
+
+
+# --- --model, --device ---------------------------------------------------------------
+
+
+def test_a_full_target_checkpoint_serves_its_mtp_head(serve, deepseek_checkpoint, tmp_path):
+    """Its decoder layers (MLA and MoE here, which the MTP layer may not be) and final
+    norm sit beside the MTP layer; only the MTP layer, the embedding and the head are
+    read: the drafts are the MTP-only checkpoint's, and a shard of target layers alone
+    may even be missing."""
+    full = tmp_path / "full"
+    shutil.copytree(deepseek_checkpoint, full)
+    target = {
+        "model.layers.0.self_attn.q_a_proj.weight": torch.randn(8, 64),
+        "model.layers.0.mlp.experts.0.up_proj.weight": torch.randn(8, 64),
+        "model.layers.1.input_layernorm.weight": torch.randn(64),
+        "model.norm.weight": torch.randn(64),
+    }
+    save_file(target, full / "model-target.safetensors")
+    index = json.loads((full / "model.safetensors.index.json").read_text())
+    index["weight_map"] |= dict.fromkeys(target, "model-target.safetensors")
+    (full / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    def drafts(server: CliServer) -> tuple[list[int], list[float]]:
+        proposal = _draft(server.address, seed=9)
+        return proposal.tokens, proposal.probs
+
+    expected = drafts(serve(model=deepseek_checkpoint))
+    assert drafts(serve(model=full)) == expected
+    (full / "model-target.safetensors").unlink()
+    assert drafts(serve(model=full)) == expected
+
+
+def test_device_auto_picks_cuda_when_there_is_one_else_the_cpu(mimo_checkpoint) -> None:
+    engine = cli.build_engine(serve_args("--model", str(mimo_checkpoint), *SMALL))  # auto
+    assert engine.info().device == ("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA device")
+def test_device_cuda_without_one_is_refused(mimo_checkpoint) -> None:
+    args = serve_args("--model", str(mimo_checkpoint), "--device", "cuda")
+    with pytest.raises(SystemExit, match="--device cuda, but no CUDA device is available"):
+        cli.build_engine(args)
 
 
 # --- --host ---------------------------------------------------------------------------
