@@ -20,7 +20,7 @@ from drafting import Expected, hiddens, tokens
 from mtp_reference import Reference
 from safetensors.torch import save_file
 
-from mtpdraft.client import DrafterClient, ResourceExhausted, Unavailable
+from mtpdraft.client import DrafterClient, ProposeArgs, ResourceExhausted, Unavailable
 from mtpdraft.service import cli
 from mtpdraft.service.model.synthetic import write_random_checkpoint
 
@@ -186,6 +186,49 @@ def test_no_cuda_graphs_serves_eagerly_on_a_gpu(mimo_checkpoint) -> None:
     eager = cli.build_engine(serve_args(*model, "--no-cuda-graphs"))
     assert graphed.head._graphs is not None
     assert eager.head._graphs is None
+
+
+# --- --max-batch ----------------------------------------------------------------------
+
+
+def test_calls_of_every_kind_from_every_client_share_a_forward_of_max_batch(serve) -> None:
+    """While a batch computes, a Propose, a ProposeBatch of two, a stream message and
+    another Propose queue up, from three clients: the next forward takes the first
+    four requests in arrival order (--max-batch 4), the last waits for the one after."""
+    server = serve("--max-batch", "4")
+    with (
+        DrafterClient(server.address, timeout=60) as a,
+        DrafterClient(server.address, timeout=60) as b,
+        DrafterClient(server.address, timeout=60) as c,
+        ThreadPoolExecutor(5) as pool,
+        c.stream() as stream,
+    ):
+        s = [a.alloc_state() for _ in range(6)]
+
+        def args(i: int) -> tuple:
+            return (s[i], 1, hiddens(1, i)[0], 1, 2)
+
+        entered, release = hold_the_engine(server.engine)
+        try:
+            calls = [pool.submit(a.propose, *args(0))]
+            assert entered.wait(30), "the first call never reached the engine"
+            queued = [
+                (a.propose, args(1)),
+                (b.propose_batch, ([ProposeArgs(*args(2)), ProposeArgs(*args(3))],)),
+                (stream.propose, args(4)),
+                (a.propose, args(5)),
+            ]
+            for n, (call, call_args) in enumerate(queued, start=1):
+                calls.append(pool.submit(call, *call_args))  # one at a time: in this order
+                wait_until(lambda n=n: server.scheduler.queued == n, what=f"{n} queued")
+        finally:
+            release.set()
+        results = [call.result(60) for call in calls]
+        proposals = [p for r in results for p in (r if isinstance(r, list) else [r])]
+        assert [len(p.tokens) for p in proposals] == [2] * 6
+        assert a.info().batch_size_counts == {1: 2, 4: 1}
+        for state in s:
+            a.free_state(state)
 
 
 # --- --max-queue ----------------------------------------------------------------------
