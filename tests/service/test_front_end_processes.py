@@ -1,6 +1,7 @@
-"""The front-end processes of `mtpdraft serve --front-ends N` and the engine process's
-signals: the front ends ignore signals, stop once the engine process is gone, and a
-front end that dies takes its queued Proposes out of the engine's queue undrafted.
+"""The front-end processes of `mtpdraft serve --front-ends N` and signals: the front ends
+ignore them, Ctrl-C drains the whole server through the engine process, the front ends
+stop once the engine process is gone, and a front end that dies takes its queued
+Proposes out of the engine's queue undrafted.
 
 test_split_server.py has the rest of the split's lifecycle (a front end killed
 mid-Prefill, the last one gone, SIGTERM stopping them all).
@@ -101,5 +102,23 @@ def test_a_dead_front_ends_queued_proposes_are_never_drafted(mimo_checkpoint) ->
         # Both states are kept (their verifier's lease); the queued call was not drafted.
         assert set(server.engine.states) == {busy, queued}
         assert server.engine.states[queued].pending is None
+    finally:
+        server.stop()
+
+
+def test_ctrl_c_drains_the_whole_server(mimo_checkpoint) -> None:
+    """A terminal's Ctrl-C sends SIGINT to every process of the group: the engine process
+    drains (its grace period, then frees what is left) and the front ends wait for it."""
+    server = start_server(mimo_checkpoint, *SERVER_ARGS, "--front-ends", "2")
+    try:
+        front_ends = front_end_pids(server)
+        with DrafterClient(server.address, timeout=10) as c:
+            c.prefill(c.alloc_state(), [1, 2, 3], hiddens(3, 1), 1)
+        for pid in [server.process.pid, *front_ends]:
+            os.kill(pid, signal.SIGINT)
+        assert server.process.wait(30) == 0
+        out = "".join(server.lines) + server.process.stdout.read()
+        assert "draining (grace period 2 s)" in out and "freed 1 live states" in out
+        wait_until(lambda: not any(running(pid) for pid in front_ends), what="front ends to stop")
     finally:
         server.stop()
