@@ -22,6 +22,9 @@ from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_sh
 __all__ = ["gemv", "gemv_config"]
 
 MAX_ROWS = 64
+# Shared memory for the x and w tiles in flight (Hopper has 227 KB a block): one set a
+# pipeline stage with 64-row tiles (wgmma reads its operands there), one fewer below.
+SHARED_BYTES = 200 * 1024
 
 
 @triton.jit
@@ -101,6 +104,9 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype) -> dict[str, object]
     stages = 3
     if dtype == torch.float32 or block_m > 16:
         block_k, stages = block_k // 2, 4
+    buffers = stages if block_m >= 64 else stages - 1
+    while buffers * (block_m + block_n) * block_k * torch.finfo(dtype).bits // 8 > SHARED_BYTES:
+        block_k //= 2
     return {
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,

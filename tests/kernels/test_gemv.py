@@ -88,17 +88,18 @@ def test_lm_head_drafts_without_allowed_tokens_gives_minus_one(device: torch.dev
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 16])
-def test_gpu_mimo_shapes(m: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 8, 16, 33, 64])
+def test_gpu_mimo_shapes(m: int, dtype: torch.dtype) -> None:
+    """Every tile configuration the MiMo-7B shapes use, fp32 included (its tiles must fit)."""
     gen = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, 4096, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(m, 4096, device="cuda", generator=gen).to(dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for n, k in [(6144, 4096), (4096, 11008), (22016, 4096)]:
-        w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
-        xk = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-        torch.testing.assert_close(
-            gemv(xk, w).float(), F.linear(xk, w).float(), atol=2e-2, rtol=2e-2
-        )
-    head = (torch.randn(151680, 4096, device="cuda", generator=gen) / 64).bfloat16()
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype)
+        xk = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+        torch.testing.assert_close(gemv(xk, w).float(), F.linear(xk, w).float(), atol=tol, rtol=tol)
+    head = (torch.randn(151680, 4096, device="cuda", generator=gen) / 64).to(dtype)
     tokens, probs = lm_head_drafts(x, head, None)
     logits = F.linear(x, head).float()
     top2 = logits.topk(2, dim=-1).values
