@@ -12,6 +12,7 @@ The worker publishes an upper bound on what the server may hold for it (blocks, 
 handles) in a shared array, raised before each call and lowered after: the monitor in
 the test process checks the server's GetInfo against the sum over workers. A state
 whose last call was cut short (its outcome unknown) counts at its largest until freed.
+It also publishes how many sessions it has run, for the monitor to see it progress.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from mtpdraft.client import messages as m
 from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
 H, V, BLOCK = 64, 200, 4
-SLOTS = 6  # per worker: bound and peak of blocks, states, handles
-SLACK = 5.0  # an abandoned state counts this long past its lease (the reaper's delay)
+SLOTS = 7  # per worker: bound and peak of blocks, states, handles; sessions run
+SESSIONS = 6  # the slot of the sessions run
+PATIENCE = 120.0  # a call's deadline: only a failure reaches it
 CUT = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -40,8 +42,11 @@ def blocks_for(rows: int) -> int:
 class Ledger:
     """This worker's upper bound on the server's holdings, published for the monitor."""
 
-    def __init__(self, index: int, shared, lock, ttl: float) -> None:
+    def __init__(self, index: int, shared, lock, ttl: float, slack: float) -> None:
         self.base, self.shared, self.lock, self.ttl = index * SLOTS, shared, lock, ttl
+        self.slack = (
+            slack  # an abandoned state counts this long past its lease (the reaper's delay)
+        )
         self.states: dict[int, int] = {}  # id -> most rows it may hold
         self.handles: dict[int, int] = {}  # id -> rows
         self.abandoned: list[tuple[float, int, int, int]] = []  # until, blocks, states, handles
@@ -61,11 +66,11 @@ class Ledger:
 
     def abandon_state(self, state: int) -> None:
         rows = self.states.pop(state)
-        self.abandoned.append((time.monotonic() + self.ttl + SLACK, blocks_for(rows), 1, 0))
+        self.abandoned.append((time.monotonic() + self.ttl + self.slack, blocks_for(rows), 1, 0))
 
     def abandon_handle(self, handle: int, taken_at: float) -> None:
         rows = self.handles.pop(handle)
-        self.abandoned.append((taken_at + self.ttl + SLACK, blocks_for(rows), 0, 1))
+        self.abandoned.append((taken_at + self.ttl + self.slack, blocks_for(rows), 0, 1))
 
 
 @dataclass
@@ -76,11 +81,13 @@ class State:
 
 
 class Worker:
-    def __init__(self, index: int, address: str, seed: int, shared, lock, ttl: float) -> None:
+    def __init__(
+        self, index: int, address: str, seed: int, shared, lock, ttl: float, slack: float
+    ) -> None:
         self.rng = np.random.default_rng(seed)
-        self.client = DrafterClient(address, timeout=20)
+        self.client = DrafterClient(address, timeout=PATIENCE)
         self.stub = pb_grpc.DrafterStub(self.client.channel)
-        self.ledger = Ledger(index, shared, lock, ttl)
+        self.ledger = Ledger(index, shared, lock, ttl, slack)
         self.stats: Counter = Counter()
         self.errors: Counter = Counter()
 
@@ -333,13 +340,13 @@ class Worker:
                 time.sleep(gap)
                 yield from second
 
-            future = self.stub.Prefill.future(chunks(), timeout=20)
+            future = self.stub.Prefill.future(chunks(), timeout=PATIENCE)
             time.sleep(float(self.rng.uniform(0, 0.01)))
             future.cancel()
             self.raw("Prefill", future)
         else:
             request = m.propose_request(state.id, 1, self.hid(1)[0], position, k, previous=verdict)
-            call = self.stub.ProposeStream(iter([request]), timeout=20)
+            call = self.stub.ProposeStream(iter([request]), timeout=PATIENCE)
             time.sleep(float(self.rng.uniform(0, 0.01)))
             call.cancel()
             self.stats["stream_messages"] += 1
@@ -379,6 +386,8 @@ class Worker:
                 stream.close()
         self.end(states)
         self.stats["sessions"] += 1
+        with self.ledger.lock:
+            self.ledger.shared[self.ledger.base + SESSIONS] = self.stats["sessions"]
 
     def end(self, states: list[State]) -> None:
         how = str(self.rng.choice(["free", "abandon", "handle"], p=[0.75, 0.2, 0.05]))
@@ -415,11 +424,24 @@ class _StreamFuture:
             pass
 
 
-def run(index: int, address: str, seconds: float, seed: int, shared, lock, ttl, results) -> None:
-    """The process entry point: sessions until `seconds` have passed; puts its figures."""
-    worker = Worker(index, address, seed, shared, lock, ttl)
+def run(
+    index: int,
+    address: str,
+    shared,
+    lock,
+    results,
+    *,
+    seconds: float,
+    least: int,
+    seed: int,
+    ttl: float,
+    slack: float,
+) -> None:
+    """The process entry point: sessions until `seconds` have passed and at least `least`
+    ran, however slow the machine; puts its figures."""
+    worker = Worker(index, address, seed, shared, lock, ttl, slack)
     started = time.monotonic()
-    while time.monotonic() - started < seconds:
+    while time.monotonic() - started < seconds or worker.stats["sessions"] < least:
         worker.session()
     worker.ledger.publish()
     results.put((index, dict(worker.stats), dict(worker.errors)))

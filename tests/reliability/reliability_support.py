@@ -4,6 +4,10 @@ Every reliability test runs its own `mtpdraft serve` (short state TTL, small
 blocks) so that what one test leaves behind can never hide what another leaks.
 The server's output is read continuously (a chatty server must never block on a
 full pipe) and kept, so that a test can assert it logged no traceback.
+
+No verdict may depend on the machine's speed: a state TTL is a multiple of the
+measured time of the slowest step a test holds states across (`Pace`), and every
+wait polls for its condition with a bound that only a failure reaches (`PATIENCE`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -39,6 +44,13 @@ DOCUMENTED = frozenset({
 })  # fmt: skip
 DOCUMENTED_VALUES = frozenset(code.value[0] for code in DOCUMENTED)
 
+# The bound of a wait for something that comes at once on a healthy server: only a
+# failure waits it out, so it can be generous on any machine.
+PATIENCE = 120.0
+# A lease outlasts the slowest step it must survive this many times over: room for
+# the load to grow between the measurement and the test.
+LEASE_FACTOR = 4.0
+
 
 def server_args(ttl: float, **limits: object) -> list[str]:
     """`mtpdraft serve` options: small blocks, a short TTL, and any --limit overrides."""
@@ -60,6 +72,7 @@ class ManagedServer:
 
     def __init__(self, model: Path, *args: str) -> None:
         self.model, self.args = model, args
+        self.ttl = float(args[args.index("--state-ttl") + 1]) if "--state-ttl" in args else 600.0
         self.proc: ServerProcess = start_server(model, *args)
         self.address = self.proc.address
         self.port = int(self.address.rsplit(":", 1)[1])
@@ -83,13 +96,13 @@ class ManagedServer:
     def alive(self) -> bool:
         return self.proc.process.poll() is None
 
-    def info(self, timeout: float = 30.0) -> pb.GetInfoResponse:
+    def info(self, timeout: float = PATIENCE) -> pb.GetInfoResponse:
         return self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout)
 
     def health(self, service: str = "") -> int:
         stub = health_pb2_grpc.HealthStub(self._channel)
         request = health_pb2.HealthCheckRequest(service=service)
-        return stub.Check(request, timeout=5).status
+        return stub.Check(request, timeout=PATIENCE).status
 
     def wait_exit(self, timeout: float) -> int:
         code = self.proc.process.wait(timeout)
@@ -97,7 +110,7 @@ class ManagedServer:
         self._channel.close()
         return code
 
-    def stop(self, timeout: float = 20.0) -> int:
+    def stop(self, timeout: float = PATIENCE) -> int:
         code = self.proc.stop(timeout)
         self._reader.join(10)
         self._channel.close()
@@ -116,7 +129,9 @@ def blocks_for(rows: int, block: int = BLOCK) -> int:
     return -(-rows // block)
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str = "condition") -> float:
+def wait_until(
+    predicate: Callable[[], bool], what: str = "condition", timeout: float = PATIENCE
+) -> float:
     """Polls `predicate` every 50 ms; returns the seconds it took, fails after `timeout`."""
     started = time.monotonic()
     while not predicate():
@@ -125,8 +140,10 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str = "condi
     return time.monotonic() - started
 
 
-def wait_clean(server: ManagedServer, timeout: float) -> pb.GetInfoResponse:
-    """Waits until the server holds no state, no handle and every block is free."""
+def wait_clean(server: ManagedServer, timeout: float | None = None) -> pb.GetInfoResponse:
+    """Waits until the server holds no state, no handle and every block is free: by
+    default for as long as a lease and PATIENCE (abandoned states go with their lease)."""
+    timeout = server.ttl + PATIENCE if timeout is None else timeout
     last: list[pb.GetInfoResponse] = []
 
     def clean() -> bool:
@@ -173,7 +190,7 @@ def rows_of(client: DrafterClient, state: int) -> int:
     settles it (keeping the proposal's row R0) and the count is read again. A Prefill
     stream cut short by the client is waited for until the server has ended it.
     """
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + PATIENCE
     while True:
         try:
             handle = client.take_kv(state)
@@ -239,14 +256,15 @@ def prefill_chunk(state: int, start: int, n: int, seed: int, total: int = 0) -> 
 
 
 class BusyEngine:
-    """Keeps the server's engine thread busy for a while (about 0.5 to 1 s on a CPU): three
-    long Prefills (4000 rows each, 3000 blocks in all) on scratch states of their own,
-    freed when done. Calls sent meanwhile queue behind them."""
+    """Keeps the server's engine thread busy for a while (`Pace.busy`, about 1 s on two
+    loaded cores): three long Prefills (3000 rows each, 2250 blocks in all) on scratch
+    states of their own, freed when done. Calls sent `lead` seconds after they were
+    (`Pace.lead`) queue behind them."""
 
-    ROWS, COPIES = 4000, 3
+    ROWS, COPIES = 3000, 3
 
-    def __init__(self, client: DrafterClient) -> None:
-        self.client = client
+    def __init__(self, client: DrafterClient, lead: float = 0.0) -> None:
+        self.client, self.lead = client, lead
         self.threads = [
             threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.COPIES)
         ]
@@ -261,22 +279,66 @@ class BusyEngine:
     def __enter__(self) -> BusyEngine:
         for thread in self.threads:
             thread.start()
-        time.sleep(0.15)  # their rows are on the engine thread by now
+        time.sleep(self.lead)  # their rows are on the engine thread by now
         return self
 
     def __exit__(self, *exc: object) -> None:
         for thread in self.threads:
-            thread.join(60)
+            thread.join(PATIENCE)
+            assert not thread.is_alive(), "a BusyEngine Prefill never ended"
+
+    def run(self) -> float:
+        """Runs the Prefills to their end; returns the seconds they took."""
+        started = time.monotonic()
+        with self:
+            pass
+        return time.monotonic() - started
 
 
 def fill_pool(client: DrafterClient, server: ManagedServer, leave: int) -> dict[int, int]:
-    """Prefills scratch states until exactly `leave` blocks are free; returns them (id -> rows)."""
+    """Prefills scratch states until exactly `leave` blocks are free; returns them (id -> rows).
+
+    100 blocks a state: a Prefill's time grows faster than its rows, so that 41 short
+    ones fill the pool several times faster than five of 1020 blocks."""
     states = {}
     while (free := server.info().kv_blocks_free) > leave:
-        rows = min(free - leave, 1020) * BLOCK
+        rows = min(free - leave, 100) * BLOCK
         states[prefilled(client, rows, len(states))] = rows
     assert server.info().kv_blocks_free == leave
     return states
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How long the slow steps that tests hold states across take on this machine, now."""
+
+    fill: float  # fill_pool from an empty pool
+    busy: float  # a BusyEngine's Prefills
+
+    def lease(self, least: float) -> float:
+        """A state TTL that outlasts the slowest step LEASE_FACTOR times over."""
+        return max(least, LEASE_FACTOR * max(self.fill, self.busy))
+
+    @property
+    def lead(self) -> float:
+        """A short while into a BusyEngine: its Prefills reached the engine, far from done."""
+        return self.busy / 8
+
+
+def measure_pace(model: Path) -> Pace:
+    """Times a BusyEngine and fill_pool on a server with the reliability servers' limits."""
+    server = ManagedServer(model, *server_args(600.0))
+    try:
+        with DrafterClient(server.address, timeout=PATIENCE) as c:
+            busy = BusyEngine(c).run()  # first: a new server's first Prefills are slower
+            started = time.monotonic()
+            fillers = fill_pool(c, server, leave=0)
+            fill = time.monotonic() - started
+            for state in fillers:
+                c.free_state(state)
+    finally:
+        server.stop()
+    return Pace(fill, busy)
 
 
 def free_port() -> int:
@@ -318,7 +380,7 @@ class RawStream:
         self._requests.put(request)
         return request.request_id
 
-    def wait(self, request_id: int, timeout: float = 30.0) -> pb.ProposeStreamResponse | None:
+    def wait(self, request_id: int, timeout: float = PATIENCE) -> pb.ProposeStreamResponse | None:
         """The answer to `request_id`, or None if the stream ended without it."""
         with self._changed:
             self._changed.wait_for(
@@ -329,13 +391,13 @@ class RawStream:
     def unanswered(self) -> list[int]:
         return [r for r in self.sent if r not in self.answers]
 
-    def finish(self, timeout: float = 30.0) -> grpc.StatusCode:
+    def finish(self, timeout: float = PATIENCE) -> grpc.StatusCode:
         """Half-closes the stream and waits for its end; returns its status code."""
         self._requests.put(None)
         self._reader.join(timeout)
         assert self.code is not None, "the stream did not end"
         return self.code
 
-    def cancel(self, timeout: float = 30.0) -> grpc.StatusCode:
+    def cancel(self, timeout: float = PATIENCE) -> grpc.StatusCode:
         self.call.cancel()
         return self.finish(timeout)

@@ -5,7 +5,8 @@ cut short by a client cancel, a deadline or an error status, by a client process
 killed mid-session, and by a server restart, every KV block and state is accounted
 for: while the client lives, the blocks in use are exactly ceil(rows / block_size)
 per state and handle it holds; once it is gone and the state TTL has passed, the
-server holds no state, no handle and every block is free.
+server holds no state, no handle and every block is free. The TTL is a multiple of
+the measured time of the slowest step a test holds its states across (`pace`).
 
 A call cut short may or may not have taken effect (the server may have computed it
 before it saw the cancel): `rows_of` reads what each state holds afterwards, and
@@ -31,8 +32,10 @@ import numpy as np
 import pytest
 from reliability_support import (
     DOCUMENTED_VALUES,
+    PATIENCE,
     BusyEngine,
     ManagedServer,
+    Pace,
     RawStream,
     V,
     assert_holds,
@@ -66,11 +69,10 @@ from mtpdraft.client import (
 from mtpdraft.v1 import drafter_pb2 as pb
 from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
-# Long enough that a state kept idle by the test's own slow steps (filling the pool,
-# a busy engine: 1-2 s on 2 loaded cores) is not reaped meanwhile; short enough
-# that abandoned states are reclaimed within a test.
+# The least state TTL: abandoned states are reclaimed within a test, and a state kept
+# idle by the test's own slow steps (filling the pool, a busy engine) is not reaped
+# meanwhile, since the TTL is also LEASE_FACTOR times the slowest of them (`pace`).
 TTL = 4.0
-SETTLE = TTL + 5.0  # a lease, the reaper's period and a margin for a slow machine
 HERE = Path(__file__).parent
 CUT_SHORT = {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
 # A Prefill stream cut short by its client, which grpc.aio may end like a finished one, is
@@ -79,8 +81,9 @@ PREFILL_CANCEL_MAY_COMMIT = False
 
 
 @pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "2-front-ends"])
-def srv(request, mimo_checkpoint):
-    server = ManagedServer(mimo_checkpoint, *server_args(TTL, front_ends=request.param))
+def srv(request, mimo_checkpoint, pace: Pace):
+    ttl = pace.lease(TTL)
+    server = ManagedServer(mimo_checkpoint, *server_args(ttl, front_ends=request.param))
     yield server
     assert server.alive(), "the server died"
     assert server.stop() == 0
@@ -90,9 +93,9 @@ def srv(request, mimo_checkpoint):
 @pytest.fixture
 def clean(srv):
     """The module's server, clean before and after the test (after its leases ran out)."""
-    wait_clean(srv, SETTLE)
+    wait_clean(srv)
     yield srv
-    wait_clean(srv, SETTLE)
+    wait_clean(srv)
 
 
 def code_of(future) -> grpc.StatusCode:
@@ -108,25 +111,29 @@ def code_of(future) -> grpc.StatusCode:
 # ---- unary and batched calls ------------------------------------------------------------
 
 
-def test_unary_and_batch_calls_cut_short_or_refused_leak_nothing(clean) -> None:
+def test_unary_and_batch_calls_cut_short_or_refused_leak_nothing(clean, pace: Pace) -> None:
     srv, outcomes = clean, Counter()
-    with DrafterClient(srv.address, timeout=30) as c:
+    with DrafterClient(srv.address, timeout=PATIENCE) as c:
         rows = {prefilled(c, n, seed): n for seed, n in enumerate((9, 6, 5))}
         a, b, d = rows
         assert_holds(srv, rows)
-        for step in range(4):
+        # Four rounds, and more (up to 12) until a call was cut short: whether one is
+        # computed before its cut is a race, which the accounting must follow either way.
+        for step in range(12):
+            if step >= 4 and outcomes[grpc.StatusCode.OK] < sum(outcomes.values()):
+                break
             # Queued behind a long Prefill: the unary call's deadline passes, the batch is
             # cancelled by its client. Either may still have been computed.
-            with BusyEngine(c):
+            with BusyEngine(c, pace.lead):
                 unary = srv.stub.Propose.future(
-                    propose_message(a, rows[a] + 1, 3, step), timeout=0.3
+                    propose_message(a, rows[a] + 1, 3, step), timeout=pace.busy / 4
                 )
                 requests = [propose_message(b, rows[b] + 1, 2, step)]
                 requests.append(propose_message(d, rows[d] + 1, 4, step + 50))
                 batch = srv.stub.ProposeBatch.future(
-                    pb.ProposeBatchRequest(requests=requests), timeout=30
+                    pb.ProposeBatchRequest(requests=requests), timeout=PATIENCE
                 )
-                time.sleep(0.1)
+                time.sleep(pace.lead)
                 batch.cancel()
                 outcomes.update([code_of(unary), code_of(batch)])
             rows = {s: rows_of(c, s) for s in rows}
@@ -202,34 +209,40 @@ def test_unary_and_batch_calls_cut_short_or_refused_leak_nothing(clean) -> None:
 
 
 @pytest.mark.parametrize("cut", ["cancel", "deadline"])
-def test_propose_streams_cut_short_leak_nothing(clean, cut: str) -> None:
+def test_propose_streams_cut_short_leak_nothing(clean, pace: Pace, cut: str) -> None:
     srv, ids = clean, itertools.count(1)
-    with DrafterClient(srv.address, timeout=30) as c:
+    with DrafterClient(srv.address, timeout=PATIENCE) as c:
         rows = {prefilled(c, n, 10 + i): n for i, n in enumerate((5, 8, 3, 12))}
         states = list(rows)
-        stream = RawStream(srv.stub, timeout=0.8 if cut == "deadline" else 60)
+        answered = RawStream(srv.stub)
         for s in states[:2]:  # one answered step each: these two now hold a pending proposal
-            answer = stream.wait(stream.send(propose_message(s, rows[s] + 1, 3, s, rid=next(ids))))
+            rid = answered.send(propose_message(s, rows[s] + 1, 3, s, rid=next(ids)))
+            answer = answered.wait(rid)
             assert answer is not None and answer.HasField("proposal")
             rows[s] += 3
-        with BusyEngine(c):  # the next four messages wait behind a long Prefill
+        with BusyEngine(c, pace.lead):  # the next four messages wait behind a long Prefill
+            # The same stream, cancelled; or a new one whose deadline passes meanwhile.
+            stream = answered if cut == "cancel" else RawStream(srv.stub, timeout=pace.busy / 4)
             for i, s in enumerate(states):
                 previous = 1 if i < 2 else None
                 position = rows[s] - 3 + 1 + 1 + 1 if i < 2 else rows[s] + 1
                 stream.send(propose_message(s, position, 2, i, previous=previous, rid=next(ids)))
             if cut == "cancel":
-                time.sleep(0.1)
+                time.sleep(pace.lead)
                 code = stream.cancel()
             else:
                 code = stream.finish()
         assert code in CUT_SHORT, code
-        for resp in stream.answers.values():  # what was answered was answered fully
+        if stream is not answered:
+            assert answered.finish() == grpc.StatusCode.OK
+        for resp in [*answered.answers.values(), *stream.answers.values()]:
+            # What was answered was answered fully.
             assert resp.HasField("proposal") or resp.error.code in DOCUMENTED_VALUES
         rows = {s: rows_of(c, s) for s in rows}
         assert_holds(srv, rows)
 
         # Error answers leave the stream open and every state as it was.
-        stream = RawStream(srv.stub, timeout=30)
+        stream = RawStream(srv.stub, timeout=PATIENCE)
         bad = [
             propose_message(424242, 1, 2, 1, rid=next(ids)),  # unknown state
             propose_message(states[0], rows[states[0]] + 7, 2, 1, rid=next(ids)),  # position
@@ -258,7 +271,7 @@ class HeldPrefill:
 
         def chunks():
             yield first
-            self.release.wait(60)
+            self.release.wait(PATIENCE)
             if then is not None:
                 yield from then()
 
@@ -268,10 +281,24 @@ class HeldPrefill:
         self.release.set()
         return code_of(self.future)
 
+    def landed(self, server: ManagedServer, blocks: int) -> bool:
+        """Waits until the server uses `blocks` (the first chunk landed): True; or until
+        the call ended first (its deadline passed before): False."""
+        seen: list[bool] = []
+
+        def settled() -> bool:
+            if used_blocks(server.info()) == blocks:
+                seen.append(True)
+                return True
+            return self.future.done()
+
+        wait_until(settled, "the first chunk")
+        return bool(seen)
+
 
 def test_prefill_streams_cut_short_or_refused_leak_nothing(clean) -> None:
     srv = clean
-    with DrafterClient(srv.address, timeout=30) as c:
+    with DrafterClient(srv.address, timeout=PATIENCE) as c:
         s = prefilled(c, 5, 1)
         rows = {s: 5}
 
@@ -279,18 +306,24 @@ def test_prefill_streams_cut_short_or_refused_leak_nothing(clean) -> None:
             raise RuntimeError("the verifier lost its hiddens")
 
         # Cut short after its first chunk landed: cancelled by the client, past its
-        # deadline, or broken by the client's request iterator.
+        # deadline, or broken by the client's request iterator. The deadline is doubled
+        # until the first chunk lands before it.
+        deadline = 1.0
         for cut in ("cancel", "deadline", "broken"):
-            first = prefill_chunk(s, rows[s] + 1, 6, 2, total=12)  # cut after 6 of 12
-            held = HeldPrefill(
-                srv.stub,
-                first,
-                timeout=1.0 if cut == "deadline" else 60,
-                then=broken if cut == "broken" else None,
-            )
-            wait_until(
-                lambda: used_blocks(srv.info()) == blocks_for(rows[s] + 6), 10, "the first chunk"
-            )
+            while True:
+                first = prefill_chunk(s, rows[s] + 1, 6, 2, total=12)  # cut after 6 of 12
+                held = HeldPrefill(
+                    srv.stub,
+                    first,
+                    timeout=deadline if cut == "deadline" else PATIENCE,
+                    then=broken if cut == "broken" else None,
+                )
+                if held.landed(srv, blocks_for(rows[s] + 6)):
+                    break
+                assert cut == "deadline" and deadline < PATIENCE, "the first chunk never landed"
+                assert held.end() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert rows_of(c, s) == rows[s]  # nothing appended
+                deadline *= 2
             if cut == "cancel":
                 held.future.cancel()
             elif cut == "deadline":
@@ -338,7 +371,7 @@ def test_prefill_streams_cut_short_or_refused_leak_nothing(clean) -> None:
 
 def test_handles_and_verdicts_account_for_every_block(clean) -> None:
     srv = clean
-    with DrafterClient(srv.address, timeout=30) as c:
+    with DrafterClient(srv.address, timeout=PATIENCE) as c:
         s, t, e = prefilled(c, 7, 1), prefilled(c, 10, 2), c.alloc_state()
         handle = c.take_kv(s)
         rows, handles = {s: 0, t: 10, e: 0}, {handle.handle_id: 7}
@@ -378,9 +411,9 @@ def test_handles_and_verdicts_account_for_every_block(clean) -> None:
 # ---- a client process killed mid-session ------------------------------------------------
 
 
-def test_a_killed_client_process_leaks_nothing(mimo_checkpoint) -> None:
-    ttl = 3.0  # room to see the broken Prefill rolled back before the leases run out
-    srv = ManagedServer(mimo_checkpoint, *server_args(ttl))
+def test_a_killed_client_process_leaks_nothing(mimo_checkpoint, pace: Pace) -> None:
+    # Room to see the broken Prefill rolled back before the leases run out.
+    srv = ManagedServer(mimo_checkpoint, *server_args(pace.lease(TTL)))
     script = HERE / "reliability_killed_client.py"
     client = subprocess.Popen(
         [sys.executable, str(script), srv.address], stdout=subprocess.PIPE, text=True
@@ -388,7 +421,7 @@ def test_a_killed_client_process_leaks_nothing(mimo_checkpoint) -> None:
     try:
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [lines.put(x) for x in client.stdout], daemon=True).start()
-        line = lines.get(timeout=60)
+        line = lines.get(timeout=PATIENCE)
         assert line.startswith("HOLDS "), line
         holds = {k: {int(i): n for i, n in v.items()} for k, v in json.loads(line[6:]).items()}
         states, handles, prefilling = holds["states"], holds["handles"], holds["prefilling"]
@@ -404,14 +437,15 @@ def test_a_killed_client_process_leaks_nothing(mimo_checkpoint) -> None:
             )
 
         # While it lives: exactly its states (its open Prefill's first chunk included).
-        wait_until(lambda: holds_exactly(with_prefill), 5, "the client's holdings")
+        wait_until(lambda: holds_exactly(with_prefill), "the client's holdings")
         os.kill(client.pid, signal.SIGKILL)
-        client.wait(10)
-        # Its broken Prefill is rolled back at once; the rest waits for the lease...
+        client.wait(PATIENCE)
+        # Its broken Prefill is rolled back at once (the lease would take every state
+        # with it); the rest waits for the lease...
         if not PREFILL_CANCEL_MAY_COMMIT:
-            wait_until(lambda: holds_exactly(states), 2, "the Prefill rollback")
+            wait_until(lambda: holds_exactly(states), "the Prefill rollback")
         # ...and then everything is reclaimed.
-        wait_clean(srv, ttl + 5)
+        wait_clean(srv)
         assert srv.alive()
     finally:
         if client.poll() is None:
@@ -433,14 +467,14 @@ def test_a_restarted_server_starts_empty_and_drains_what_it_holds(mimo_checkpoin
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 300),
     ]
-    with DrafterClient(first.address, timeout=10, options=backoff) as c:
+    with DrafterClient(first.address, timeout=PATIENCE, options=backoff) as c:
         old = {prefilled(c, n, n): n for n in (4, 9, 13)}
-        stream = RawStream(pb_grpc.DrafterStub(c.channel), timeout=60)
+        stream = RawStream(pb_grpc.DrafterStub(c.channel))
         s = next(iter(old))
         assert stream.wait(stream.send(propose_message(s, 5, 3, 1, rid=1))).HasField("proposal")
 
         first.proc.process.kill()  # a crash: the server frees nothing, it is just gone
-        assert first.wait_exit(10) == -signal.SIGKILL
+        assert first.wait_exit(PATIENCE) == -signal.SIGKILL
         assert stream.finish() in {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
         with pytest.raises(Unavailable):
             c.info()
@@ -456,7 +490,7 @@ def test_a_restarted_server_starts_empty_and_drains_what_it_holds(mimo_checkpoin
                     return False
                 return True
 
-            wait_until(reconnected, 20, "the client's channel to reconnect")
+            wait_until(reconnected, "the client's channel to reconnect")
             info = c.info()
             assert (info.live_states, info.kv_handles) == (0, 0)
             assert info.kv_blocks_free == info.kv_blocks_total
@@ -468,7 +502,7 @@ def test_a_restarted_server_starts_empty_and_drains_what_it_holds(mimo_checkpoin
             assert_holds(second, rows)
             # SIGTERM: drains for the grace period (2 s), then frees what is left.
             second.proc.process.send_signal(signal.SIGTERM)
-            assert second.wait_exit(20) == 0
+            assert second.wait_exit(PATIENCE) == 0
         finally:
             second.stop()
     assert f"freed {len(rows)} live states" in second.log
@@ -478,8 +512,18 @@ def test_a_restarted_server_starts_empty_and_drains_what_it_holds(mimo_checkpoin
 # ---- server bugs, pinned with injected delays -------------------------------------------
 
 
-def _in_process(checkpoint, ttl: float):
-    return InProcessServer(small_engine(checkpoint, state_ttl=ttl))
+class ManualClock:
+    """An engine clock that moves only when the test moves it: leases run out on cue."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _in_process(checkpoint, ttl: float, clock: ManualClock):
+    return InProcessServer(small_engine(checkpoint, state_ttl=ttl, clock=clock))
 
 
 def test_a_prefill_cut_short_is_rolled_back(clean) -> None:
@@ -491,7 +535,7 @@ def test_a_prefill_cut_short_is_rolled_back(clean) -> None:
     request iterator.
     """
     srv = clean
-    with DrafterClient(srv.address, timeout=30) as c:
+    with DrafterClient(srv.address, timeout=PATIENCE) as c:
         s = prefilled(c, 5, 1)
         for attempt in range(200):
 
@@ -499,57 +543,67 @@ def test_a_prefill_cut_short_is_rolled_back(clean) -> None:
                 raise RuntimeError("the verifier lost its hiddens")
 
             first = prefill_chunk(s, 6, 6, attempt, total=12)  # cut after 6 of 12
-            held = HeldPrefill(srv.stub, first, timeout=60, then=broken if attempt % 2 else None)
-            deadline = time.monotonic() + 10
-            while used_blocks(srv.info()) != blocks_for(11):  # the first chunk landed
-                assert time.monotonic() < deadline
+            held = HeldPrefill(
+                srv.stub, first, timeout=PATIENCE, then=broken if attempt % 2 else None
+            )
+            assert held.landed(srv, blocks_for(11)), f"try {attempt}: the call ended early"
             if attempt % 2 == 0:
                 held.future.cancel()
             assert held.end() != grpc.StatusCode.OK
             # Rolled back at once, or as soon as the server sees the call end cancelled.
-            wait_until(lambda: rows_of(c, s) == 5, 2, f"try {attempt}: the rollback")
+            wait_until(lambda: rows_of(c, s) == 5, f"try {attempt}: the rollback")
         assert c.free_state(s)
 
 
 def test_a_prefill_cut_short_while_it_begins_is_reclaimed(mimo_checkpoint) -> None:
-    server = _in_process(mimo_checkpoint, ttl=1.0)
-    begin = server.server.engine.begin_prefill
+    clock = ManualClock()
+    server = _in_process(mimo_checkpoint, ttl=1.0, clock=clock)
+    engine = server.server.engine
+    begin, release, begun = engine.begin_prefill, threading.Event(), threading.Event()
 
     def slow_begin(*args):  # a busy engine thread: the call starts, then its client goes
-        time.sleep(0.5)
-        return begin(*args)
+        release.wait(PATIENCE)
+        try:
+            return begin(*args)
+        finally:
+            begun.set()
 
-    server.server.engine.begin_prefill = slow_begin
+    engine.begin_prefill = slow_begin
     try:
-        with DrafterClient(server.address, timeout=10) as c:
+        with DrafterClient(server.address, timeout=PATIENCE) as c:
             s = c.alloc_state()
             with pytest.raises(DeadlineExceeded):
                 c.prefill(s, tokens(3, 1), hiddens(3, 1), 1, timeout=0.2)
-            time.sleep(0.5)
-            # The Prefill failed: the state must be usable again...
-            server.server.engine.begin_prefill = begin
-            try:
+            engine.begin_prefill = begin
+            release.set()
+            # The Prefill failed: the session it began is aborted once begun...
+            wait_until(lambda: begun.is_set() and not engine.states[s].prefilling, "the abort")
+            try:  # ...so that the state is usable again...
                 c.prefill(s, tokens(3, 1), hiddens(3, 1), 1)
             except FailedPrecondition as err:
                 pytest.fail(f"the state is stuck: {err}")
             finally:
                 # ...and, abandoned, reclaimed by its lease.
-                wait_until(lambda: c.info().live_states == 0, 3, "the lease")
+                clock.now += 2.0
+                wait_until(lambda: c.info().live_states == 0, "the lease")
     finally:
+        release.set()
         server.stop()
 
 
 def test_a_propose_past_its_deadline_while_queued_changes_nothing(mimo_checkpoint) -> None:
-    server = _in_process(mimo_checkpoint, ttl=60)
+    server = _in_process(mimo_checkpoint, ttl=60, clock=ManualClock())
+    release = threading.Event()
     try:
-        with DrafterClient(server.address, timeout=10) as c:
+        with DrafterClient(server.address, timeout=PATIENCE) as c:
             s = prefilled(c, 5, 1)
             h = hiddens(1, 2)[0]
-            # The engine thread is busy for a second (as with another client's long Prefill).
-            server.server.runner.submit(time.sleep, 1.0)
+            # The engine thread is busy until the call has failed (as with another
+            # client's long Prefill); the failed call is dropped before the next one.
+            server.server.runner.submit(release.wait, PATIENCE)
             with pytest.raises(DeadlineExceeded):
                 c.propose(s, 1, h, 6, 3, timeout=0.3)
-            time.sleep(1.0)
+            release.set()
             try:  # the call failed, so the same Propose must be accepted now
                 c.propose(s, 1, h, 6, 3)
             except DrafterError as err:
@@ -557,13 +611,14 @@ def test_a_propose_past_its_deadline_while_queued_changes_nothing(mimo_checkpoin
             finally:
                 c.free_state(s)
     finally:
+        release.set()
         server.stop()
 
 
 def test_refused_calls_while_exhausted_change_nothing(clean) -> None:
     """RESOURCE_EXHAUSTED from each growing call leaves the pool exactly as it was."""
     srv = clean
-    with DrafterClient(srv.address, timeout=30) as c:
+    with DrafterClient(srv.address, timeout=PATIENCE) as c:
         s = prefilled(c, 10, 2)  # 3 blocks
         fillers = fill_pool(c, srv, leave=1)
         rows = fillers | {s: 10}
@@ -576,7 +631,7 @@ def test_refused_calls_while_exhausted_change_nothing(clean) -> None:
             with pytest.raises(ResourceExhausted):
                 call()
             assert_holds(srv, rows)
-        stream = RawStream(srv.stub, timeout=30)
+        stream = RawStream(srv.stub, timeout=PATIENCE)
         answer = stream.wait(stream.send(propose_message(s, 11, 8, 5, rid=1)))
         assert answer.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
         assert stream.finish() == grpc.StatusCode.OK

@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from reliability_support import (
     DOCUMENTED,
     DOCUMENTED_VALUES,
+    PATIENCE,
     H,
     ManagedServer,
     V,
@@ -58,7 +59,7 @@ FUZZ = settings(
 )
 WORDS = (V + 31) // 32
 CHECK_EVERY = 8  # failed examples that named a reference between full reference checks
-TIMEOUT = 30.0
+TIMEOUT = PATIENCE  # a call's deadline: only a failure reaches it
 
 # ---- the reference states ------------------------------------------------------------
 

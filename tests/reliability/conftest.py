@@ -1,0 +1,13 @@
+"""The reliability tests' pace: their leases follow how fast this machine is, now."""
+
+from __future__ import annotations
+
+import pytest
+from reliability_support import Pace, measure_pace
+
+
+@pytest.fixture(scope="session")
+def pace(mimo_checkpoint) -> Pace:
+    measured = measure_pace(mimo_checkpoint)
+    print(f"\npace: fill {measured.fill:.2f} s, busy {measured.busy:.2f} s")
+    return measured
