@@ -5,26 +5,40 @@ KV cache (every call recomputes the whole sequence with full causal attention),
 and follows DESIGN.md's vLLM conventions (row position = hidden position, the
 embedding zeroed at position 0, MiMo passes the final-norm output on, DeepSeek
 the pre-norm hidden).
+
+`rows` and `logits` take an optional `store`: a function applied to every value a
+real implementation keeps in its compute dtype (each op's output, the cached K/V,
+the RoPE table, the hidden passed on), so that an emulation of bf16 or fp32 can
+round or perturb them there; without it the computation is exact float64.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+Store = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
 
-def _rotate(x: torch.Tensor, pos: torch.Tensor, rot: int, theta: float) -> torch.Tensor:
+def _rotate(
+    x: torch.Tensor, pos: torch.Tensor, rot: int, theta: float, s: Store = _same
+) -> torch.Tensor:
     inv = 1.0 / theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
     ang = pos[:, None].double() * inv[None]
-    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+    cos, sin = s(ang.cos()[:, None]), s(ang.sin()[:, None])
     a, b = x[..., : rot // 2], x[..., rot // 2 : rot]
     return torch.cat([a * cos - b * sin, b * cos + a * sin, x[..., rot:]], -1)
 
@@ -53,48 +67,52 @@ class Reference:
     def t(self, name: str) -> torch.Tensor:
         return self.w[name + ".weight"] if name + ".weight" in self.w else self.w[name]
 
-    def rows(self, tokens: list[int], hiddens: torch.Tensor) -> torch.Tensor:
+    def rows(
+        self, tokens: list[int], hiddens: torch.Tensor, store: Store | None = None
+    ) -> torch.Tensor:
         """Output hiddens (the ones passed on) of rows 0..n-1 of one sequence."""
         c, p, eps = self.cfg, self.p, self.cfg["rms_norm_eps"]
+        s = store or _same
         n, h = len(tokens), c["hidden_size"]
         heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
         hd = h // heads
         pos = torch.arange(n)
         emb = self.t("model.embed_tokens")[torch.tensor(tokens)].clone()
         emb[pos == 0] = 0
-        e = _norm(emb, self.t(self.names[0]), eps)
-        hid = _norm(hiddens.double(), self.t(self.names[1]), eps)
-        x = torch.cat([hid, e] if self.mimo else [e, hid], -1) @ self.t(self.names[2]).T
+        e = s(_norm(emb, self.t(self.names[0]), eps))
+        hid = s(_norm(s(hiddens.double()), self.t(self.names[1]), eps))
+        x = s(torch.cat([hid, e] if self.mimo else [e, hid], -1) @ self.t(self.names[2]).T)
 
-        y = _norm(x, self.t(p + "input_layernorm"), eps)
+        y = s(_norm(x, self.t(p + "input_layernorm"), eps))
 
         def proj(name: str) -> torch.Tensor:
             out = y @ self.t(p + f"self_attn.{name}").T
             bias = p + f"self_attn.{name}.bias"
-            return out + self.w[bias] if bias in self.w else out
+            return s(out + self.w[bias] if bias in self.w else out)
 
         q = proj("q_proj").reshape(n, heads, hd)
         k = proj("k_proj").reshape(n, kv_heads, hd)
         v = proj("v_proj").reshape(n, kv_heads, hd)
         rot = int(hd * c.get("partial_rotary_factor", 1.0))
-        q, k = _rotate(q, pos, rot, c["rope_theta"]), _rotate(k, pos, rot, c["rope_theta"])
+        q, k = (s(_rotate(t, pos, rot, c["rope_theta"], s)) for t in (q, k))
         k = k.repeat_interleave(heads // kv_heads, 1)
         v = v.repeat_interleave(heads // kv_heads, 1)
-        s = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
-        s = s.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
-        a = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, -1)
-        x = x + a @ self.t(p + "self_attn.o_proj").T
+        att = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
+        att = att.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
+        a = s(torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(n, -1))
+        x = s(x + s(a @ self.t(p + "self_attn.o_proj").T))
 
-        y = _norm(x, self.t(p + "post_attention_layernorm"), eps)
-        g, u = y @ self.t(p + "mlp.gate_proj").T, y @ self.t(p + "mlp.up_proj").T
-        x = x + (torch.nn.functional.silu(g) * u) @ self.t(p + "mlp.down_proj").T
-        return _norm(x, self.t(self.out_norm), eps) if self.mimo else x
+        y = s(_norm(x, self.t(p + "post_attention_layernorm"), eps))
+        g, u = s(y @ self.t(p + "mlp.gate_proj").T), s(y @ self.t(p + "mlp.up_proj").T)
+        x = s(x + s(s(torch.nn.functional.silu(g) * u) @ self.t(p + "mlp.down_proj").T))
+        return s(_norm(x, self.t(self.out_norm), eps)) if self.mimo else x
 
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
+    def logits(self, out: torch.Tensor, store: Store | None = None) -> torch.Tensor:
+        s = store or _same
         if not self.mimo:
-            out = _norm(out, self.t(self.out_norm), self.cfg["rms_norm_eps"])
+            out = s(_norm(out, self.t(self.out_norm), self.cfg["rms_norm_eps"]))
         head = self.p + "shared_head.head"
-        return out @ (self.t(head) if head + ".weight" in self.w else self.t("lm_head")).T
+        return s(out @ (self.t(head) if head + ".weight" in self.w else self.t("lm_head")).T)
 
     def propose(
         self,
