@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import os
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +32,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from servers import SERVER_ARGS, InProcessServer, small_engine, start_server
+from servers import SERVER_ARGS, InProcessServer, ServerProcess, small_engine, start_server
 
 from mtpdraft.client import AsyncDrafterClient, DrafterClient, DrafterError, Unavailable
 from mtpdraft.service import cli
@@ -42,6 +43,7 @@ from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 TOKEN_A = "token-a-0123456789"
 TOKEN_B = "token-b-9876543210"
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+RELOAD_INTERVAL_S = 1.0  # how often a server reads its token file again, at most
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
@@ -326,37 +328,174 @@ def test_health_needs_no_token_and_reflection_does(servers: Servers, pki: Pki) -
         assert "mtpdraft.v1.Drafter" in services
 
 
-def _works(servers: Servers, pki: Pki, token: str) -> bool:
-    with mtls_client(servers, pki, token) as c:
-        try:
-            c.info()
-        except DrafterError as err:
-            assert err.code == UNAUTHENTICATED
-            return False
-        return True
+# --- the token file: rotation and revocation, over both server modes ---------------------
+
+ORIGINAL_TOKENS = f"{TOKEN_A}\n\n{TOKEN_B}\n"
 
 
-def _wait_for(predicate, timeout: float = 10.0) -> None:
+def _wait_for(predicate, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
 
 
-def test_a_token_is_rotated_by_editing_the_file(servers: Servers, pki: Pki) -> None:
+def _lines(log: str, words: str) -> int:
+    return sum(words in line for line in log.splitlines())
+
+
+@dataclass
+class TokenServer:
+    """A plaintext server with a token file (the client's token rides on local
+    credentials: loopback), whose output is read without blocking."""
+
+    server: ServerProcess
+    token_file: Path
+    processes: int  # how many processes check tokens, each reading the file itself
+
+    def write(self, data: bytes | None) -> None:
+        """Replaces the file at once, as an operator should: no reading sees it half
+        written. None: by a link to a directory, which cannot be read."""
+        new = self.token_file.with_suffix(".new")
+        if data is None:
+            new.symlink_to(self.token_file.parent)
+        else:
+            new.write_bytes(data)
+        new.replace(self.token_file)
+
+    def works(self, token: str) -> bool:
+        with DrafterClient(self.server.address, timeout=20, token=token) as c:
+            try:
+                c.info()
+            except DrafterError as err:
+                assert err.code == UNAUTHENTICATED and "invalid bearer token" in err.details
+                return False
+            return True
+
+    def new_log(self) -> str:
+        """What the server wrote since the last call (a line is written before the
+        answer of the call that caused it leaves)."""
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(self.server.process.stdout.fileno(), 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks).decode(errors="replace")
+
+    def wait_for_reload(self, words: str) -> str:
+        """Calls until every process has logged `words`, each having read the file's
+        change (a process reads it again on a call, once a second at most; the kernel
+        picks the process a connection goes to). Returns the log."""
+        log = ""
+
+        def every_process_read_it() -> bool:
+            nonlocal log
+            self.works(TOKEN_B)
+            log += self.new_log()
+            return _lines(log, words) >= self.processes
+
+        _wait_for(every_process_read_it)
+        return log
+
+
+@pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "2-front-ends"])
+def token_server(request, mimo_checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    token_file = tmp_path_factory.mktemp("tokens") / "tokens"
+    token_file.write_text(ORIGINAL_TOKENS)
+    args = (*SERVER_ARGS, "--front-ends", str(request.param), "--auth-token-file", str(token_file))
+    server = start_server(mimo_checkpoint, *args)
+    os.set_blocking(server.process.stdout.fileno(), False)
+    yield TokenServer(server, token_file, max(1, request.param))
+    assert server.stop() == 0
+
+
+@pytest.fixture
+def tokens(token_server: TokenServer):
+    """The server with both tokens, each process having read them; put back after the
+    test, which must have let every process read its last change."""
+    token_server.new_log()
+    assert token_server.works(TOKEN_A) and token_server.works(TOKEN_B)
+    yield token_server
+    token_server.write(ORIGINAL_TOKENS.encode())
+    token_server.wait_for_reload("reloaded: 2 tokens")
+
+
+def test_a_token_is_rotated_and_revoked_by_rewriting_the_file(tokens: TokenServer) -> None:
     """Add the new token, move the clients over, remove the old one: no restart."""
-    original = servers.token_file.read_text()
-    try:
-        servers.token_file.write_text(f"{TOKEN_B}\n")
-        _wait_for(lambda: not _works(servers, pki, TOKEN_A))
-        assert _works(servers, pki, TOKEN_B)
-        # A file emptied (e.g. half written) keeps the tokens loaded before.
-        servers.token_file.write_text("")
-        time.sleep(1.2)
-        assert _works(servers, pki, TOKEN_B)
-    finally:
-        servers.token_file.write_text(original)
-        _wait_for(lambda: _works(servers, pki, TOKEN_A))
+    tokens.write(f"{TOKEN_B}\n".encode())
+    tokens.wait_for_reload("reloaded: 1 tokens")
+    assert not tokens.works(TOKEN_A)
+    with DrafterClient(tokens.server.address, timeout=20, token=TOKEN_B) as c:
+        a_round_trip(c, 30)  # unary, the Prefill client stream and ProposeStream
+    with DrafterClient(tokens.server.address, timeout=20, token=TOKEN_A) as c:
+        with pytest.raises(DrafterError) as err:
+            c.prefill(1, [1, 2], hiddens(2, 1), 1)
+        assert_unauthenticated(err, "invalid bearer token")
+        with c.stream() as stream, pytest.raises(DrafterError) as err:
+            stream.propose(1, 1, hiddens(1, 0), 1, 1)
+        assert_unauthenticated(err, "invalid bearer token")
+
+
+def test_a_stream_ends_at_its_first_message_after_its_token_is_revoked(
+    tokens: TokenServer,
+) -> None:
+    address = tokens.server.address
+    with DrafterClient(address, timeout=20, token=TOKEN_B) as admin:
+        state = admin.alloc_state()
+        admin.prefill(state, [1, 2, 3, 4], hiddens(4, 40), 1)
+        try:
+            with DrafterClient(address, timeout=20, token=TOKEN_A) as c, c.stream() as stream:
+                assert len(stream.propose(state, 5, hiddens(1, 41), 5, 2).tokens) == 2
+                tokens.write(f"{TOKEN_B}\n".encode())
+                tokens.wait_for_reload("reloaded: 1 tokens")
+                with pytest.raises(DrafterError) as err:
+                    stream.propose(state, 6, hiddens(1, 42), 6, 2, previous=0)
+                assert_unauthenticated(err, "the bearer token was revoked")
+            # The refused message's verdict was not applied: the proposal still waits.
+            assert admin.after_verify(state, 0).num_rows == 5
+        finally:
+            admin.free_state(state)
+
+
+@pytest.mark.parametrize("how", ["emptied", "deleted"])
+def test_an_emptied_or_deleted_file_accepts_no_token(tokens: TokenServer, how: str) -> None:
+    if how == "emptied":
+        tokens.write(b"\n  \n")
+    else:
+        tokens.token_file.unlink()
+    words = ("holds no token" if how == "emptied" else "is gone") + ": every call is refused"
+    log = tokens.wait_for_reload(words)
+    # Refused on every call over several reload intervals, and logged once by each process.
+    started = time.monotonic()
+    while time.monotonic() - started < 3 * RELOAD_INTERVAL_S:
+        assert not tokens.works(TOKEN_A) and not tokens.works(TOKEN_B)
+    log += tokens.new_log()
+    assert _lines(log, words) == tokens.processes, log
+    with grpc.insecure_channel(tokens.server.address) as channel:  # health needs no token
+        check = health_pb2_grpc.HealthStub(channel).Check
+        assert check(health_pb2.HealthCheckRequest(), timeout=10).status == SERVING
+    tokens.write(f"{TOKEN_A}\n".encode())
+    tokens.wait_for_reload("reloaded: 1 tokens")
+    assert tokens.works(TOKEN_A) and not tokens.works(TOKEN_B)
+
+
+@pytest.mark.parametrize("how", ["unreadable", "garbled"])
+def test_a_file_that_cannot_be_read_keeps_the_tokens_read_before(
+    tokens: TokenServer, how: str
+) -> None:
+    if how == "unreadable":  # a directory: unreadable even to root, unlike permissions
+        tokens.write(None)
+        words = "cannot read the token file"
+    else:
+        tokens.write(f"{TOKEN_A}\n\x00garbage\xff\n".encode("latin-1"))
+        words = "line 2 holds a character outside printable ASCII"
+    log = tokens.wait_for_reload(words)
+    assert _lines(log, "keeping the 2 tokens read before") == tokens.processes, log
+    assert tokens.works(TOKEN_A) and tokens.works(TOKEN_B)
 
 
 def test_unauthenticated_calls_are_refused_before_telemetry_sees_them(mimo_checkpoint) -> None:
@@ -390,11 +529,13 @@ def test_unauthenticated_calls_are_refused_before_telemetry_sees_them(mimo_check
         (["--tls-cert", "none.pem", "--tls-key", "none.key"], "cannot read the TLS certificate"),
         (["--auth-token-file", "none"], "cannot read the token file"),
         (["--auth-token-file", "empty"], "holds no token"),
+        (["--auth-token-file", "garbled"], "line 2 holds a character outside printable ASCII"),
     ],
 )
 def test_serve_names_bad_security_flags(flags, message, tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").write_text("\n  \n")
+    (tmp_path / "garbled").write_bytes(b"token\nto\tken\n")
     with pytest.raises(SystemExit) as exit_:
         cli.main(["serve", "--port", "0", *flags])
     assert exit_.value.code == 2
