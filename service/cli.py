@@ -103,7 +103,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "--auth-token-file",
         metavar="FILE",
         help="require 'authorization: Bearer <token>' on every call but health; "
-        "one token per line (several while rotating), re-read when it changes",
+        "one token per line (several while rotating), re-read every second; "
+        "an emptied or deleted file accepts no token",
     )
 
 
