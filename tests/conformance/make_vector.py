@@ -1,52 +1,120 @@
 """Writes tests/conformance/vector.json: the conformance vector every client replays.
 
-    python3 tests/conformance/make_vector.py [--check]
+    python3 tests/conformance/make_vector.py [--check] [--seed N] [--draws N]
 
-The inputs (tokens, fp32 hiddens, a bitmask) come from a seeded generator; the
-expected outputs come from the real service: a `python3 -m mtpdraft serve --device
-cpu` server of the embedded default model, driven by the Python client. The
-structural expectations written below (row counts, next positions, error codes)
-are the contract's and are checked against the server while recording. Two more
-checks guard the recording: drafts after TakeKV / InstallKV equal those of a
-state that kept its KV, and a float32 server drafts the same tokens as the
-bfloat16 one, so that the drafts are not near ties that another CPU could flip.
-Regenerate when the default checkpoint or the contract changes; `--check` only
-compares a fresh recording with the file.
+Inputs (tokens, fp32 hiddens, a bitmask, a min_confidence) come from a seeded
+generator. Expected outputs come from three sources, none of them the service's
+numbers:
+
+- structure (row counts, next positions, chunk counts, error codes, reasons and
+  fields): the contract's, written in scenario() below;
+- drafts, probabilities and confidences: the float64 oracle (oracle.py over
+  tests/mtp_reference.py, which reads the safetensors itself), on the rows the
+  contract says each state holds, bitmask rows and min_confidence applied;
+- GetInfo: the static configuration of the server the vector is for.
+
+A bfloat16 server cannot reproduce float64 numbers, so the vector carries a
+tolerance for probabilities and a tie rule for tokens, both derived here:
+
+Error model. A valid implementation computes what the oracle computes, except
+that every value it keeps in its compute dtype (each op's output, the cached K/V,
+the RoPE table, the hidden passed on, the logits) carries a relative error up to
+u = u_dtype + sqrt(K) u_fp32: its rounding (u_bf16 = 2^-8, u_fp32 = 2^-24) plus
+the error of a sum of up to K terms accumulated in fp32 (K = 1152, the longest
+sum of the default model; sqrt(K) u is the probabilistic bound of Higham & Mary,
+SIAM J. Sci. Comput. 2019). A probability, computed in fp32 from the logits,
+carries up to (1 + sqrt(K)) u_fp32 more. CPUs, kernels and accumulation orders
+differ only within this.
+
+Emulation. The oracle runs the scenario once with every kept value rounded to
+the dtype (nearest even: this machine's kernels' arithmetic), then DRAWS times
+with each multiplied by (1 + d), d uniform in [-u, u] and independent per
+element, the drafts forced to the exact ones. For each draft: the change of its
+probability (as the wire's float32 carries it) and of its logit lead over every
+token its bitmask allows. The worst of these over all runs and drafts are the
+worst deviations.
+
+Tolerance: prob_tolerance = SAFETY x the worst probability deviation (rounded
+up to two significant digits). Tie rule: every draft's exact logit lead over its
+runner-up among the allowed tokens is at least SAFETY x the worst lead
+deviation, and with min_confidence every computed draft's probability lies at
+least prob_tolerance from it; so no token can flip and tokens compare exactly.
+scenario()'s inputs are drawn again, Propose by Propose, until its drafts clear
+MARGIN (above the requirement), and make_vector refuses to write a vector that
+breaks the rule.
+
+SAFETY = 2: each deviation sums thousands of small independent errors and is
+near Gaussian. The worst of DRAWS draws over some thirty drafts lies about 3
+standard deviations out, so the tolerance and the margin lie about 6 out, where
+a Gaussian's two tails hold some 1e-8 (the vector records the largest standard
+deviations, prob_sigma and lead_sigma, and the ratios to them).
+
+The same derivation for float32 (`--dtype float32` servers) gives the tight
+tolerance of the vector's `float32` variant. Before writing, the vector is
+replayed against the default server, a float32 one, and both on kernels of
+other x86-64 CPUs (vector_runner.OTHER_CPUS): all must pass. Regenerate when
+the default checkpoint or the contract changes; `--check` only compares a fresh
+vector with the file.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the oracle's modules
+
+from mtp_reference import Reference
+from oracle import (
+    ErrorModel,
+    Oracle,
+    Proposal,
+    emulate,
+    margins,
+    proposes,
+    reduction_length,
+    two_digits_up,
+)
 from vector_runner import (
+    FORMAT,
+    OTHER_CPUS,
     VECTOR_PATH,
     DefaultServer,
-    Replayer,
-    decode_tensor,
+    check_vector,
     encode_tensor,
     load_vector,
-    mismatches,
+    replay,
+    static_info,
+    variant,
 )
 
 from mtpdraft.client import DrafterClient
 from mtpdraft.service.model.default_model import DEFAULT_CHECKPOINT
 
 SEED = 7
+DRAWS = 64
+SAFETY = 2.0
+MARGIN = 1.0  # the logit lead asked of every draft while choosing inputs
+GAP = 0.125  # and the distance of its probabilities from a min_confidence
+TRIES = 400  # inputs drawn for one Propose before giving up
 _CONFIG = json.loads((DEFAULT_CHECKPOINT / "config.json").read_text())
 HIDDEN = _CONFIG["hidden_size"]
 VOCAB = _CONFIG["vocab_size"]
-PROB_TOLERANCE = 1e-3
-# Between the bfloat16 server and a float32 one only the tokens must agree.
-FP32_PROB_TOLERANCE = 0.1
+SERVER = "python3 -m mtpdraft serve --port 0 --device cpu"
+FLOAT32 = ("--dtype", "float32")
 
 RULES = [
+    "Refuse, before any call and with a non-zero exit, a vector whose format is not "
+    f"{FORMAT!r}, whose prob_tolerance is missing or not a non-negative number, whose "
+    "operations are missing or empty, with an operation whose op is unknown, or with a "
+    "ProposeStream without messages.",
     "Replay the operations in order against one server started as `server`.",
     "AllocState binds `state` to the returned id; TakeKV binds `handle`; the other "
     "operations look these names up. Ids are uint64 and non-zero.",
@@ -54,8 +122,8 @@ RULES = [
     "bytes, sent unchanged.",
     "Prefill streams rows in chunks of at most chunk_rows rows; the first chunk carries "
     "state_id and start_position. `chunks` in expect is the number of chunks sent.",
-    "Propose: `previous` is the fused verdict on the pending proposal. A Proposal's "
-    "state_id must equal the state's id.",
+    "Propose: `previous` is the fused verdict on the pending proposal; min_confidence, "
+    "when given, is sent as it is. A Proposal's state_id must equal the state's id.",
     "ProposeStream: open one stream and send its `messages` (each a Propose operation "
     "without `op`) one at a time, each answered before the next; an error comes as an "
     "answer (expect_error, expect_reason, expect_field: its Error value's code name, "
@@ -65,6 +133,11 @@ RULES = [
     "(absolute tolerance prob_tolerance). expect_error: the gRPC status code name; "
     "expect_reason: its google.rpc.ErrorInfo reason; expect_field: the first "
     "google.rpc.BadRequest field violation's field (absent: none). Compare all three.",
+    "Drafts, probs and confidence are the float64 oracle's. prob_tolerance is derived "
+    "from bfloat16's rounding (see derivation), and every draft leads its runner-up by "
+    "a margin no valid bfloat16 server can overturn: tokens compare exactly.",
+    "`float32` is the same vector for a server started as float32.server: its info "
+    "replaces GetInfo's expect fields, its prob_tolerance the vector's.",
     "GetInfo lists only fields that are fixed for the server command (no live counters).",
     "Print one line per operation and finally `N passed, M failed`; exit non-zero on any "
     "failure. Free every state you allocated before exiting.",
@@ -118,6 +191,12 @@ def scenario(seed: int) -> list[dict[str, Any]]:
             op["refeed_hiddens"] = hiddens(a)
         return op | {"expect": {"num_rows": rows, "next_position": rows + 1}}
 
+    def error(code: str, reason: str, field: str | None = None) -> dict[str, Any]:
+        out = {"expect_error": code, "expect_reason": reason}
+        return out | ({"expect_field": field} if field else {})
+
+    mismatch = error("INVALID_ARGUMENT", "POSITION_MISMATCH", "position")
+    no_state = error("NOT_FOUND", "STATE_NOT_FOUND")
     prompt = [token() for _ in range(8)]  # x0..x7; rows (x1, h0) .. (x6, h5) are prefilled
     first = propose("A", 7, 3)  # (x7, h6) at position 7 drafts d1..d3 at 8..10
     first["token"] = prompt[7]
@@ -141,18 +220,15 @@ def scenario(seed: int) -> list[dict[str, Any]]:
             "tokens": [token()],
             "chunk_rows": 4,
             "hiddens": hiddens(1),
-            "expect_error": "INVALID_ARGUMENT",
-        },
+        }
+        | error("INVALID_ARGUMENT", "POSITION_MISMATCH", "start_position"),
         first,
-        {k: v for k, v in first.items() if k != "expect"} | {"expect_error": "FAILED_PRECONDITION"},
+        {k: v for k, v in first.items() if k != "expect"}
+        | error("FAILED_PRECONDITION", "PROPOSAL_PENDING"),
         verify("A", 1, rows=8),  # rows of x7 and d1: positions 7, 8
-        {
-            "op": "AfterVerify",
-            "state": "A",
-            "num_accepted": 0,
-            "expect_error": "FAILED_PRECONDITION",
-        },
-        propose("A", 10, 4, expect_error="INVALID_ARGUMENT"),  # the next position is 9
+        {"op": "AfterVerify", "state": "A", "num_accepted": 0}
+        | error("FAILED_PRECONDITION", "NO_PENDING_PROPOSAL"),
+        propose("A", 10, 4, **mismatch),  # the next position is 9
         propose("A", 9, 4, bitmask=encode_tensor(mask)),
         verify("A", 2, rows=11, refeed=True),
         propose("A", 12, 3),
@@ -160,7 +236,7 @@ def scenario(seed: int) -> list[dict[str, Any]]:
         propose("A", 18, 3, previous={"num_accepted": 1, "refeed_hiddens": hiddens(1)}),
         verify("A", 0, rows=18),
         {"op": "TakeKV", "state": "A", "handle": "H1", "expect": {"num_rows": 18}},
-        propose("A", 19, 3, expect_error="INVALID_ARGUMENT"),  # A is empty: next is 1
+        propose("A", 19, 3, **mismatch),  # A is empty: next is 1
         {"op": "AllocState", "state": "B"},
         {
             "op": "InstallKV",
@@ -168,7 +244,8 @@ def scenario(seed: int) -> list[dict[str, Any]]:
             "handle": "H1",
             "expect": {"num_rows": 18, "next_position": 19},
         },
-        {"op": "InstallKV", "state": "A", "handle": "H1", "expect_error": "NOT_FOUND"},  # used
+        {"op": "InstallKV", "state": "A", "handle": "H1"}
+        | error("NOT_FOUND", "HANDLE_NOT_FOUND"),  # used
         propose("B", 19, 3),
         verify("B", 3, rows=22, refeed=True),
         {  # the hot path: each message carries the verdict on the one before
@@ -177,7 +254,7 @@ def scenario(seed: int) -> list[dict[str, Any]]:
                 message("B", 23, 3),
                 # a = 1 leaves 22 + 1 + 1 rows: position 26 does not continue B, and
                 # the refused message changes nothing (its verdict is not applied)
-                message("B", 26, 2, previous={"num_accepted": 1}, expect_error="INVALID_ARGUMENT"),
+                message("B", 26, 2, previous={"num_accepted": 1}, **mismatch),
                 message("B", 25, 2, previous={"num_accepted": 1}),
                 message("B", 28, 4, previous={"num_accepted": 2, "refeed_hiddens": hiddens(2)}),
             ],
@@ -194,16 +271,20 @@ def scenario(seed: int) -> list[dict[str, Any]]:
             "expect": {"num_rows": 1, "next_position": 2, "chunks": 1},
         },
         {"op": "TakeKV", "state": "C", "handle": "H2", "expect": {"num_rows": 1}},
-        {"op": "InstallKV", "state": "B", "handle": "H2", "expect_error": "FAILED_PRECONDITION"},
+        {"op": "InstallKV", "state": "B", "handle": "H2"}
+        | error("FAILED_PRECONDITION", "STATE_NOT_EMPTY"),
         {
             "op": "InstallKV",
             "state": "C",
             "handle": "H2",
             "expect": {"num_rows": 1, "next_position": 2},
         },
+        # The chain stops where its confidence would fall below min_confidence, which
+        # settle() places between two drafts' probabilities.
+        propose("C", 2, 4, min_confidence=0.0),
         {"op": "FreeState", "state": "A", "expect": {"existed": True}},
         {"op": "FreeState", "state": "A", "expect": {"existed": False}},
-        propose("A", 1, 3, expect_error="NOT_FOUND"),
+        propose("A", 1, 3, **no_state),
         {
             "op": "Prefill",
             "state": "A",
@@ -211,117 +292,195 @@ def scenario(seed: int) -> list[dict[str, Any]]:
             "tokens": [token()],
             "chunk_rows": 4,
             "hiddens": hiddens(1),
-            "expect_error": "NOT_FOUND",
-        },
+        }
+        | no_state,
         {"op": "FreeState", "state": "B", "expect": {"existed": True}},
-        {"op": "AfterVerify", "state": "B", "num_accepted": 0, "expect_error": "NOT_FOUND"},
+        {"op": "AfterVerify", "state": "B", "num_accepted": 0} | no_state,
         {"op": "FreeState", "state": "C", "expect": {"existed": True}},
     ]
 
 
-def replay(address: str, ops: list[dict[str, Any]], *, record: bool, tol: float) -> list:
-    with DrafterClient(address, timeout=60.0) as client:
-        outcomes = Replayer(client, record=record, tolerance=tol).run(ops)
-    failed = [o.line() for o in outcomes if not o.ok]
-    if failed:
-        raise SystemExit("make_vector: the server disagrees:\n" + "\n".join(failed))
-    return outcomes
-
-
-def check_bitmask(ops: list[dict[str, Any]]) -> None:
-    """Every masked draft is a token its bitmask row (the last row past the end) allows."""
+def settle(ref: Reference, ops: list[dict[str, Any]], seed: int) -> None:
+    """Draws each drafting Propose's hidden again until its drafts clear MARGIN; places
+    each min_confidence GAP or more from its drafts' probabilities, the chain stopping."""
+    rng = np.random.default_rng([seed, 1])
+    walker = Oracle(ref)
     for op in ops:
-        if "bitmask" in op and "expect" in op:
-            words = decode_tensor(op["bitmask"]).view(np.uint32).reshape(-1, VOCAB // 32)
-            for i, t in enumerate(op["expect"]["tokens"]):
-                row = words[min(i, len(words) - 1)]
-                if not row[t // 32] >> np.uint32(t % 32) & 1:
-                    raise SystemExit(f"make_vector: draft {i} ({t}) is not allowed by its mask")
+        stream = op["op"] == "ProposeStream"
+        for msg in op["messages"] if stream else [op]:
+            if "token" in msg and "expect_error" not in msg:
+                settle_one(walker, msg, rng)
+            walker.apply(msg | {"op": "Propose"} if stream else msg)
 
 
-def check_take_install(address: str, ops: list[dict[str, Any]]) -> None:
-    """B's drafts after InstallKV equal those of a state that kept A's KV all along."""
-    take = next(i for i, op in enumerate(ops) if op["op"] == "TakeKV")
-    b_propose = next(op for op in ops if op["op"] == "Propose" and op["state"] == "B")
-    control = [{"op": "AllocState", "state": "A"}]
-    control += [
-        copy.deepcopy(op)
-        for op in ops[:take]
-        if op.get("state") == "A" and "expect_error" not in op and op["op"] != "AllocState"
+def settle_one(walker: Oracle, op: dict[str, Any], rng: np.random.Generator) -> None:
+    free = {k: v for k, v in op.items() if k != "min_confidence"}  # all K drafts
+    for _ in range(TRIES):
+        if clears(walker.trial(free), op):
+            return
+        op["hidden"] = free["hidden"] = encode_tensor(
+            rng.standard_normal(HIDDEN).astype(np.float32)
+        )
+    raise SystemExit(f"make_vector: none of {TRIES} inputs clears the margin")
+
+
+def clears(p: Proposal, op: dict[str, Any]) -> bool:
+    """Whether the drafts of `p` (computed without a floor) clear MARGIN; for a Propose
+    with min_confidence, sets it so that the chain stops GAP or more from every draft."""
+    drafts = p.drafts
+    if "min_confidence" in op:
+        probs = [d.prob for d in drafts]
+        for j in range(1, len(probs)):  # keep one draft at least, stop at draft j + 1
+            floor = math.floor((min(probs[:j]) + probs[j]) / 2 * 64) / 64
+            if min(probs[:j]) - floor >= GAP and floor - probs[j] >= GAP:
+                op["min_confidence"], drafts = floor, drafts[: j + 1]
+                break
+        else:
+            return False
+    return min(margins([Proposal(drafts, False)])) >= MARGIN
+
+
+def expect_drafts(ref: Reference, ops: list[dict[str, Any]]) -> list[Proposal | None]:
+    """Fills in every drafting Propose's expect from the oracle; returns the proposals."""
+    exact = Oracle(ref).run(ops)
+    for op, p in zip(proposes(ops), exact, strict=True):
+        if p is not None:
+            op["expect"] = p.expect(op["position"])
+    return exact
+
+
+def derive(
+    ref: Reference, ops: list[dict[str, Any]], exact: list[Proposal | None], draws: int, seed: int
+) -> dict[str, Any]:
+    """The tolerance and the tie rule's figures (the module's docstring); exits unless
+    every draft clears the rule."""
+    out: dict[str, Any] = {
+        "model": "a valid implementation keeps each op's output, the KV cache, the RoPE "
+        "table, the hidden passed on and the logits in its dtype, each with a relative "
+        "error up to unit_roundoff = u_dtype + sqrt(K) u_fp32 (rounding plus an fp32 sum "
+        "of up to K terms); its probabilities (fp32) up to (1 + sqrt(K)) u_fp32 more. "
+        "Emulated by the oracle rounding every such value to the dtype once, then "
+        "perturbing each by a uniform relative error within unit_roundoff in each of "
+        "`draws` runs, drafts forced. prob_tolerance = safety_factor x "
+        "worst_prob_deviation, rounded up to two digits; required_margin = safety_factor "
+        "x worst_lead_deviation (a draft's logit lead over any allowed token).",
+        "reduction_length_K": reduction_length(ref),
+        "draws": draws,
+        "safety_factor": SAFETY,
+        "smallest_margin": min(margins(exact)),
+    }
+    floors = [
+        (op["min_confidence"], p)
+        for op, p in zip(proposes(ops), exact, strict=True)
+        if "min_confidence" in op
     ]
-    control.append(copy.deepcopy(b_propose) | {"state": "A"})
-    replay(address, control, record=False, tol=0.0)
+    if floors:
+        out["smallest_min_confidence_gap"] = min(
+            abs(d.prob - floor) for floor, p in floors for d in p.drafts
+        )
+    for dtype in ("bfloat16", "float32"):
+        fig = emulate(ref, ops, exact, ErrorModel.of(dtype, ref), draws, seed)
+        fig["prob_tolerance"] = two_digits_up(SAFETY * fig["worst_prob_deviation"])
+        fig["required_margin"] = SAFETY * fig["worst_lead_deviation"]
+        fig["prob_tolerance_in_sigmas"] = fig["prob_tolerance"] / fig["prob_sigma"]
+        fig["required_margin_in_sigmas"] = fig["required_margin"] / fig["lead_sigma"]
+        out[dtype] = fig
+        print(f"make_vector: {dtype}: {json.dumps(fig)}")
+        if out["smallest_margin"] < fig["required_margin"]:
+            raise SystemExit(
+                f"make_vector: a draft leads by {out['smallest_margin']:.3g} only, under the "
+                f"{fig['required_margin']:.3g} {dtype} requires: try another --seed"
+            )
+        if floors and out["smallest_min_confidence_gap"] < fig["prob_tolerance"]:
+            raise SystemExit("make_vector: a draft's prob is too near its min_confidence")
+    return out
+
+
+def check_servers(vector: dict[str, Any]) -> None:
+    """Replays the vector against the default server, a float32 one and both on other
+    CPUs' kernels; exits unless every replay passes. Fills in GetInfo's expectations."""
+    with DefaultServer() as server, DrafterClient(server.address) as client:
+        info = static_info(client.info())
+    config = {k: _CONFIG[k] for k in ("hidden_size", "vocab_size", "num_attention_heads")}
+    if {k: info[k] for k in config} != config or info["bitmask_words"] != -(-VOCAB // 32):
+        raise SystemExit(f"make_vector: the server's GetInfo disagrees with the config: {info}")
+    getinfo = next(op for op in vector["operations"] if op["op"] == "GetInfo")
+    getinfo["expect"] = info
+    with DefaultServer(*FLOAT32) as server, DrafterClient(server.address) as client:
+        info32 = static_info(client.info())
+    vector["float32"]["info"] = {k: v for k, v in info32.items() if info[k] != v}
+    for cpu, env in [("this CPU", None), *OTHER_CPUS.items()]:
+        for name, extra in ((None, ()), ("float32", FLOAT32)):
+            with DefaultServer(*extra, env=env) as server:
+                ops, tol = variant(vector, name)
+                outcomes = replay(server.address, ops, tol)
+            failed = [o.line() for o in outcomes if not o.ok]
+            where = f"{name or 'default'} server on {cpu} ({env or 'as it is'})"
+            if failed:
+                raise SystemExit(f"make_vector: the {where} disagrees:\n" + "\n".join(failed))
+            print(f"make_vector: the {where} passes")
+
+
+def make(seed: int, draws: int) -> dict[str, Any]:
+    ref = Reference(DEFAULT_CHECKPOINT)
+    ops = scenario(seed)
+    settle(ref, ops, seed)
+    exact = expect_drafts(ref, ops)
+    derivation = derive(ref, ops, exact, draws, seed)
+    vector = {
+        "format": FORMAT,
+        "about": "Operations every mtpdraft client replays against a live server; "
+        "written by tests/conformance/make_vector.py: drafts, probs and confidence from "
+        "the float64 oracle (tests/mtp_reference.py), the tolerance as `derivation` says.",
+        "server": SERVER,
+        "checkpoint": {"path": "service/model/default_checkpoint", "sha256": checkpoint_digests()},
+        "seed": seed,
+        "prob_tolerance": derivation["bfloat16"]["prob_tolerance"],
+        "float32": {
+            "server": f"{SERVER} {' '.join(FLOAT32)}",
+            "prob_tolerance": derivation["float32"]["prob_tolerance"],
+            "info": {},
+        },
+        "derivation": derivation,
+        "rules": RULES,
+        "operations": ops,
+    }
+    check_vector(vector)
+    check_servers(vector)
+    return vector
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare with the file only")
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--draws", type=int, default=DRAWS)
     parser.add_argument("--out", type=Path, default=VECTOR_PATH)
     args = parser.parse_args()
 
-    ops = scenario(args.seed)
-    with DefaultServer() as server:
-        replay(server.address, ops, record=True, tol=PROB_TOLERANCE)
-        check_take_install(server.address, ops)
-    check_bitmask(ops)
-    with DefaultServer("--dtype", "float32") as server:
-        fp32 = copy.deepcopy(ops)
-        for op in fp32:
-            if op["op"] == "GetInfo":
-                op["expect"].pop("compute_dtype")
-                op["expect"].pop("kv_blocks_total")
-        replay(server.address, fp32, record=False, tol=FP32_PROB_TOLERANCE)
-
-    vector = {
-        "format": "mtpdraft-conformance/1",
-        "about": "Operations every mtpdraft client replays against a live server; "
-        "written by tests/conformance/make_vector.py from the real service.",
-        "server": "python3 -m mtpdraft serve --port 0 --device cpu",
-        "checkpoint": {"path": "service/model/default_checkpoint", "sha256": checkpoint_digests()},
-        "seed": args.seed,
-        "prob_tolerance": PROB_TOLERANCE,
-        "rules": RULES,
-        "operations": ops,
-    }
+    vector = make(args.seed, args.draws)
     text = dump(vector)
     if args.check:
         diffs = differences(load_vector(args.out), vector)
         print("\n".join(diffs) or f"make_vector: {args.out} is up to date")
         return 1 if diffs else 0
     args.out.write_text(text)
-    print(f"make_vector: wrote {args.out} ({len(ops)} operations, {len(text)} bytes)")
+    print(f"make_vector: wrote {args.out} ({len(vector['operations'])} operations)")
     return 0
 
 
-def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Where `new` departs from `old`: inputs exactly, expected outputs within tolerance."""
-    out = [f"{k} differs" for k in new if k != "operations" and old.get(k) != new[k]]
-    olds, news = _checked(old["operations"]), _checked(new["operations"])
-    if [label for label, _ in olds] != [label for label, _ in news]:
-        return [*out, "the operations differ"]
-    for (label, was), (_, now) in zip(olds, news, strict=True):
-        if {k: v for k, v in was.items() if k != "expect"} != {
-            k: v for k, v in now.items() if k != "expect"
-        }:
-            out.append(f"{label}: inputs differ")
-        elif was.get("expect", {}).keys() != now.get("expect", {}).keys():
-            out.append(f"{label}: expected fields differ")
-        else:
-            bad = mismatches(was.get("expect", {}), now.get("expect", {}), PROB_TOLERANCE)
-            out += [f"{label}: {b}" for b in bad]
-    return out
-
-
-def _checked(ops: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    """(label, item) for every operation, and for every message of a ProposeStream."""
-    items = []
-    for i, op in enumerate(ops):
-        if op["op"] == "ProposeStream":
-            items += [(f"{i:02d} ProposeStream[{j}]", m) for j, m in enumerate(op["messages"])]
-        else:
-            items.append((f"{i:02d} {op['op']}", op))
-    return items
+def differences(old: Any, new: Any, where: str = "") -> list[str]:
+    """Where `new` departs from `old`: floats beyond a relative 1e-6 (float64 sums differ
+    in their last bits between CPUs), anything else at all."""
+    if isinstance(new, dict) and isinstance(old, dict):
+        keys = list(new) + [k for k in old if k not in new]
+        return [d for k in keys for d in differences(old.get(k), new.get(k), f"{where}.{k}")]
+    if isinstance(new, list) and isinstance(old, list) and len(new) == len(old):
+        pairs = enumerate(zip(old, new, strict=True))
+        return [d for i, (a, b) in pairs for d in differences(a, b, f"{where}[{i}]")]
+    if isinstance(new, float) and isinstance(old, float):
+        return [] if math.isclose(old, new, rel_tol=1e-6, abs_tol=1e-12) else [f"{where} differs"]
+    return [] if old == new else [f"{where} differs"]
 
 
 def dump(vector: dict[str, Any]) -> str:

@@ -18,16 +18,22 @@ operation without `op`) one at a time, each answered before the next; an error
 answer (`expect_error`, `expect_reason`, `expect_field`: its Error value's code name,
 reason and field) leaves the stream open.
 
-`Replayer(client).run(ops)` checks; `Replayer(client, record=True).run(ops)` fills
-in `expect` from the server (make_vector.py), checking the fields that were given.
+A runner refuses a malformed vector before any call (check_vector): a wrong
+`format`, a missing `prob_tolerance`, missing or empty `operations`, an unknown `op`.
+
+`Replayer(client).run(ops)` checks; as a command it replays a vector against a server:
+
+    python3 tests/conformance/vector_runner.py --address HOST:PORT [--vector PATH]
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import functools
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -43,6 +49,20 @@ from mtpdraft.client import DrafterClient, DrafterError, Verdict
 from mtpdraft.client import messages as client_messages
 
 VECTOR_PATH = Path(__file__).with_name("vector.json")
+FORMAT = "mtpdraft-conformance/1"
+OPERATIONS = frozenset(
+    {"GetInfo", "AllocState", "Prefill", "Propose", "ProposeStream", "AfterVerify"}
+    | {"TakeKV", "InstallKV", "FreeState"}
+)
+
+#: Server environments under which torch runs the kernels of other x86-64 CPUs: oneDNN's
+#: (the bf16 GEMMs), MKL's (the fp32 ones) and ATen's own vectorized kernels.
+OTHER_CPUS = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    | {"ATEN_CPU_CAPABILITY": "avx2"},
+    "baseline": {"ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
+    | {"ATEN_CPU_CAPABILITY": "default"},
+}
 
 _STORAGE = {"DTYPE_FP32": "<f4", "DTYPE_FP16": "<f2", "DTYPE_INT32": "<i4"}
 _DTYPE_ENUM = {"bfloat16": "DTYPE_BF16", "float16": "DTYPE_FP16", "float32": "DTYPE_FP32"}
@@ -71,8 +91,60 @@ STATIC_INFO_FIELDS = (
 )
 
 
+class VectorError(ValueError):
+    """A vector no runner may replay."""
+
+
+def check_vector(vector: Any) -> None:
+    """Raises VectorError, naming the fault, unless `vector` is one a runner may replay."""
+    if not isinstance(vector, dict):
+        raise VectorError("the vector is not a JSON object")
+    if vector.get("format") != FORMAT:
+        raise VectorError(f"format is {vector.get('format')!r}, not {FORMAT!r}")
+    tol = vector.get("prob_tolerance")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < math.inf:
+        raise VectorError(f"prob_tolerance is {tol!r}, not a non-negative number")
+    ops = vector.get("operations")
+    if not isinstance(ops, list) or not ops:
+        raise VectorError("operations is missing or empty")
+    for i, op in enumerate(ops):
+        name = op.get("op") if isinstance(op, dict) else None
+        if name not in OPERATIONS:
+            raise VectorError(f"operation {i}: unknown op {name!r}")
+        if name == "ProposeStream" and not (
+            isinstance(op.get("messages"), list) and op["messages"]
+        ):
+            raise VectorError(f"operation {i}: ProposeStream without messages")
+
+
 def load_vector(path: Path = VECTOR_PATH) -> dict[str, Any]:
-    return json.loads(path.read_text())
+    """The vector at `path`, checked (VectorError if no runner may replay it)."""
+    try:
+        vector = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise VectorError(f"{path} is not JSON: {e}") from e
+    check_vector(vector)
+    return vector
+
+
+def variant(vector: dict[str, Any], name: str | None = None) -> tuple[list[dict], float]:
+    """(operations, tolerance) for the vector's server, or for its variant `name` (e.g.
+    "float32"): the variant's GetInfo fields replace the vector's."""
+    if name is None:
+        return vector["operations"], vector["prob_tolerance"]
+    var = vector[name]
+    ops = [
+        op | {"expect": op["expect"] | var["info"]} if op["op"] == "GetInfo" else op
+        for op in vector["operations"]
+    ]
+    return ops, var["prob_tolerance"]
+
+
+def static_info(info: Any) -> dict[str, Any]:
+    """A GetInfo answer's fixed fields (STATIC_INFO_FIELDS), named as in the vector."""
+    out = {k: getattr(info, k) for k in STATIC_INFO_FIELDS}
+    out["hidden_dtypes"] = [_DTYPE_ENUM[d] for d in info.hidden_dtypes]
+    return out
 
 
 def encode_tensor(arr: np.ndarray) -> dict[str, Any]:
@@ -139,9 +211,8 @@ def expected_error(op: dict[str, Any]) -> str | None:
 class Replayer:
     """Interprets the vector's operations against a server through a DrafterClient."""
 
-    def __init__(self, client: DrafterClient, *, record: bool = False, tolerance: float = 1e-3):
+    def __init__(self, client: DrafterClient, *, tolerance: float):
         self.client = client
-        self.record = record
         self.tolerance = tolerance
         self.states: dict[str, int] = {}
         self.handles: dict[str, int] = {}
@@ -160,7 +231,7 @@ class Replayer:
         if op["op"] == "ProposeStream":
             return self.stream_step(index, op)
         label = op["op"] + (f" {op['state']}" if "state" in op else "")
-        ok, message = self.judge(f"{index:02d} {label}", op, lambda: self.call(op))
+        ok, message = self.judge(op, lambda: self.call(op))
         return Outcome(index, label, ok, message)
 
     def stream_step(self, index: int, op: dict[str, Any]) -> Outcome:
@@ -172,22 +243,17 @@ class Replayer:
                 state = self.states[msg["state"]]
                 return _proposal(stream.propose(**_propose(msg, state)), state)
 
-            for j, msg in enumerate(op["messages"]):
-                where = f"{index:02d} ProposeStream[{j}] {msg['state']}"
-                results.append(self.judge(where, msg, functools.partial(send, msg)))
+            for msg in op["messages"]:
+                results.append(self.judge(msg, functools.partial(send, msg)))
         ok = all(good for good, _ in results)
         lines = "; ".join(f"[{j}] {text}" for j, (_, text) in enumerate(results))
         return Outcome(index, f"ProposeStream ({len(results)} messages)", ok, lines)
 
-    def judge(self, where: str, op: dict[str, Any], call: Any) -> tuple[bool, str]:
+    def judge(self, op: dict[str, Any], call: Any) -> tuple[bool, str]:
         """Runs `call` and compares its result (or its error) with what `op` expects."""
         try:
             actual = call()
         except DrafterError as e:
-            if self.record and op.get("expect_error") == e.code.name:
-                op["expect_reason"] = e.reason
-                if e.field:
-                    op["expect_field"] = e.field
             got = error_text(e.code.name, e.reason, e.field)
             want = expected_error(op)
             if want == got:
@@ -196,10 +262,6 @@ class Replayer:
         if "expect_error" in op:
             return False, f"expected {op['expect_error']}, got {actual}"
         bad = mismatches(op.get("expect", {}), actual, self.tolerance)
-        if self.record:
-            if bad:
-                raise AssertionError(f"{where}: " + "; ".join(bad))
-            op["expect"] = actual
         if bad:
             return False, "; ".join(bad)
         return True, json.dumps(actual, sort_keys=True)
@@ -208,12 +270,8 @@ class Replayer:
         c = self.client
         name = op["op"]
         if name == "GetInfo":
-            info = c.info()
-            out = {k: getattr(info, k) for k in STATIC_INFO_FIELDS}
-            out["hidden_dtypes"] = [_DTYPE_ENUM[d] for d in info.hidden_dtypes]
-            if not self.record:  # compare the fields the vector lists
-                out = {k: out.get(k) for k in op.get("expect", {})}
-            return out
+            out = static_info(c.info())
+            return {k: out.get(k) for k in op.get("expect", {})}  # the fields the vector lists
         if name == "AllocState":
             state = c.alloc_state()
             if state == 0:
@@ -285,10 +343,16 @@ class DefaultServer:
     """`python3 -m mtpdraft serve --port 0 --device cpu [extra]` (the embedded default model)
     in a subprocess; `address` is where it listens."""
 
-    def __init__(self, *extra: str, timeout: float = 120.0) -> None:
+    def __init__(
+        self, *extra: str, env: dict[str, str] | None = None, timeout: float = 120.0
+    ) -> None:
         cmd = [sys.executable, "-m", "mtpdraft", "serve", "--port", "0", "--device", "cpu", *extra]
         self.process = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=None if env is None else os.environ | env,
         )
         self.lines: list[str] = []
         deadline = time.monotonic() + timeout
@@ -323,3 +387,33 @@ class DefaultServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def replay(address: str, ops: list[dict[str, Any]], tolerance: float) -> list[Outcome]:
+    """The outcome of every operation, replayed in order against the server at `address`."""
+    with DrafterClient(address, timeout=30.0) as client:
+        return Replayer(client, tolerance=tolerance).run(ops)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Replays the conformance vector.")
+    parser.add_argument("--address", default=os.environ.get("MTPDRAFT_CONFORMANCE_ADDRESS"))
+    parser.add_argument("--vector", type=Path, default=VECTOR_PATH)
+    args = parser.parse_args()
+    if not args.address:
+        parser.error("give --address HOST:PORT")
+    try:
+        vector = load_vector(args.vector)
+    except (OSError, VectorError) as e:
+        print(f"python: bad vector: {e}", file=sys.stderr)
+        return 2
+    outcomes = replay(args.address, vector["operations"], vector["prob_tolerance"])
+    for o in outcomes:
+        print(o.line())
+    failed = sum(not o.ok for o in outcomes)
+    print(f"python: {len(outcomes) - failed} passed, {failed} failed")
+    return 1 if failed or len(outcomes) != len(vector["operations"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

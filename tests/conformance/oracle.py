@@ -1,0 +1,298 @@
+"""The conformance vector's drafts from the float64 oracle, and emulations of bf16/fp32.
+
+`Oracle(ref).run(ops)` walks the vector's operations over the rows each state must
+hold (tests/drafting.py's Expected: Propose appends the committed row R0, a
+verdict keeps R1..Ra, a = K adds the last draft's row, refeed replaces chain
+hiddens by the verifier's; a refused operation changes nothing) and asks the
+float64 oracle (tests/mtp_reference.py) for every proposal's drafts, with its
+bitmask rows and min_confidence applied as the contract says. It imports
+nothing from the service.
+
+`Oracle(ref, store, forced)` does the same with `store` applied to every value an
+implementation keeps in its compute dtype (mtp_reference's hook) and the drafts
+forced to the exact ones, so that each draft's logits and probability can be
+compared with the exact computation's: make_vector.py's error model.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from drafting import Expected
+from mtp_reference import Reference, Store
+
+#: Unit roundoffs (round to nearest, 8 and 24 significant bits).
+BF16_U = 2.0**-8
+FP32_U = 2.0**-24
+
+
+def to_bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).double()
+
+
+def to_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.float().double()
+
+
+def perturbed(u: float, gen: torch.Generator) -> Store:
+    """Multiplies each element by (1 + d), d uniform in [-u, u]: a rounding to the
+    compute dtype whatever the kernel's accumulation order and rounding mode."""
+
+    def store(x: torch.Tensor) -> torch.Tensor:
+        d = torch.rand(x.shape, generator=gen, dtype=torch.float64) * 2 - 1
+        return x * (1 + u * d)
+
+    return store
+
+
+def tensor(t: dict[str, Any]) -> torch.Tensor:
+    """A vector tensor (raw little-endian bytes in base64) as float64 (int32 exactly)."""
+    kinds = {"DTYPE_FP32": "<f4", "DTYPE_INT32": "<i4"}
+    raw = np.frombuffer(base64.b64decode(t["data"]), dtype=kinds[t["dtype"]])
+    return torch.from_numpy(raw.reshape(t["shape"]).astype(np.float64))
+
+
+def allowed(bitmask: dict[str, Any], vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool: bit t % 32 of word t // 32 allows token t (uncovered: not)."""
+    t = tensor(bitmask)
+    words = t.long().reshape(-1, t.shape[-1]) & 0xFFFFFFFF
+    bits = (words[:, :, None] >> torch.arange(32)) & 1
+    out = torch.zeros(words.shape[0], vocab, dtype=torch.bool)
+    n = min(vocab, words.shape[1] * 32)
+    out[:, :n] = bits.reshape(words.shape[0], -1)[:, :n].bool()
+    return out
+
+
+@dataclass
+class Draft:
+    token: int
+    prob: float
+    logits: torch.Tensor  # [vocab], disallowed tokens at -inf
+
+
+@dataclass
+class Proposal:
+    """A Propose's outcome: every draft computed, the last one dropped if it stopped."""
+
+    drafts: list[Draft]
+    stopped: bool
+
+    @property
+    def kept(self) -> list[Draft]:
+        return self.drafts[:-1] if self.stopped else self.drafts
+
+    def expect(self, position: int) -> dict[str, Any]:
+        return {
+            "tokens": [d.token for d in self.kept],
+            "probs": [d.prob for d in self.kept],
+            "confidence": min(d.prob for d in self.drafts),
+            "first_position": position + 1,
+        }
+
+
+class Rows(Expected):
+    """Expected's rows of one state, for a model of any hidden size."""
+
+    def __init__(self, ref: Reference) -> None:
+        width = ref.cfg["hidden_size"]
+        super().__init__(ref, hiddens=torch.empty(0, width, dtype=torch.float64))
+
+    def add(self, toks: list[int], hid: torch.Tensor) -> None:
+        self.tokens += list(toks)
+        self.hiddens = torch.cat([self.hiddens, hid.double().reshape(len(toks), -1)])
+
+
+class Oracle:
+    """Walks vector operations over the rows each state holds; Proposes get the oracle's drafts.
+
+    `store` and `forced` as in the module's docstring: a Propose's drafts are then
+    forced to those of `forced` (the exact proposals, in replay order).
+    """
+
+    def __init__(
+        self, ref: Reference, store: Store | None = None, forced: list[Proposal | None] = ()
+    ) -> None:
+        self.ref, self.store, self.forced = ref, store, list(forced)
+        self.vocab = ref.cfg["vocab_size"]
+        self.states: dict[str, Rows] = {}
+        self.handles: dict[str, Rows] = {}
+        self.proposals: list[Proposal | None] = []  # one per Propose, None where refused
+
+    def run(self, ops: list[dict[str, Any]]) -> list[Proposal | None]:
+        for op in ops:
+            self.apply(op)
+        return self.proposals
+
+    def apply(self, op: dict[str, Any]) -> None:
+        """One operation's effect on the states; a refused one changes nothing."""
+        name = op["op"]
+        if name == "ProposeStream":
+            for msg in op["messages"]:
+                self.apply(msg | {"op": "Propose"})
+        elif name == "Propose":
+            ok = "expect_error" not in op
+            self.proposals.append(self.propose(self.states[op["state"]], op) if ok else None)
+        elif "expect_error" in op:
+            pass
+        elif name == "AllocState":
+            self.states[op["state"]] = Rows(self.ref)
+        elif name == "Prefill":
+            self.states[op["state"]].add(op["tokens"], tensor(op["hiddens"]))
+        elif name == "AfterVerify":
+            verdict(self.states[op["state"]], op["num_accepted"], op.get("refeed_hiddens"))
+        elif name == "TakeKV":
+            self.handles[op["handle"]] = self.states[op["state"]]
+            self.states[op["state"]] = Rows(self.ref)
+        elif name == "InstallKV":
+            self.states[op["state"]] = self.handles.pop(op["handle"])
+        elif name == "FreeState":
+            self.states.pop(op["state"], None)
+
+    def trial(self, op: dict[str, Any]) -> Proposal:
+        """The proposal a Propose would get now, leaving the states as they are."""
+        rows = copy.copy(self.states[op["state"]])
+        rows.tokens = list(rows.tokens)
+        return self.propose(rows, op)
+
+    def propose(self, rows: Rows, op: dict[str, Any]) -> Proposal:
+        """A Propose on these rows: the previous verdict, R0, then the chain of drafts."""
+        if "previous" in op:
+            prev = op["previous"]
+            verdict(rows, prev["num_accepted"], prev.get("refeed_hiddens"))
+        rows.add([op["token"]], tensor(op["hidden"]))
+        masks = allowed(op["bitmask"], self.vocab) if "bitmask" in op else None
+        floor = op.get("min_confidence", 0.0)
+        forced = self.forced[len(self.proposals)] if self.forced else None
+        forced_stop = len(forced.drafts) - 1 if forced and forced.stopped else -1
+        tokens, hiddens = list(rows.tokens), rows.hiddens
+        drafts, outs, stopped = [], [], False
+        for j in range(op["num_drafts"]):
+            out = self.ref.rows(tokens, hiddens, self.store)[-1]
+            logits = self.ref.logits(out, self.store)
+            if masks is not None:
+                logits = logits.masked_fill(~masks[min(j, len(masks) - 1)], float("-inf"))
+            token = forced.drafts[j].token if forced else int(logits.argmax())
+            prob = logits.softmax(-1)[token].item()
+            drafts.append(Draft(token, prob, logits.detach()))
+            # The running minimum falls below min_confidence where a draft's prob does.
+            stopped = j == forced_stop if forced else prob < floor
+            if stopped:
+                break
+            outs.append(out)
+            tokens.append(token)
+            hiddens = torch.cat([hiddens, out[None]])
+        proposal = Proposal(drafts, stopped)
+        rows.last = ([d.token for d in proposal.kept], outs)
+        return proposal
+
+
+def proposes(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Propose operations and ProposeStream messages, in replay order."""
+    out: list[dict[str, Any]] = []
+    for op in ops:
+        if op["op"] == "ProposeStream":
+            out += op["messages"]
+        elif op["op"] == "Propose":
+            out.append(op)
+    return out
+
+
+def verdict(rows: Rows, accepted: int, refeed: dict[str, Any] | None) -> None:
+    rows.verdict(accepted, None if refeed is None else tensor(refeed))
+
+
+@dataclass
+class Deviation:
+    """An emulated run's drafts against the exact ones, one value per draft."""
+
+    prob: np.ndarray  # prob - exact prob, the prob as the wire's float32 carries it
+    lead: np.ndarray  # the largest change of the draft's logit lead over an allowed token
+    runner_up: np.ndarray  # the change of its lead over the exact runner-up (signed)
+
+
+def deviation(exact: list[Proposal | None], other: list[Proposal | None]) -> Deviation:
+    prob, lead, runner_up = [], [], []
+    for e, o in zip(exact, other, strict=True):
+        for de, do in zip(e.drafts if e else [], o.drafts if o else [], strict=True):
+            prob.append(float(np.float32(do.prob)) - de.prob)
+            ok = torch.isfinite(de.logits)
+            change = (do.logits[de.token] - do.logits) - (de.logits[de.token] - de.logits)
+            lead.append(float(change[ok].abs().max()))
+            runner_up.append(float(change[de.logits.topk(2).indices[1]]))
+    return Deviation(np.array(prob), np.array(lead), np.array(runner_up))
+
+
+def margins(exact: list[Proposal | None]) -> list[float]:
+    """Each exact draft's lead over the runner-up among the tokens its bitmask allows."""
+    out = []
+    for p in exact:
+        for d in p.drafts if p else []:
+            top2 = d.logits.topk(2).values
+            out.append(float(top2[0] - top2[1]))
+    return out
+
+
+def reduction_length(ref: Reference) -> int:
+    """K, the most terms any one sum of the forward adds (a GEMM's inner size, a softmax)."""
+    c = ref.cfg
+    return max(2 * c["hidden_size"], c["intermediate_size"], c["vocab_size"])
+
+
+@dataclass
+class ErrorModel:
+    """A valid implementation keeps values of `dtype`: each with a relative error up to
+    `u`, its rounding plus the accumulation in fp32 of a sum of up to K terms."""
+
+    dtype: str
+    rounding: Store
+    u: float
+    prob_u: float  # the relative error of a probability computed in fp32 from the logits
+
+    @classmethod
+    def of(cls, dtype: str, ref: Reference) -> ErrorModel:
+        accumulation = math.sqrt(reduction_length(ref)) * FP32_U
+        rounding, u = {"bfloat16": (to_bf16, BF16_U), "float32": (to_fp32, FP32_U)}[dtype]
+        return cls(dtype, rounding, u + accumulation, FP32_U + accumulation)
+
+
+def two_digits_up(x: float) -> float:
+    """x rounded up to two significant digits."""
+    exponent = math.floor(math.log10(x)) - 1
+    digits = math.ceil(round(x / 10.0**exponent, 9))  # 0.082 stays 82, not 83
+    return float(f"{digits}e{exponent}")
+
+
+def emulate(
+    ref: Reference,
+    ops: list[dict[str, Any]],
+    exact: list[Proposal | None],
+    model: ErrorModel,
+    draws: int,
+    seed: int,
+) -> dict[str, float]:
+    """The worst deviations of the oracle's drafts under `model`: one run rounding every
+    kept value to the dtype (nearest even), `draws` runs perturbing each by up to u."""
+    probs = np.array([d.prob for p in exact for d in (p.drafts if p else [])])
+    rounded = deviation(exact, Oracle(ref, model.rounding, exact).run(ops))
+    gen = torch.Generator().manual_seed(seed)
+    runs = [
+        deviation(exact, Oracle(ref, perturbed(model.u, gen), exact).run(ops)) for _ in range(draws)
+    ]
+    # The probability's own fp32 error (softmax, up to K terms) adds at most prob_u * p.
+    prob = np.abs(np.stack([rounded.prob, *(r.prob for r in runs)])) + model.prob_u * probs
+    lead = np.stack([rounded.lead, *(r.lead for r in runs)])
+    return {
+        "unit_roundoff": model.u,
+        "rounded_prob_deviation": float(np.abs(rounded.prob).max()),
+        "rounded_lead_deviation": float(rounded.lead.max()),
+        "worst_prob_deviation": float(prob.max()),
+        "worst_lead_deviation": float(lead.max()),
+        "prob_sigma": float(np.stack([r.prob for r in runs]).std(0).max()),
+        "lead_sigma": float(np.stack([r.runner_up for r in runs]).std(0).max()),
+    }

@@ -1,0 +1,74 @@
+"""The vector's drafts are the float64 oracle's, and clear the tie rule it states.
+
+No server: the oracle (oracle.py over tests/mtp_reference.py) replays the vector's
+operations over the rows each state must hold and must give every recorded draft,
+probability and confidence; every draft must lead its runner-up by the margin the
+vector's derivation requires, and a min_confidence must lie prob_tolerance or more
+from every probability of its chain.
+"""
+
+from __future__ import annotations
+
+import pytest
+from mtp_reference import Reference
+from oracle import Oracle, Proposal, margins, proposes, two_digits_up
+from vector_runner import load_vector
+
+from mtpdraft.service.model.default_model import DEFAULT_CHECKPOINT
+
+
+@pytest.fixture(scope="module")
+def vector() -> dict:
+    return load_vector()
+
+
+@pytest.fixture(scope="module")
+def exact(vector: dict) -> list[Proposal | None]:
+    return Oracle(Reference(DEFAULT_CHECKPOINT)).run(vector["operations"])
+
+
+def test_every_draft_is_the_oracles(vector: dict, exact: list[Proposal | None]) -> None:
+    ops = proposes(vector["operations"])
+    assert len(ops) == len(exact)
+    drafting = [(op, p) for op, p in zip(ops, exact, strict=True) if p is not None]
+    assert len(drafting) >= 10
+    for op, p in drafting:
+        want = p.expect(op["position"])
+        got = op["expect"]
+        assert got["tokens"] == want["tokens"] and got["first_position"] == want["first_position"]
+        assert got["probs"] == pytest.approx(want["probs"], abs=1e-9)
+        assert got["confidence"] == pytest.approx(want["confidence"], abs=1e-9)
+
+
+def test_every_draft_clears_the_tie_rule(vector: dict, exact: list[Proposal | None]) -> None:
+    d = vector["derivation"]
+    for dtype in ("bfloat16", "float32"):
+        fig = d[dtype]
+        assert fig["required_margin"] == pytest.approx(
+            d["safety_factor"] * fig["worst_lead_deviation"]
+        )
+        assert min(margins(exact)) >= fig["required_margin"], dtype
+
+
+def test_min_confidence_is_clear_of_every_prob(vector: dict, exact: list[Proposal | None]) -> None:
+    floors = [
+        (op["min_confidence"], p)
+        for op, p in zip(proposes(vector["operations"]), exact, strict=True)
+        if op.get("min_confidence")
+    ]
+    assert floors, "the vector should stop one chain by min_confidence"
+    for floor, p in floors:
+        assert p.stopped and p.kept
+        assert min(abs(d.prob - floor) for d in p.drafts) >= vector["prob_tolerance"]
+
+
+def test_tolerances_are_the_derived_ones(vector: dict) -> None:
+    d = vector["derivation"]
+    for dtype, tol in (("bfloat16", vector["prob_tolerance"]), ("float32", None)):
+        fig = d[dtype]
+        want = two_digits_up(d["safety_factor"] * fig["worst_prob_deviation"])
+        assert fig["prob_tolerance"] == want
+        assert tol is None or tol == want
+    assert vector["float32"]["prob_tolerance"] == d["float32"]["prob_tolerance"]
+    # float32's tolerance is the tight one: its unit roundoff and sums, not bfloat16's.
+    assert vector["float32"]["prob_tolerance"] < vector["prob_tolerance"] / 100
