@@ -2,7 +2,8 @@
 'use strict';
 // Replays the conformance vector (tests/conformance/vector.json) against a live server:
 //   node conformance.js --address 127.0.0.1:50051 [--vector PATH]
-// One line per operation, then "node: N passed, M failed"; exits 1 on any failure.
+// One line per operation, then "node: N passed, M failed"; exits 1 on any failure, 2 on a
+// vector no runner may replay (checked before any call).
 
 const fs = require('node:fs');
 const path = require('node:path');
@@ -20,6 +21,48 @@ function parseArgs(argv) {
   }
   if (!args.address) throw new Error('usage: conformance.js --address HOST:PORT [--vector PATH]');
   return args;
+}
+
+const FORMAT = 'mtpdraft-conformance/1';
+const OPERATIONS = new Set([
+  'GetInfo', 'AllocState', 'Prefill', 'Propose', 'ProposeStream', 'AfterVerify', 'TakeKV',
+  'InstallKV', 'FreeState',
+]);
+
+// Why no runner may replay the vector, or null if one may.
+function vectorFault(v) {
+  if (v === null || typeof v !== 'object' || Array.isArray(v)) return 'the vector is not a JSON object';
+  if (v.format !== FORMAT) return `format is ${JSON.stringify(v.format)}, not "${FORMAT}"`;
+  const tol = v.prob_tolerance;
+  if (typeof tol !== 'number' || !(tol >= 0) || !Number.isFinite(tol)) {
+    return `prob_tolerance is ${JSON.stringify(tol)}, not a non-negative number`;
+  }
+  if (!Array.isArray(v.operations) || v.operations.length === 0) return 'operations is missing or empty';
+  for (const [i, op] of v.operations.entries()) {
+    const name = op !== null && typeof op === 'object' ? op.op : undefined;
+    if (!OPERATIONS.has(name)) return `operation ${i}: unknown op ${JSON.stringify(name)}`;
+    if (name === 'ProposeStream' && !(Array.isArray(op.messages) && op.messages.length > 0)) {
+      return `operation ${i}: ProposeStream without messages`;
+    }
+  }
+  return null;
+}
+
+// The vector at `file`, or null after printing why no runner may replay it.
+function loadVector(file) {
+  let vector;
+  try {
+    vector = JSON.parse(fs.readFileSync(file, 'utf8'));
+  } catch (err) {
+    console.error(`node: bad vector: ${err.message}`);
+    return null;
+  }
+  const fault = vectorFault(vector);
+  if (fault) {
+    console.error(`node: bad vector: ${fault}`);
+    return null;
+  }
+  return vector;
 }
 
 function tensor(t) {
@@ -179,7 +222,8 @@ function errorText(code, reason, field) {
 
 async function main() {
   const args = parseArgs(process.argv.slice(2));
-  const vector = JSON.parse(fs.readFileSync(args.vector, 'utf8'));
+  const vector = loadVector(args.vector);
+  if (!vector) return 2;
   const client = new DrafterClient(args.address, { timeoutMs: 30000 });
   const replayer = new Replayer(client, vector.prob_tolerance);
   let passed = 0;

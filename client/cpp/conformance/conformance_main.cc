@@ -1,6 +1,7 @@
 // Replays the conformance vector (tests/conformance/vector.json) against a live server:
 //   mtpdraft-conformance --address 127.0.0.1:50051 [--vector PATH]
-// One line per operation, then "cpp: N passed, M failed"; exits 1 on any failure.
+// One line per operation, then "cpp: N passed, M failed"; exits 1 on any failure, 2 on a
+// vector no runner may replay (checked before any call).
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/reflection.h>
 
@@ -14,6 +15,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "mtpdraft/drafter_client.h"
@@ -256,6 +258,38 @@ class Replayer {
   std::map<std::string, uint64_t> handles_;
 };
 
+// Why no runner may replay the vector, or "" if one may.
+std::string VectorFault(const json& v) {
+  static const std::string kFormat = "mtpdraft-conformance/1";
+  static const std::set<std::string> kOps = {
+      "GetInfo",     "AllocState", "Prefill",   "Propose",  "ProposeStream",
+      "AfterVerify", "TakeKV",     "InstallKV", "FreeState"};
+  if (!v.is_object()) return "the vector is not a JSON object";
+  if (!v.contains("format") || v["format"] != kFormat) {
+    return "format is " + (v.contains("format") ? v["format"].dump() : "missing") + ", not \"" +
+           kFormat + "\"";
+  }
+  if (!v.contains("prob_tolerance") || !v["prob_tolerance"].is_number() ||
+      !(v["prob_tolerance"].get<double>() >= 0) || std::isinf(v["prob_tolerance"].get<double>())) {
+    return "prob_tolerance is missing or not a non-negative number";
+  }
+  if (!v.contains("operations") || !v["operations"].is_array() || v["operations"].empty()) {
+    return "operations is missing or empty";
+  }
+  for (size_t i = 0; i < v["operations"].size(); ++i) {
+    const json& op = v["operations"][i];
+    const json name = op.is_object() && op.contains("op") ? op["op"] : json(nullptr);
+    if (!name.is_string() || kOps.count(name.get<std::string>()) == 0) {
+      return "operation " + std::to_string(i) + ": unknown op " + name.dump();
+    }
+    if (name == "ProposeStream" &&
+        !(op.contains("messages") && op["messages"].is_array() && !op["messages"].empty())) {
+      return "operation " + std::to_string(i) + ": ProposeStream without messages";
+    }
+  }
+  return "";
+}
+
 // An operation's name in its line: the op and its state, or a stream's message count.
 std::string Label(const json& op) {
   std::string label = op.at("op").get<std::string>();
@@ -293,7 +327,11 @@ int main(int argc, char** argv) {
     if (!in) throw std::runtime_error("cannot open " + path);
     vector = json::parse(in);
   } catch (const std::exception& e) {
-    std::cerr << "cpp: " << e.what() << "\n";
+    std::cerr << "cpp: bad vector: " << e.what() << "\n";
+    return 2;
+  }
+  if (const std::string fault = VectorFault(vector); !fault.empty()) {
+    std::cerr << "cpp: bad vector: " << fault << "\n";
     return 2;
   }
   mtpdraft::DrafterClient client(address);

@@ -3,7 +3,8 @@
 //
 //	mtpdraft-conformance -address 127.0.0.1:50051 [-vector PATH]
 //
-// It prints one line per operation, then "go: N passed, M failed", and exits 1 on any failure.
+// It prints one line per operation, then "go: N passed, M failed", and exits 1 on any failure,
+// 2 on a vector no runner may replay (checked before any call).
 package main
 
 import (
@@ -62,9 +63,44 @@ type operation struct {
 	Messages      []operation            `json:"messages"` // of a ProposeStream
 }
 
+// Pointers tell a missing key from a zero value.
 type vector struct {
-	ProbTolerance float64     `json:"prob_tolerance"`
+	Format        *string     `json:"format"`
+	ProbTolerance *float64    `json:"prob_tolerance"`
 	Operations    []operation `json:"operations"`
+}
+
+const vectorFormat = "mtpdraft-conformance/1"
+
+var knownOps = map[string]bool{
+	"GetInfo": true, "AllocState": true, "Prefill": true, "Propose": true, "ProposeStream": true,
+	"AfterVerify": true, "TakeKV": true, "InstallKV": true, "FreeState": true,
+}
+
+// check says why no runner may replay the vector, or nil if one may.
+func (v *vector) check() error {
+	if v.Format == nil || *v.Format != vectorFormat {
+		format := "missing"
+		if v.Format != nil {
+			format = fmt.Sprintf("%q", *v.Format)
+		}
+		return fmt.Errorf("format is %s, not %q", format, vectorFormat)
+	}
+	if v.ProbTolerance == nil || !(*v.ProbTolerance >= 0) || math.IsInf(*v.ProbTolerance, 1) {
+		return fmt.Errorf("prob_tolerance is missing or not a non-negative number")
+	}
+	if len(v.Operations) == 0 {
+		return fmt.Errorf("operations is missing or empty")
+	}
+	for i, op := range v.Operations {
+		if !knownOps[op.Op] {
+			return fmt.Errorf("operation %d: unknown op %q", i, op.Op)
+		}
+		if op.Op == "ProposeStream" && len(op.Messages) == 0 {
+			return fmt.Errorf("operation %d: ProposeStream without messages", i)
+		}
+	}
+	return nil
 }
 
 func tensor(t *tensorJSON) (*drafter.Tensor, error) {
@@ -368,7 +404,11 @@ func main() {
 		os.Exit(2)
 	}
 	var v vector
-	if err := json.Unmarshal(raw, &v); err != nil {
+	err = json.Unmarshal(raw, &v)
+	if err == nil {
+		err = v.check()
+	}
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "go: bad vector:", err)
 		os.Exit(2)
 	}
@@ -378,7 +418,7 @@ func main() {
 		os.Exit(2)
 	}
 	defer client.Close()
-	r := &replayer{client: client, tol: v.ProbTolerance, states: map[string]uint64{}, handles: map[string]uint64{}}
+	r := &replayer{client: client, tol: *v.ProbTolerance, states: map[string]uint64{}, handles: map[string]uint64{}}
 	passed, failed := 0, 0
 	for i := range v.Operations {
 		op := &v.Operations[i]
