@@ -11,6 +11,9 @@ from pathlib import Path
 import torch
 
 SERVER_START_TIMEOUT = 60.0
+# The bound of a wait for something that comes at once on a healthy server: only a
+# failure waits it out, so it can be generous on any machine, however slow or loaded.
+PATIENCE = 120.0
 
 
 @dataclass
@@ -19,7 +22,7 @@ class ServerProcess:
     address: str
     lines: list[str]
 
-    def stop(self, timeout: float = 20.0) -> int:
+    def stop(self, timeout: float = PATIENCE) -> int:
         if self.process.poll() is None:
             self.process.terminate()
         try:
@@ -68,15 +71,15 @@ class InProcessServer:
             await server.start()
             return server, port
 
-        self.server, port = asyncio.run_coroutine_threadsafe(make(), self.loop).result(30)
+        self.server, port = asyncio.run_coroutine_threadsafe(make(), self.loop).result(PATIENCE)
         self.address = f"127.0.0.1:{port}"
 
     def stop(self) -> None:
         import asyncio
 
-        asyncio.run_coroutine_threadsafe(self.server.drain(0), self.loop).result(30)
+        asyncio.run_coroutine_threadsafe(self.server.drain(0), self.loop).result(PATIENCE)
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+        self._thread.join(PATIENCE)
 
 
 def small_engine(checkpoint: Path, **options):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from servers import PATIENCE
 
 from mtpdraft.client import DrafterClient, DrafterError, ProposeArgs, Verdict
 from mtpdraft.client import messages as m
@@ -31,7 +32,6 @@ from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 H, V, BLOCK = 64, 200, 4
 SLOTS = 7  # per worker: bound and peak of blocks, states, handles; sessions run
 SESSIONS = 6  # the slot of the sessions run
-PATIENCE = 120.0  # a call's deadline: only a failure reaches it
 CUT = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servers import ServerProcess, start_server
+from servers import PATIENCE, ServerProcess, start_server
 
 from mtpdraft.client import DrafterClient, FailedPrecondition
 from mtpdraft.v1 import drafter_pb2 as pb
@@ -44,9 +44,6 @@ DOCUMENTED = frozenset({
 })  # fmt: skip
 DOCUMENTED_VALUES = frozenset(code.value[0] for code in DOCUMENTED)
 
-# The bound of a wait for something that comes at once on a healthy server: only a
-# failure waits it out, so it can be generous on any machine.
-PATIENCE = 120.0
 # A lease outlasts the slowest step it must survive this many times over: room for
 # the load to grow between the measurement and the test.
 LEASE_FACTOR = 4.0

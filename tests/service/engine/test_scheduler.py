@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 
 import pytest
 import torch
+from servers import PATIENCE
 
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.engine.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
@@ -78,21 +79,33 @@ def test_concurrent_calls_merge_and_equal_sequential(head: MTPHead) -> None:
             assert g.probs == pytest.approx(e.probs, abs=1e-5)
 
 
-async def _blocked(scheduler: ProposeScheduler, runner: EngineRunner, seconds: float):
-    """A first batch that takes `seconds`, so that the next calls queue up behind it."""
+async def _until(predicate, what: str) -> None:
+    """Polls `predicate` on the event loop until it holds (failing after PATIENCE)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PATIENCE
+    while not predicate():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def _blocked(scheduler: ProposeScheduler) -> tuple[asyncio.Future, threading.Event]:
+    """A first batch that computes until the event is set, so that the next calls queue up
+    behind it: (its call, the event)."""
     engine = scheduler.engine
     (state,) = with_prompts(engine, 1)
     original = engine.propose_groups
+    computing, release = threading.Event(), threading.Event()
 
     def slow(groups):
         engine.propose_groups = original
-        time.sleep(seconds)
+        computing.set()
+        release.wait(PATIENCE)
         return original(groups)
 
     engine.propose_groups = slow
     call = asyncio.ensure_future(scheduler.submit([ProposeArgs(state, 1, h(1, 0), 3, 1)]))
-    await asyncio.sleep(0.01)  # the slow batch has been taken
-    return call
+    await _until(computing.is_set, "the slow batch")
+    return call, release
 
 
 def test_deadline_cancellation_and_queue_limit(head: MTPHead) -> None:
@@ -101,14 +114,16 @@ def test_deadline_cancellation_and_queue_limit(head: MTPHead) -> None:
         scheduler = ProposeScheduler(engine, runner, max_queue=3)
         scheduler.start()
         a, b, c = with_prompts(engine, 3)
-        busy = await _blocked(scheduler, runner, 0.5)
+        busy, release = await _blocked(scheduler)
         late = asyncio.ensure_future(scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)], 0.1))
         gone = asyncio.ensure_future(scheduler.submit([ProposeArgs(b, 1, h(1, 2), 4, 2)]))
         kept = asyncio.ensure_future(scheduler.submit([ProposeArgs(c, 1, h(1, 3), 5, 2)]))
-        await asyncio.sleep(0.05)
+        await _until(lambda: scheduler.queued == 3, "three queued calls")
         with pytest.raises(ResourceExhausted):  # three calls wait: the queue is full
             await scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)])
         gone.cancel()
+        await asyncio.sleep(0.1)  # the late call's deadline passes while it waits
+        release.set()
         await busy
         with pytest.raises(DeadlineExceeded):
             await late
@@ -130,10 +145,12 @@ def test_a_bad_call_fails_alone(head: MTPHead) -> None:
         scheduler = ProposeScheduler(engine, runner)
         scheduler.start()
         a, b = with_prompts(engine, 2)
-        busy = await _blocked(scheduler, runner, 0.2)
+        busy, release = await _blocked(scheduler)
         good = asyncio.ensure_future(scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)]))
         bad = asyncio.ensure_future(scheduler.submit([ProposeArgs(b, 1, h(1, 2), 9, 2)]))
         twice = asyncio.ensure_future(scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)]))
+        await _until(lambda: scheduler.queued == 3, "three queued calls")
+        release.set()
         await busy
         assert len((await good)[0][0].tokens) == 2
         with pytest.raises(InvalidArgument):

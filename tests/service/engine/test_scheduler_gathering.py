@@ -2,7 +2,8 @@
 
 The engine here is a stand-in with a fixed step time, since what is tested is
 when batches start and what they hold, not what they compute (test_scheduler.py
-runs the real engine through the same scheduler).
+runs the real engine through the same scheduler). Every time in these tests is a
+multiple of a unit: 20 ms, or more where this machine wakes its threads and tasks late.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import torch
 
 from mtpdraft.service.engine.runner import EngineRunner
@@ -30,6 +32,25 @@ class TimedEngine:
         time.sleep(self.step)
         self.batches.append({r.state_id for group in groups for r in group})
         return [[Proposal(r.state_id, [1], [1.0], 1.0, r.position + 1) for r in g] for g in groups]
+
+
+@pytest.fixture(scope="module")
+def unit() -> float:
+    """20 ms, or five times the latest wake-up seen (an engine call through the runner
+    thread, then a 1 ms sleep on the loop) if the machine is that loaded now; at most
+    100 ms, under the second after which the scheduler forgets a state."""
+
+    async def latest() -> float:
+        runner, loop, worst = EngineRunner(), asyncio.get_running_loop(), 0.0
+        for _ in range(50):
+            started = loop.time()
+            await runner.call(time.sleep, 0.001)
+            await asyncio.sleep(0.001)
+            worst = max(worst, loop.time() - started - 0.002)
+        runner.shutdown()
+        return worst
+
+    return min(max(0.02, 5 * asyncio.run(latest())), 0.1)
 
 
 def _request(state: int, step: int) -> list[ProposeArgs]:
@@ -60,51 +81,52 @@ def _run(engine: TimedEngine, batch_wait: float, verifiers: list[tuple[int, int,
     return asyncio.run(scenario())
 
 
-# Four verifiers that come back 0, 20, 40 and 60 ms after their answers, a 50 ms step.
-STAGGERED = [(state, 8, 0.02 * state) for state in range(4)]
+def _staggered(unit: float) -> list[tuple[int, int, float]]:
+    """Four verifiers that come back 0, 1, 2 and 3 units after their answers."""
+    return [(state, 8, unit * state) for state in range(4)]
 
 
-def test_verifiers_due_back_share_one_batch() -> None:
-    engine = TimedEngine(step=0.05)
-    _run(engine, batch_wait=0.5, verifiers=STAGGERED)
+def test_verifiers_due_back_share_one_batch(unit: float) -> None:
+    engine = TimedEngine(step=2.5 * unit)
+    _run(engine, batch_wait=25 * unit, verifiers=_staggered(unit))
     # A state's round trip is known from its second call on: the first rounds run as
     # they come (state 0 gets one step ahead), then the batches hold all four.
     assert engine.batches[3:8] == [{0, 1, 2, 3}] * 5, engine.batches
     assert len(engine.batches) <= 10  # 32 steps
 
 
-def test_without_gathering_the_first_back_runs_alone() -> None:
-    engine = TimedEngine(step=0.05)
-    _run(engine, batch_wait=0.0, verifiers=STAGGERED)
+def test_without_gathering_the_first_back_runs_alone(unit: float) -> None:
+    engine = TimedEngine(step=2.5 * unit)
+    _run(engine, batch_wait=0.0, verifiers=_staggered(unit))
     assert len(engine.batches) > 10  # split batches: what gathering prevents
 
 
-def test_a_lone_verifier_never_waits() -> None:
+def test_a_lone_verifier_never_waits(unit: float) -> None:
     engine = TimedEngine(step=0.001)
-    elapsed = _run(engine, batch_wait=5.0, verifiers=[(0, 6, 0.0)])
-    assert elapsed < 2.0  # one wait would have taken 5 s
+    elapsed = _run(engine, batch_wait=250 * unit, verifiers=[(0, 6, 0.0)])
+    assert elapsed < 100 * unit  # one wait would have taken 250
 
 
-def test_a_verifier_that_stops_coming_back_holds_nobody() -> None:
+def test_a_verifier_that_stops_coming_back_holds_nobody(unit: float) -> None:
     # State 1 stops after 3 steps; state 0 goes on for 6. Were state 1 waited for until
-    # batch_wait (5 s), state 0's last steps would take seconds; 1.5 of state 1's round
-    # trip (a few ms) is the most it may hold them.
+    # batch_wait (250 units), state 0's last steps would take that long; 1.5 of state 1's
+    # round trip (a few ms) is the most it may hold them.
     engine = TimedEngine(step=0.001)
-    elapsed = _run(engine, batch_wait=5.0, verifiers=[(0, 6, 0.0), (1, 3, 0.0)])
-    assert elapsed < 2.0
+    elapsed = _run(engine, batch_wait=250 * unit, verifiers=[(0, 6, 0.0), (1, 3, 0.0)])
+    assert elapsed < 100 * unit
 
 
-def test_a_verifier_busy_verifying_holds_nobody() -> None:
-    # State 1 thinks for 1.5 s between steps (its target model is verifying): its
-    # return is not due within batch_wait, so state 0 never waits for it.
+def test_a_verifier_busy_verifying_holds_nobody(unit: float) -> None:
+    # State 1 thinks for 30 units between steps (its target model is verifying): its
+    # return is not due within batch_wait (10), so state 0 never waits for it.
     engine = TimedEngine(step=0.001)
 
     async def scenario() -> float:
         runner = EngineRunner()
-        scheduler = ProposeScheduler(engine, runner, batch_wait=0.5)  # type: ignore[arg-type]
+        scheduler = ProposeScheduler(engine, runner, batch_wait=10 * unit)  # type: ignore[arg-type]
         scheduler.start()
-        slow = asyncio.ensure_future(_verifier(scheduler, 1, 2, 1.5))
-        await asyncio.sleep(1.8)  # state 1 has answered twice: its round trip is known
+        slow = asyncio.ensure_future(_verifier(scheduler, 1, 2, 30 * unit))
+        await asyncio.sleep(36 * unit)  # state 1 has answered twice: its round trip is known
         started = time.monotonic()
         await _verifier(scheduler, 0, 5, 0.0)
         elapsed = time.monotonic() - started
@@ -113,4 +135,4 @@ def test_a_verifier_busy_verifying_holds_nobody() -> None:
         runner.shutdown()
         return elapsed
 
-    assert asyncio.run(scenario()) < 0.45  # one wait for state 1 would take 0.5 s
+    assert asyncio.run(scenario()) < 9 * unit  # one wait for state 1 would take 10
