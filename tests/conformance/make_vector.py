@@ -21,13 +21,14 @@ that every value it keeps in its compute dtype (each op's output, the cached K/V
 the RoPE table, the hidden passed on, the logits) carries a relative error up to
 u = u_dtype + sqrt(K) u_fp32: its rounding (u_bf16 = 2^-8, u_fp32 = 2^-24) plus
 the error of a sum of up to K terms accumulated in fp32 (K = 1152, the longest
-sum of the default model; sqrt(K) u is the probabilistic bound of Higham & Mary,
-SIAM J. Sci. Comput. 2019). A probability, computed in fp32 from the logits,
-carries up to (1 + sqrt(K)) u_fp32 more. CPUs, kernels and accumulation orders
-differ only within this.
+sum of the default model; sqrt(K) u_fp32 is the size of that error when rounding
+errors are independent, as in Higham & Mary's probabilistic analysis, SIAM J.
+Sci. Comput. 2019: small beside u_bf16, it is most of float32's u). A
+probability, computed in fp32 from the logits, carries up to (1 + sqrt(K)) u_fp32
+more. CPUs, kernels and accumulation orders differ only within this.
 
 Emulation. The oracle runs the scenario once with every kept value rounded to
-the dtype (nearest even: this machine's kernels' arithmetic), then DRAWS times
+the dtype (to nearest even, as torch's kernels store), then DRAWS times
 with each multiplied by (1 + d), d uniform in [-u, u] and independent per
 element, the drafts forced to the exact ones. For each draft: the change of its
 probability (as the wire's float32 carries it) and of its logit lead over every
@@ -45,7 +46,7 @@ breaks the rule.
 
 SAFETY = 2: each deviation sums thousands of small independent errors and is
 near Gaussian. The worst of DRAWS draws over some thirty drafts lies about 3
-standard deviations out, so the tolerance and the margin lie about 6 out, where
+standard deviations out, so the tolerance and the margin lie 6 or more out, where
 a Gaussian's two tails hold some 1e-8 (the vector records the largest standard
 deviations, prob_sigma and lead_sigma, and the ratios to them).
 
