@@ -21,7 +21,9 @@ reason and field) leaves the stream open.
 A runner refuses a malformed vector before any call (check_vector): a wrong
 `format`, a missing `prob_tolerance`, missing or empty `operations`, an unknown `op`.
 
-`Replayer(client).run(ops)` checks; as a command it replays a vector against a server:
+`Replayer(client, tolerance=t).run(ops)` checks (`variant` gives the operations and the
+tolerance for the vector's server or its float32 variant); as a command it replays a
+vector against a server:
 
     python3 tests/conformance/vector_runner.py --address HOST:PORT [--vector PATH]
 """
