@@ -27,9 +27,10 @@ from .errors import (
     from_rpc_error,
 )
 from .messages import DEFAULT_CHUNK_BYTES
-from .stream import AsyncProposeStream, ProposeStream
+from .stream import AsyncColumnsStream, AsyncProposeStream, ColumnsStream, ProposeStream
 from .sync_client import DrafterClient
 from .types import (
+    ColumnsResult,
     InstallResult,
     KVHandle,
     PrefillResult,
@@ -42,8 +43,11 @@ from .types import (
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "AsyncColumnsStream",
     "AsyncDrafterClient",
     "AsyncProposeStream",
+    "ColumnsResult",
+    "ColumnsStream",
     "DeadlineExceeded",
     "DrafterClient",
     "DrafterError",

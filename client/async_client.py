@@ -18,8 +18,9 @@ from . import messages as m
 from .errors import from_rpc_error
 from .messages import DEFAULT, Timeout
 from .security import PemSource, asks_for_security, open_channel
-from .stream import AsyncProposeStream
+from .stream import AsyncColumnsStream, AsyncProposeStream
 from .types import (
+    ColumnsResult,
     InstallResult,
     KVHandle,
     PrefillResult,
@@ -169,6 +170,52 @@ class AsyncDrafterClient:
             return []
         req = m.propose_batch_request(requests)
         return await self._unary(self._stub.ProposeBatch, req, m.parse_propose_batch, timeout)
+
+    async def propose_columns(
+        self,
+        state_ids: Array | Sequence[int],
+        tokens: Array | Sequence[int],
+        positions: Array | Sequence[int],
+        hiddens: Array,
+        num_drafts: Array | Sequence[int] | int,
+        *,
+        num_accepted: Array | Sequence[int] | None = None,
+        refeed_rows: Array | Sequence[int] | None = None,
+        refeed_hiddens: Array | None = None,
+        bitmask_rows: Array | Sequence[int] | None = None,
+        bitmasks: Array | None = None,
+        min_confidence: Array | Sequence[float] | float | None = None,
+        timeout: Timeout = DEFAULT,
+    ) -> ColumnsResult:
+        """A verifier's whole step for B states in one message, as columns.
+
+        Row i of every column is state_ids[i]'s: its last token, position and target
+        hidden (``hiddens`` [B, H]), K (``num_drafts``: B values or one), the verdict on
+        its pending proposal (``num_accepted``: B values, -1 for none), its refeed
+        (``refeed_rows`` B counts of ``refeed_hiddens`` rows, 0 or num_accepted), its
+        bitmask (``bitmask_rows`` B counts of ``bitmasks`` rows, 0 for none) and
+        min_confidence (B values or one). A row that fails has its error in
+        ``errors`` and leaves its state unchanged; the other rows are answered.
+        """
+        req = m.columns_request(
+            state_ids,
+            tokens,
+            positions,
+            hiddens,
+            num_drafts,
+            num_accepted=num_accepted,
+            refeed_rows=refeed_rows,
+            refeed_hiddens=refeed_hiddens,
+            bitmask_rows=bitmask_rows,
+            bitmasks=bitmasks,
+            min_confidence=min_confidence,
+        )
+        return await self._unary(self._stub.ProposeColumns, req, m.parse_columns, timeout)
+
+    def columns_stream(self, *, timeout: Timeout = DEFAULT) -> AsyncColumnsStream:
+        """A ProposeColumnsStream: one message per verifier step (``step`` takes the
+        arguments of ``propose_columns``)."""
+        return AsyncColumnsStream(self._stub, m.resolve_timeout(timeout, self.timeout))
 
     async def after_verify(
         self,

@@ -18,7 +18,9 @@ import numpy as np
 from mtpdraft.v1 import drafter_pb2 as pb
 
 from . import wire
+from .errors import error_from_value
 from .types import (
+    ColumnsResult,
     InstallResult,
     KVHandle,
     PrefillResult,
@@ -203,6 +205,74 @@ def propose_batch_request(requests: Sequence[ProposeArgs]) -> pb.ProposeBatchReq
     return pb.ProposeBatchRequest(requests=msgs)
 
 
+def _column(values: Any, name: str, dtype: type, size: int, *, one_for_all: bool) -> list:
+    """A column's values as a list: ``size`` of them, or one for all where allowed."""
+    arr = np.asarray(values.detach().cpu() if wire.is_torch_tensor(values) else values)
+    arr = arr.reshape(-1) if arr.ndim == 0 else arr
+    if arr.ndim != 1 or len(arr) not in ((size, 1) if one_for_all else (size,)):
+        want = f"{size} values" + (" or one" if one_for_all else "")
+        raise ValueError(f"{name}: expected {want}, got shape {arr.shape}")
+    if np.issubdtype(dtype, np.integer):
+        if arr.size and arr.dtype.kind not in "iu":
+            raise TypeError(f"{name}: expected integers, got {arr.dtype}")
+        info = np.iinfo(dtype)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise ValueError(f"{name}: a value does not fit in {np.dtype(dtype).name}")
+    return arr.astype(dtype).tolist()
+
+
+def columns_request(
+    state_ids: Any,
+    tokens: Any,
+    positions: Any,
+    hiddens: wire.Array,
+    num_drafts: Any,
+    *,
+    num_accepted: Any = None,
+    refeed_rows: Any = None,
+    refeed_hiddens: wire.Array | None = None,
+    bitmask_rows: Any = None,
+    bitmasks: wire.Array | None = None,
+    min_confidence: Any = None,
+) -> pb.ColumnsRequest:
+    """A ColumnsRequest: B states' step as columns (see ``DrafterClient.propose_columns``)."""
+    ids = np.asarray(state_ids.detach().cpu() if wire.is_torch_tensor(state_ids) else state_ids)
+    size = len(ids.reshape(-1))
+    req = pb.ColumnsRequest(
+        state_ids=_column(ids, "state_ids", np.uint64, size, one_for_all=False),
+        tokens=_column(tokens, "tokens", np.int32, size, one_for_all=False),
+        positions=_column(positions, "positions", np.int64, size, one_for_all=False),
+        hiddens=wire.encode_hidden(hiddens, ndims=(2,), name="hiddens"),
+        num_drafts=_column(num_drafts, "num_drafts", np.int32, size, one_for_all=True),
+    )
+    if num_accepted is not None:
+        req.num_accepted.extend(
+            _column(num_accepted, "num_accepted", np.int32, size, one_for_all=False)
+        )
+    if refeed_hiddens is not None:
+        if refeed_rows is None:
+            raise ValueError("refeed_rows: required with refeed_hiddens")
+        req.refeed_rows.extend(
+            _column(refeed_rows, "refeed_rows", np.int32, size, one_for_all=False)
+        )
+        req.refeed_hiddens.CopyFrom(
+            wire.encode_hidden(refeed_hiddens, ndims=(2,), name="refeed_hiddens")
+        )
+    if bitmasks is not None:
+        if bitmask_rows is None:
+            raise ValueError("bitmask_rows: required with bitmasks")
+        rows = _column(bitmask_rows, "bitmask_rows", np.int32, size, one_for_all=False)
+        req.bitmask_rows.extend(rows)
+        req.bitmasks.CopyFrom(
+            wire.encode(bitmasks, allowed=wire.BITMASK_DTYPES, ndims=(2,), name="bitmasks")
+        )
+    if min_confidence is not None:
+        req.min_confidence.extend(
+            _column(min_confidence, "min_confidence", np.float32, size, one_for_all=True)
+        )
+    return req
+
+
 def after_verify_request(
     state: int, num_accepted: int, *, refeed_hiddens: wire.Array | None = None
 ) -> pb.AfterVerifyRequest:
@@ -250,6 +320,19 @@ def parse_proposal(resp: pb.Proposal) -> Proposal:
 
 def parse_propose_batch(resp: pb.ProposeBatchResponse) -> list[Proposal]:
     return [parse_proposal(p) for p in resp.proposals]
+
+
+def parse_columns(resp: pb.ColumnsResponse) -> ColumnsResult:
+    """A ColumnsResponse as numpy columns; the failed rows' errors by row."""
+    size = len(resp.draft_counts)
+    return ColumnsResult(
+        drafts=np.array(resp.drafts, dtype=np.int32).reshape(size, resp.width),
+        probs=np.array(resp.probs, dtype=np.float32).reshape(size, resp.width),
+        counts=np.array(resp.draft_counts, dtype=np.int32),
+        confidences=np.array(resp.confidences, dtype=np.float32),
+        first_positions=np.array(resp.first_positions, dtype=np.int64),
+        errors={e.row: error_from_value(e.error) for e in resp.errors},
+    )
 
 
 def parse_after_verify(resp: pb.AfterVerifyResponse) -> VerifyResult:

@@ -1,4 +1,7 @@
-"""The hot path: one ProposeStream per verifier, one message per verify step.
+"""The hot path: one stream per verifier, one message per verify step.
+
+A ProposeStream carries one state's step a message; a ProposeColumnsStream
+(ColumnsStream) a whole verifier step for many states.
 
 Each `propose` sends one ProposeRequest (usually carrying `previous`, the verdict
 on the state's last proposal) and returns its answer: one round trip per verify
@@ -22,7 +25,7 @@ from mtpdraft.v1 import drafter_pb2 as pb
 
 from . import messages as m
 from .errors import DrafterError, Unavailable, error_from_value, from_rpc_error
-from .types import Proposal
+from .types import ColumnsResult, Proposal
 
 _CLOSE = object()
 
@@ -33,12 +36,21 @@ def _outcome(resp: pb.ProposeStreamResponse) -> Proposal | DrafterError:
     return m.parse_proposal(resp.proposal)
 
 
+def _columns_outcome(resp: pb.ColumnsResponse) -> ColumnsResult | DrafterError:
+    if resp.HasField("error"):
+        return error_from_value(resp.error)
+    return m.parse_columns(resp)
+
+
 def _closed() -> DrafterError:
     return Unavailable(grpc.StatusCode.UNAVAILABLE, "the propose stream is closed")
 
 
 class ProposeStream:
     """A blocking client's stream. Thread-safe; use as a context manager."""
+
+    _method = "ProposeStream"
+    _request, _outcome = staticmethod(m.propose_request), staticmethod(_outcome)
 
     def __init__(self, stub: Any, timeout: float | None) -> None:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -47,13 +59,14 @@ class ProposeStream:
         self._ids = itertools.count(1)
         self._closed = False
         self._failure: DrafterError = _closed()  # why the stream ended, once it has
-        self._call = stub.ProposeStream(iter(self._requests.get, _CLOSE), timeout=timeout)
+        requests = iter(self._requests.get, _CLOSE)
+        self._call = getattr(stub, self._method)(requests, timeout=timeout)
         self._reader = threading.Thread(target=self._read, daemon=True, name="propose-stream")
         self._reader.start()
 
     def submit(self, *args: Any, **kwargs: Any) -> Future[Proposal]:
         """Sends one request (the arguments of `DrafterClient.propose`); returns its future."""
-        request = m.propose_request(*args, **kwargs)
+        request = self._request(*args, **kwargs)
         future: Future[Proposal] = Future()
         with self._lock:
             if self._closed:
@@ -74,7 +87,7 @@ class ProposeStream:
                 with self._lock:
                     future = self._futures.pop(resp.request_id, None)
                 if future is not None:
-                    outcome = _outcome(resp)
+                    outcome = self._outcome(resp)
                     if isinstance(outcome, DrafterError):
                         future.set_exception(outcome)
                     else:
@@ -103,8 +116,11 @@ class ProposeStream:
 class AsyncProposeStream:
     """An asyncio client's stream; use with `async with`."""
 
+    _method = "ProposeStream"
+    _request, _outcome = staticmethod(m.propose_request), staticmethod(_outcome)
+
     def __init__(self, stub: Any, timeout: float | None) -> None:
-        self._call = stub.ProposeStream(timeout=timeout)
+        self._call = getattr(stub, self._method)(timeout=timeout)
         self._futures: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._write_lock = asyncio.Lock()
@@ -115,7 +131,7 @@ class AsyncProposeStream:
         """Sends one request (the arguments of `propose`); returns the future of its answer."""
         if self._reader.done():
             raise self._failure
-        request = m.propose_request(*args, **kwargs)
+        request = self._request(*args, **kwargs)
         request.request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._futures[request.request_id] = future
@@ -133,7 +149,7 @@ class AsyncProposeStream:
                 future = self._futures.pop(resp.request_id, None)
                 if future is None or future.done():
                     continue
-                outcome = _outcome(resp)
+                outcome = self._outcome(resp)
                 if isinstance(outcome, DrafterError):
                     future.set_exception(outcome)
                 else:
@@ -157,3 +173,24 @@ class AsyncProposeStream:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class ColumnsStream(ProposeStream):
+    """A blocking client's ProposeColumnsStream: one message per verifier step for many
+    states (`step` takes the arguments of `DrafterClient.propose_columns`)."""
+
+    _method = "ProposeColumnsStream"
+    _request, _outcome = staticmethod(m.columns_request), staticmethod(_columns_outcome)
+
+    def step(self, *args: Any, **kwargs: Any) -> ColumnsResult:
+        return self.submit(*args, **kwargs).result()
+
+
+class AsyncColumnsStream(AsyncProposeStream):
+    """An asyncio client's ProposeColumnsStream (see ColumnsStream)."""
+
+    _method = "ProposeColumnsStream"
+    _request, _outcome = staticmethod(m.columns_request), staticmethod(_columns_outcome)
+
+    async def step(self, *args: Any, **kwargs: Any) -> ColumnsResult:
+        return await (await self.submit(*args, **kwargs))

@@ -8,8 +8,14 @@ Tensor-valued arguments are numpy arrays or torch tensors (see ``wire``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from .wire import Array
+
+if TYPE_CHECKING:
+    from .errors import DrafterError
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +87,21 @@ class ProposeArgs:
     bitmask: Array | None = None
     min_confidence: float = 0.0
     previous: Verdict | int | None = None
+
+
+@dataclass(frozen=True)
+class ColumnsResult:
+    """A ProposeColumns answer as numpy columns: row i is the i-th state's.
+
+    A row that failed has count 0 and its error in ``errors`` (its state is unchanged).
+    """
+
+    drafts: np.ndarray  # [B, width] int32: row i's counts[i] drafts, then -1
+    probs: np.ndarray  # [B, width] float32: each draft's top-1 probability, then 0
+    counts: np.ndarray  # [B] int32
+    confidences: np.ndarray  # [B] float32: each row's chain confidence
+    first_positions: np.ndarray  # [B] int64: the position of each row's first draft
+    errors: dict[int, DrafterError] = field(default_factory=dict)  # row -> its error
 
 
 @dataclass(frozen=True, slots=True)

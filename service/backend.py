@@ -20,6 +20,7 @@ from mtpdraft.v1 import drafter_pb2 as pb
 
 from . import wire
 from .engine import errors
+from .engine.columns import Columns, rows
 from .engine.engine import DraftEngine, PrefillSession
 from .engine.runner import EngineRunner
 from .engine.scheduler import DEFAULT_BATCH_WAIT_S, ProposeScheduler
@@ -57,6 +58,13 @@ class DraftBackend(Protocol):
         """Queues one call's requests (`batch`: a ProposeBatch, whose errors name the
         request's index); the future holds the proposals once their batch ran, and
         cancelling it takes the call out of the queue."""
+        ...
+
+    def propose_columns(
+        self, columns: Columns, timeout: float | None
+    ) -> tuple[asyncio.Future[list[Proposal | errors.DrafterError]], JobTiming]:
+        """Queues a verifier's step (INVALID_ARGUMENT at once when its columns do not fit
+        together); the future holds each row's proposal or error once their batch ran."""
         ...
 
     async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount: ...
@@ -114,6 +122,13 @@ class LocalBackend:
     ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
         """As propose, the requests read already (by a front-end process)."""
         return self.scheduler.enqueue([wire.propose_args(r) for r in requests], timeout)
+
+    def propose_columns(
+        self, columns: Columns, timeout: float | None
+    ) -> tuple[asyncio.Future[list[Proposal | errors.DrafterError]], JobTiming]:
+        c = self.engine.head.config
+        requests = rows(columns, c.hidden_size, self.engine.max_batch)
+        return self.scheduler.enqueue(requests, timeout, apart=True)
 
     async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount:
         given = wire.verdict(read_verdict(request.verdict, "verdict", flag_finite=False))

@@ -33,7 +33,9 @@ from opentelemetry.trace import Status, StatusCode
 from mtpdraft.v1 import drafter_pb2 as pb
 from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
+from . import wire
 from .engine import errors
+from .engine.columns import COLUMN_OF_FIELD
 from .engine.types import JobTiming, Proposal
 from .telemetry import Telemetry
 
@@ -88,6 +90,13 @@ def _stream_error(err: BaseException) -> pb.Error:
         message=f"internal error: {type(err).__name__}",
         reason="INTERNAL",
     )
+
+
+def _row_error(err: errors.DrafterError) -> pb.Error:
+    """A ProposeColumns row's error, naming the column its field comes from."""
+    error = _error_value(err)
+    error.field = COLUMN_OF_FIELD.get(err.field or "", err.field or "")
+    return error
 
 
 def _proposal(p: Proposal) -> pb.Proposal:
@@ -252,50 +261,92 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return pb.ProposeBatchResponse(proposals=[_proposal(p) for p in proposals])
 
     async def ProposeStream(self, request_iterator: AsyncIterator[pb.ProposeRequest], context):
-        """An async generator of answers (the form gRPC interceptors expect of a stream).
+        """Each message a Propose; its answer carries its request_id and the proposal or
+        the error (see _answer_stream)."""
 
-        Each message is queued with the scheduler as it is read, and its answer is
-        made by a callback on the job's future: no task per message, since a task's
-        start and wake-ups cost the loop more than the message's own work when
-        many streams are busy. Errors are answers, not statuses, so the `rpc`
-        wrapper is not needed here; the RPC's duration is recorded all the same.
-        A message that does not parse is answered so too, with request_id 0.
+        def submit(msg: pb.ProposeRequest):
+            return self.backend.propose([msg], context.time_remaining())
+
+        def reply(msg, timing: JobTiming, proposals: list[Proposal]):
+            self._record(timing, proposals)
+            return pb.ProposeStreamResponse(
+                request_id=msg.request_id, proposal=_proposal(proposals[0])
+            )
+
+        def refuse(request_id: int, error: pb.Error):
+            return pb.ProposeStreamResponse(request_id=request_id, error=error)
+
+        async for answer in self._answer_stream(
+            "ProposeStream", request_iterator, context, submit, reply, refuse
+        ):
+            yield answer
+
+    @rpc
+    async def ProposeColumns(self, request, context):
+        future, timing = self.backend.propose_columns(
+            wire.columns(request), context.time_remaining()
+        )
+        return self._columns_answer(request, timing, await future)
+
+    async def ProposeColumnsStream(self, request_iterator: AsyncIterator, context):
+        """Each message a verifier's step, answered as ProposeColumns is; a message that
+        fails as a whole is answered with its error (see _answer_stream)."""
+
+        def submit(msg: pb.ColumnsRequest):
+            return self.backend.propose_columns(wire.columns(msg), context.time_remaining())
+
+        def refuse(request_id: int, error: pb.Error):
+            return pb.ColumnsResponse(request_id=request_id, error=error)
+
+        async for answer in self._answer_stream(
+            "ProposeColumnsStream", request_iterator, context, submit, self._columns_answer, refuse
+        ):
+            yield answer
+
+    def _columns_answer(self, msg: pb.ColumnsRequest, timing: JobTiming, results: list):
+        self._record(timing, [r for r in results if isinstance(r, Proposal)])
+        rows = [r if isinstance(r, Proposal) else _row_error(r) for r in results]
+        return wire.columns_answer(msg.request_id, max(msg.num_drafts), rows)
+
+    async def _answer_stream(self, name, request_iterator, context, submit, reply, refuse):
+        """An async generator of a propose stream's answers (the form gRPC interceptors
+        expect of a stream).
+
+        Each message is queued with the scheduler as it is read (`submit`), and its
+        answer is made by a callback on the job's future (`reply`): no task per
+        message, since a task's start and wake-ups cost the loop more than the
+        message's own work when many streams are busy. Errors are answers
+        (`refuse`), not statuses, so the `rpc` wrapper is not needed here; the RPC's
+        duration is recorded all the same. A message that does not parse is
+        answered so too, with request_id 0.
         """
         started, code = time.perf_counter(), grpc.StatusCode.OK
-        answers: asyncio.Queue[pb.ProposeStreamResponse | None] = asyncio.Queue()
+        answers: asyncio.Queue = asyncio.Queue()
         in_flight: set[asyncio.Future] = set()
 
-        def answer(request_id: int, timing: JobTiming, job: asyncio.Future) -> None:
+        def answer(msg, timing: JobTiming, job: asyncio.Future) -> None:
             in_flight.discard(job)
             if job.cancelled():  # the stream is going away
                 return
-            reply = pb.ProposeStreamResponse(request_id=request_id)
             if (err := job.exception()) is not None:
-                reply.error.CopyFrom(_stream_error(err))
+                answers.put_nowait(refuse(msg.request_id, _stream_error(err)))
             else:
-                (proposal,) = job.result()
-                self._record(timing, [proposal])
-                reply.proposal.CopyFrom(_proposal(proposal))
-            answers.put_nowait(reply)
-
-        def refuse(request_id: int, err: errors.DrafterError) -> None:
-            refused = pb.ProposeStreamResponse(request_id=request_id)
-            refused.error.CopyFrom(_error_value(err))
-            answers.put_nowait(refused)
+                answers.put_nowait(reply(msg, timing, job.result()))
 
         async def read() -> None:
             try:
                 async for msg in request_iterator:
                     if type(msg) is Undecodable:  # its request_id cannot be read: 0
-                        refuse(0, _malformed.refused(msg, context.peer()))
+                        err = _malformed.refused(msg, context.peer())
+                        answers.put_nowait(refuse(0, _error_value(err)))
                         continue
                     try:
-                        job, timing = self.backend.propose([msg], context.time_remaining())
+                        job, timing = submit(msg)
                     except errors.DrafterError as err:
-                        refuse(msg.request_id, err)
+                        answers.put_nowait(refuse(msg.request_id, _error_value(err)))
                         continue
                     in_flight.add(job)
-                    job.add_done_callback(functools.partial(answer, msg.request_id, timing))
+                    job.add_done_callback(functools.partial(answer, msg, timing))
                 if in_flight:
                     await asyncio.wait(list(in_flight))
             finally:
@@ -303,8 +354,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
         reader = asyncio.create_task(read())
         try:
-            while (reply := await answers.get()) is not None:
-                yield reply
+            while (answer_ := await answers.get()) is not None:
+                yield answer_
             await reader  # surfaces a broken request stream
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
@@ -313,7 +364,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             reader.cancel()
             for job in list(in_flight):
                 job.cancel()
-            self.telemetry.record_rpc("ProposeStream", code, time.perf_counter() - started)
+            self.telemetry.record_rpc(name, code, time.perf_counter() - started)
 
     @rpc
     async def AfterVerify(self, request, context):

@@ -1,4 +1,5 @@
-"""The wire's tensors and Propose requests as the engine takes them (torch tensors).
+"""The wire's tensors and Propose requests as the engine takes them (torch tensors), and
+a ProposeColumns step both ways.
 
 `wire_values.py` reads and checks them (in a front-end process, for the split
 server); this turns its plain values into the engine's arguments.
@@ -6,11 +7,14 @@ server); this turns its plain values into the engine's arguments.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mtpdraft.v1 import drafter_pb2 as pb
 
-from .engine.types import ProposeArgs, Verdict
+from .engine.columns import Columns
+from .engine.errors import InvalidArgument
+from .engine.types import Proposal, ProposeArgs, Verdict
 from .wire_values import HIDDEN_DTYPES, RawPropose, RawTensor, RawVerdict, read_tensor
 
 DTYPES: dict[int, torch.dtype] = {
@@ -56,4 +60,58 @@ def propose_args(raw: RawPropose) -> ProposeArgs:
         min_confidence=raw.min_confidence,
         previous=None if raw.previous is None else verdict(raw.previous),
         hidden_finite=raw.hidden.finite,
+    )
+
+
+def _optional_tensor(msg: pb.Tensor, field: str, allowed: tuple[int, ...]) -> torch.Tensor | None:
+    return to_tensor(read_tensor(msg, field, allowed)) if msg.ByteSize() else None
+
+
+def columns(msg: pb.ColumnsRequest) -> Columns:
+    """A ColumnsRequest's columns as the engine takes them (tensors over the message's bytes)."""
+    if not msg.HasField("hiddens"):
+        raise InvalidArgument("hiddens: required", reason="MISSING_FIELD", field="hiddens")
+    hiddens = to_tensor(read_tensor(msg.hiddens, "hiddens", HIDDEN_DTYPES))
+    return Columns(
+        state_ids=list(msg.state_ids),
+        tokens=list(msg.tokens),
+        positions=list(msg.positions),
+        hiddens=hiddens if hiddens.dim() != 1 else hiddens.reshape(1, -1),
+        num_drafts=list(msg.num_drafts),
+        num_accepted=list(msg.num_accepted),
+        refeed_rows=list(msg.refeed_rows),
+        refeed_hiddens=_optional_tensor(msg.refeed_hiddens, "refeed_hiddens", HIDDEN_DTYPES),
+        bitmask_rows=list(msg.bitmask_rows),
+        bitmasks=_optional_tensor(msg.bitmasks, "bitmasks", (pb.DTYPE_INT32,)),
+        min_confidence=list(msg.min_confidence),
+    )
+
+
+def columns_answer(
+    request_id: int, width: int, results: list[Proposal | pb.Error]
+) -> pb.ColumnsResponse:
+    """Each row's proposal, or its error (an Error value), as a ColumnsResponse."""
+    size = len(results)
+    drafts = np.full((size, width), -1, dtype=np.int32)
+    probs = np.zeros((size, width), dtype=np.float32)
+    counts = np.zeros(size, dtype=np.int32)
+    confidences = np.zeros(size, dtype=np.float32)
+    first_positions = np.zeros(size, dtype=np.int64)
+    failed = []
+    for i, result in enumerate(results):
+        if isinstance(result, pb.Error):
+            failed.append(pb.RowError(row=i, error=result))
+            continue
+        n = len(result.tokens)
+        drafts[i, :n], probs[i, :n], counts[i] = result.tokens, result.probs, n
+        confidences[i], first_positions[i] = result.confidence, result.first_position
+    return pb.ColumnsResponse(
+        request_id=request_id,
+        width=width,
+        drafts=drafts.ravel().tolist(),
+        probs=probs.ravel().tolist(),
+        draft_counts=counts.tolist(),
+        confidences=confidences.tolist(),
+        first_positions=first_positions.tolist(),
+        errors=failed,
     )

@@ -29,9 +29,10 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 
 from .engine import DraftEngine
-from .errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from .errors import DeadlineExceeded, DrafterError, ResourceExhausted, Unavailable
 from .runner import EngineRunner
 from .types import JobTiming, Proposal, ProposeArgs
 from .validation import check_batch_size
@@ -44,6 +45,7 @@ class _Job:
     deadline: float | None  # loop time
     timing: JobTiming
     round_trips: dict[int, float]  # state -> its answer-to-this-call time, where known
+    apart: bool = False  # each request stands or fails alone (a ProposeColumns step)
     states: set[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -143,10 +145,11 @@ class ProposeScheduler:
         return await future, timing
 
     def enqueue(
-        self, requests: list[ProposeArgs], timeout: float | None = None
-    ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
+        self, requests: list[ProposeArgs], timeout: float | None = None, apart: bool = False
+    ) -> tuple[asyncio.Future[list], JobTiming]:
         """Queues one call's requests; the future holds their proposals once their
-        batch ran. Cancelling it takes the call out of the queue."""
+        batch ran. Cancelling it takes the call out of the queue. `apart`: each request
+        stands or fails alone, and the future holds a Proposal or a DrafterError each."""
         # A call larger than a batch could never be taken: refuse it here.
         check_batch_size(len(requests), self.max_batch)
         if self.closing:
@@ -164,7 +167,8 @@ class ProposeScheduler:
             answered = self._answered.pop(request.state_id, None)
             if answered is not None:
                 round_trips[request.state_id] = now - answered.at
-        job = _Job(requests, loop.create_future(), deadline, JobTiming(time.time_ns()), round_trips)
+        timing = JobTiming(time.time_ns())
+        job = _Job(requests, loop.create_future(), deadline, timing, round_trips, apart)
         self._queue.append(job)
         self._wake.set()
         if self._awaited:
@@ -266,10 +270,17 @@ class ProposeScheduler:
             ]
             if not live:
                 return live, []
+            groups = [[[r] for r in job.requests] if job.apart else [job.requests] for job in live]
             try:
-                return live, self.engine.propose_groups([job.requests for job in live])
+                results = iter(self.engine.propose_groups([g for job in groups for g in job]))
             except Exception as exc:  # a bug in the forward: fail the batch, keep serving
                 return live, [exc] * len(live)
+            return live, [
+                [r if isinstance(r, DrafterError) else r[0] for r in islice(results, len(g))]
+                if job.apart
+                else next(results)
+                for job, g in zip(live, groups, strict=True)
+            ]
 
         live, results = await self.runner.call(compute)
         done = time.time_ns()

@@ -201,6 +201,64 @@ class ProposeBatchResponse(_message.Message):
     proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
     def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ...) -> None: ...
 
+class ColumnsRequest(_message.Message):
+    __slots__ = ("request_id", "state_ids", "tokens", "positions", "hiddens", "num_drafts", "num_accepted", "refeed_rows", "refeed_hiddens", "bitmask_rows", "bitmasks", "min_confidence")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    HIDDENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REFEED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    REFEED_HIDDENS_FIELD_NUMBER: _ClassVar[int]
+    BITMASK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    BITMASKS_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    state_ids: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    hiddens: Tensor
+    num_drafts: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted: _containers.RepeatedScalarFieldContainer[int]
+    refeed_rows: _containers.RepeatedScalarFieldContainer[int]
+    refeed_hiddens: Tensor
+    bitmask_rows: _containers.RepeatedScalarFieldContainer[int]
+    bitmasks: Tensor
+    min_confidence: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[int] = ..., state_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., refeed_rows: _Optional[_Iterable[int]] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ColumnsResponse(_message.Message):
+    __slots__ = ("request_id", "width", "drafts", "probs", "draft_counts", "confidences", "first_positions", "errors", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    width: int
+    drafts: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    draft_counts: _containers.RepeatedScalarFieldContainer[int]
+    confidences: _containers.RepeatedScalarFieldContainer[float]
+    first_positions: _containers.RepeatedScalarFieldContainer[int]
+    errors: _containers.RepeatedCompositeFieldContainer[RowError]
+    error: Error
+    def __init__(self, request_id: _Optional[int] = ..., width: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., first_positions: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[RowError, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class RowError(_message.Message):
+    __slots__ = ("row", "error")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    row: int
+    error: Error
+    def __init__(self, row: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
 class AfterVerifyRequest(_message.Message):
     __slots__ = ("state_id", "verdict")
     STATE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,16 @@ class DrafterStub(object):
                 request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchRequest.SerializeToString,
                 response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchResponse.FromString,
                 _registered_method=True)
+        self.ProposeColumns = channel.unary_unary(
+                '/mtpdraft.v1.Drafter/ProposeColumns',
+                request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsRequest.SerializeToString,
+                response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsResponse.FromString,
+                _registered_method=True)
+        self.ProposeColumnsStream = channel.stream_stream(
+                '/mtpdraft.v1.Drafter/ProposeColumnsStream',
+                request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsRequest.SerializeToString,
+                response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsResponse.FromString,
+                _registered_method=True)
         self.AfterVerify = channel.unary_unary(
                 '/mtpdraft.v1.Drafter/AfterVerify',
                 request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.AfterVerifyRequest.SerializeToString,
@@ -158,6 +168,31 @@ class DrafterServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeColumns(self, request, context):
+        """A verifier's whole step in one message: for B states at once, the verdicts
+        on their pending proposals and their next proposals, as columns (row i of
+        every column belongs to state_ids[i]). Batched with every other Propose
+        call; at most GetInfo.max_batch rows, each state at most once.
+        Errors are per row: a row that fails (NOT_FOUND, INVALID_ARGUMENT,
+        FAILED_PRECONDITION, RESOURCE_EXHAUSTED, as Propose would) gets its error
+        in `errors`, draft count 0, and leaves its state unchanged; the other rows
+        are answered. A message whose columns do not fit together (lengths,
+        tensor shapes) fails the call with INVALID_ARGUMENT and changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProposeColumnsStream(self, request_iterator, context):
+        """ProposeColumns on a stream: one message per verifier step, each answered
+        by one message with its request_id (answers in the order of the requests'
+        batches, usually the order sent). A message that fails as a whole is
+        answered with `error` set; the stream goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AfterVerify(self, request, context):
         """The verifier accepted the first num_accepted drafts of the pending
         proposal. For Propose(x, h[p-1], p) with drafts d1..dk the state then
@@ -230,6 +265,16 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.ProposeBatch,
                     request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchRequest.FromString,
                     response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchResponse.SerializeToString,
+            ),
+            'ProposeColumns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProposeColumns,
+                    request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsRequest.FromString,
+                    response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsResponse.SerializeToString,
+            ),
+            'ProposeColumnsStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeColumnsStream,
+                    request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsRequest.FromString,
+                    response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsResponse.SerializeToString,
             ),
             'AfterVerify': grpc.unary_unary_rpc_method_handler(
                     servicer.AfterVerify,
@@ -414,6 +459,60 @@ class Drafter(object):
             '/mtpdraft.v1.Drafter/ProposeBatch',
             mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchRequest.SerializeToString,
             mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeColumns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtpdraft.v1.Drafter/ProposeColumns',
+            mtpdraft_dot_v1_dot_drafter__pb2.ColumnsRequest.SerializeToString,
+            mtpdraft_dot_v1_dot_drafter__pb2.ColumnsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeColumnsStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mtpdraft.v1.Drafter/ProposeColumnsStream',
+            mtpdraft_dot_v1_dot_drafter__pb2.ColumnsRequest.SerializeToString,
+            mtpdraft_dot_v1_dot_drafter__pb2.ColumnsResponse.FromString,
             options,
             channel_credentials,
             insecure,
