@@ -23,11 +23,28 @@
 //   });
 //   await stream.close(); // once the verifier is done with it
 //
+// A verifier that steps many states at once sends the whole step as columns, typed arrays in
+// and out (row i of every column is state i's); per-row failures come back in `errors`:
+//
+//   const step = await drafter.proposeColumns({
+//     stateIds, // B ids: allocState's strings, BigInts or a BigUint64Array
+//     tokens, // Int32Array [B]
+//     positions, // Float64Array or BigInt64Array [B]
+//     hiddens, // Tensor [B, hiddenSize]
+//     numDrafts: 3, // or B values
+//     numAccepted, // optional, Int32Array [B]: the verdicts on the pending proposals, -1 for none
+//   });
+//   // step.drafts: Int32Array [B * step.width], row i's step.counts[i] drafts then -1;
+//   // step.errors: Map row -> DrafterError (that state is unchanged).
+//   const columns = drafter.columnsStream({ timeoutMs: 0 }); // the same, one message a step
+//   const next = await columns.step({ stateIds, tokens, positions, hiddens, numDrafts: 3 });
+//
 // State and handle ids are uint64: they travel as decimal strings. Tensors are
 // { dtype: 'DTYPE_FP32' | 'DTYPE_BF16' | 'DTYPE_FP16' | 'DTYPE_INT32', shape, data: Buffer }
 // with data the raw little-endian bytes. A failed call rejects with a DrafterError; so does a
 // stream message that the server refused (the stream stays open).
 
+const os = require('node:os');
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protobuf = require('protobufjs');
@@ -38,6 +55,7 @@ const PROTO_FILE = 'mtpdraft/v1/drafter.proto';
 const DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024;
 const ITEMSIZE = { DTYPE_BF16: 2, DTYPE_FP16: 2, DTYPE_FP32: 4, DTYPE_INT32: 4 };
 const STATUS_NAMES = Object.fromEntries(Object.entries(grpc.status).map(([k, v]) => [v, k]));
+const LITTLE_ENDIAN = os.endianness() === 'LE';
 
 let cachedService = null;
 
@@ -131,12 +149,18 @@ function streamClosedError() {
 const Tensor = {
   /** An fp32 tensor from numbers (array or Float32Array), written little-endian. */
   fp32(values, shape) {
+    if (values instanceof Float32Array && LITTLE_ENDIAN) {
+      return Tensor.raw('DTYPE_FP32', shape ?? [values.length], bytesOf(values));
+    }
     const data = Buffer.alloc(values.length * 4);
     for (let i = 0; i < values.length; i++) data.writeFloatLE(values[i], i * 4);
     return Tensor.raw('DTYPE_FP32', shape ?? [values.length], data);
   },
   /** An int32 tensor (e.g. an xgrammar bitmask, shape [words] or [rows, words]). */
   int32(values, shape) {
+    if (values instanceof Int32Array && LITTLE_ENDIAN) {
+      return Tensor.raw('DTYPE_INT32', shape ?? [values.length], bytesOf(values));
+    }
     const data = Buffer.alloc(values.length * 4);
     for (let i = 0; i < values.length; i++) data.writeInt32LE(values[i] | 0, i * 4);
     return Tensor.raw('DTYPE_INT32', shape ?? [values.length], data);
@@ -152,6 +176,11 @@ const Tensor = {
     return { dtype, shape: shape.map(Number), data: Buffer.from(data) };
   },
 };
+
+// A typed array's bytes, without a copy (Tensor.raw copies them).
+function bytesOf(array) {
+  return Buffer.from(array.buffer, array.byteOffset, array.byteLength);
+}
 
 function verdictMessage(previous) {
   const msg = { numAccepted: previous.numAccepted };
@@ -181,25 +210,154 @@ function parseProposal(p) {
   };
 }
 
+/**
+ * @typedef {{ dtype: 'DTYPE_FP32' | 'DTYPE_BF16' | 'DTYPE_FP16' | 'DTYPE_INT32',
+ *   shape: number[], data: Buffer }} TensorMessage
+ * @typedef {{ numAccepted: number, refeedHiddens?: TensorMessage | null }} Verdict
+ * @typedef {{ stateId: string, tokens: number[], probs: number[], confidence: number,
+ *   firstPosition: number }} Proposal
+ * @typedef {{ stateId: string | bigint | number, token: number, hidden: TensorMessage,
+ *   position: number | bigint, numDrafts: number, bitmask?: TensorMessage | null,
+ *   minConfidence?: number, previous?: Verdict | null }} BatchRequest
+ */
+
+/**
+ * A verifier's step for B states, as columns: row i of every column is stateIds[i]'s.
+ * Integer columns take a typed array or an array of numbers (or of BigInts); the uint64
+ * stateIds also decimal strings (as allocState returns them), the int64 positions also a
+ * BigInt64Array or a Float64Array. Columns that do not fit together (lengths, shapes) are
+ * refused by the server as a whole: INVALID_ARGUMENT naming the column.
+ *
+ * @typedef {object} ColumnsStep
+ * @property {BigUint64Array | ArrayLike<bigint | number | string>} stateIds B states
+ * @property {Int32Array | ArrayLike<number>} tokens B values: each state's last token
+ * @property {BigInt64Array | Float64Array | ArrayLike<number | bigint>} positions B values:
+ *   each last token's position
+ * @property {TensorMessage} hiddens [B, hiddenSize]: the target hidden of each last token
+ * @property {Int32Array | ArrayLike<number> | number} numDrafts B values of K, or one for all
+ * @property {Int32Array | ArrayLike<number> | null} [numAccepted] B verdicts on the pending
+ *   proposals, -1 where a state has none (absent: no verdicts)
+ * @property {Int32Array | ArrayLike<number> | null} [refeedRows] B counts of refeedHiddens
+ *   rows, each 0 or the state's numAccepted
+ * @property {TensorMessage | null} [refeedHiddens] [sum(refeedRows), hiddenSize], state by
+ *   state
+ * @property {Int32Array | ArrayLike<number> | null} [bitmaskRows] B counts of bitmasks rows,
+ *   each 0 (no mask) or 1 .. K
+ * @property {TensorMessage | null} [bitmasks] [sum(bitmaskRows), bitmaskWords] int32
+ * @property {Float32Array | ArrayLike<number> | number | null} [minConfidence] B values, or
+ *   one for all (absent: draft all K)
+ */
+
+/**
+ * A ProposeColumns answer as typed arrays: row i is stateIds[i]'s. A row that failed has
+ * count 0, drafts -1, probs 0, and its error in `errors`; its state is unchanged.
+ *
+ * @typedef {object} ColumnsResult
+ * @property {number} width columns of drafts and probs: the largest K asked
+ * @property {Int32Array} drafts [B * width] row-major: row i's counts[i] drafts, then -1
+ * @property {Float32Array} probs [B * width]: each draft's top-1 probability, then 0
+ * @property {Int32Array} counts B values: the drafts in each row
+ * @property {Float32Array} confidences B values: each row's chain confidence
+ * @property {Float64Array} firstPositions B values: the position of each row's first draft
+ *   (int64 positions as numbers, as Proposal.firstPosition)
+ * @property {Map<number, DrafterError>} errors the failed rows: row -> its error
+ */
+
+const INT32_MIN = -(2 ** 31);
+const INT32_MAX = 2 ** 31 - 1;
+const UINT64_MAX = 2n ** 64n - 1n;
+const INT64_MIN = -(2n ** 63n);
+const INT64_MAX = 2n ** 63n - 1n;
+
+// A column's values as the plain array the serializer takes (it refuses typed arrays), each
+// checked to be one the wire can carry. A bare value is a column of one where `oneForAll`.
+function column(values, name, convert, { oneForAll = false } = {}) {
+  if (oneForAll && (typeof values === 'number' || typeof values === 'bigint')) values = [values];
+  if (values == null || typeof values === 'string' || typeof values[Symbol.iterator] !== 'function') {
+    throw new TypeError(`${name}: expected an array or a typed array, got ${typeof values}`);
+  }
+  return Array.from(values, (v, i) => {
+    const out = convert(v);
+    if (out === undefined) throw new RangeError(`${name}[${i}]: ${String(v)} does not fit the column`);
+    return out;
+  });
+}
+
+// BigInt of an integer given as a number, a BigInt or a decimal string, or undefined.
+function bigIntOf(v) {
+  if (typeof v === 'bigint') return v;
+  if (typeof v === 'number') return Number.isSafeInteger(v) ? BigInt(v) : undefined;
+  if (typeof v === 'string' && /^-?[0-9]+$/.test(v)) return BigInt(v);
+  return undefined;
+}
+
+const int32Value = (v) => {
+  const n = typeof v === 'bigint' ? Number(v) : v;
+  return Number.isInteger(n) && n >= INT32_MIN && n <= INT32_MAX ? n : undefined;
+};
+const uint64Value = (v) => {
+  const n = bigIntOf(v);
+  return n !== undefined && n >= 0n && n <= UINT64_MAX ? n.toString() : undefined;
+};
+const int64Value = (v) => {
+  if (Number.isSafeInteger(v)) return v;
+  const n = bigIntOf(v);
+  return n !== undefined && n >= INT64_MIN && n <= INT64_MAX ? n.toString() : undefined;
+};
+const floatValue = (v) => (typeof v === 'number' ? v : undefined);
+
+// The ColumnsRequest of a ColumnsStep (unary and stream alike). Optional columns left out
+// are sent empty, which the contract reads as "none".
+function columnsRequest(step) {
+  const req = {
+    stateIds: column(step.stateIds, 'stateIds', uint64Value),
+    tokens: column(step.tokens, 'tokens', int32Value),
+    positions: column(step.positions, 'positions', int64Value),
+    hiddens: step.hiddens,
+    numDrafts: column(step.numDrafts, 'numDrafts', int32Value, { oneForAll: true }),
+  };
+  for (const name of ['numAccepted', 'refeedRows', 'bitmaskRows']) {
+    if (step[name] != null) req[name] = column(step[name], name, int32Value);
+  }
+  if (step.refeedHiddens) req.refeedHiddens = step.refeedHiddens;
+  if (step.bitmasks) req.bitmasks = step.bitmasks;
+  if (step.minConfidence != null) {
+    req.minConfidence = column(step.minConfidence, 'minConfidence', floatValue, { oneForAll: true });
+  }
+  return req;
+}
+
+/** @returns {ColumnsResult} */
+function parseColumns(resp) {
+  const errors = new Map();
+  for (const { row, error } of resp.errors) {
+    errors.set(row, errorFromValue(error ?? { code: grpc.status.UNKNOWN, message: 'empty row error' }));
+  }
+  return {
+    width: resp.width,
+    drafts: Int32Array.from(resp.drafts),
+    probs: Float32Array.from(resp.probs),
+    counts: Int32Array.from(resp.draftCounts),
+    confidences: Float32Array.from(resp.confidences),
+    firstPositions: Float64Array.from(resp.firstPositions, Number),
+    errors,
+  };
+}
+
 function deadlineOptions(timeoutMs) {
   return timeoutMs ? { deadline: new Date(Date.now() + timeoutMs) } : {};
 }
 
-/**
- * The hot path: one ProposeStream call, one message and one answer per verify step (made by
- * DrafterClient.stream()). Many states may share it and many requests may be in flight: answers
- * come as they are ready, possibly out of order, and settle their own promise by request id. A
- * message the server refuses rejects its promise with a DrafterError and leaves the stream open;
- * once the stream ends (close(), its deadline, a server or network failure) every pending and
- * later propose rejects.
- */
-class ProposeStream {
-  constructor(stub, callOptions) {
+// One bidirectional propose call whose answers carry their request's id (ProposeStream,
+// ProposeColumnsStream): each request settles its own promise, in whatever order the answers
+// come. `_outcome` turns an answer into its result, or the DrafterError to reject with.
+class AnswerStream {
+  constructor(stub, method, callOptions) {
     this._pending = new Map(); // request id (a decimal string, as answers carry it) -> promise settlers
     this._nextId = 1; // not 0: the proto default must not match a request
     this._ended = false; // true once close() ran or the call failed or ended: no more writes
     this._failure = null; // the call's DrafterError, if it failed
-    this._call = stub.ProposeStream(callOptions);
+    this._call = stub[method](callOptions);
     // Pending promises are rejected on 'end', not on 'error' or 'status': grpc-js reports the
     // status as soon as it arrives, while answers received before it may still wait in the
     // readable buffer; 'end' comes after the last of them.
@@ -227,20 +385,16 @@ class ProposeStream {
     const pending = this._pending.get(resp.requestId);
     if (!pending) return; // not ours (or already settled by the end of the stream)
     this._pending.delete(resp.requestId);
-    if (resp.proposal) pending.resolve(parseProposal(resp.proposal));
-    else pending.reject(errorFromValue(resp.error ?? { code: grpc.status.UNKNOWN, message: 'empty answer' }));
+    const outcome = this._outcome(resp);
+    if (outcome instanceof DrafterError) pending.reject(outcome);
+    else pending.resolve(outcome);
   }
 
-  /**
-   * One verify step's round trip: the arguments of DrafterClient.propose (usually with
-   * `previous` set). Resolves to the Proposal; rejects with a DrafterError.
-   *
-   * A request that the serializer rejects (an argument of the wrong JavaScript type) makes
-   * grpc-js cancel the whole call with INTERNAL, failing the other requests in flight too.
-   */
-  async propose(stateId, args) {
+  // Sends the request made by `build` (which may throw: nothing is sent then) under a new
+  // request id; resolves to its answer's outcome.
+  async _send(build) {
     if (this._ended) throw this._failure ?? streamClosedError();
-    const req = proposeRequest(stateId, args);
+    const req = build();
     req.requestId = String(this._nextId++);
     return await new Promise((resolve, reject) => {
       this._pending.set(req.requestId, { resolve, reject });
@@ -254,6 +408,7 @@ class ProposeStream {
    * Ends the writing side; resolves once the server has answered the requests in flight and
    * finished the call (at once if it already has). Never rejects: a failure of the call has
    * already rejected the promises it concerns.
+   * @returns {Promise<void>}
    */
   async close() {
     if (!this._ended) {
@@ -261,6 +416,66 @@ class ProposeStream {
       this._call.end();
     }
     await this._finished;
+  }
+}
+
+/**
+ * The hot path: one ProposeStream call, one message and one answer per verify step (made by
+ * DrafterClient.stream()). Many states may share it and many requests may be in flight: answers
+ * come as they are ready, possibly out of order, and settle their own promise by request id. A
+ * message the server refuses rejects its promise with a DrafterError and leaves the stream open;
+ * once the stream ends (close(), its deadline, a server or network failure) every pending and
+ * later propose rejects.
+ */
+class ProposeStream extends AnswerStream {
+  constructor(stub, callOptions) {
+    super(stub, 'ProposeStream', callOptions);
+  }
+
+  _outcome(resp) {
+    if (resp.proposal) return parseProposal(resp.proposal);
+    return errorFromValue(resp.error ?? { code: grpc.status.UNKNOWN, message: 'empty answer' });
+  }
+
+  /**
+   * One verify step's round trip: the arguments of DrafterClient.propose (usually with
+   * `previous` set). Resolves to the Proposal; rejects with a DrafterError.
+   *
+   * A request that the serializer rejects (an argument of the wrong JavaScript type) makes
+   * grpc-js cancel the whole call with INTERNAL, failing the other requests in flight too.
+   * @returns {Promise<Proposal>}
+   */
+  async propose(stateId, args) {
+    return await this._send(() => proposeRequest(stateId, args));
+  }
+}
+
+/**
+ * A ProposeColumnsStream (made by DrafterClient.columnsStream()): one message per verifier step
+ * for many states, each answered by one message matched by request id (answers come in the
+ * order of the steps' batches, usually the order sent). As with ProposeColumns, a row that fails
+ * has its error in the result's `errors`; a step that fails as a whole (columns that do not fit
+ * together) rejects its promise with a DrafterError and leaves the stream open. Once the stream
+ * ends every pending and later step rejects.
+ */
+class ColumnsStream extends AnswerStream {
+  constructor(stub, callOptions) {
+    super(stub, 'ProposeColumnsStream', callOptions);
+  }
+
+  _outcome(resp) {
+    return resp.error ? errorFromValue(resp.error) : parseColumns(resp);
+  }
+
+  /**
+   * One verifier step's round trip: the columns of DrafterClient.proposeColumns. A column the
+   * wire cannot carry (a non-integer, a value out of its type's range) throws before anything
+   * is sent.
+   * @param {ColumnsStep} columns
+   * @returns {Promise<ColumnsResult>}
+   */
+  async step(columns) {
+    return await this._send(() => columnsRequest(columns));
   }
 }
 
@@ -362,6 +577,46 @@ class DrafterClient {
     return new ProposeStream(this.stub, deadlineOptions(timeoutMs));
   }
 
+  /**
+   * Propose for many states in one call, one batched forward per draft position (at most
+   * GetInfo.maxBatch requests, each state at most once). Each request is { stateId } with the
+   * arguments of propose. All or nothing: one bad request rejects the call and changes no
+   * state. Resolves to the Proposals in request order (no call for no requests).
+   * @param {BatchRequest[]} requests
+   * @returns {Promise<Proposal[]>}
+   */
+  async proposeBatch(requests) {
+    if (requests.length === 0) return [];
+    const msgs = requests.map(({ stateId, ...args }) => proposeRequest(stateId, args));
+    return (await this._unary('ProposeBatch', { requests: msgs })).proposals.map(parseProposal);
+  }
+
+  /**
+   * A verifier's whole step for B states in one message, as columns (see ColumnsStep): the
+   * verdicts on their pending proposals, applied first, and their next proposals, batched with
+   * every other Propose call (at most GetInfo.maxBatch rows, each state at most once). A row
+   * that fails (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, as
+   * propose would) has its DrafterError in the result's `errors`, its field naming the column,
+   * and leaves its state unchanged; the other rows are answered. Columns that do not fit
+   * together reject the call with INVALID_ARGUMENT and change nothing. A column the wire cannot
+   * carry throws before anything is sent.
+   * @param {ColumnsStep} columns
+   * @returns {Promise<ColumnsResult>}
+   */
+  async proposeColumns(columns) {
+    return parseColumns(await this._unary('ProposeColumns', columnsRequest(columns)));
+  }
+
+  /**
+   * ProposeColumns on a stream (see ColumnsStream), one message per verifier step. Options:
+   * timeoutMs, the deadline of the whole stream (default the client's; 0: none). Close it when
+   * done.
+   * @returns {ColumnsStream}
+   */
+  columnsStream({ timeoutMs = this.timeoutMs } = {}) {
+    return new ColumnsStream(this.stub, deadlineOptions(timeoutMs));
+  }
+
   /** The verifier accepted the first numAccepted drafts (refeedHiddens: [a, hidden] or null). */
   async afterVerify(stateId, numAccepted, refeedHiddens = null) {
     const verdict = verdictMessage({ numAccepted, refeedHiddens });
@@ -385,4 +640,4 @@ class DrafterClient {
   }
 }
 
-module.exports = { DrafterClient, DrafterError, ProposeStream, Tensor, loadService };
+module.exports = { ColumnsStream, DrafterClient, DrafterError, ProposeStream, Tensor, loadService };
