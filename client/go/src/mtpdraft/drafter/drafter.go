@@ -10,6 +10,9 @@
 //
 // In a decode loop, a Stream (OpenStream) spends one round trip per verify step: each Propose
 // carries Previous, the verdict on the state's last proposal, instead of a separate AfterVerify.
+// A verifier that steps many states at once sends the whole step as one message of columns
+// (ProposeColumns, or Step on a ColumnsStream): one row per state, the hiddens as one [B, hidden]
+// tensor, and the drafts back as a [B, width] slice, with an error per failed row.
 //
 // Tensors are raw little-endian bytes with a dtype and a shape. Errors are gRPC status errors:
 // status.Code(err) is codes.NotFound, codes.InvalidArgument, codes.FailedPrecondition, ...
@@ -150,7 +153,7 @@ func New(conn *grpc.ClientConn) *Client {
 // Close closes the connection.
 func (c *Client) Close() error { return c.conn.Close() }
 
-// Stub is the generated client, for calls this wrapper does not cover (ProposeBatch).
+// Stub is the generated client, for calls with options this wrapper does not take.
 func (c *Client) Stub() pb.DrafterClient { return c.stub }
 
 // GetInfo returns the model shape, limits and live counters.
@@ -231,6 +234,30 @@ func verdict(v *Verdict) *pb.Verdict {
 // whose Previous carries the verdict).
 func (c *Client) Propose(ctx context.Context, state uint64, args ProposeArgs) (*pb.Proposal, error) {
 	return c.stub.Propose(ctx, proposeRequest(state, args))
+}
+
+// BatchRequest is one request of a ProposeBatch: a state and its Propose inputs.
+type BatchRequest struct {
+	State uint64
+	ProposeArgs
+}
+
+// ProposeBatch proposes for many states in one call (at most GetInfo.max_batch, each state at
+// most once) and returns the proposals in the order of the requests. All or nothing: one bad
+// request fails the call and changes no state. No requests make no call.
+func (c *Client) ProposeBatch(ctx context.Context, requests []BatchRequest) ([]*pb.Proposal, error) {
+	if len(requests) == 0 {
+		return nil, nil
+	}
+	req := &pb.ProposeBatchRequest{Requests: make([]*pb.ProposeRequest, len(requests))}
+	for i, r := range requests {
+		req.Requests[i] = proposeRequest(r.State, r.ProposeArgs)
+	}
+	resp, err := c.stub.ProposeBatch(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	return resp.Proposals, nil
 }
 
 func proposeRequest(state uint64, args ProposeArgs) *pb.ProposeRequest {

@@ -29,20 +29,8 @@ const errorDomain = "mtpdraft.v1"
 // once; answers are matched by request id. A refused request returns its status error (the same
 // code and ErrorInfo reason as a unary Propose) and leaves the stream open.
 type Stream struct {
-	call   pb.Drafter_ProposeStreamClient
-	cancel context.CancelFunc
-	sendMu sync.Mutex // grpc-go lets one goroutine at a time Send
-
-	mu      sync.Mutex
-	nextID  uint64
-	pending map[uint64]chan answer
-	ended   error         // why the stream ended (io.EOF: closed by the server after CloseSend)
-	done    chan struct{} // closed once the reader has stopped
-}
-
-type answer struct {
-	proposal *pb.Proposal
-	err      error
+	call pb.Drafter_ProposeStreamClient
+	x    *exchange
 }
 
 // OpenStream opens a ProposeStream. Cancelling ctx ends it (and fails what is in flight).
@@ -53,116 +41,163 @@ func (c *Client) OpenStream(ctx context.Context) (*Stream, error) {
 		cancel()
 		return nil, err
 	}
-	s := &Stream{call: call, cancel: cancel, pending: map[uint64]chan answer{}, done: make(chan struct{})}
-	go s.read()
+	s := &Stream{call: call}
+	s.x = newExchange(cancel, call.CloseSend, func() (uint64, answer, error) {
+		resp, err := call.Recv()
+		if err != nil {
+			return 0, answer{}, err
+		}
+		if e := resp.GetError(); e != nil {
+			return resp.RequestId, answer{err: errorValue(e)}, nil
+		}
+		return resp.RequestId, answer{value: resp.GetProposal()}, nil
+	})
 	return s, nil
 }
 
 // Propose sends one request and waits for its answer: the drafts, or the request's error. If ctx
 // ends first, Propose returns its error; the server may still make the proposal.
 func (s *Stream) Propose(ctx context.Context, state uint64, args ProposeArgs) (*pb.Proposal, error) {
-	reply := make(chan answer, 1)
-	s.mu.Lock()
-	if s.ended != nil {
-		s.mu.Unlock()
-		return nil, s.closedError()
+	v, err := s.x.roundTrip(ctx, func(id uint64) error {
+		req := proposeRequest(state, args)
+		req.RequestId = id
+		return s.call.Send(req)
+	})
+	if err != nil {
+		return nil, err
 	}
-	s.nextID++
-	id := s.nextID
-	s.pending[id] = reply
-	s.mu.Unlock()
+	return v.(*pb.Proposal), nil
+}
 
-	req := proposeRequest(state, args)
-	req.RequestId = id
-	s.sendMu.Lock()
-	err := s.call.Send(req)
-	s.sendMu.Unlock()
+// Close ends the writing side, waits for the answers still owed and for the end of the call,
+// and returns the call's error (nil when it ended cleanly). Later Proposes fail with UNAVAILABLE.
+func (s *Stream) Close() error { return s.x.close() }
+
+// exchange carries the requests of a bidirectional stream whose answers name their request id:
+// it numbers the requests, and a reader hands each answer to the request waiting for it.
+type exchange struct {
+	cancel    context.CancelFunc
+	closeSend func() error
+	sendMu    sync.Mutex // grpc-go lets one goroutine at a time Send
+
+	mu      sync.Mutex
+	nextID  uint64
+	pending map[uint64]chan answer
+	ended   error         // why the stream ended (io.EOF: closed by the server after CloseSend)
+	done    chan struct{} // closed once the reader has stopped
+}
+
+// answer is a request's outcome: its result, or its error.
+type answer struct {
+	value interface{}
+	err   error
+}
+
+// newExchange starts the reader: recv returns the next answer and its request id, or the error
+// that ended the stream.
+func newExchange(cancel context.CancelFunc, closeSend func() error,
+	recv func() (uint64, answer, error)) *exchange {
+	x := &exchange{cancel: cancel, closeSend: closeSend, pending: map[uint64]chan answer{},
+		done: make(chan struct{})}
+	go x.read(recv)
+	return x
+}
+
+// roundTrip sends one request under a new id and waits for its answer, or for ctx to end.
+func (x *exchange) roundTrip(ctx context.Context, send func(id uint64) error) (interface{}, error) {
+	reply := make(chan answer, 1)
+	x.mu.Lock()
+	if x.ended != nil {
+		x.mu.Unlock()
+		return nil, x.closedError()
+	}
+	x.nextID++
+	id := x.nextID
+	x.pending[id] = reply
+	x.mu.Unlock()
+
+	x.sendMu.Lock()
+	err := send(id)
+	x.sendMu.Unlock()
 	if err != nil && !errors.Is(err, io.EOF) {
-		s.forget(id)
+		x.forget(id)
 		return nil, err
 	}
 	// On io.EOF the stream has ended: the reader learns why and fails every pending request.
 	select {
 	case a := <-reply:
-		return a.proposal, a.err
+		return a.value, a.err
 	case <-ctx.Done():
-		s.forget(id)
+		x.forget(id)
 		return nil, status.FromContextError(ctx.Err()).Err()
 	}
 }
 
-// Close ends the writing side, waits for the answers still owed and for the end of the call,
-// and returns the call's error (nil when it ended cleanly). Later Proposes fail with UNAVAILABLE.
-func (s *Stream) Close() error {
-	s.sendMu.Lock()
-	s.call.CloseSend()
-	s.sendMu.Unlock()
-	<-s.done
-	s.cancel()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if errors.Is(s.ended, io.EOF) {
+// close ends the writing side, waits for the reader to stop and returns the call's error.
+func (x *exchange) close() error {
+	x.sendMu.Lock()
+	x.closeSend()
+	x.sendMu.Unlock()
+	<-x.done
+	x.cancel()
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if errors.Is(x.ended, io.EOF) {
 		return nil
 	}
-	return s.ended
+	return x.ended
 }
 
-func (s *Stream) read() {
-	defer close(s.done)
+func (x *exchange) read(recv func() (uint64, answer, error)) {
+	defer close(x.done)
 	for {
-		resp, err := s.call.Recv()
+		id, a, err := recv()
 		if err != nil {
-			s.end(err)
+			x.end(err)
 			return
 		}
-		s.mu.Lock()
-		reply, ok := s.pending[resp.RequestId]
-		delete(s.pending, resp.RequestId)
-		s.mu.Unlock()
+		x.mu.Lock()
+		reply, ok := x.pending[id]
+		delete(x.pending, id)
+		x.mu.Unlock()
 		if ok {
-			reply <- outcome(resp)
+			reply <- a
 		}
 	}
 }
 
 // end records why the stream ended and fails every request still waiting.
-func (s *Stream) end(err error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.ended = err
-	for id, reply := range s.pending {
-		reply <- answer{err: s.closedError()}
-		delete(s.pending, id)
+func (x *exchange) end(err error) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.ended = err
+	for id, reply := range x.pending {
+		reply <- answer{err: x.closedError()}
+		delete(x.pending, id)
 	}
 }
 
-// closedError is the error of a request the ended stream cannot answer (s.mu held).
-func (s *Stream) closedError() error {
-	if errors.Is(s.ended, io.EOF) {
+// closedError is the error of a request the ended stream cannot answer (x.mu held).
+func (x *exchange) closedError() error {
+	if errors.Is(x.ended, io.EOF) {
 		return status.Error(codes.Unavailable, "the propose stream is closed")
 	}
-	return s.ended
+	return x.ended
 }
 
-func (s *Stream) forget(id uint64) {
-	s.mu.Lock()
-	delete(s.pending, id)
-	s.mu.Unlock()
+func (x *exchange) forget(id uint64) {
+	x.mu.Lock()
+	delete(x.pending, id)
+	x.mu.Unlock()
 }
 
-func outcome(resp *pb.ProposeStreamResponse) answer {
-	if e := resp.GetError(); e != nil {
-		return answer{err: errorValue(e)}
-	}
-	return answer{proposal: resp.GetProposal()}
-}
-
-// errorValue turns an error answer into the status error a unary call would have returned:
-// its code and message, the reason as an ErrorInfo detail and the field as a BadRequest one.
+// errorValue turns an error carried as a value (a stream's error answer, a failed row) into the
+// status error a unary call would have returned: its code and message, the reason as an
+// ErrorInfo detail and the field, if any, as a BadRequest one.
 func errorValue(e *pb.Error) error {
 	st := status.New(codes.Code(e.Code), e.Message)
 	details := []proto.Message{&errdetails.ErrorInfo{Reason: e.Reason, Domain: errorDomain}}
-	if e.Field != "" && codes.Code(e.Code) == codes.InvalidArgument {
+	if e.Field != "" {
 		violation := &errdetails.BadRequest_FieldViolation{Field: e.Field, Description: e.Message}
 		details = append(details, &errdetails.BadRequest{FieldViolations: []*errdetails.BadRequest_FieldViolation{violation}})
 	}
@@ -170,4 +205,24 @@ func errorValue(e *pb.Error) error {
 		st = withDetails
 	}
 	return st.Err()
+}
+
+// ErrorDetails is a status error's machine-readable reason (its ErrorInfo detail) and the
+// request field at fault (its first BadRequest field violation), each "" when absent.
+func ErrorDetails(err error) (reason, field string) {
+	st, ok := status.FromError(err)
+	if !ok {
+		return "", ""
+	}
+	for _, d := range st.Details() {
+		switch d := d.(type) {
+		case *errdetails.ErrorInfo:
+			reason = d.Reason
+		case *errdetails.BadRequest:
+			if len(d.FieldViolations) > 0 && field == "" {
+				field = d.FieldViolations[0].Field
+			}
+		}
+	}
+	return reason, field
 }
