@@ -25,8 +25,8 @@ function parseArgs(argv) {
 
 const FORMAT = 'mtpdraft-conformance/1';
 const OPERATIONS = new Set([
-  'GetInfo', 'AllocState', 'Prefill', 'Propose', 'ProposeStream', 'AfterVerify', 'TakeKV',
-  'InstallKV', 'FreeState',
+  'GetInfo', 'AllocState', 'Prefill', 'Propose', 'ProposeStream', 'ProposeBatch', 'ProposeColumns',
+  'AfterVerify', 'TakeKV', 'InstallKV', 'FreeState',
 ]);
 
 // Why no runner may replay the vector, or null if one may.
@@ -83,6 +83,52 @@ function proposeArgs(op) {
   };
 }
 
+// A list of the vector as a typed array of `Type`, unless that would change a value (then, and
+// for anything but a list, as it is: the client refuses what the wire cannot carry).
+function typed(Type, values) {
+  if (!Array.isArray(values)) return values;
+  const out = Type.from(values);
+  return out.every((x, i) => x === values[i]) ? out : values;
+}
+
+// The client's columns for a ProposeColumns operation: its state names' ids, the number
+// columns as typed arrays (as a verifier holds them), optional columns only where given.
+function columnsArgs(op, stateId) {
+  return {
+    stateIds: op.states.map(stateId),
+    tokens: typed(Int32Array, op.tokens),
+    positions: typed(Float64Array, op.positions),
+    hiddens: tensor(op.hiddens),
+    numDrafts: typed(Int32Array, op.num_drafts),
+    numAccepted: typed(Int32Array, op.num_accepted),
+    refeedRows: typed(Int32Array, op.refeed_rows),
+    refeedHiddens: tensor(op.refeed_hiddens),
+    bitmaskRows: typed(Int32Array, op.bitmask_rows),
+    bitmasks: tensor(op.bitmasks),
+    minConfidence: op.min_confidence,
+  };
+}
+
+// A ColumnsResult's outputs, named as in the vector: [B][width] drafts and probs, each column
+// as a list, the failed rows' errors in row order.
+function columnsOutputs(r) {
+  const rows = (flat) => Array.from(r.counts, (_, i) => Array.from(flat.subarray(i * r.width, (i + 1) * r.width)));
+  return {
+    width: r.width,
+    drafts: rows(r.drafts),
+    probs: rows(r.probs),
+    draft_counts: Array.from(r.counts),
+    confidences: Array.from(r.confidences),
+    first_positions: Array.from(r.firstPositions),
+    errors: [...r.errors.entries()].sort(([a], [b]) => a - b).map(([row, e]) => ({
+      row,
+      code: e.codeName,
+      reason: e.reason ?? '',
+      field: e.field ?? '',
+    })),
+  };
+}
+
 // A Proposal's outputs, named as in the vector; it must be the state's.
 function proposalOutputs(p, state) {
   if (p.stateId !== state) throw new Error(`Proposal.state_id ${p.stateId} != state ${state}`);
@@ -94,7 +140,20 @@ function proposalOutputs(p, state) {
   };
 }
 
-const FLOAT_KEYS = new Set(['probs', 'confidence']);
+const FLOAT_KEYS = new Set(['probs', 'confidence', 'confidences']);
+
+// Whether `got` is `want` within `tol`, number by number (nested lists alike).
+function close(want, got, tol) {
+  if (Array.isArray(want)) {
+    return Array.isArray(got) && want.length === got.length && want.every((w, i) => close(w, got[i], tol));
+  }
+  return typeof want === 'number' && Number.isFinite(got) && Math.abs(got - want) <= tol;
+}
+
+// A row error as the vector lists it, with no field (or reason) the same as an empty one.
+function rowErrorText(e) {
+  return e && typeof e === 'object' ? `${e.row} ${errorText(e.code, e.reason || '', e.field || '')}` : String(e);
+}
 
 function mismatches(expected, actual, tol) {
   const out = [];
@@ -102,9 +161,16 @@ function mismatches(expected, actual, tol) {
     const got = actual[key];
     let same;
     if (FLOAT_KEYS.has(key)) {
-      const w = [].concat(want);
-      const g = [].concat(got);
-      same = w.length === g.length && w.every((x, i) => Number.isFinite(g[i]) && Math.abs(g[i] - x) <= tol);
+      same = close(want, got, tol);
+    } else if (key === 'proposals') {
+      // ProposeBatch: each proposal compared as a Propose's outputs.
+      const bad = !Array.isArray(want) || !Array.isArray(got) || want.length !== got.length
+        ? [`${got?.length} proposals`]
+        : want.flatMap((w, i) => mismatches(w, got[i], tol).map((m) => `[${i}] ${m}`));
+      if (bad.length) out.push(`proposals: expected ${JSON.stringify(want)}, got ${JSON.stringify(got)} (${bad.join('; ')})`);
+      continue;
+    } else if (key === 'errors') {
+      same = Array.isArray(want) && JSON.stringify(want.map(rowErrorText)) === JSON.stringify(got.map(rowErrorText));
     } else {
       same = JSON.stringify(got) === JSON.stringify(want);
     }
@@ -119,6 +185,11 @@ class Replayer {
     this.tolerance = tolerance;
     this.states = new Map();
     this.handles = new Map();
+  }
+
+  // The id bound to a state name (0, which no state has, for a name never bound).
+  stateId(name) {
+    return this.states.get(name) ?? '0';
   }
 
   nonZero(id, what) {
@@ -140,6 +211,22 @@ class Replayer {
     if (op.op === 'AllocState') {
       this.states.set(op.state, this.nonZero(await c.allocState(), 'AllocState'));
       return {};
+    }
+    if (op.op === 'ProposeBatch') {
+      const states = op.requests.map((r) => this.stateId(r.state));
+      const proposals = await c.proposeBatch(op.requests.map((r, i) => ({ stateId: states[i], ...proposeArgs(r) })));
+      return { proposals: proposals.map((p, i) => proposalOutputs(p, states[i])) };
+    }
+    if (op.op === 'ProposeColumns') {
+      const columns = columnsArgs(op, (name) => this.stateId(name));
+      if (!op.stream) return columnsOutputs(await c.proposeColumns(columns));
+      // One message (request id 1) on its own ProposeColumnsStream, closed after its answer.
+      const stream = c.columnsStream();
+      try {
+        return columnsOutputs(await stream.step(columns));
+      } finally {
+        await stream.close();
+      }
     }
     const state = this.states.get(op.state);
     switch (op.op) {
@@ -234,6 +321,8 @@ async function main() {
       ok ? passed++ : failed++;
       let label = op.state ? `${op.op} ${op.state}` : op.op;
       if (op.messages) label += ` (${op.messages.length} messages)`;
+      if (op.requests) label += ` (${op.requests.map((r) => r.state).join(', ')})`;
+      if (op.states) label += `${op.stream ? ' stream' : ''} (${op.states.join(', ')})`;
       console.log(`${ok ? 'ok  ' : 'FAIL'} ${String(i).padStart(2, '0')} ${label}: ${message}`);
     }
   } finally {
