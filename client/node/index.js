@@ -229,22 +229,22 @@ function parseProposal(p) {
  * refused by the server as a whole: INVALID_ARGUMENT naming the column.
  *
  * @typedef {object} ColumnsStep
- * @property {BigUint64Array | ArrayLike<bigint | number | string>} stateIds B states
- * @property {Int32Array | ArrayLike<number>} tokens B values: each state's last token
- * @property {BigInt64Array | Float64Array | ArrayLike<number | bigint>} positions B values:
+ * @property {BigUint64Array | Iterable<bigint | number | string>} stateIds B states
+ * @property {Int32Array | Iterable<number>} tokens B values: each state's last token
+ * @property {BigInt64Array | Float64Array | Iterable<number | bigint>} positions B values:
  *   each last token's position
  * @property {TensorMessage} hiddens [B, hiddenSize]: the target hidden of each last token
- * @property {Int32Array | ArrayLike<number> | number} numDrafts B values of K, or one for all
- * @property {Int32Array | ArrayLike<number> | null} [numAccepted] B verdicts on the pending
+ * @property {Int32Array | Iterable<number> | number} numDrafts B values of K, or one for all
+ * @property {Int32Array | Iterable<number> | null} [numAccepted] B verdicts on the pending
  *   proposals, -1 where a state has none (absent: no verdicts)
- * @property {Int32Array | ArrayLike<number> | null} [refeedRows] B counts of refeedHiddens
+ * @property {Int32Array | Iterable<number> | null} [refeedRows] B counts of refeedHiddens
  *   rows, each 0 or the state's numAccepted
  * @property {TensorMessage | null} [refeedHiddens] [sum(refeedRows), hiddenSize], state by
  *   state
- * @property {Int32Array | ArrayLike<number> | null} [bitmaskRows] B counts of bitmasks rows,
+ * @property {Int32Array | Iterable<number> | null} [bitmaskRows] B counts of bitmasks rows,
  *   each 0 (no mask) or 1 .. K
  * @property {TensorMessage | null} [bitmasks] [sum(bitmaskRows), bitmaskWords] int32
- * @property {Float32Array | ArrayLike<number> | number | null} [minConfidence] B values, or
+ * @property {Float32Array | Iterable<number> | number | null} [minConfidence] B values, or
  *   one for all (absent: draft all K)
  */
 
