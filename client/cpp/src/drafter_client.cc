@@ -32,10 +32,18 @@ void Check(const grpc::Status& status) {
 }  // namespace
 
 Tensor Tensor::FP32(const std::vector<float>& values, std::vector<int64_t> shape) {
-  std::vector<uint32_t> words(values.size());
-  std::memcpy(words.data(), values.data(), values.size() * 4);
-  return {pb::DTYPE_FP32, ShapeOr(std::move(shape), values.size()),
-          PackLE32(words.data(), words.size())};
+  return FP32(values.data(), ShapeOr(std::move(shape), values.size()));
+}
+
+Tensor Tensor::FP32(const float* values, std::vector<int64_t> shape) {
+  size_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) throw std::invalid_argument("a negative tensor dimension");
+    n *= static_cast<size_t>(d);
+  }
+  std::vector<uint32_t> words(n);
+  if (n > 0) std::memcpy(words.data(), values, n * 4);
+  return {pb::DTYPE_FP32, std::move(shape), PackLE32(words.data(), words.size())};
 }
 
 Tensor Tensor::Int32(const std::vector<int32_t>& values, std::vector<int64_t> shape) {
@@ -216,6 +224,80 @@ grpc::Status StatusOf(const pb::Error& error) {
 grpc::Status StreamClosed() {
   return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the propose stream is closed");
 }
+
+// A ColumnsRequest of a Columns step, its columns copied as they are (the server checks
+// that they fit together).
+pb::ColumnsRequest ColumnsRequestOf(const Columns& step) {
+  pb::ColumnsRequest req;
+  req.mutable_state_ids()->Add(step.state_ids.begin(), step.state_ids.end());
+  req.mutable_tokens()->Add(step.tokens.begin(), step.tokens.end());
+  req.mutable_positions()->Add(step.positions.begin(), step.positions.end());
+  step.hiddens.ToProto(req.mutable_hiddens());
+  req.mutable_num_drafts()->Add(step.num_drafts.begin(), step.num_drafts.end());
+  req.mutable_num_accepted()->Add(step.num_accepted.begin(), step.num_accepted.end());
+  req.mutable_refeed_rows()->Add(step.refeed_rows.begin(), step.refeed_rows.end());
+  if (step.refeed_hiddens) step.refeed_hiddens->ToProto(req.mutable_refeed_hiddens());
+  req.mutable_bitmask_rows()->Add(step.bitmask_rows.begin(), step.bitmask_rows.end());
+  if (step.bitmasks) step.bitmasks->ToProto(req.mutable_bitmasks());
+  req.mutable_min_confidence()->Add(step.min_confidence.begin(), step.min_confidence.end());
+  return req;
+}
+
+// An answer this client cannot read.
+DrafterError BadAnswer(const std::string& what) {
+  return DrafterError(grpc::Status(grpc::StatusCode::UNKNOWN, "a malformed answer: " + what));
+}
+
+// A ColumnsResponse's columns; throws unless they fit together, so that the result's row
+// accessors stay within its vectors.
+ColumnsResult ColumnsResultOf(const pb::ColumnsResponse& resp) {
+  ColumnsResult r;
+  r.width = resp.width();
+  r.drafts.assign(resp.drafts().begin(), resp.drafts().end());
+  r.probs.assign(resp.probs().begin(), resp.probs().end());
+  r.counts.assign(resp.draft_counts().begin(), resp.draft_counts().end());
+  r.confidences.assign(resp.confidences().begin(), resp.confidences().end());
+  r.first_positions.assign(resp.first_positions().begin(), resp.first_positions().end());
+  const size_t rows = r.counts.size();
+  if (r.width < 0) throw BadAnswer("a negative width");
+  if (r.drafts.size() != rows * r.width || r.probs.size() != rows * r.width) {
+    throw BadAnswer("drafts or probs are not [B, width]");
+  }
+  if (r.confidences.size() != rows || r.first_positions.size() != rows) {
+    throw BadAnswer("confidences or first_positions do not have B values");
+  }
+  for (int32_t count : r.counts) {
+    if (count < 0 || count > r.width) throw BadAnswer("a draft count outside 0 .. width");
+  }
+  for (const pb::RowError& e : resp.errors()) {
+    if (e.row() < 0 || static_cast<size_t>(e.row()) >= rows) {
+      throw BadAnswer("an error for row " + std::to_string(e.row()));
+    }
+    r.errors.insert_or_assign(
+        e.row(), DrafterError(StatusOf(e.error()), e.error().reason(), e.error().field()));
+  }
+  return r;
+}
+
+// A ProposeStream answer's proposal, or the error it carries.
+Proposal ProposeOutcome(const pb::ProposeStreamResponse& resp) {
+  switch (resp.result_case()) {
+    case pb::ProposeStreamResponse::kProposal:
+      return ProposalOf(resp.proposal());
+    case pb::ProposeStreamResponse::kError:
+      throw DrafterError(StatusOf(resp.error()), resp.error().reason(), resp.error().field());
+    default:  // a result this client does not know
+      throw DrafterError(grpc::Status(grpc::StatusCode::UNKNOWN, "an answer with no known result"));
+  }
+}
+
+// A ProposeColumnsStream answer's result, or the error of a step that failed as a whole.
+ColumnsResult ColumnsOutcome(const pb::ColumnsResponse& resp) {
+  if (resp.has_error()) {
+    throw DrafterError(StatusOf(resp.error()), resp.error().reason(), resp.error().field());
+  }
+  return ColumnsResultOf(resp);
+}
 }  // namespace
 
 Proposal DrafterClient::Propose(uint64_t state, const ProposeArgs& args) {
@@ -227,23 +309,88 @@ Proposal DrafterClient::Propose(uint64_t state, const ProposeArgs& args) {
   return ProposalOf(resp);
 }
 
+std::vector<Proposal> DrafterClient::ProposeBatch(const std::vector<BatchRequest>& requests) {
+  if (requests.empty()) return {};
+  pb::ProposeBatchRequest req;
+  for (const BatchRequest& r : requests) *req.add_requests() = ProposeRequestOf(r.state, r.args);
+  grpc::ClientContext context;
+  Prepare(&context);
+  pb::ProposeBatchResponse resp;
+  Check(stub_->ProposeBatch(&context, req, &resp));
+  if (static_cast<size_t>(resp.proposals_size()) != requests.size()) {
+    throw BadAnswer(std::to_string(resp.proposals_size()) + " proposals for " +
+                    std::to_string(requests.size()) + " requests");
+  }
+  std::vector<Proposal> out;
+  out.reserve(requests.size());
+  for (const pb::Proposal& p : resp.proposals()) out.push_back(ProposalOf(p));
+  return out;
+}
+
+ColumnsResult DrafterClient::ProposeColumns(const Columns& step) {
+  pb::ColumnsRequest req = ColumnsRequestOf(step);
+  grpc::ClientContext context;
+  Prepare(&context);
+  pb::ColumnsResponse resp;
+  Check(stub_->ProposeColumns(&context, req, &resp));
+  ColumnsResult result = ColumnsResultOf(resp);
+  if (result.size() != step.state_ids.size()) {
+    throw BadAnswer(std::to_string(result.size()) + " rows for " +
+                    std::to_string(step.state_ids.size()) + " states");
+  }
+  return result;
+}
+
 std::unique_ptr<ProposeStream> DrafterClient::OpenStream(std::chrono::milliseconds timeout) {
   return std::unique_ptr<ProposeStream>(new ProposeStream(*stub_, timeout));
 }
 
-ProposeStream::ProposeStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout)
-    : failure_(StreamClosed()) {
-  if (timeout.count() > 0) context_.set_deadline(std::chrono::system_clock::now() + timeout);
-  call_ = stub.ProposeStream(&context_);
-  reader_ = std::thread(&ProposeStream::Read, this);
+std::unique_ptr<ColumnsStream> DrafterClient::OpenColumnsStream(
+    std::chrono::milliseconds timeout) {
+  return std::unique_ptr<ColumnsStream>(new ColumnsStream(*stub_, timeout));
 }
 
-ProposeStream::~ProposeStream() { Close(); }
+ProposeStream::ProposeStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout)
+    : call_(stub, &pb::Drafter::Stub::ProposeStream, &ProposeOutcome, timeout) {}
 
 std::future<Proposal> ProposeStream::Submit(uint64_t state, const ProposeArgs& args) {
-  pb::ProposeRequest req = ProposeRequestOf(state, args);
-  std::promise<Proposal> promise;
-  std::future<Proposal> future = promise.get_future();
+  return call_.Submit(ProposeRequestOf(state, args));
+}
+
+Proposal ProposeStream::Propose(uint64_t state, const ProposeArgs& args) {
+  return Submit(state, args).get();
+}
+
+ColumnsStream::ColumnsStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout)
+    : call_(stub, &pb::Drafter::Stub::ProposeColumnsStream, &ColumnsOutcome, timeout) {}
+
+std::future<ColumnsResult> ColumnsStream::Submit(const Columns& step) {
+  return call_.Submit(ColumnsRequestOf(step));
+}
+
+ColumnsResult ColumnsStream::Step(const Columns& step) { return Submit(step).get(); }
+
+namespace internal {
+
+template <typename Request, typename Response, typename Result>
+StreamCall<Request, Response, Result>::StreamCall(pb::Drafter::Stub& stub, Open open,
+                                                  Outcome outcome,
+                                                  std::chrono::milliseconds timeout)
+    : outcome_(outcome), failure_(StreamClosed()) {
+  if (timeout.count() > 0) context_.set_deadline(std::chrono::system_clock::now() + timeout);
+  call_ = (stub.*open)(&context_);
+  reader_ = std::thread(&StreamCall::Read, this);
+}
+
+template <typename Request, typename Response, typename Result>
+StreamCall<Request, Response, Result>::~StreamCall() {
+  Close();
+}
+
+template <typename Request, typename Response, typename Result>
+std::future<Result> StreamCall<Request, Response, Result>::Submit(Request req) {
+  std::promise<Result> promise;
+  std::future<Result> future = promise.get_future();
   std::lock_guard<std::mutex> write_lock(write_mu_);
   // gRPC allows no write after WritesDone or Finish: say why the stream is over instead.
   if (!writable_) throw DrafterError(Failure());
@@ -257,40 +404,31 @@ std::future<Proposal> ProposeStream::Submit(uint64_t state, const ProposeArgs& a
   return future;
 }
 
-Proposal ProposeStream::Propose(uint64_t state, const ProposeArgs& args) {
-  return Submit(state, args).get();
-}
-
-grpc::Status ProposeStream::Failure() {
+template <typename Request, typename Response, typename Result>
+grpc::Status StreamCall<Request, Response, Result>::Failure() {
   std::lock_guard<std::mutex> lock(mu_);
   return failure_;
 }
 
-void ProposeStream::Read() {
-  pb::ProposeStreamResponse resp;
+template <typename Request, typename Response, typename Result>
+void StreamCall<Request, Response, Result>::Read() {
+  Response resp;
   while (call_->Read(&resp)) {
-    std::map<uint64_t, std::promise<Proposal>>::node_type answered;
+    typename std::map<uint64_t, std::promise<Result>>::node_type answered;
     {
       std::lock_guard<std::mutex> lock(mu_);
       answered = pending_.extract(resp.request_id());
     }
     if (answered.empty()) continue;  // not a request of this stream
-    std::promise<Proposal>& promise = answered.mapped();
-    switch (resp.result_case()) {
-      case pb::ProposeStreamResponse::kProposal:
-        promise.set_value(ProposalOf(resp.proposal()));
-        break;
-      case pb::ProposeStreamResponse::kError:
-        promise.set_exception(std::make_exception_ptr(
-            DrafterError(StatusOf(resp.error()), resp.error().reason(), resp.error().field())));
-        break;
-      default:  // a result this client does not know
-        promise.set_exception(std::make_exception_ptr(DrafterError(
-            grpc::Status(grpc::StatusCode::UNKNOWN, "an answer with no known result"))));
+    std::promise<Result>& promise = answered.mapped();
+    try {
+      promise.set_value(outcome_(resp));
+    } catch (...) {  // the error the answer carries, or an answer this client cannot read
+      promise.set_exception(std::current_exception());
     }
   }
   // The server has ended the call: no answer will come for what is still pending.
-  std::map<uint64_t, std::promise<Proposal>> pending;
+  std::map<uint64_t, std::promise<Result>> pending;
   grpc::Status failure;
   {
     std::lock_guard<std::mutex> write_lock(write_mu_);  // no Write may start after Finish
@@ -307,7 +445,8 @@ void ProposeStream::Read() {
   }
 }
 
-grpc::Status ProposeStream::Close() {
+template <typename Request, typename Response, typename Result>
+grpc::Status StreamCall<Request, Response, Result>::Close() {
   std::lock_guard<std::mutex> close_lock(close_mu_);
   {
     std::lock_guard<std::mutex> write_lock(write_mu_);
@@ -321,7 +460,15 @@ grpc::Status ProposeStream::Close() {
   return status_;
 }
 
-void ProposeStream::Cancel() { context_.TryCancel(); }
+template <typename Request, typename Response, typename Result>
+void StreamCall<Request, Response, Result>::Cancel() {
+  context_.TryCancel();
+}
+
+template class StreamCall<pb::ProposeRequest, pb::ProposeStreamResponse, Proposal>;
+template class StreamCall<pb::ColumnsRequest, pb::ColumnsResponse, ColumnsResult>;
+
+}  // namespace internal
 
 Rows DrafterClient::AfterVerify(uint64_t state, int32_t num_accepted,
                                 const std::optional<Tensor>& refeed_hiddens) {

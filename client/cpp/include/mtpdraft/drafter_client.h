@@ -21,6 +21,20 @@
 //   p = stream->Propose(state, args);
 //   stream->Close();
 //
+// A verifier that steps many states at once sends the whole step as columns, one message
+// (ProposeColumns, or one message per step on a ColumnsStream). The columns are views of the
+// caller's arrays; row i of each is state_ids[i]'s:
+//   mtpdraft::Columns step;
+//   step.state_ids = ids, step.tokens = tokens, step.positions = positions;  // B values each
+//   step.hiddens = mtpdraft::Tensor::FP32(h, {b, hidden_size});
+//   step.num_drafts = ks;       // B values, or one for every state
+//   step.num_accepted = accepted;  // the verdicts on the pending proposals, -1 for none
+//   mtpdraft::ColumnsResult r = drafter.ProposeColumns(step);  // or columns_stream->Step(step)
+//   for (size_t i = 0; i < r.size(); ++i) {
+//     if (const mtpdraft::DrafterError* e = r.Error(i)) { /* row i failed, its state unchanged */ }
+//     mtpdraft::ArrayView<int32_t> drafts = r.Drafts(i);  // r.counts[i] drafts
+//   }
+//
 // Tensors are raw little-endian bytes with a dtype and a shape. A failed RPC throws
 // mtpdraft::DrafterError, whose code() is the grpc::StatusCode and reason() and field()
 // say why; so does a stream's error answer, which leaves the stream open.
@@ -29,6 +43,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <future>
 #include <map>
@@ -46,6 +61,30 @@ namespace mtpdraft {
 
 namespace pb = ::mtpdraft::v1;
 
+// A read-only view of `size` contiguous values the caller owns, such as one column of a
+// verifier's step: it must outlive the call it is passed to. Made from a std::vector (not a
+// temporary one) or a pointer and a count; empty by default.
+template <typename T>
+class ArrayView {
+ public:
+  ArrayView() = default;
+  ArrayView(const T* data, size_t size) : data_(data), size_(size) {}
+  ArrayView(const std::vector<T>& values)  // NOLINT(runtime/explicit): a vector is a column
+      : data_(values.data()), size_(values.size()) {}
+  ArrayView(std::vector<T>&&) = delete;  // the view would outlive the values
+
+  const T* data() const { return data_; }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const T* begin() const { return data_; }
+  const T* end() const { return data_ + size_; }
+  const T& operator[](size_t i) const { return data_[i]; }
+
+ private:
+  const T* data_ = nullptr;
+  size_t size_ = 0;
+};
+
 // A dense tensor: raw little-endian bytes in row-major order, a dtype and a shape.
 struct Tensor {
   pb::DType dtype = pb::DTYPE_UNSPECIFIED;
@@ -53,6 +92,8 @@ struct Tensor {
   std::string data;  // raw bytes
 
   static Tensor FP32(const std::vector<float>& values, std::vector<int64_t> shape = {});
+  // The product(shape) floats at `values`, e.g. a [B, hidden] block of a verifier's buffer.
+  static Tensor FP32(const float* values, std::vector<int64_t> shape);
   static Tensor Int32(const std::vector<int32_t>& values, std::vector<int64_t> shape = {});
   // Bytes per element of a dtype (0 if unknown).
   static int ItemSize(pb::DType dtype);
@@ -119,11 +160,112 @@ struct Proposal {
   int64_t first_position = 0;
 };
 
+// One request of a ProposeBatch: a state and its Propose.
+struct BatchRequest {
+  uint64_t state = 0;
+  ProposeArgs args;
+};
+
+// A verifier's step for B states as columns (ColumnsRequest): row i of every column is
+// state_ids[i]'s. The views are read during the call only. The server checks that the
+// columns fit together: lengths or shapes that do not fail the whole call with
+// INVALID_ARGUMENT (reason COLUMNS_MISMATCH or BAD_SHAPE, field the column).
+struct Columns {
+  ArrayView<uint64_t> state_ids;
+  ArrayView<int32_t> tokens;     // B values: each state's last token (sampled or prefilled)
+  ArrayView<int64_t> positions;  // B values: each last token's position
+  Tensor hiddens;                // [B, hidden_size]: each state's target hidden at position - 1
+  ArrayView<int32_t> num_drafts;    // K: B values, or one for every state
+  ArrayView<int32_t> num_accepted;  // verdicts on the pending proposals: B values, -1 for
+                                    // none; empty: no verdicts
+  ArrayView<int32_t> refeed_rows;   // B counts of refeed_hiddens rows, each 0 or the state's
+                                    // num_accepted; empty: no refeed
+  std::optional<Tensor> refeed_hiddens;  // [sum(refeed_rows), hidden_size], state by state
+  ArrayView<int32_t> bitmask_rows;  // B counts of bitmasks rows, each 0 (no mask) or 1 .. K
+  std::optional<Tensor> bitmasks;   // [sum(bitmask_rows), bitmask_words] int32, state by state
+  ArrayView<float> min_confidence;  // B values, one for every state, or empty (draft all K)
+};
+
+// The answer to a Columns step, as columns: row i is state_ids[i]'s. A row that failed has
+// count 0 and its error in `errors`; its state is unchanged.
+struct ColumnsResult {
+  int32_t width = 0;              // the largest K asked: the columns of drafts and probs
+  std::vector<int32_t> drafts;    // [B, width] row-major: row i's counts[i] drafts, then -1
+  std::vector<float> probs;       // [B, width]: each draft's top-1 probability, then 0
+  std::vector<int32_t> counts;    // B values: drafts in each row
+  std::vector<float> confidences;        // B values: each row's chain confidence
+  std::vector<int64_t> first_positions;  // B values: the position of each row's first draft
+  std::map<int32_t, DrafterError> errors;  // the failed rows' errors, by row
+
+  // B, the number of rows.
+  size_t size() const { return counts.size(); }
+  // Row i's drafts (counts[i] of them) and their probabilities.
+  ArrayView<int32_t> Drafts(size_t row) const {
+    return {drafts.data() + row * width, static_cast<size_t>(counts[row])};
+  }
+  ArrayView<float> Probs(size_t row) const {
+    return {probs.data() + row * width, static_cast<size_t>(counts[row])};
+  }
+  // Row i's error, or nullptr when it was answered.
+  const DrafterError* Error(size_t row) const {
+    auto it = errors.find(static_cast<int32_t>(row));
+    return it == errors.end() ? nullptr : &it->second;
+  }
+};
+
 struct KVHandle {
   uint64_t handle_id = 0;
   int64_t num_rows = 0;
   double ttl_seconds = 0.0;
 };
+
+namespace internal {
+
+// One bidirectional call whose answers are matched to their requests by request_id: the
+// machinery of ProposeStream and ColumnsStream. `outcome` turns an answer into its result or
+// throws the error it carries.
+template <typename Request, typename Response, typename Result>
+class StreamCall {
+ public:
+  using Call = grpc::ClientReaderWriter<Request, Response>;
+  using Open = std::unique_ptr<Call> (pb::Drafter::Stub::*)(grpc::ClientContext*);
+  using Outcome = Result (*)(const Response&);
+
+  StreamCall(pb::Drafter::Stub& stub, Open open, Outcome outcome,
+             std::chrono::milliseconds timeout);
+  ~StreamCall();  // Close()
+  StreamCall(const StreamCall&) = delete;
+  StreamCall& operator=(const StreamCall&) = delete;
+
+  // Sends `req` with the next request_id.
+  std::future<Result> Submit(Request req);
+  grpc::Status Close();
+  void Cancel();
+
+ private:
+  void Read();
+  // What a request fails with once the stream has ended.
+  grpc::Status Failure();
+
+  Outcome outcome_;
+  grpc::ClientContext context_;
+  std::unique_ptr<Call> call_;
+  std::mutex write_mu_;  // one write (or WritesDone, or Finish) at a time on the call
+  bool writable_ = true;  // guarded by write_mu_: false after WritesDone or Finish
+  std::mutex mu_;         // guards the fields below; taken after write_mu_, never before
+  uint64_t next_id_ = 1;
+  std::map<uint64_t, std::promise<Result>> pending_;
+  grpc::Status failure_;  // what Failure() returns
+  grpc::Status status_;   // the call's final status, once the reader has finished it
+  std::mutex close_mu_;  // one Close() joins the reader
+  std::thread reader_;
+};
+
+// Defined, and instantiated for these two, in drafter_client.cc.
+extern template class StreamCall<pb::ProposeRequest, pb::ProposeStreamResponse, Proposal>;
+extern template class StreamCall<pb::ColumnsRequest, pb::ColumnsResponse, ColumnsResult>;
+
+}  // namespace internal
 
 // One ProposeStream call: many requests in flight, for any states, from any threads. Answers
 // come as they are ready, matched to their requests by request_id. An error answer fails
@@ -131,7 +273,7 @@ struct KVHandle {
 // in flight fails with its status, and so do later ones.
 class ProposeStream {
  public:
-  ~ProposeStream();  // Close()
+  ~ProposeStream() = default;  // Close()
   ProposeStream(const ProposeStream&) = delete;
   ProposeStream& operator=(const ProposeStream&) = delete;
 
@@ -142,28 +284,45 @@ class ProposeStream {
   Proposal Propose(uint64_t state, const ProposeArgs& args);
   // Ends the stream once the answers in flight have arrived; the call's final status.
   // Idempotent.
-  grpc::Status Close();
+  grpc::Status Close() { return call_.Close(); }
   // Ends the call now: requests in flight fail with CANCELLED. Close() still joins.
-  void Cancel();
+  void Cancel() { call_.Cancel(); }
 
  private:
   friend class DrafterClient;
   ProposeStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout);
-  void Read();
-  // What a request fails with once the stream has ended.
-  grpc::Status Failure();
 
-  grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<pb::ProposeRequest, pb::ProposeStreamResponse>> call_;
-  std::mutex write_mu_;  // one write (or WritesDone, or Finish) at a time on the call
-  bool writable_ = true;  // guarded by write_mu_: false after WritesDone or Finish
-  std::mutex mu_;         // guards the fields below; taken after write_mu_, never before
-  uint64_t next_id_ = 1;
-  std::map<uint64_t, std::promise<Proposal>> pending_;
-  grpc::Status failure_;  // what Failure() returns
-  grpc::Status status_;   // the call's final status, once the reader has finished it
-  std::mutex close_mu_;  // one Close() joins the reader
-  std::thread reader_;
+  internal::StreamCall<pb::ProposeRequest, pb::ProposeStreamResponse, Proposal> call_;
+};
+
+// One ProposeColumnsStream call: one message per verifier step, each a Columns step for many
+// states, answered by one ColumnsResult matched by request_id. As on a ProposeStream, steps
+// may be in flight at once from any threads; a step that fails as a whole (its columns do not
+// fit together) throws its DrafterError and leaves the stream open, a row that fails has its
+// error in the result's `errors`, and when the call itself ends every step in flight fails
+// with its status.
+class ColumnsStream {
+ public:
+  ~ColumnsStream() = default;  // Close()
+  ColumnsStream(const ColumnsStream&) = delete;
+  ColumnsStream& operator=(const ColumnsStream&) = delete;
+
+  // Sends one step; its future throws DrafterError when the step failed as a whole. Throws
+  // DrafterError itself once the stream has ended or is closing.
+  std::future<ColumnsResult> Submit(const Columns& step);
+  // One verifier step's round trip: Submit(step).get().
+  ColumnsResult Step(const Columns& step);
+  // Ends the stream once the answers in flight have arrived; the call's final status.
+  // Idempotent.
+  grpc::Status Close() { return call_.Close(); }
+  // Ends the call now: steps in flight fail with CANCELLED. Close() still joins.
+  void Cancel() { call_.Cancel(); }
+
+ private:
+  friend class DrafterClient;
+  ColumnsStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout);
+
+  internal::StreamCall<pb::ColumnsRequest, pb::ColumnsResponse, ColumnsResult> call_;
 };
 
 class DrafterClient {
@@ -181,9 +340,22 @@ class DrafterClient {
   PrefillResult Prefill(uint64_t state, int64_t start_position, const std::vector<int32_t>& tokens,
                         const Tensor& hiddens, int chunk_rows = 0);
   Proposal Propose(uint64_t state, const ProposeArgs& args);
+  // Propose for many states in one batched call (at most GetInfo.max_batch, each state at
+  // most once); the proposals in the order of the requests. All or nothing: one bad request
+  // fails the call and changes no state. No requests: no call.
+  std::vector<Proposal> ProposeBatch(const std::vector<BatchRequest>& requests);
+  // A verifier's whole step for B states in one message, as columns (at most
+  // GetInfo.max_batch rows, each state at most once). A row that fails has its error in
+  // the result's `errors` and leaves its state unchanged; columns that do not fit together
+  // fail the call.
+  ColumnsResult ProposeColumns(const Columns& step);
   // The hot path: a ProposeStream. `timeout` is the whole stream's deadline; zero (the
   // default) sets none, since a stream lives as long as its verifier, not one call.
   std::unique_ptr<ProposeStream> OpenStream(
+      std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
+  // The columnar hot path: a ProposeColumnsStream, one message per verifier step. `timeout`
+  // as for OpenStream.
+  std::unique_ptr<ColumnsStream> OpenColumnsStream(
       std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
   Rows AfterVerify(uint64_t state, int32_t num_accepted,
                    const std::optional<Tensor>& refeed_hiddens = std::nullopt);
