@@ -1,5 +1,8 @@
 // Replays the conformance vector (tests/conformance/vector.json) against a live server:
 //   mtpdraft-conformance --address 127.0.0.1:50051 [--vector PATH]
+// A ProposeBatch sends its requests (Propose operations without "op") in one call; a
+// ProposeColumns sends one ColumnsRequest of its columns ("states" names the rows' states),
+// unary or, with "stream" true, as the one message of a ProposeColumnsStream of its own.
 // One line per operation, then "cpp: N passed, M failed"; exits 1 on any failure, 2 on a
 // vector no runner may replay (checked before any call).
 #include <google/protobuf/descriptor.h>
@@ -92,26 +95,77 @@ json InfoField(const google::protobuf::Message& m, const std::string& name) {
   }
 }
 
+// Keys whose numbers compare within the vector's prob_tolerance (at any depth).
+bool Tolerant(const std::string& key) {
+  return key == "probs" || key == "confidence" || key == "confidences";
+}
+
+// Whether `got` is what the vector expects under `key`: objects by the expected keys, arrays
+// element by element, the tolerant keys' numbers within `tol`, a ProposeColumns' errors
+// exactly (an entry without reason or field expects none), all else exactly.
+bool Same(const std::string& key, const json& want, const json& got, double tol) {
+  if (key == "errors" && want.is_array()) {
+    json w = want;
+    for (json& e : w) {
+      if (!e.is_object()) continue;
+      if (!e.contains("reason")) e["reason"] = "";
+      if (!e.contains("field")) e["field"] = "";
+    }
+    return w == got;
+  }
+  if (want.is_object()) {
+    if (!got.is_object()) return false;
+    for (const auto& [k, w] : want.items()) {
+      if (!Same(k, w, got.contains(k) ? got[k] : json(nullptr), tol)) return false;
+    }
+    return true;
+  }
+  if (want.is_array()) {
+    if (!got.is_array() || got.size() != want.size()) return false;
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (!Same(key, want[i], got[i], tol)) return false;
+    }
+    return true;
+  }
+  if (Tolerant(key) && want.is_number()) {
+    return got.is_number() && std::isfinite(got.get<double>()) &&
+           std::fabs(got.get<double>() - want.get<double>()) <= tol;
+  }
+  return want == got;
+}
+
 std::vector<std::string> Mismatches(const json& expected, const json& actual, double tol) {
   std::vector<std::string> out;
   for (const auto& [key, want] : expected.items()) {
     json got = actual.contains(key) ? actual[key] : json(nullptr);
-    bool same;
-    if (key == "probs" || key == "confidence") {
-      json w = want.is_array() ? want : json::array({want});
-      json g = got.is_array() ? got : json::array({got});
-      same = w.size() == g.size();
-      for (size_t i = 0; same && i < w.size(); ++i) {
-        same = g[i].is_number() && std::isfinite(g[i].get<double>()) &&
-               std::fabs(g[i].get<double>() - w[i].get<double>()) <= tol;
-      }
-    } else {
-      same = want == got;
+    if (!Same(key, want, got, tol)) {
+      out.push_back(key + ": expected " + want.dump() + ", got " + got.dump());
     }
-    if (!same) out.push_back(key + ": expected " + want.dump() + ", got " + got.dump());
   }
   return out;
 }
+
+// A column of a ProposeColumns operation: its values, one value as a list of one, or none
+// (an absent key).
+template <typename T>
+std::vector<T> ColumnOf(const json& op, const char* key) {
+  if (!op.contains(key) || op[key].is_null()) return {};
+  if (op[key].is_array()) return op[key].get<std::vector<T>>();
+  return {op[key].get<T>()};
+}
+
+// A ProposeColumns operation's step and the arrays its views read.
+struct ColumnsArgs {
+  std::vector<uint64_t> state_ids;
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> positions;
+  std::vector<int32_t> num_drafts;
+  std::vector<int32_t> num_accepted;
+  std::vector<int32_t> refeed_rows;
+  std::vector<int32_t> bitmask_rows;
+  std::vector<float> min_confidence;
+  mtpdraft::Columns step;
+};
 
 class Replayer {
  public:
@@ -131,6 +185,23 @@ class Replayer {
     if (name == "AllocState") {
       states_[op.at("state")] = NonZero(client_.AllocState(), "AllocState");
       return json::object();
+    }
+    if (name == "ProposeBatch") {
+      std::vector<mtpdraft::BatchRequest> requests;
+      for (const json& r : op.at("requests")) {
+        requests.push_back({states_[r.at("state")], ProposeArgsOf(r)});
+      }
+      std::vector<mtpdraft::Proposal> proposals = client_.ProposeBatch(requests);
+      json out = json::array();
+      for (size_t i = 0; i < proposals.size(); ++i) {
+        out.push_back(ProposalJson(proposals[i], requests[i].state));
+      }
+      return {{"proposals", out}};
+    }
+    if (name == "ProposeColumns") {
+      ColumnsArgs args;
+      ColumnsOf(op, &args);
+      return ColumnsJson(client_.ProposeColumns(args.step));
     }
     const uint64_t state = states_[op.at("state")];
     if (name == "Prefill") {
@@ -159,7 +230,32 @@ class Replayer {
   // Whether the operation did what the vector expects, and a message.
   std::pair<bool, std::string> Step(const json& op) {
     if (op.at("op") == "ProposeStream") return StreamStep(op);
+    if (op.at("op") == "ProposeColumns" && op.contains("stream") && op["stream"] == true) {
+      return ColumnsStreamStep(op);
+    }
     return Judge(op, [&] { return Call(op); });
+  }
+
+  // A ProposeColumns on a stream of its own: its one message (request_id 1), its one answer
+  // (the answer's error as the operation's error), then the stream closed, which must end
+  // the call cleanly.
+  std::pair<bool, std::string> ColumnsStreamStep(const json& op) {
+    std::unique_ptr<mtpdraft::ColumnsStream> stream;
+    auto [ok, text] = Judge(op, [&] {
+      ColumnsArgs args;
+      ColumnsOf(op, &args);
+      stream = client_.OpenColumnsStream();
+      return ColumnsJson(stream->Step(args.step));
+    });
+    if (stream) {
+      const grpc::Status status = stream->Close();
+      if (!status.ok()) {
+        const mtpdraft::DrafterError e(status);
+        return {false, text + "; the stream ended with " +
+                           ErrorText(e.code_name(), e.reason(), e.field()) + ": " + e.what()};
+      }
+    }
+    return {ok, text};
   }
 
   // One stream, its messages (Propose operations without "op") sent one at a time, each
@@ -238,6 +334,52 @@ class Replayer {
     return args;
   }
 
+  // A ProposeColumns operation's columns into `out` (state names bound by AllocState).
+  void ColumnsOf(const json& op, ColumnsArgs* out) {
+    for (const json& name : op.at("states")) out->state_ids.push_back(states_[name]);
+    out->tokens = ColumnOf<int32_t>(op, "tokens");
+    out->positions = ColumnOf<int64_t>(op, "positions");
+    out->num_drafts = ColumnOf<int32_t>(op, "num_drafts");
+    out->num_accepted = ColumnOf<int32_t>(op, "num_accepted");
+    out->refeed_rows = ColumnOf<int32_t>(op, "refeed_rows");
+    out->bitmask_rows = ColumnOf<int32_t>(op, "bitmask_rows");
+    out->min_confidence = ColumnOf<float>(op, "min_confidence");
+    mtpdraft::Columns& step = out->step;
+    step.state_ids = out->state_ids;
+    step.tokens = out->tokens;
+    step.positions = out->positions;
+    step.hiddens = TensorOf(op, "hiddens").value_or(mtpdraft::Tensor());
+    step.num_drafts = out->num_drafts;
+    step.num_accepted = out->num_accepted;
+    step.refeed_rows = out->refeed_rows;
+    step.refeed_hiddens = TensorOf(op, "refeed_hiddens");
+    step.bitmask_rows = out->bitmask_rows;
+    step.bitmasks = TensorOf(op, "bitmasks");
+    step.min_confidence = out->min_confidence;
+  }
+
+  // A ProposeColumns answer's outputs, named as in the vector: [B, width] drafts and probs
+  // as B rows, and the failed rows' errors in row order.
+  static json ColumnsJson(const mtpdraft::ColumnsResult& r) {
+    json drafts = json::array(), probs = json::array(), errors = json::array();
+    for (size_t i = 0; i < r.size(); ++i) {
+      const size_t lo = i * r.width, hi = lo + r.width;
+      drafts.push_back(std::vector<int32_t>(r.drafts.begin() + lo, r.drafts.begin() + hi));
+      probs.push_back(std::vector<float>(r.probs.begin() + lo, r.probs.begin() + hi));
+    }
+    for (const auto& [row, e] : r.errors) {
+      errors.push_back(
+          {{"row", row}, {"code", e.code_name()}, {"reason", e.reason()}, {"field", e.field()}});
+    }
+    return {{"width", r.width},
+            {"drafts", drafts},
+            {"probs", probs},
+            {"draft_counts", r.counts},
+            {"confidences", r.confidences},
+            {"first_positions", r.first_positions},
+            {"errors", errors}};
+  }
+
   // A Proposal's outputs, named as in the vector; it must be the state's.
   static json ProposalJson(const mtpdraft::Proposal& p, uint64_t state) {
     if (p.state_id != state) throw std::runtime_error("Proposal.state_id differs from the state");
@@ -258,12 +400,17 @@ class Replayer {
   std::map<std::string, uint64_t> handles_;
 };
 
+// Whether the operation's `key` is a list with some entries.
+bool NonEmptyList(const json& op, const char* key) {
+  return op.contains(key) && op[key].is_array() && !op[key].empty();
+}
+
 // Why no runner may replay the vector, or "" if one may.
 std::string VectorFault(const json& v) {
   static const std::string kFormat = "mtpdraft-conformance/1";
   static const std::set<std::string> kOps = {
-      "GetInfo",     "AllocState", "Prefill",   "Propose",  "ProposeStream",
-      "AfterVerify", "TakeKV",     "InstallKV", "FreeState"};
+      "GetInfo",        "AllocState",  "Prefill", "Propose",   "ProposeStream", "ProposeBatch",
+      "ProposeColumns", "AfterVerify", "TakeKV",  "InstallKV", "FreeState"};
   if (!v.is_object()) return "the vector is not a JSON object";
   if (!v.contains("format") || v["format"] != kFormat) {
     return "format is " + (v.contains("format") ? v["format"].dump() : "missing") + ", not \"" +
@@ -282,21 +429,42 @@ std::string VectorFault(const json& v) {
     if (!name.is_string() || kOps.count(name.get<std::string>()) == 0) {
       return "operation " + std::to_string(i) + ": unknown op " + name.dump();
     }
-    if (name == "ProposeStream" &&
-        !(op.contains("messages") && op["messages"].is_array() && !op["messages"].empty())) {
-      return "operation " + std::to_string(i) + ": ProposeStream without messages";
+    const std::string at = "operation " + std::to_string(i) + ": ";
+    if (name == "ProposeStream" && !NonEmptyList(op, "messages")) {
+      return at + "ProposeStream without messages";
+    }
+    if (name == "ProposeBatch" && !NonEmptyList(op, "requests")) {
+      return at + "ProposeBatch without requests";
+    }
+    if (name == "ProposeColumns") {
+      if (!NonEmptyList(op, "states")) return at + "ProposeColumns without states";
+      if (!op.contains("hiddens") || !op["hiddens"].is_object()) {
+        return at + "ProposeColumns without hiddens";
+      }
+      if (op.contains("stream") && !op["stream"].is_boolean()) {
+        return at + "ProposeColumns stream is not a boolean";
+      }
     }
   }
   return "";
 }
 
-// An operation's name in its line: the op and its state, or a stream's message count.
+// The number of entries of a list of the operation, "?" where it has none.
+std::string CountOf(const json& op, const char* key) {
+  return op.contains(key) && op[key].is_array() ? std::to_string(op[key].size()) : "?";
+}
+
+// An operation's name in its line: the op and its state, a stream's message count, a
+// ProposeBatch's request count or a ProposeColumns' state count.
 std::string Label(const json& op) {
   std::string label = op.at("op").get<std::string>();
-  if (label == "ProposeStream") {
-    return label + " (" + std::to_string(op.at("messages").size()) + " messages)";
+  if (label == "ProposeStream") return label + " (" + CountOf(op, "messages") + " messages)";
+  if (label == "ProposeBatch") return label + " (" + CountOf(op, "requests") + " requests)";
+  if (label == "ProposeColumns") {
+    const bool stream = op.contains("stream") && op["stream"] == true;
+    return label + (stream ? " stream" : "") + " (" + CountOf(op, "states") + " states)";
   }
-  if (op.contains("state")) label += " " + op["state"].get<std::string>();
+  if (op.contains("state") && op["state"].is_string()) label += " " + op["state"].get<std::string>();
   return label;
 }
 
