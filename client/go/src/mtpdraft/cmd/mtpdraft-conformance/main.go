@@ -16,10 +16,10 @@ import (
 	"math"
 	"os"
 	"reflect"
+	"sort"
 	"strings"
 	"time"
 
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -39,6 +39,52 @@ type verdictJSON struct {
 	RefeedHiddens *tensorJSON `json:"refeed_hiddens"`
 }
 
+// numbers is a JSON number or a list of numbers: a Propose or AfterVerify field's one value,
+// or a ProposeColumns column (B values, or one for every state).
+type numbers []float64
+
+func (n *numbers) UnmarshalJSON(b []byte) error {
+	var one *float64
+	if err := json.Unmarshal(b, &one); err == nil {
+		*n = nil
+		if one != nil {
+			*n = numbers{*one}
+		}
+		return nil
+	}
+	return json.Unmarshal(b, (*[]float64)(n))
+}
+
+// scalar is the field's value (0 when absent).
+func (n numbers) scalar() float64 {
+	if len(n) == 0 {
+		return 0
+	}
+	return n[0]
+}
+
+func (n numbers) int32s() []int32 {
+	if n == nil {
+		return nil
+	}
+	out := make([]int32, len(n))
+	for i, v := range n {
+		out[i] = int32(v)
+	}
+	return out
+}
+
+func (n numbers) float32s() []float32 {
+	if n == nil {
+		return nil
+	}
+	out := make([]float32, len(n))
+	for i, v := range n {
+		out[i] = float32(v)
+	}
+	return out
+}
+
 type operation struct {
 	Op            string                 `json:"op"`
 	State         string                 `json:"state"`
@@ -50,17 +96,27 @@ type operation struct {
 	Token         int32                  `json:"token"`
 	Hidden        *tensorJSON            `json:"hidden"`
 	Position      int64                  `json:"position"`
-	NumDrafts     int32                  `json:"num_drafts"`
+	NumDrafts     numbers                `json:"num_drafts"`
 	Bitmask       *tensorJSON            `json:"bitmask"`
-	MinConfidence float32                `json:"min_confidence"`
+	MinConfidence numbers                `json:"min_confidence"`
 	Previous      *verdictJSON           `json:"previous"`
-	NumAccepted   int32                  `json:"num_accepted"`
+	NumAccepted   numbers                `json:"num_accepted"`
 	RefeedHiddens *tensorJSON            `json:"refeed_hiddens"`
 	Expect        map[string]interface{} `json:"expect"`
 	ExpectError   string                 `json:"expect_error"`
 	ExpectReason  string                 `json:"expect_reason"`
 	ExpectField   string                 `json:"expect_field"`
 	Messages      []operation            `json:"messages"` // of a ProposeStream
+	Requests      []operation            `json:"requests"` // of a ProposeBatch
+
+	// Of a ProposeColumns (with Tokens, Hiddens, NumDrafts, NumAccepted, RefeedHiddens and
+	// MinConfidence as columns).
+	Stream      bool        `json:"stream"`
+	States      []string    `json:"states"`
+	Positions   []int64     `json:"positions"`
+	RefeedRows  []int32     `json:"refeed_rows"`
+	BitmaskRows []int32     `json:"bitmask_rows"`
+	Bitmasks    *tensorJSON `json:"bitmasks"`
 }
 
 // Pointers tell a missing key from a zero value.
@@ -75,6 +131,7 @@ const vectorFormat = "mtpdraft-conformance/1"
 var knownOps = map[string]bool{
 	"GetInfo": true, "AllocState": true, "Prefill": true, "Propose": true, "ProposeStream": true,
 	"AfterVerify": true, "TakeKV": true, "InstallKV": true, "FreeState": true,
+	"ProposeBatch": true, "ProposeColumns": true,
 }
 
 // check says why no runner may replay the vector, or nil if one may.
@@ -139,39 +196,104 @@ func normalize(v interface{}) interface{} {
 	return out
 }
 
-func floats(v interface{}) []float64 {
-	switch x := v.(type) {
-	case float64:
-		return []float64{x}
-	case []interface{}:
-		out := make([]float64, len(x))
-		for i, e := range x {
-			f, _ := e.(float64)
-			out[i] = f
+// plain is a result as encoding/json decodes the vector: numbers as float64, slices as
+// []interface{} (empty, not nil, when empty), maps as map[string]interface{}. Unlike a round trip
+// through JSON it keeps a NaN.
+func plain(v interface{}) interface{} {
+	rv := reflect.ValueOf(v)
+	switch rv.Kind() {
+	case reflect.Invalid:
+		return nil
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+		return float64(rv.Int())
+	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return float64(rv.Uint())
+	case reflect.Float32, reflect.Float64:
+		return rv.Float()
+	case reflect.Bool:
+		return rv.Bool()
+	case reflect.String:
+		return rv.String()
+	case reflect.Slice, reflect.Array:
+		out := make([]interface{}, rv.Len())
+		for i := range out {
+			out[i] = plain(rv.Index(i).Interface())
 		}
 		return out
+	case reflect.Map:
+		out := map[string]interface{}{}
+		for it := rv.MapRange(); it.Next(); {
+			out[fmt.Sprint(it.Key().Interface())] = plain(it.Value().Interface())
+		}
+		return out
+	case reflect.Ptr, reflect.Interface:
+		if rv.IsNil() {
+			return nil
+		}
+		return plain(rv.Elem().Interface())
 	}
-	return nil
+	return normalize(v)
+}
+
+// floatKeys are the fields compared within the vector's prob_tolerance, at any depth.
+var floatKeys = map[string]bool{"probs": true, "confidence": true, "confidences": true}
+
+// same says whether a result (plain) matches the vector's value of the field key: lists item by
+// item, objects by the keys the vector gives, numbers of floatKeys within tol, the rest exactly.
+func same(key string, want, got interface{}, tol float64) bool {
+	switch w := want.(type) {
+	case []interface{}:
+		g, ok := got.([]interface{})
+		if !ok || len(g) != len(w) {
+			return false
+		}
+		for i := range w {
+			if !same(key, w[i], g[i], tol) {
+				return false
+			}
+		}
+		return true
+	case map[string]interface{}:
+		g, ok := got.(map[string]interface{})
+		if !ok {
+			return false
+		}
+		for k, v := range w {
+			if !same(k, v, g[k], tol) {
+				return false
+			}
+		}
+		return true
+	case float64:
+		g, ok := got.(float64)
+		if floatKeys[key] {
+			return ok && !math.IsNaN(g) && math.Abs(g-w) <= tol
+		}
+		return ok && g == w
+	}
+	return reflect.DeepEqual(want, got)
+}
+
+// show is a value as JSON, for a message.
+func show(v interface{}) string {
+	j, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Sprint(v)
+	}
+	return string(j)
 }
 
 func mismatches(expected, actual map[string]interface{}, tol float64) []string {
+	keys := make([]string, 0, len(expected))
+	for key := range expected {
+		keys = append(keys, key)
+	}
+	sort.Strings(keys)
 	var out []string
-	for key, want := range expected {
-		got := normalize(actual[key])
-		same := false
-		if key == "probs" || key == "confidence" {
-			w, g := floats(want), floats(got)
-			same = len(w) == len(g)
-			for i := range w {
-				same = same && !math.IsNaN(g[i]) && math.Abs(g[i]-w[i]) <= tol
-			}
-		} else {
-			same = reflect.DeepEqual(want, got)
-		}
-		if !same {
-			wj, _ := json.Marshal(want)
-			gj, _ := json.Marshal(got)
-			out = append(out, fmt.Sprintf("%s: expected %s, got %s", key, wj, gj))
+	for _, key := range keys {
+		want, got := expected[key], plain(actual[key])
+		if !same(key, want, got, tol) {
+			out = append(out, fmt.Sprintf("%s: expected %s, got %s", key, show(want), show(got)))
 		}
 	}
 	return out
@@ -244,6 +366,10 @@ func (r *replayer) call(op *operation) (map[string]interface{}, error) {
 			r.states[op.State], err = nonZero(id, "AllocState")
 		}
 		return map[string]interface{}{}, err
+	case "ProposeBatch":
+		return r.batch(c, op)
+	case "ProposeColumns":
+		return r.columns(c, op)
 	}
 	state := r.states[op.State]
 	switch op.Op {
@@ -254,7 +380,7 @@ func (r *replayer) call(op *operation) (map[string]interface{}, error) {
 		p, err := r.client.Propose(c, state, proposeArgs(op))
 		return proposalFields(p, err, state)
 	case "AfterVerify":
-		rows, err := r.client.AfterVerify(c, state, op.NumAccepted, mustTensor(op.RefeedHiddens))
+		rows, err := r.client.AfterVerify(c, state, int32(op.NumAccepted.scalar()), mustTensor(op.RefeedHiddens))
 		return map[string]interface{}{"num_rows": rows.NumRows, "next_position": rows.NextPosition}, err
 	case "TakeKV":
 		h, err := r.client.TakeKV(c, state)
@@ -276,7 +402,8 @@ func (r *replayer) call(op *operation) (map[string]interface{}, error) {
 // proposeArgs are the Propose inputs of an operation (or of a ProposeStream message).
 func proposeArgs(op *operation) drafter.ProposeArgs {
 	args := drafter.ProposeArgs{Token: op.Token, Hidden: *mustTensor(op.Hidden), Position: op.Position,
-		NumDrafts: op.NumDrafts, Bitmask: mustTensor(op.Bitmask), MinConfidence: op.MinConfidence}
+		NumDrafts: int32(op.NumDrafts.scalar()), Bitmask: mustTensor(op.Bitmask),
+		MinConfidence: float32(op.MinConfidence.scalar())}
 	if op.Previous != nil {
 		args.Previous = &drafter.Verdict{NumAccepted: op.Previous.NumAccepted,
 			RefeedHiddens: mustTensor(op.Previous.RefeedHiddens)}
@@ -294,6 +421,113 @@ func proposalFields(p *pb.Proposal, err error, state uint64) (map[string]interfa
 	}
 	return map[string]interface{}{"tokens": p.Tokens, "probs": p.Probs,
 		"confidence": p.Confidence, "first_position": p.FirstPosition}, nil
+}
+
+// batch runs a ProposeBatch of the operation's requests; its proposals in request order.
+func (r *replayer) batch(c context.Context, op *operation) (map[string]interface{}, error) {
+	requests := make([]drafter.BatchRequest, len(op.Requests))
+	for i := range op.Requests {
+		m := &op.Requests[i]
+		requests[i] = drafter.BatchRequest{State: r.states[m.State], ProposeArgs: proposeArgs(m)}
+	}
+	proposals, err := r.client.ProposeBatch(c, requests)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]interface{}, len(proposals))
+	for i, p := range proposals {
+		state := p.StateId
+		if i < len(requests) {
+			state = requests[i].State
+		}
+		if out[i], err = proposalFields(p, nil, state); err != nil {
+			return nil, fmt.Errorf("proposal %d: %v", i, err)
+		}
+	}
+	return map[string]interface{}{"proposals": out}, nil
+}
+
+// columns runs a ProposeColumns step: unary, or as the one message (request id 1) of a
+// ProposeColumnsStream that is then closed.
+func (r *replayer) columns(c context.Context, op *operation) (map[string]interface{}, error) {
+	ids := make([]uint64, len(op.States))
+	for i, name := range op.States {
+		ids[i] = r.states[name]
+	}
+	cols := drafter.Columns{StateIDs: ids, Tokens: op.Tokens, Positions: op.Positions,
+		NumDrafts: op.NumDrafts.int32s(), NumAccepted: op.NumAccepted.int32s(),
+		RefeedRows: op.RefeedRows, RefeedHiddens: mustTensor(op.RefeedHiddens),
+		BitmaskRows: op.BitmaskRows, Bitmasks: mustTensor(op.Bitmasks),
+		MinConfidence: op.MinConfidence.float32s()}
+	if h := mustTensor(op.Hiddens); h != nil {
+		cols.Hiddens = *h
+	}
+	var res *drafter.ColumnsResult
+	var err error
+	if op.Stream {
+		stream, err := r.client.ProposeColumnsStream(c)
+		if err != nil {
+			return nil, fmt.Errorf("opening the stream: %v", err)
+		}
+		res, err = stream.Step(c, cols)
+		if closeErr := stream.Close(); closeErr != nil {
+			return nil, fmt.Errorf("closing the stream: %v (the step: %v)", closeErr, err)
+		}
+		if err != nil {
+			return nil, err
+		}
+	} else if res, err = r.client.ProposeColumns(c, cols); err != nil {
+		return nil, err
+	}
+	drafts := make([][]int32, res.Len())
+	probs := make([][]float32, res.Len())
+	for i := range drafts {
+		drafts[i] = res.Drafts[i*res.Width : (i+1)*res.Width]
+		probs[i] = res.Probs[i*res.Width : (i+1)*res.Width]
+	}
+	rows := make([]int, 0, len(res.Errors))
+	for row := range res.Errors {
+		rows = append(rows, row)
+	}
+	sort.Ints(rows)
+	errs := make([]interface{}, len(rows))
+	for i, row := range rows {
+		errs[i] = rowError(row, res.Errors[row])
+	}
+	return map[string]interface{}{"width": res.Width, "drafts": drafts, "probs": probs,
+		"draft_counts": res.Counts, "confidences": res.Confidences,
+		"first_positions": res.FirstPositions, "errors": errs}, nil
+}
+
+// rowError is a failed row as the vector writes it.
+func rowError(row int, err error) map[string]interface{} {
+	reason, field := drafter.ErrorDetails(err)
+	return map[string]interface{}{"row": float64(row), "code": codeNames[status.Code(err)],
+		"reason": reason, "field": field}
+}
+
+// columnsExpect is a ProposeColumns operation's expect with its errors spelled out: no errors
+// when it lists none, and "" for a row error's absent reason or field.
+func columnsExpect(expect map[string]interface{}) map[string]interface{} {
+	out := map[string]interface{}{"errors": []interface{}{}}
+	for key, value := range expect {
+		out[key] = value
+	}
+	if list, ok := out["errors"].([]interface{}); ok {
+		errs := make([]interface{}, len(list))
+		for i, e := range list {
+			errs[i] = e
+			if m, ok := e.(map[string]interface{}); ok {
+				full := map[string]interface{}{"reason": "", "field": ""}
+				for key, value := range m {
+					full[key] = value
+				}
+				errs[i] = full
+			}
+		}
+		out["errors"] = errs
+	}
+	return out
 }
 
 // streamStep sends a ProposeStream's messages on one stream, each answered before the next.
@@ -326,6 +560,11 @@ func (r *replayer) step(op *operation) (bool, string) {
 		return r.streamStep(op)
 	}
 	actual, err := r.call(op)
+	if op.Op == "ProposeColumns" && op.ExpectError == "" {
+		spelled := *op
+		spelled.Expect = columnsExpect(op.Expect)
+		op = &spelled
+	}
 	return judge(op, actual, err, r.tol)
 }
 
@@ -336,7 +575,7 @@ func judge(op *operation, actual map[string]interface{}, err error, tol float64)
 		if !isStatus {
 			return false, "error: " + err.Error()
 		}
-		reason, field := errorDetails(st)
+		reason, field := drafter.ErrorDetails(err)
 		got := errorText(codeNames[st.Code()], reason, field)
 		want := "success"
 		if op.ExpectError != "" {
@@ -348,37 +587,20 @@ func judge(op *operation, actual map[string]interface{}, err error, tol float64)
 		return false, fmt.Sprintf("expected %s, got %s: %s", want, got, st.Message())
 	}
 	if op.ExpectError != "" {
-		j, _ := json.Marshal(actual)
-		return false, fmt.Sprintf("expected %s, got %s", op.ExpectError, j)
+		return false, fmt.Sprintf("expected %s, got %s", op.ExpectError, show(plain(actual)))
 	}
 	if bad := mismatches(op.Expect, actual, tol); len(bad) > 0 {
 		return false, strings.Join(bad, "; ")
 	}
-	j, _ := json.Marshal(actual)
-	return true, string(j)
+	return true, show(plain(actual))
 }
 
-// codeNames are the canonical status code names, as the vector writes them.
 // errorText is an error as every runner prints it: "CODE (reason R, field F)".
 func errorText(code, reason, field string) string {
 	return fmt.Sprintf("%s (reason %s, field %s)", code, reason, field)
 }
 
-// errorDetails is the status's ErrorInfo reason and its first BadRequest field, if any.
-func errorDetails(st *status.Status) (reason, field string) {
-	for _, d := range st.Details() {
-		switch d := d.(type) {
-		case *errdetails.ErrorInfo:
-			reason = d.Reason
-		case *errdetails.BadRequest:
-			if len(d.FieldViolations) > 0 {
-				field = d.FieldViolations[0].Field
-			}
-		}
-	}
-	return reason, field
-}
-
+// codeNames are the canonical status code names, as the vector writes them.
 var codeNames = map[codes.Code]string{
 	codes.OK: "OK", codes.Canceled: "CANCELLED", codes.Unknown: "UNKNOWN",
 	codes.InvalidArgument: "INVALID_ARGUMENT", codes.DeadlineExceeded: "DEADLINE_EXCEEDED",
@@ -434,8 +656,16 @@ func main() {
 		if op.State != "" {
 			label += " " + op.State
 		}
-		if op.Op == "ProposeStream" {
+		switch op.Op {
+		case "ProposeStream":
 			label += fmt.Sprintf(" (%d messages)", len(op.Messages))
+		case "ProposeBatch":
+			label += fmt.Sprintf(" (%d requests)", len(op.Requests))
+		case "ProposeColumns":
+			label += " " + strings.Join(op.States, ",")
+			if op.Stream {
+				label += " (stream)"
+			}
 		}
 		fmt.Printf("%s %02d %s: %s\n", mark, i, label, msg)
 	}
