@@ -4,7 +4,8 @@
 //	mtpdraft-conformance -address 127.0.0.1:50051 [-vector PATH]
 //
 // It prints one line per operation, then "go: N passed, M failed", and exits 1 on any failure,
-// 2 on a vector no runner may replay (checked before any call).
+// 2 on a vector no runner may replay (checked before any call: as every runner refuses it, or a
+// ProposeBatch without requests, a ProposeColumns without states or hiddens).
 package main
 
 import (
@@ -153,8 +154,15 @@ func (v *vector) check() error {
 		if !knownOps[op.Op] {
 			return fmt.Errorf("operation %d: unknown op %q", i, op.Op)
 		}
-		if op.Op == "ProposeStream" && len(op.Messages) == 0 {
+		switch {
+		case op.Op == "ProposeStream" && len(op.Messages) == 0:
 			return fmt.Errorf("operation %d: ProposeStream without messages", i)
+		case op.Op == "ProposeBatch" && len(op.Requests) == 0:
+			return fmt.Errorf("operation %d: ProposeBatch without requests", i)
+		case op.Op == "ProposeColumns" && len(op.States) == 0:
+			return fmt.Errorf("operation %d: ProposeColumns without states", i)
+		case op.Op == "ProposeColumns" && op.Hiddens == nil:
+			return fmt.Errorf("operation %d: ProposeColumns without hiddens", i)
 		}
 	}
 	return nil
