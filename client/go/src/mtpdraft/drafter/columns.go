@@ -48,9 +48,10 @@ type ColumnsResult struct {
 	Confidences []float32
 	// FirstPositions is the position of each row's first draft.
 	FirstPositions []int64
-	// Errors holds the rows that failed, by row: each a status error (as a unary Propose
-	// would have returned; ErrorDetails reads its reason and field, the field naming a
-	// column). A failed row's state is unchanged. Nil when every row was answered.
+	// Errors holds the rows that failed, by row: each a status error with the code and
+	// ErrorInfo reason a unary Propose would have returned, and the column at fault, if any,
+	// as its field (ErrorDetails reads both). A failed row's state is unchanged. Nil when
+	// every row was answered.
 	Errors map[int]error
 }
 
@@ -124,7 +125,7 @@ func columnsResult(resp *pb.ColumnsResponse) (*ColumnsResult, error) {
 //
 //	s, err := c.ProposeColumnsStream(ctx)
 //	defer s.Close()
-//	for each step { r, err := s.Step(ctx, cols) }
+//	r, err := s.Step(ctx, cols) // once per verifier step
 //
 // A ColumnsStream is safe for concurrent use; answers are matched by request id. A step that
 // fails as a whole returns its status error (as a unary ProposeColumns would) and leaves the

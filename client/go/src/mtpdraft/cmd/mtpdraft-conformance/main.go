@@ -4,8 +4,9 @@
 //	mtpdraft-conformance -address 127.0.0.1:50051 [-vector PATH]
 //
 // It prints one line per operation, then "go: N passed, M failed", and exits 1 on any failure,
-// 2 on a vector no runner may replay (checked before any call: as every runner refuses it, or a
-// ProposeBatch without requests, a ProposeColumns without states or hiddens).
+// 2 on a vector it may not replay, checked before any call: a wrong format, no prob_tolerance, no
+// operations, an unknown op, a ProposeStream without messages, a ProposeBatch without requests,
+// a ProposeColumns without states or hiddens.
 package main
 
 import (
