@@ -1,0 +1,149 @@
+"""Where a served verifier step goes: one verifier, B states, ProposeColumns, profiled.
+
+Starts the server as bench_service does, steps B states with ProposeColumns
+(0 accepted each step) and, over the measured steps, samples the server with
+py-spy (every thread, idle included, raw stacks) while the client times its
+own phases (building the request, the round trip, reading the answer). Writes
+the client's phases (profile.json) and the server's stacks (server.stacks) to
+--out-dir; `--summarize DIR` prints where the server's threads spend their time.
+
+    python bench/profile_served_step.py [--small] [--device cuda] [--batch 64] [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_service import (
+    BLOCK_SIZE,
+    CALL_TIMEOUT_S,
+    MAX_POSITIONS,
+    Workload,
+    _hiddens,
+    log,
+    serve_argv,
+    start_server,
+)
+from shapes import MIMO_7B, SMALL
+
+
+async def steps(target: str, size: int, work: Workload, record_s: float, spy: list[str]):
+    import numpy as np
+
+    from mtpdraft.client import AsyncDrafterClient
+    from mtpdraft.client import messages as m
+
+    rng = random.Random(0)
+    client = AsyncDrafterClient(target, timeout=CALL_TIMEOUT_S)
+    prompt, hiddens = _hiddens(work.prompt - 1, work, 1), _hiddens(size, work, 2)
+    states = [await client.alloc_state() for _ in range(size)]
+    tokens = [rng.randrange(work.vocab_size) for _ in range(work.prompt - 1)]
+    await asyncio.gather(*(client.prefill(s, tokens, prompt, 1) for s in states))
+    ids = np.array(states, dtype=np.uint64)
+    token = np.full(size, 7, dtype=np.int32)
+    phases = collections.defaultdict(list)
+    recorder = None
+    for index in range(work.warmup + work.steps):
+        if index == work.warmup:
+            recorder = subprocess.Popen(spy)
+            await asyncio.sleep(0.5)  # py-spy attaches
+        t0 = time.perf_counter()
+        request = m.columns_request(
+            ids, token, np.full(size, work.prompt + index), hiddens, work.num_drafts,
+            num_accepted=np.zeros(size, dtype=np.int32) if index else None,
+        )  # fmt: skip
+        t1 = time.perf_counter()
+        response = await client._stub.ProposeColumns(request, timeout=CALL_TIMEOUT_S)
+        t2 = time.perf_counter()
+        m.parse_columns(response)
+        t3 = time.perf_counter()
+        if recorder is not None:
+            for name, value in (("build", t1 - t0), ("round_trip", t2 - t1), ("read", t3 - t2)):
+                phases[name].append(value * 1e3)
+    recorder.wait(timeout=record_s + 60)
+    for s in states:
+        await client.free_state(s)
+    await client.close()
+    return {name: statistics.median(v) for name, v in phases.items()}
+
+
+def summarize(folder: Path, top: int = 25) -> str:
+    """Per thread: the share of samples in each innermost service frame (and, where it
+    differs, the innermost frame of all: the library call it is in)."""
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for line in (folder / "server.stacks").read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = stack.split(";")
+        own = [f for f in frames[1:] if "service/" in f] or [frames[-1]]
+        where = own[-1] if own[-1] == frames[-1] else f"{own[-1]} > {frames[-1]}"
+        counts[frames[0]][where] += int(n)
+    out = []
+    for thread, c in counts.items():
+        total = sum(c.values())
+        out.append(f"== {thread}: {total} samples")
+        out += [f"{100 * n / total:5.1f}%  {k}" for k, n in c.most_common(top)]
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--out-dir", default="bench/results/profile")
+    parser.add_argument("--summarize", metavar="DIR")
+    args = parser.parse_args()
+    if args.summarize:
+        print(summarize(Path(args.summarize)))
+        return 0
+
+    import torch
+
+    from mtpdraft.service.model.synthetic import write_random_checkpoint
+
+    shape = SMALL if args.small else MIMO_7B
+    work = Workload(
+        prompt=64 if args.small else 2048, num_drafts=4, warmup=20, steps=args.steps,
+        hidden_size=shape["hidden_size"], vocab_size=shape["vocab_size"], dtype="bfloat16",
+    )  # fmt: skip
+    folder = tempfile.mkdtemp(prefix="profile-step-")
+    write_random_checkpoint(
+        folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,
+        extra_config={"max_position_embeddings": MAX_POSITIONS},
+    )  # fmt: skip
+    kv_blocks = args.batch * math.ceil(work.rows_per_state / BLOCK_SIZE) + 64
+    server = start_server(serve_argv(Path(folder), args.device, kv_blocks, 4), tracing=False)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record_s = 6
+    spy = [
+        "py-spy", "record", "--pid", str(server.process.pid), "--format", "raw", "--idle",
+        "--threads", "--nonblocking", "--rate", "500", "--duration", str(record_s),
+        "--output", str(out / "server.stacks"),
+    ]  # fmt: skip
+    try:
+        log("stepping")
+        phases = asyncio.run(steps(server.target, args.batch, work, record_s, spy))
+    finally:
+        server.stop()
+    report = {"command": "python " + " ".join(sys.argv), "batch": args.batch, "client_ms": phases}
+    (out / "profile.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    print(summarize(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
