@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import SERVER_ARGS, ServerProcess, start_server
+from servers import PATIENCE, SERVER_ARGS, ServerProcess, start_server
 
 from mtpdraft.client import DrafterClient
 from mtpdraft.service.model.synthetic import write_random_checkpoint
@@ -63,7 +63,7 @@ def server(request: pytest.FixtureRequest, mimo_checkpoint: Path) -> Iterator[Se
 @pytest.fixture
 def client(server: ServerProcess) -> Iterator[DrafterClient]:
     """A client of the shared server; the test must leave nothing behind."""
-    with DrafterClient(server.address, timeout=30.0) as c:
+    with DrafterClient(server.address, timeout=PATIENCE) as c:
         yield c
         info = c.info()
         assert info.live_states == 0, "a state leaked"
