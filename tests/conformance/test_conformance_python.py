@@ -18,7 +18,15 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from vector_runner import OTHER_CPUS, DefaultServer, Outcome, load_vector, replay, variant
+from vector_runner import (
+    OTHER_CPUS,
+    DefaultServer,
+    Outcome,
+    load_vector,
+    mismatches,
+    replay,
+    variant,
+)
 
 from mtpdraft.service.model.default_model import DEFAULT_CHECKPOINT
 
@@ -69,3 +77,35 @@ def test_vector_holds_on_other_servers(name: str) -> None:
     ops, tol = variant(load_vector(), var)
     with DefaultServer(*extra, env=env) as server:
         assert_passes(replay(server.address, ops, tol), name, len(ops))
+
+
+def test_columns_and_batches_are_compared_field_by_field() -> None:
+    """No server: a ProposeColumns answer or a ProposeBatch's proposals that departs from
+    its expect anywhere (a draft, a prob beyond the tolerance, a row error's field, a
+    missing row) is a mismatch; probs within the tolerance are not."""
+    columns = {
+        "width": 2,
+        "drafts": [[5, -1], [-1, -1]],
+        "probs": [[0.5, 0.0], [0.0, 0.0]],
+        "draft_counts": [1, 0],
+        "confidences": [0.25, 0.0],
+        "first_positions": [9, 0],
+        "errors": [{"row": 1, "code": "NOT_FOUND", "reason": "STATE_NOT_FOUND", "field": "x"}],
+    }
+    assert mismatches(columns, columns | {"probs": [[0.55, 0.0], [0.0, 0.01]]}, 0.1) == []
+    for key, value in [
+        ("drafts", [[6, -1], [-1, -1]]),
+        ("probs", [[0.7, 0.0], [0.0, 0.0]]),
+        ("probs", [[0.5, 0.0]]),
+        ("confidences", [0.25, 0.2]),
+        ("first_positions", [9, 10]),
+        ("errors", [{**columns["errors"][0], "field": "state_ids"}]),
+        ("errors", []),
+        ("width", 3),
+    ]:
+        assert [m.split(":")[0] for m in mismatches(columns, columns | {key: value}, 0.1)] == [key]
+    proposal = {"tokens": [1, 2], "probs": [0.5, 0.5], "confidence": 0.5, "first_position": 3}
+    batch = {"proposals": [proposal, proposal]}
+    assert mismatches(batch, {"proposals": [proposal, proposal | {"confidence": 0.55}]}, 0.1) == []
+    for got in ([proposal], [proposal, proposal | {"tokens": [1, 3]}]):
+        assert mismatches(batch, {"proposals": got}, 0.1)

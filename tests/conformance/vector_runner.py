@@ -18,8 +18,18 @@ operation without `op`) one at a time, each answered before the next; an error
 answer (`expect_error`, `expect_reason`, `expect_field`: its Error value's code name,
 reason and field) leaves the stream open.
 
+ProposeBatch sends its `requests` (each shaped as a Propose operation without `op`)
+in one call; `expect.proposals` holds their proposals in order. ProposeColumns sends
+one ColumnsRequest built from its columns (`states` names the rows' states), unary
+or, with `stream` true, as the one message of a ProposeColumnsStream; its expect holds
+the answer's columns (`drafts` and `probs` as B rows of `width` values) and the failed
+rows' `errors` (row, code name, reason, field), or `expect_error` for a message that
+fails as a whole (the call's status, or the stream answer's error value).
+
 A runner refuses a malformed vector before any call (check_vector): a wrong
-`format`, a missing `prob_tolerance`, missing or empty `operations`, an unknown `op`.
+`format`, a missing `prob_tolerance`, missing or empty `operations`, an unknown `op`,
+a ProposeStream without messages; this one also a ProposeBatch without requests and
+a ProposeColumns without states, without hiddens or whose `stream` is not a boolean.
 
 `Replayer(client, tolerance=t).run(ops)` checks (`variant` gives the operations and the
 tolerance for the vector's server or its float32 variant); as a command it replays a
@@ -47,14 +57,14 @@ from typing import Any
 
 import numpy as np
 
-from mtpdraft.client import DrafterClient, DrafterError, Verdict
+from mtpdraft.client import ColumnsResult, DrafterClient, DrafterError, ProposeArgs, Verdict
 from mtpdraft.client import messages as client_messages
 
 VECTOR_PATH = Path(__file__).with_name("vector.json")
 FORMAT = "mtpdraft-conformance/1"
 OPERATIONS = frozenset(
     {"GetInfo", "AllocState", "Prefill", "Propose", "ProposeStream", "AfterVerify"}
-    | {"TakeKV", "InstallKV", "FreeState"}
+    | {"TakeKV", "InstallKV", "FreeState", "ProposeBatch", "ProposeColumns"}
 )
 
 #: Server environments under which torch runs the kernels of other x86-64 CPUs: oneDNN's
@@ -68,7 +78,7 @@ OTHER_CPUS = {
 
 _STORAGE = {"DTYPE_FP32": "<f4", "DTYPE_FP16": "<f2", "DTYPE_INT32": "<i4"}
 _DTYPE_ENUM = {"bfloat16": "DTYPE_BF16", "float16": "DTYPE_FP16", "float32": "DTYPE_FP32"}
-_FLOAT_KEYS = frozenset({"probs", "confidence"})
+_FLOAT_KEYS = frozenset({"probs", "confidence", "confidences"})
 
 #: GetInfo fields fixed by the model and the server's default options (not live counters).
 STATIC_INFO_FIELDS = (
@@ -113,10 +123,21 @@ def check_vector(vector: Any) -> None:
         name = op.get("op") if isinstance(op, dict) else None
         if name not in OPERATIONS:
             raise VectorError(f"operation {i}: unknown op {name!r}")
-        if name == "ProposeStream" and not (
-            isinstance(op.get("messages"), list) and op["messages"]
-        ):
+        if name == "ProposeStream" and not _nonempty(op, "messages"):
             raise VectorError(f"operation {i}: ProposeStream without messages")
+        if name == "ProposeBatch" and not _nonempty(op, "requests"):
+            raise VectorError(f"operation {i}: ProposeBatch without requests")
+        if name == "ProposeColumns":
+            if not _nonempty(op, "states"):
+                raise VectorError(f"operation {i}: ProposeColumns without states")
+            if not isinstance(op.get("hiddens"), dict):
+                raise VectorError(f"operation {i}: ProposeColumns without hiddens")
+            if not isinstance(op.get("stream", False), bool):
+                raise VectorError(f"operation {i}: ProposeColumns stream is not a boolean")
+
+
+def _nonempty(op: dict[str, Any], key: str) -> bool:
+    return isinstance(op.get(key), list) and bool(op[key])
 
 
 def load_vector(path: Path = VECTOR_PATH) -> dict[str, Any]:
@@ -180,22 +201,33 @@ class Outcome:
 
 
 def mismatches(expected: dict[str, Any], actual: dict[str, Any], tol: float) -> list[str]:
-    """Fields of `expected` that `actual` does not match (floats of probs within tol)."""
+    """Fields of `expected` that `actual` does not match (probs and confidences within
+    tol; a ProposeBatch's proposals each as a Propose's)."""
     out = []
     for key, want in expected.items():
         got = actual.get(key)
         if key in _FLOAT_KEYS:
-            wants = want if isinstance(want, list) else [want]
-            gots = got if isinstance(got, list) else [got]
-            same = len(wants) == len(gots) and all(
-                isinstance(g, float) and math.isfinite(g) and abs(g - w) <= tol
-                for w, g in zip(wants, gots, strict=False)
-            )
+            same = _close(want, got, tol)
+        elif key == "proposals":
+            same = isinstance(got, list) and len(got) == len(want)
+            same = same and not any(mismatches(w, g, tol) for w, g in zip(want, got, strict=False))
         else:
             same = got == want
         if not same:
             out.append(f"{key}: expected {want!r}, got {got!r}")
     return out
+
+
+def _close(want: Any, got: Any, tol: float) -> bool:
+    """Whether `got` has the shape of `want` (a number or nested lists of numbers) and
+    each of its floats is finite and within tol of want's."""
+    if isinstance(want, list):
+        return (
+            isinstance(got, list)
+            and len(got) == len(want)
+            and all(_close(w, g, tol) for w, g in zip(want, got, strict=False))
+        )
+    return isinstance(got, float) and math.isfinite(got) and abs(got - want) <= tol
 
 
 def error_text(code: str, reason: str | None, field: str | None) -> str:
@@ -233,6 +265,10 @@ class Replayer:
         if op["op"] == "ProposeStream":
             return self.stream_step(index, op)
         label = op["op"] + (f" {op['state']}" if "state" in op else "")
+        if op["op"] == "ProposeBatch":
+            label += " " + ",".join(r["state"] for r in op["requests"])
+        elif op["op"] == "ProposeColumns":
+            label += (" (stream) " if op.get("stream") else " ") + ",".join(op["states"])
         ok, message = self.judge(op, lambda: self.call(op))
         return Outcome(index, label, ok, message)
 
@@ -274,6 +310,21 @@ class Replayer:
         if name == "GetInfo":
             out = static_info(c.info())
             return {k: out.get(k) for k in op.get("expect", {})}  # the fields the vector lists
+        if name == "ProposeBatch":
+            states = [self.states[r["state"]] for r in op["requests"]]
+            args = [
+                ProposeArgs(**_propose(r, s)) for r, s in zip(op["requests"], states, strict=True)
+            ]
+            got = c.propose_batch(args)
+            if len(got) != len(args):
+                raise AssertionError(f"{len(got)} proposals for {len(args)} requests")
+            return {"proposals": [_proposal(p, s) for p, s in zip(got, states, strict=True)]}
+        if name == "ProposeColumns":
+            args = _columns(op, [self.states[s] for s in op["states"]])
+            if not op.get("stream"):
+                return _columns_result(c.propose_columns(**args))
+            with c.columns_stream() as stream:
+                return _columns_result(stream.step(**args))
         if name == "AllocState":
             state = c.alloc_state()
             if state == 0:
@@ -328,6 +379,44 @@ def _propose(op: dict[str, Any], state: int) -> dict[str, Any]:
         min_confidence=op.get("min_confidence", 0.0),
         previous=previous,
     )
+
+
+def _columns(op: dict[str, Any], state_ids: list[int]) -> dict[str, Any]:
+    """The client's propose_columns arguments for a ProposeColumns operation: every
+    column as the vector gives it, the optional ones None where it gives none."""
+
+    def tensor(key: str) -> np.ndarray | None:
+        return decode_tensor(op[key]) if key in op else None
+
+    return dict(
+        state_ids=state_ids,
+        tokens=op["tokens"],
+        positions=op["positions"],
+        hiddens=decode_tensor(op["hiddens"]),
+        num_drafts=op["num_drafts"],
+        num_accepted=op.get("num_accepted"),
+        refeed_rows=op.get("refeed_rows"),
+        refeed_hiddens=tensor("refeed_hiddens"),
+        bitmask_rows=op.get("bitmask_rows"),
+        bitmasks=tensor("bitmasks"),
+        min_confidence=op.get("min_confidence"),
+    )
+
+
+def _columns_result(r: ColumnsResult) -> dict[str, Any]:
+    """A ColumnsResult as the vector's expect writes it."""
+    return {
+        "width": int(r.drafts.shape[1]),
+        "drafts": r.drafts.tolist(),
+        "probs": r.probs.astype(float).tolist(),
+        "draft_counts": r.counts.tolist(),
+        "confidences": r.confidences.astype(float).tolist(),
+        "first_positions": r.first_positions.tolist(),
+        "errors": [
+            {"row": row, "code": e.code.name, "reason": e.reason or "", "field": e.field or ""}
+            for row, e in sorted(r.errors.items())
+        ],
+    }
 
 
 def _proposal(p: Any, state: int) -> dict[str, Any]:
