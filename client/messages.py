@@ -249,20 +249,19 @@ def columns_request(
         req.num_accepted.extend(
             _column(num_accepted, "num_accepted", np.int32, size, one_for_all=False)
         )
-    if refeed_hiddens is not None:
-        if refeed_rows is None:
-            raise ValueError("refeed_rows: required with refeed_hiddens")
+    # Counts and their tensor go as given: the server says when they do not fit together.
+    if refeed_rows is not None:
         req.refeed_rows.extend(
             _column(refeed_rows, "refeed_rows", np.int32, size, one_for_all=False)
         )
+    if refeed_hiddens is not None:
         req.refeed_hiddens.CopyFrom(
             wire.encode_hidden(refeed_hiddens, ndims=(2,), name="refeed_hiddens")
         )
-    if bitmasks is not None:
-        if bitmask_rows is None:
-            raise ValueError("bitmask_rows: required with bitmasks")
+    if bitmask_rows is not None:
         rows = _column(bitmask_rows, "bitmask_rows", np.int32, size, one_for_all=False)
         req.bitmask_rows.extend(rows)
+    if bitmasks is not None:
         req.bitmasks.CopyFrom(
             wire.encode(bitmasks, allowed=wire.BITMASK_DTYPES, ndims=(2,), name="bitmasks")
         )
