@@ -20,7 +20,7 @@ from mtpdraft.v1 import drafter_pb2 as pb
 
 from . import wire
 from .engine import errors
-from .engine.columns import Columns, rows
+from .engine.columns import rows
 from .engine.engine import DraftEngine, PrefillSession
 from .engine.runner import EngineRunner
 from .engine.scheduler import DEFAULT_BATCH_WAIT_S, ProposeScheduler
@@ -61,7 +61,7 @@ class DraftBackend(Protocol):
         ...
 
     def propose_columns(
-        self, columns: Columns, timeout: float | None
+        self, request: pb.ColumnsRequest, timeout: float | None
     ) -> tuple[asyncio.Future[list[Proposal | errors.DrafterError]], JobTiming]:
         """Queues a verifier's step (INVALID_ARGUMENT at once when its columns do not fit
         together); the future holds each row's proposal or error once their batch ran."""
@@ -124,10 +124,10 @@ class LocalBackend:
         return self.scheduler.enqueue([wire.propose_args(r) for r in requests], timeout)
 
     def propose_columns(
-        self, columns: Columns, timeout: float | None
+        self, request: pb.ColumnsRequest, timeout: float | None
     ) -> tuple[asyncio.Future[list[Proposal | errors.DrafterError]], JobTiming]:
-        c = self.engine.head.config
-        requests = rows(columns, c.hidden_size, self.engine.max_batch)
+        hidden_size = self.engine.head.config.hidden_size
+        requests = rows(wire.columns(request), hidden_size, self.engine.max_batch)
         return self.scheduler.enqueue(requests, timeout, apart=True)
 
     async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount:

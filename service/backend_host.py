@@ -15,10 +15,12 @@ import logging
 from collections.abc import Callable
 from functools import partial
 
+from mtpdraft.v1 import drafter_pb2 as pb
+
 from .backend import LocalBackend
 from .engine.types import JobTiming
 from .link import Link, Message
-from .remote_backend import error_value
+from .remote_backend import error_value, mapped
 from .wire_values import RawPropose
 
 log = logging.getLogger("mtpdraft.engine_process")
@@ -49,6 +51,8 @@ class _FrontEndCalls:
         kind, call = message[0], message[1] if len(message) > 1 else None
         if kind == "propose":
             self._propose(call, *message[2:])
+        elif kind == "columns":
+            self._columns(call, *message[2:])
         elif kind == "call":
             if message[2] not in _CALLS:
                 self._answer_error(call, NotImplementedError(message[2]))
@@ -76,6 +80,19 @@ class _FrontEndCalls:
             return
         self.open[call] = job
         job.add_done_callback(partial(self._answer, call, timing))
+
+    def _columns(self, call: int, request: pb.ColumnsRequest, timeout: float | None) -> None:
+        try:
+            job, timing = self.backend.propose_columns(request, timeout)
+        except Exception as err:
+            self._answer_error(call, err)
+            return
+        # A failed row's error crosses as its value: an exception does not pickle whole.
+        rows = mapped(
+            job, lambda got: [error_value(r) if isinstance(r, Exception) else r for r in got]
+        )
+        self.open[call] = rows
+        rows.add_done_callback(partial(self._answer, call, timing))
 
     def _track(self, call: int, task: asyncio.Future) -> None:
         self.open[call] = task

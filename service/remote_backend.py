@@ -14,6 +14,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
+from typing import Any
 
 from mtpdraft.v1 import drafter_pb2 as pb
 
@@ -38,6 +39,26 @@ def rebuild_error(value: ErrorValue) -> Exception:
     if name is None:
         return RuntimeError(message)
     return getattr(errors, name)(message, reason=reason, field=field)
+
+
+def mapped(source: asyncio.Future, fn: Callable[[Any], Any]) -> asyncio.Future:
+    """A future of `fn` of `source`'s result (its exception as it is); cancelling either
+    cancels the other."""
+    out = asyncio.get_running_loop().create_future()
+
+    def settle(done: asyncio.Future) -> None:
+        if out.done():
+            return
+        if done.cancelled():
+            out.cancel()
+        elif (err := done.exception()) is not None:
+            out.set_exception(err)
+        else:
+            out.set_result(fn(done.result()))
+
+    source.add_done_callback(settle)
+    out.add_done_callback(lambda _: source.cancel())
+    return out
 
 
 class RemoteBackend:
@@ -126,6 +147,19 @@ class RemoteBackend:
         call, future = self._open_call(timing)
         self.send(("propose", call, read, timeout))
         return future, timing
+
+    def propose_columns(
+        self, request: pb.ColumnsRequest, timeout: float | None
+    ) -> tuple[asyncio.Future[list], JobTiming]:
+        # The step crosses as its message: the engine process reads it into tensors.
+        timing = JobTiming(time.time_ns())
+        call, future = self._open_call(timing)
+        self.send(("columns", call, request, timeout))
+        # A failed row's error crosses as its value (see error_value).
+        rows = mapped(
+            future, lambda got: [rebuild_error(r) if type(r) is tuple else r for r in got]
+        )
+        return rows, timing
 
     async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount:
         return await self._call("after_verify", request)

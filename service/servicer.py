@@ -33,11 +33,10 @@ from opentelemetry.trace import Status, StatusCode
 from mtpdraft.v1 import drafter_pb2 as pb
 from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
-from . import wire
 from .engine import errors
-from .engine.columns import COLUMN_OF_FIELD
 from .engine.types import JobTiming, Proposal
 from .telemetry import Telemetry
+from .wire_values import COLUMN_OF_FIELD, columns_answer
 
 if TYPE_CHECKING:
     from .backend import DraftBackend
@@ -283,9 +282,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def ProposeColumns(self, request, context):
-        future, timing = self.backend.propose_columns(
-            wire.columns(request), context.time_remaining()
-        )
+        future, timing = self.backend.propose_columns(request, context.time_remaining())
         return self._columns_answer(request, timing, await future)
 
     async def ProposeColumnsStream(self, request_iterator: AsyncIterator, context):
@@ -293,7 +290,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         fails as a whole is answered with its error (see _answer_stream)."""
 
         def submit(msg: pb.ColumnsRequest):
-            return self.backend.propose_columns(wire.columns(msg), context.time_remaining())
+            return self.backend.propose_columns(msg, context.time_remaining())
 
         def refuse(request_id: int, error: pb.Error):
             return pb.ColumnsResponse(request_id=request_id, error=error)
@@ -306,7 +303,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def _columns_answer(self, msg: pb.ColumnsRequest, timing: JobTiming, results: list):
         self._record(timing, [r for r in results if isinstance(r, Proposal)])
         rows = [r if isinstance(r, Proposal) else _row_error(r) for r in results]
-        return wire.columns_answer(msg.request_id, max(msg.num_drafts), rows)
+        return columns_answer(msg.request_id, max(msg.num_drafts), rows)
 
     async def _answer_stream(self, name, request_iterator, context, submit, reply, refuse):
         """An async generator of a propose stream's answers (the form gRPC interceptors

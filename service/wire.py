@@ -1,5 +1,5 @@
-"""The wire's tensors and Propose requests as the engine takes them (torch tensors), and
-a ProposeColumns step both ways.
+"""The wire's tensors and Propose requests (a ProposeColumns step's too) as the engine
+takes them (torch tensors).
 
 `wire_values.py` reads and checks them (in a front-end process, for the split
 server); this turns its plain values into the engine's arguments.
@@ -7,14 +7,13 @@ server); this turns its plain values into the engine's arguments.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from mtpdraft.v1 import drafter_pb2 as pb
 
 from .engine.columns import Columns
 from .engine.errors import InvalidArgument
-from .engine.types import Proposal, ProposeArgs, Verdict
+from .engine.types import ProposeArgs, Verdict
 from .wire_values import HIDDEN_DTYPES, RawPropose, RawTensor, RawVerdict, read_tensor
 
 DTYPES: dict[int, torch.dtype] = {
@@ -84,34 +83,4 @@ def columns(msg: pb.ColumnsRequest) -> Columns:
         bitmask_rows=list(msg.bitmask_rows),
         bitmasks=_optional_tensor(msg.bitmasks, "bitmasks", (pb.DTYPE_INT32,)),
         min_confidence=list(msg.min_confidence),
-    )
-
-
-def columns_answer(
-    request_id: int, width: int, results: list[Proposal | pb.Error]
-) -> pb.ColumnsResponse:
-    """Each row's proposal, or its error (an Error value), as a ColumnsResponse."""
-    size = len(results)
-    drafts = np.full((size, width), -1, dtype=np.int32)
-    probs = np.zeros((size, width), dtype=np.float32)
-    counts = np.zeros(size, dtype=np.int32)
-    confidences = np.zeros(size, dtype=np.float32)
-    first_positions = np.zeros(size, dtype=np.int64)
-    failed = []
-    for i, result in enumerate(results):
-        if isinstance(result, pb.Error):
-            failed.append(pb.RowError(row=i, error=result))
-            continue
-        n = len(result.tokens)
-        drafts[i, :n], probs[i, :n], counts[i] = result.tokens, result.probs, n
-        confidences[i], first_positions[i] = result.confidence, result.first_position
-    return pb.ColumnsResponse(
-        request_id=request_id,
-        width=width,
-        drafts=drafts.ravel().tolist(),
-        probs=probs.ravel().tolist(),
-        draft_counts=counts.tolist(),
-        confidences=confidences.tolist(),
-        first_positions=first_positions.tolist(),
-        errors=failed,
     )

@@ -1,4 +1,5 @@
-"""Propose requests read off the wire into plain values, checked, without torch.
+"""Propose requests read off the wire into plain values, checked, without torch (and a
+ProposeColumns answer built from the engine's proposals).
 
 A gRPC front-end process reads each ProposeRequest here, so that a malformed
 tensor is refused where it arrived, and hands the engine process tuples of ints
@@ -28,6 +29,7 @@ import numpy as np
 from mtpdraft.v1 import drafter_pb2 as pb
 
 from .engine.errors import InvalidArgument
+from .engine.types import Proposal
 
 ITEMSIZE = {pb.DTYPE_BF16: 2, pb.DTYPE_FP16: 2, pb.DTYPE_FP32: 4, pb.DTYPE_INT32: 4}
 HIDDEN_DTYPES = (pb.DTYPE_BF16, pb.DTYPE_FP16, pb.DTYPE_FP32)
@@ -158,3 +160,48 @@ def read_proposes(
             err.message = f"requests[{i}].{err.message}"
             raise
     return read
+
+
+# Which column a per-state request's field comes from, for the errors of a row.
+COLUMN_OF_FIELD = {
+    "state_id": "state_ids",
+    "requests": "state_ids",
+    "token": "tokens",
+    "position": "positions",
+    "hidden": "hiddens",
+    "num_drafts": "num_drafts",
+    "bitmask": "bitmasks",
+    "min_confidence": "min_confidence",
+    "previous.num_accepted": "num_accepted",
+    "previous.refeed_hiddens": "refeed_hiddens",
+}
+
+
+def columns_answer(
+    request_id: int, width: int, results: list[Proposal | pb.Error]
+) -> pb.ColumnsResponse:
+    """Each row's proposal, or its error (an Error value), as a ColumnsResponse."""
+    size = len(results)
+    drafts = np.full((size, width), -1, dtype=np.int32)
+    probs = np.zeros((size, width), dtype=np.float32)
+    counts = np.zeros(size, dtype=np.int32)
+    confidences = np.zeros(size, dtype=np.float32)
+    first_positions = np.zeros(size, dtype=np.int64)
+    failed = []
+    for i, result in enumerate(results):
+        if isinstance(result, pb.Error):
+            failed.append(pb.RowError(row=i, error=result))
+            continue
+        n = len(result.tokens)
+        drafts[i, :n], probs[i, :n], counts[i] = result.tokens, result.probs, n
+        confidences[i], first_positions[i] = result.confidence, result.first_position
+    return pb.ColumnsResponse(
+        request_id=request_id,
+        width=width,
+        drafts=drafts.ravel().tolist(),
+        probs=probs.ravel().tolist(),
+        draft_counts=counts.tolist(),
+        confidences=confidences.tolist(),
+        first_positions=first_positions.tolist(),
+        errors=failed,
+    )

@@ -16,20 +16,6 @@ from .errors import InvalidArgument
 from .types import ProposeArgs, Verdict
 from .validation import check_batch_size
 
-# Which column a per-state request's field comes from, for the errors of a row.
-COLUMN_OF_FIELD = {
-    "state_id": "state_ids",
-    "requests": "state_ids",
-    "token": "tokens",
-    "position": "positions",
-    "hidden": "hiddens",
-    "num_drafts": "num_drafts",
-    "bitmask": "bitmasks",
-    "min_confidence": "min_confidence",
-    "previous.num_accepted": "num_accepted",
-    "previous.refeed_hiddens": "refeed_hiddens",
-}
-
 
 @dataclass
 class Columns:
