@@ -90,6 +90,8 @@ def test_a_killed_front_end_rolls_back_its_calls_and_the_other_serves_on(mimo_ch
         wait_until(lambda: stub.GetInfo(pb.GetInfoRequest()).kv_blocks_free < total)
         (owner,) = connection_owners(front_ends, port)
         os.kill(owner, signal.SIGKILL)
+        # Until its sockets are closed, a new connection may still reach its listener.
+        wait_until(lambda: _gone(owner))
         with pytest.raises(grpc.RpcError) as cut:
             prefill.result(timeout=30)
         assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -97,6 +99,9 @@ def test_a_killed_front_end_rolls_back_its_calls_and_the_other_serves_on(mimo_ch
         channel.close()
 
         with DrafterClient(server.address, timeout=10) as c:  # the other front end
+            # The process's subchannel to the port is the one the kill broke: ready once
+            # its reconnection (after gRPC's backoff) reaches the live front end.
+            grpc.channel_ready_future(c.channel).result(timeout=30)
             # The engine cancelled the dead front end's Prefill: its rows are rolled back,
             # the state (the verifier's lease) is kept and takes a prefill again.
             wait_until(lambda: c.info().kv_blocks_free == total)
@@ -140,7 +145,15 @@ def test_front_ends_stay_light_and_sigterm_stops_them_all(mimo_checkpoint):
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=30) == 0
     for pid in front_ends:
-        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"front end {pid} outlived it"
+        assert _gone(pid), f"front end {pid} outlived it"
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (its files closed): no longer there, or a zombie."""
+    try:
+        return _zombie(pid)
+    except FileNotFoundError:
+        return True
 
 
 def _zombie(pid: int) -> bool:
