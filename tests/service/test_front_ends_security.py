@@ -8,18 +8,14 @@ one-process server to them; test_otel_export.py does the same for tracing.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from certificates import cert, pem
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from drafting import hiddens
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
@@ -33,39 +29,6 @@ from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 TOKEN_A, TOKEN_B = "front-end-token-a-0123", "front-end-token-b-4567"
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 CONNECTIONS = 4  # fresh connections per check
-
-
-def _cert(subject: str, key, issuer=None, issuer_key=None, *, ca=False, server=False):
-    now = datetime.datetime.now(datetime.timezone.utc)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(issuer.subject if issuer is not None else name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if ca:
-        usage = x509.KeyUsage(False, False, False, False, False, True, True, False, False)
-        builder = builder.add_extension(usage, critical=True)
-    else:
-        purpose = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-        builder = builder.add_extension(x509.ExtendedKeyUsage([purpose]), critical=False)
-    if server:
-        names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-    return builder.sign(issuer_key if issuer_key is not None else key, hashes.SHA256())
-
-
-def _pem(obj) -> bytes:
-    if isinstance(obj, x509.Certificate):
-        return obj.public_bytes(serialization.Encoding.PEM)
-    return obj.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
 
 
 @dataclass
@@ -86,12 +49,12 @@ def secured(mimo_checkpoint, tmp_path_factory: pytest.TempPathFactory):
     ca_key, rogue_ca_key, server_key, client_key, rogue_key = (
         ec.generate_private_key(ec.SECP256R1()) for _ in range(5)
     )
-    ca = _cert("front-ends CA", ca_key, ca=True)
-    rogue_ca = _cert("rogue CA", rogue_ca_key, ca=True)
+    ca = cert("front-ends CA", ca_key, ca=True)
+    rogue_ca = cert("rogue CA", rogue_ca_key, ca=True)
     files = {
-        "ca.pem": _pem(ca),
-        "server.pem": _pem(_cert("localhost", server_key, ca, ca_key, server=True)),
-        "server.key": _pem(server_key),
+        "ca.pem": pem(ca),
+        "server.pem": pem(cert("localhost", server_key, ca, ca_key, server=True)),
+        "server.key": pem(server_key),
         "tokens": f"{TOKEN_A}\n{TOKEN_B}\n".encode(),
     }
     for name, data in files.items():
@@ -105,11 +68,11 @@ def secured(mimo_checkpoint, tmp_path_factory: pytest.TempPathFactory):
         assert "mutual TLS" in out and "2 gRPC front-end processes" in out
         yield Secured(
             server.address,
-            _pem(ca),
-            _pem(client_key),
-            _pem(_cert("verifier", client_key, ca, ca_key)),
-            _pem(rogue_key),
-            _pem(_cert("verifier", rogue_key, rogue_ca, rogue_ca_key)),
+            pem(ca),
+            pem(client_key),
+            pem(cert("verifier", client_key, ca, ca_key)),
+            pem(rogue_key),
+            pem(cert("verifier", rogue_key, rogue_ca, rogue_ca_key)),
             folder / "tokens",
         )
     finally:

@@ -9,8 +9,6 @@ certificate of its own that the server must refuse.
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import os
 import subprocess
 import time
@@ -20,10 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from certificates import cert, new_key, pem
 from drafting import hiddens
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
@@ -47,48 +42,6 @@ RELOAD_INTERVAL_S = 1.0  # how often a server reads its token file again, at mos
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-# --- certificates ---------------------------------------------------------------------
-
-
-def _key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _cert(subject: str, key, issuer=None, issuer_key=None, *, ca=False, server=False):
-    now = datetime.datetime.now(datetime.timezone.utc)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(issuer.subject if issuer is not None else name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if ca:
-        usage = x509.KeyUsage(False, False, False, False, False, True, True, False, False)
-        builder = builder.add_extension(usage, critical=True)
-    else:
-        purpose = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-        builder = builder.add_extension(x509.ExtendedKeyUsage([purpose]), critical=False)
-    if server:
-        names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-    return builder.sign(issuer_key if issuer_key is not None else key, hashes.SHA256())
-
-
-def _pem(obj) -> bytes:
-    if isinstance(obj, x509.Certificate):
-        return obj.public_bytes(serialization.Encoding.PEM)
-    return obj.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-
-
 @dataclass
 class Pki:
     ca: Path  # the CA that signs the server's and the client's certificates
@@ -104,15 +57,15 @@ class Pki:
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     folder = tmp_path_factory.mktemp("pki")
-    ca_key, rogue_ca_key = _key(), _key()
-    ca = _cert("mtpdraft test CA", ca_key, ca=True)
-    rogue_ca = _cert("mtpdraft rogue CA", rogue_ca_key, ca=True)
-    server_key, client_key, rogue_key = _key(), _key(), _key()
+    ca_key, rogue_ca_key = new_key(), new_key()
+    ca = cert("mtpdraft test CA", ca_key, ca=True)
+    rogue_ca = cert("mtpdraft rogue CA", rogue_ca_key, ca=True)
+    server_key, client_key, rogue_key = new_key(), new_key(), new_key()
     files = {
-        "ca.pem": _pem(ca),
-        "rogue-ca.pem": _pem(rogue_ca),
-        "server.pem": _pem(_cert("localhost", server_key, ca, ca_key, server=True)),
-        "server.key": _pem(server_key),
+        "ca.pem": pem(ca),
+        "rogue-ca.pem": pem(rogue_ca),
+        "server.pem": pem(cert("localhost", server_key, ca, ca_key, server=True)),
+        "server.key": pem(server_key),
     }
     for name, data in files.items():
         (folder / name).write_bytes(data)
@@ -120,11 +73,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
         ca=folder / "ca.pem",
         server_cert=folder / "server.pem",
         server_key=folder / "server.key",
-        client_cert=_pem(_cert("verifier", client_key, ca, ca_key)),
-        client_key=_pem(client_key),
+        client_cert=pem(cert("verifier", client_key, ca, ca_key)),
+        client_key=pem(client_key),
         rogue_ca=folder / "rogue-ca.pem",
-        rogue_cert=_pem(_cert("verifier", rogue_key, rogue_ca, rogue_ca_key)),
-        rogue_key=_pem(rogue_key),
+        rogue_cert=pem(cert("verifier", rogue_key, rogue_ca, rogue_ca_key)),
+        rogue_key=pem(rogue_key),
     )
 
 
