@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from cli_server import CliServer, hold_the_engine
 from drafting import hiddens
-from servers import SERVER_ARGS, ServerProcess, start_server
+from servers import SERVER_ARGS, front_end_pids, running, start_server
 
 from mtpdraft.client import DrafterClient, Unavailable
 
@@ -29,27 +29,6 @@ def wait_until(predicate, timeout: float = 30.0, what: str = "the condition") ->
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-def front_end_pids(server: ServerProcess) -> list[int]:
-    """The server's front-end processes (spawned children; not multiprocessing's tracker)."""
-    pid = server.process.pid
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        children = [int(c) for c in f.read().split()]
-    pids = []
-    for child in children:
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                pids.append(child)
-    return pids
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_front_ends_ignore_signals_and_stop_once_the_engine_process_is_gone(mimo_checkpoint):

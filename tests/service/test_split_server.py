@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 from drafting import hiddens
-from servers import SERVER_ARGS, ServerProcess, start_server
+from servers import SERVER_ARGS, ServerProcess, front_end_pids, running, start_server
 
 from mtpdraft.client import DrafterClient
 from mtpdraft.client import messages as m
@@ -30,19 +30,6 @@ def wait_until(predicate, timeout: float = 20.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
-
-
-def front_end_pids(server: ServerProcess) -> list[int]:
-    """The server's front-end processes (spawned children; not multiprocessing's tracker)."""
-    pid = server.process.pid
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        children = [int(c) for c in f.read().split()]
-    pids = []
-    for child in children:
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                pids.append(child)
-    return pids
 
 
 def connection_owners(pids: list[int], port: int) -> set[int]:
@@ -91,7 +78,7 @@ def test_a_killed_front_end_rolls_back_its_calls_and_the_other_serves_on(mimo_ch
         (owner,) = connection_owners(front_ends, port)
         os.kill(owner, signal.SIGKILL)
         # Until its sockets are closed, a new connection may still reach its listener.
-        wait_until(lambda: _gone(owner))
+        wait_until(lambda: not running(owner))
         with pytest.raises(grpc.RpcError) as cut:
             prefill.result(timeout=30)
         assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -145,17 +132,4 @@ def test_front_ends_stay_light_and_sigterm_stops_them_all(mimo_checkpoint):
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=30) == 0
     for pid in front_ends:
-        assert _gone(pid), f"front end {pid} outlived it"
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (its files closed): no longer there, or a zombie."""
-    try:
-        return _zombie(pid)
-    except FileNotFoundError:
-        return True
-
-
-def _zombie(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        assert not running(pid), f"front end {pid} outlived it"
