@@ -6,7 +6,8 @@ The server's output is read continuously (a chatty server must never block on a
 full pipe) and kept, so that a test can assert it logged no traceback.
 
 No verdict may depend on the machine's speed: a state TTL is a multiple of the
-measured time of the slowest step a test holds states across (`Pace`), and every
+measured time of the slowest step a test holds states across (`Pace`, measured as
+each module starts), and every
 wait polls for its condition with a bound that only a failure reaches (`PATIENCE`).
 """
 

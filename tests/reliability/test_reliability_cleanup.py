@@ -6,7 +6,8 @@ killed mid-session, and by a server restart, every KV block and state is account
 for: while the client lives, the blocks in use are exactly ceil(rows / block_size)
 per state and handle it holds; once it is gone and the state TTL has passed, the
 server holds no state, no handle and every block is free. The TTL is a multiple of
-the measured time of the slowest step a test holds its states across (`pace`).
+the measured time of the slowest step a test holds its states across (`pace`,
+measured as the module starts).
 
 A call cut short may or may not have taken effect (the server may have computed it
 before it saw the cancel): `rows_of` reads what each state holds afterwards, and
