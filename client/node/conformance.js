@@ -44,6 +44,20 @@ function vectorFault(v) {
     if (name === 'ProposeStream' && !(Array.isArray(op.messages) && op.messages.length > 0)) {
       return `operation ${i}: ProposeStream without messages`;
     }
+    if (name === 'ProposeBatch' && !(Array.isArray(op.requests) && op.requests.length > 0)) {
+      return `operation ${i}: ProposeBatch without requests`;
+    }
+    if (name === 'ProposeColumns') {
+      if (!(Array.isArray(op.states) && op.states.length > 0)) {
+        return `operation ${i}: ProposeColumns without states`;
+      }
+      if (op.hiddens === null || typeof op.hiddens !== 'object') {
+        return `operation ${i}: ProposeColumns without hiddens`;
+      }
+      if (op.stream !== undefined && typeof op.stream !== 'boolean') {
+        return `operation ${i}: ProposeColumns whose stream is not a boolean`;
+      }
+    }
   }
   return null;
 }
