@@ -73,8 +73,9 @@ run python 300 python3 -m pytest -q -p no:cacheprovider tests/conformance
 run node 120 node client/node/conformance.js --address "$MTPDRAFT_CONFORMANCE_ADDRESS" --vector "$vector"
 run go 120 client/go/build/bin/mtpdraft-conformance -address "$MTPDRAFT_CONFORMANCE_ADDRESS" -vector "$vector"
 run cpp 120 client/cpp/build/mtpdraft-conformance --address "$MTPDRAFT_CONFORMANCE_ADDRESS" --vector "$vector"
-# The Node client's own unit tests (a fake server in the test process).
+# The Node and Go clients' own unit tests (a fake server in the test process).
 run node-unit 120 npm --prefix client/node test
+run go-unit 300 make -s -f client/polyglot.mk polyglot-go-test
 
 stop_server
 trap - EXIT

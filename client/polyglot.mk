@@ -43,7 +43,7 @@ PG_CXXFLAGS ?= -std=c++17 -O1 -g0 -Wall
 PG_CPP_CFLAGS = $(shell pkg-config --cflags grpc++ protobuf) -I$(PG_CPP_GEN) -I$(PG_CPP_DIR)/include
 PG_CPP_LIBS = $(shell pkg-config --libs grpc++ protobuf)
 
-.PHONY: polyglot polyglot-node polyglot-go polyglot-cpp polyglot-conformance polyglot-clean
+.PHONY: polyglot polyglot-node polyglot-go polyglot-go-test polyglot-cpp polyglot-conformance polyglot-clean
 
 polyglot: polyglot-node polyglot-go polyglot-cpp
 
@@ -53,6 +53,10 @@ client/node/node_modules/.package-lock.json: client/node/package.json client/nod
 	cd client/node && npm ci --no-audit --no-fund
 
 polyglot-go: $(PG_GO_BIN) $(PG_GO_HOTPATH)
+
+# The Go client's unit tests (a fake server in the test process).
+polyglot-go-test: $(PG_GO_BUILD)/gen.stamp
+	$(PG_GO_ENV) go test mtpdraft/drafter
 
 $(PG_GO_BUILD)/gen.stamp: $(PG_PROTO)
 	mkdir -p $(PG_GO_BUILD)/gopath/src
