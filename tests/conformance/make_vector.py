@@ -2,13 +2,15 @@
 
     python3 tests/conformance/make_vector.py [--check] [--seed N] [--draws N]
 
-Inputs (tokens, fp32 hiddens, a bitmask, a min_confidence) come from a seeded
+Inputs (tokens, fp32 hiddens, bitmasks, min_confidences) come from a seeded
 generator. Expected outputs come from three sources, none of them the service's
 numbers:
 
 - structure (row counts, next positions, chunk counts, error codes, reasons and
-  fields): the contract's, written in scenario() below;
-- drafts, probabilities and confidences: the float64 oracle (oracle.py over
+  fields, a ProposeColumns' failed rows): the contract's, written in scenario()
+  below;
+- drafts, probabilities and confidences (a ProposeBatch's proposals, a
+  ProposeColumns' columns): the float64 oracle (oracle.py over
   tests/mtp_reference.py, which reads the safetensors itself), on the rows the
   contract says each state holds, bitmask rows and min_confidence applied;
 - GetInfo: the static configuration of the server the vector is for.
@@ -40,12 +42,16 @@ up to two significant digits). Tie rule: every draft's exact logit lead over its
 runner-up among the allowed tokens is at least SAFETY x the worst lead
 deviation, and with min_confidence every computed draft's probability lies at
 least prob_tolerance from it; so no token can flip and tokens compare exactly.
-scenario()'s inputs are drawn again, Propose by Propose, until its drafts clear
-MARGIN (above the requirement), and make_vector refuses to write a vector that
-breaks the rule.
+scenario()'s inputs are drawn again, proposal by proposal (a Propose, a batch's
+request, a ProposeColumns row), until its drafts clear MARGIN (above the
+requirement) and are well conditioned: in SCREEN runs of the bfloat16 error
+model, no draft's probability moves by more than PROB_BUDGET nor its lead by more
+than LEAD_BUDGET (one ill-conditioned proposal would widen the tolerance of every
+draft; the derivation's own runs are independent of these). make_vector refuses
+to write a vector that breaks the rule.
 
 SAFETY = 2: each deviation sums thousands of small independent errors and is
-near Gaussian. The worst of DRAWS draws over some thirty drafts lies about 3
+near Gaussian. The worst of DRAWS draws over some eighty drafts lies about 3
 standard deviations out, so the tolerance and the margin lie 6 or more out, where
 a Gaussian's two tails hold some 1e-8 (the vector records the largest standard
 deviations, prob_sigma and lead_sigma, and the ratios to them).
@@ -69,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the oracle's modules
 
@@ -77,9 +84,14 @@ from oracle import (
     ErrorModel,
     Oracle,
     Proposal,
+    columns_rows,
+    deviation,
     emulate,
+    expectations,
     margins,
+    perturbed,
     proposes,
+    raw,
     reduction_length,
     two_digits_up,
 )
@@ -105,6 +117,9 @@ SAFETY = 2.0
 MARGIN = 1.0  # the logit lead asked of every draft while choosing inputs
 GAP = 0.125  # and the distance of its probabilities from a min_confidence
 TRIES = 400  # inputs drawn for one Propose before giving up
+SCREEN = 8  # runs of the bfloat16 error model that screen each proposal's inputs
+PROB_BUDGET = 0.035  # the largest probability deviation the screen lets through
+LEAD_BUDGET = 0.35  # and the largest lead deviation
 _CONFIG = json.loads((DEFAULT_CHECKPOINT / "config.json").read_text())
 HIDDEN = _CONFIG["hidden_size"]
 VOCAB = _CONFIG["vocab_size"]
@@ -130,8 +145,22 @@ RULES = [
     "answer (expect_error, expect_reason, expect_field: its Error value's code name, "
     "reason and field) and the stream stays open. "
     "Close the stream after the last answer.",
+    "ProposeBatch: one call with its `requests` (each a Propose operation without `op`), "
+    "in order; expect.proposals lists each request's proposal as a Propose's expect. The "
+    "batch is all or nothing: expect_error is the call's status.",
+    "ProposeColumns: one ColumnsRequest of B rows: state_ids from the `states` names "
+    "(a name may be bound to a freed state), tokens, positions, hiddens [B, H], num_drafts "
+    "(B values or one) and, when given, num_accepted (-1: no verdict), refeed_rows with "
+    "refeed_hiddens, bitmask_rows with bitmasks, min_confidence (B values or one), all "
+    "sent as they are. `stream` false: the unary call; true: open a ProposeColumnsStream, "
+    "send this one message (request_id 1), read its one answer, close the stream. expect: "
+    "width, drafts and probs as B rows of width values, draft_counts, confidences, "
+    "first_positions, and errors (the failed rows in row order: row, code name, reason, "
+    "field, '' for none), all compared. expect_error: the message failed as a whole, "
+    "unary: the call's status; stream: the answer's error value.",
     "expect: every listed field must match, exactly except probs and confidence "
-    "(absolute tolerance prob_tolerance). expect_error: the gRPC status code name; "
+    "(and a ProposeColumns' probs and confidences: absolute tolerance prob_tolerance). "
+    "expect_error: the gRPC status code name; "
     "expect_reason: its google.rpc.ErrorInfo reason; expect_field: the first "
     "google.rpc.BadRequest field violation's field (absent: none). Compare all three.",
     "Drafts, probs and confidence are the float64 oracle's. prob_tolerance is derived "
@@ -298,31 +327,219 @@ def scenario(seed: int) -> list[dict[str, Any]]:
         {"op": "FreeState", "state": "B", "expect": {"existed": True}},
         {"op": "AfterVerify", "state": "B", "num_accepted": 0} | no_state,
         {"op": "FreeState", "state": "C", "expect": {"existed": True}},
+        *many_states(rng, hiddens, hidden, token, error),
+    ]
+
+
+def many_states(rng: np.random.Generator, hiddens: Any, hidden: Any, token: Any, error: Any):
+    """ProposeBatch and ProposeColumns (unary and on a stream) over states D, E, F, G;
+    "A" is a freed state by now. Positions follow the contract: a state of n rows
+    takes its next Propose at n + 1; a verdict a on a proposal at p leaves p + a rows."""
+
+    def prefill(state: str, n: int) -> dict[str, Any]:
+        return {
+            "op": "Prefill",
+            "state": state,
+            "start_position": 1,
+            "tokens": [token() for _ in range(n)],
+            "chunk_rows": 4,
+            "hiddens": hiddens(n),
+            "expect": {"num_rows": n, "next_position": n + 1, "chunks": -(-n // 4)},
+        }
+
+    def request(state: str, position: int, k: int, **extra: Any) -> dict[str, Any]:
+        """A ProposeBatch request: a Propose operation's fields without `op`."""
+        out = {"state": state, "token": token(), "position": position, "num_drafts": k}
+        return out | {"hidden": hidden()} | extra
+
+    def refeed(a: int) -> dict[str, Any]:
+        return {"num_accepted": a, "refeed_hiddens": hiddens(a)}
+
+    def batch(*requests: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        return {"op": "ProposeBatch", "requests": list(requests)} | extra
+
+    def row(state: str, position: int, k: int, a: int = -1, **extra: Any) -> dict[str, Any]:
+        """One row of a ProposeColumns: `refeed` (its a rows), `mask` (bitmask rows),
+        `floor` (a min_confidence that settle() places), `error` (the row's error)."""
+        return {"state": state, "position": position, "k": k, "a": a} | extra
+
+    def columns(*rows: dict[str, Any], stream: bool = False, **extra: Any) -> dict[str, Any]:
+        op: dict[str, Any] = {"op": "ProposeColumns", "stream": stream}
+        op["states"] = [r["state"] for r in rows]
+        op["tokens"] = [token() for _ in rows]
+        op["positions"] = [r["position"] for r in rows]
+        op["hiddens"] = hiddens(len(rows))
+        op["num_drafts"] = [r["k"] for r in rows]
+        if any(r["a"] >= 0 for r in rows):
+            op["num_accepted"] = [r["a"] for r in rows]
+        if any(r.get("refeed") for r in rows):
+            op["refeed_rows"] = [r["a"] if r.get("refeed") else 0 for r in rows]
+            op["refeed_hiddens"] = hiddens(sum(op["refeed_rows"]))
+        masks = [r.get("mask") for r in rows]
+        if any(m is not None for m in masks):
+            op["bitmask_rows"] = [0 if m is None else len(m) for m in masks]
+            op["bitmasks"] = encode_tensor(np.concatenate([m for m in masks if m is not None]))
+        if any(r.get("floor") for r in rows):
+            op["min_confidence"] = [None if r.get("floor") else 0.0 for r in rows]
+        errors = [{"row": i} | r["error"] for i, r in enumerate(rows) if "error" in r]
+        return op | ({} if "expect_error" in extra else {"expect": {"errors": errors}}) | extra
+
+    def fails(code: str, reason: str, field: str = "") -> dict[str, Any]:
+        return {"error": {"code": code, "reason": reason, "field": field}}
+
+    def mask(n: int) -> np.ndarray:
+        return bitmask([rng.random(VOCAB) < 0.25 for _ in range(n)])
+
+    out_of_range = "NUM_ACCEPTED_OUT_OF_RANGE"
+
+    def unfit(op: dict[str, Any], key: str, rows: dict[str, Any]) -> dict[str, Any]:
+        """`op` with `rows` as its tensor `key`, whose rows its counts do not add up to:
+        the columns do not fit together, the message fails as a whole."""
+        op = {k: v for k, v in op.items() if k != "expect"}
+        return op | {key: rows} | error("INVALID_ARGUMENT", "COLUMNS_MISMATCH", key)
+
+    return [
+        *({"op": "AllocState", "state": s} for s in "DEF"),
+        prefill("D", 5),
+        prefill("E", 3),
+        prefill("F", 4),
+        batch(request("D", 6, 3), request("E", 4, 2)),  # D: 6 rows, E: 4, both pending
+        batch(  # the same state twice: the batch fails, D keeps its pending proposal
+            request("D", 8, 2, previous={"num_accepted": 1}),
+            request("F", 5, 2),
+            request("D", 8, 2, previous={"num_accepted": 1}),
+        )
+        | error("INVALID_ARGUMENT", "DUPLICATE_STATE", "requests"),
+        batch(  # E's next position is 4 + 1 + 1: all or nothing, F gets no proposal
+            request("F", 5, 2),
+            request("E", 7, 2, previous={"num_accepted": 1}),
+        )
+        | error("INVALID_ARGUMENT", "POSITION_MISMATCH", "position"),
+        batch(
+            request("D", 8, 3, previous=refeed(1), bitmask=encode_tensor(mask(1))),  # 8 rows
+            request("F", 5, 3),  # 5 rows, pending
+            request("E", 7, 2, previous={"num_accepted": 2}),  # a = K: 4 + 2 + 1 = 7 rows
+        ),
+        {"op": "AfterVerify", "state": "F", "num_accepted": 2}
+        | {"expect": {"num_rows": 7, "next_position": 8}},
+        columns(  # C1: a = K, a refeed, no verdict (-1); a bitmask and a min_confidence
+            row("D", 12, 3, 3, floor=True),  # 12 rows, the chain stopped early
+            row("E", 9, 2, 1, refeed=True, mask=mask(2)),  # 9 rows
+            row("F", 8, 4),  # 8 rows
+        ),
+        columns(  # C2: two rows fail and change nothing; the others are answered
+            row("D", 13, 2, 0),  # 13 rows
+            row("A", 1, 3, **fails("NOT_FOUND", "STATE_NOT_FOUND", "state_ids")),
+            row("F", 12, 2, 2, **fails("INVALID_ARGUMENT", "POSITION_MISMATCH", "positions")),
+            row("E", 12, 3, 2, refeed=True),  # a = K: 12 rows
+        ),
+        {"op": "AllocState", "state": "G"},
+        prefill("G", 2),
+        columns(  # S1: F as C2 left it (8 rows, 4 drafts pending)
+            row("F", 11, 3, 2),  # 11 rows
+            row("E", 16, 2, 3, mask=mask(1)),  # a = K: 16 rows
+            row("G", 3, 3, floor=True),  # 3 rows
+            row("D", 15, 4, 1, refeed=True),  # 15 rows
+            stream=True,
+        ),
+        columns(  # S2: D's a > K, G's pending proposal; both unchanged
+            row("E", 17, 2, 0),  # 17 rows
+            row("D", 21, 3, 5, **fails("INVALID_ARGUMENT", out_of_range, "num_accepted")),
+            row("F", 13, 2, 1),  # 13 rows
+            row("G", 4, 2, **fails("FAILED_PRECONDITION", "PROPOSAL_PENDING")),
+            stream=True,
+        ),
+        unfit(  # S3: bitmask_rows [1, 0] take one row of bitmasks, which has two
+            columns(row("D", 17, 2, 1, mask=mask(1)), row("G", 5, 2, 1), stream=True),
+            "bitmasks",
+            encode_tensor(mask(2)),
+        ),
+        unfit(  # C3: refeed_rows [1, 0] take one row of refeed_hiddens, which has two
+            columns(row("D", 17, 2, 1, refeed=True), row("F", 15, 2, 1)),
+            "refeed_hiddens",
+            hiddens(2),
+        ),
+        batch(  # D, G and F as S1 and S2 left them
+            request("D", 17, 2, previous=refeed(1)),
+            request("G", 5, 3, previous={"num_accepted": 1}, min_confidence=0.0),
+            request("F", 16, 2, previous={"num_accepted": 2}),  # a = K
+        ),
+        *({"op": "FreeState", "state": s, "expect": {"existed": True}} for s in "DEFG"),
     ]
 
 
 def settle(ref: Reference, ops: list[dict[str, Any]], seed: int) -> None:
-    """Draws each drafting Propose's hidden again until its drafts clear MARGIN; places
-    each min_confidence GAP or more from its drafts' probabilities, the chain stopping."""
+    """Draws each drafting proposal's hidden again (a ProposeColumns row's within its
+    hiddens) until its drafts clear MARGIN and pass the Screen; places each
+    min_confidence GAP or more from its drafts' probabilities, the chain stopping."""
     rng = np.random.default_rng([seed, 1])
     walker = Oracle(ref)
+    screen = Screen(ref, seed)
     for op in ops:
-        stream = op["op"] == "ProposeStream"
-        for msg in op["messages"] if stream else [op]:
-            if "token" in msg and "expect_error" not in msg:
-                settle_one(walker, msg, rng)
-            walker.apply(msg | {"op": "Propose"} if stream else msg)
+        name = op["op"]
+        if name == "ProposeColumns" and "expect_error" not in op:
+            settle_columns(walker, op, rng, screen)
+        elif name == "ProposeBatch":  # one state a request: each drafts on its state as it is
+            for req in op["requests"] if "expect_error" not in op else []:
+                settle_one(walker, req, rng, screen)
+        elif name in ("Propose", "ProposeStream"):  # a stream's messages one after another
+            for msg in op["messages"] if name == "ProposeStream" else [op]:
+                if "expect_error" not in msg:
+                    settle_one(walker, msg, rng, screen)
+                walker.apply(msg | {"op": "Propose"})
+            continue
+        walker.apply(op)
 
 
-def settle_one(walker: Oracle, op: dict[str, Any], rng: np.random.Generator) -> None:
+def settle_columns(
+    walker: Oracle, op: dict[str, Any], rng: np.random.Generator, screen: Screen
+) -> None:
+    """settle_one for each row that is answered, written back into the columns."""
+    hiddens = raw(op["hiddens"])
+    for i, row in enumerate(columns_rows(op)):
+        if "expect_error" in row:
+            continue
+        settle_one(walker, row, rng, screen)
+        hiddens[i] = raw(row["hidden"])
+        if "min_confidence" in row:
+            op["min_confidence"][i] = row["min_confidence"]
+    op["hiddens"] = encode_tensor(hiddens)
+
+
+def settle_one(
+    walker: Oracle, op: dict[str, Any], rng: np.random.Generator, screen: Screen
+) -> None:
     free = {k: v for k, v in op.items() if k != "min_confidence"}  # all K drafts
     for _ in range(TRIES):
-        if clears(walker.trial(free), op):
+        p = walker.trial(free)
+        if clears(p, op) and screen.passes(walker, free, p):
             return
         op["hidden"] = free["hidden"] = encode_tensor(
             rng.standard_normal(HIDDEN).astype(np.float32)
         )
-    raise SystemExit(f"make_vector: none of {TRIES} inputs clears the margin")
+    raise SystemExit(f"make_vector: none of {TRIES} inputs clears the margin and the screen")
+
+
+class Screen:
+    """SCREEN runs of the bfloat16 error model over one proposal (the states' rows as the
+    exact walk holds them): passes when no draft moves beyond PROB_BUDGET or LEAD_BUDGET."""
+
+    def __init__(self, ref: Reference, seed: int) -> None:
+        self.ref, self.model = ref, ErrorModel.of("bfloat16", ref)
+        seed = int(np.random.default_rng([seed, 2]).integers(2**62))
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def passes(self, walker: Oracle, op: dict[str, Any], p: Proposal) -> bool:
+        probs = np.array([d.prob for d in p.drafts])
+        for _ in range(SCREEN):
+            run = Oracle(self.ref, perturbed(self.model.u, self.gen), [p])
+            run.states = walker.states  # trial() leaves them as they are
+            d = deviation([p], [run.trial(op)])
+            if (np.abs(d.prob) + self.model.prob_u * probs).max() > PROB_BUDGET:
+                return False
+            if d.lead.max() > LEAD_BUDGET:
+                return False
+        return True
 
 
 def clears(p: Proposal, op: dict[str, Any]) -> bool:
@@ -342,11 +559,11 @@ def clears(p: Proposal, op: dict[str, Any]) -> bool:
 
 
 def expect_drafts(ref: Reference, ops: list[dict[str, Any]]) -> list[Proposal | None]:
-    """Fills in every drafting Propose's expect from the oracle; returns the proposals."""
+    """Fills in every drafting operation's expect from the oracle (a ProposeColumns'
+    errors stay as the scenario wrote them); returns the proposals."""
     exact = Oracle(ref).run(ops)
-    for op, p in zip(proposes(ops), exact, strict=True):
-        if p is not None:
-            op["expect"] = p.expect(op["position"])
+    for op, want in expectations(ops, exact):
+        op["expect"] = want
     return exact
 
 

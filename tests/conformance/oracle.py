@@ -5,7 +5,9 @@ hold (tests/drafting.py's Expected: Propose appends the committed row R0, a
 verdict keeps R1..Ra, a = K adds the last draft's row, refeed replaces chain
 hiddens by the verifier's; a refused operation changes nothing) and asks the
 float64 oracle (tests/mtp_reference.py) for every proposal's drafts, with its
-bitmask rows and min_confidence applied as the contract says. It imports
+bitmask rows and min_confidence applied as the contract says. A ProposeBatch is
+its requests' Proposes (all refused when it fails); a ProposeColumns is one
+Propose per row (columns_rows), a failed row changing nothing. It imports
 nothing from the service.
 
 `Oracle(ref, store, forced)` does the same with `store` applied to every value an
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -53,9 +56,21 @@ def perturbed(u: float, gen: torch.Generator) -> Store:
 
 def tensor(t: dict[str, Any]) -> torch.Tensor:
     """A vector tensor (raw little-endian bytes in base64) as float64 (int32 exactly)."""
+    return torch.from_numpy(raw(t).astype(np.float64))
+
+
+def encoded(arr: np.ndarray) -> dict[str, Any]:
+    """A float32 or int32 array as a vector tensor."""
+    dtype = {np.dtype("float32"): "DTYPE_FP32", np.dtype("int32"): "DTYPE_INT32"}[arr.dtype]
+    data = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+    return {"dtype": dtype, "shape": list(arr.shape), "data": base64.b64encode(data).decode()}
+
+
+def raw(t: dict[str, Any]) -> np.ndarray:
+    """A vector tensor's values in their own dtype (float32 or int32)."""
     kinds = {"DTYPE_FP32": "<f4", "DTYPE_INT32": "<i4"}
-    raw = np.frombuffer(base64.b64decode(t["data"]), dtype=kinds[t["dtype"]])
-    return torch.from_numpy(raw.reshape(t["shape"]).astype(np.float64))
+    flat = np.frombuffer(base64.b64decode(t["data"]), dtype=kinds[t["dtype"]])
+    return flat.reshape(t["shape"]).astype(flat.dtype.newbyteorder("="))
 
 
 def allowed(bitmask: dict[str, Any], vocab: int) -> torch.Tensor:
@@ -140,6 +155,13 @@ class Oracle:
             self.proposals.append(self.propose(self.states[op["state"]], op) if ok else None)
         elif "expect_error" in op:
             pass
+        elif name == "ProposeBatch":
+            for req in op["requests"]:
+                self.proposals.append(self.propose(self.states[req["state"]], req))
+        elif name == "ProposeColumns":
+            for row in columns_rows(op):
+                ok = "expect_error" not in row
+                self.proposals.append(self.propose(self.states[row["state"]], row) if ok else None)
         elif name == "AllocState":
             self.states[op["state"]] = Rows(self.ref)
         elif name == "Prefill":
@@ -193,14 +215,129 @@ class Oracle:
 
 
 def proposes(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The Propose operations and ProposeStream messages, in replay order."""
+    """Every proposal the operations ask for, in replay order, one per Oracle proposal:
+    the Propose operations and ProposeStream messages themselves; the requests of a
+    ProposeBatch and the rows of a ProposeColumns that succeed as a whole, as copies
+    shaped as Propose operations with the expect their operation holds for them (a
+    failed row with its error)."""
     out: list[dict[str, Any]] = []
     for op in ops:
-        if op["op"] == "ProposeStream":
+        name = op["op"]
+        if name == "ProposeStream":
             out += op["messages"]
-        elif op["op"] == "Propose":
+        elif name == "Propose":
             out.append(op)
+        elif "expect_error" in op:
+            pass
+        elif name == "ProposeBatch":
+            wants = op.get("expect", {}).get("proposals")
+            for i, req in enumerate(op["requests"]):
+                out.append(req | ({"expect": wants[i]} if wants else {}))
+        elif name == "ProposeColumns":
+            out += columns_rows(op)
     return out
+
+
+def columns_rows(op: dict[str, Any]) -> list[dict[str, Any]]:
+    """A ProposeColumns operation's rows, each as the Propose operation it stands for.
+
+    As the contract reads the columns: row i of each is state i's; num_drafts and
+    min_confidence hold one value per row or one for all (0 or absent: none); a
+    num_accepted of -1 (or none given) is no verdict; each row takes its refeed_rows
+    rows of refeed_hiddens and its bitmask_rows rows of bitmasks, in order. A row in
+    expect.errors carries its error (expect_error, expect_reason, expect_field); the
+    others carry the expect that expect's columns hold for them, where it has drafts.
+    """
+    size = len(op["states"])
+
+    def each(key: str, default: Any) -> list:
+        values = op.get(key) or [default]
+        return values * size if len(values) == 1 else list(values)
+
+    def split(key: str, counts: list[int]) -> list[np.ndarray | None]:
+        rows = raw(op[key]) if key in op else None
+        starts = np.cumsum([0, *counts])
+        return [rows[a:b] if b > a else None for a, b in itertools.pairwise(starts)]
+
+    hiddens = raw(op["hiddens"])
+    accepted = each("num_accepted", -1)
+    refeeds = split("refeed_hiddens", each("refeed_rows", 0))
+    masks = split("bitmasks", each("bitmask_rows", 0))
+    num_drafts, floors = each("num_drafts", None), each("min_confidence", 0.0)
+    expect = op.get("expect", {})
+    errors = {e["row"]: e for e in expect.get("errors", [])}
+    out = []
+    for i, state in enumerate(op["states"]):
+        row: dict[str, Any] = {"op": "Propose", "state": state, "token": op["tokens"][i]}
+        row |= {"position": op["positions"][i], "num_drafts": num_drafts[i]}
+        row["hidden"] = encoded(hiddens[i])
+        if masks[i] is not None:
+            row["bitmask"] = encoded(masks[i])
+        if floors[i] != 0.0:
+            row["min_confidence"] = floors[i]
+        if accepted[i] >= 0:
+            row["previous"] = {"num_accepted": accepted[i]}
+            if refeeds[i] is not None:
+                row["previous"]["refeed_hiddens"] = encoded(refeeds[i])
+        if i in errors:
+            e = errors[i]
+            row |= {"expect_error": e["code"], "expect_reason": e["reason"]}
+            row |= {"expect_field": e["field"]} if e["field"] else {}
+        elif "drafts" in expect:
+            n = expect["draft_counts"][i]
+            row["expect"] = {
+                "tokens": expect["drafts"][i][:n],
+                "probs": expect["probs"][i][:n],
+                "confidence": expect["confidences"][i],
+                "first_position": expect["first_positions"][i],
+            }
+        out.append(row)
+    return out
+
+
+def expectations(
+    ops: list[dict[str, Any]], exact: list[Proposal | None]
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each operation that drafts, with the expect the oracle's proposals (`exact`, as
+    Oracle.run gives them) make of it: a Propose's or stream message's proposal, a
+    ProposeBatch's proposals, a ProposeColumns' columns (width: the largest K asked;
+    a row's drafts padded with -1 and its probs with 0; a failed row: count 0,
+    confidence 0 and first position 0, its error as the operation lists it)."""
+    found = iter(exact)
+    out = []
+    for op in ops:
+        name = op["op"]
+        if name in ("Propose", "ProposeStream"):
+            for msg in op["messages"] if name == "ProposeStream" else [op]:
+                p = next(found)
+                if p is not None:
+                    out.append((msg, p.expect(msg["position"])))
+        elif "expect_error" in op:
+            pass
+        elif name == "ProposeBatch":
+            got = [next(found).expect(req["position"]) for req in op["requests"]]
+            out.append((op, {"proposals": got}))
+        elif name == "ProposeColumns":
+            rows = [next(found) for _ in op["states"]]
+            out.append((op, columns_expect(op, rows)))
+    if next(found, "end") != "end":
+        raise ValueError("more proposals than the operations ask for")
+    return out
+
+
+def columns_expect(op: dict[str, Any], rows: list[Proposal | None]) -> dict[str, Any]:
+    width = max(op["num_drafts"])
+    out: dict[str, Any] = {"width": width, "drafts": [], "probs": [], "draft_counts": []}
+    out |= {"confidences": [], "first_positions": []}
+    for p, position in zip(rows, op["positions"], strict=True):
+        e = p.expect(position) if p else {"tokens": [], "probs": []}
+        n = len(e["tokens"])
+        out["drafts"].append(e["tokens"] + [-1] * (width - n))
+        out["probs"].append(e["probs"] + [0.0] * (width - n))
+        out["draft_counts"].append(n)
+        out["confidences"].append(e["confidence"] if p else 0.0)
+        out["first_positions"].append(e["first_position"] if p else 0)
+    return out | {"errors": op.get("expect", {}).get("errors", [])}
 
 
 def verdict(rows: Rows, accepted: int, refeed: dict[str, Any] | None) -> None:

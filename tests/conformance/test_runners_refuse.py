@@ -1,7 +1,8 @@
 """Every conformance runner refuses a vector it cannot replay, before any call.
 
 A runner that replayed an empty vector, or one without a tolerance, would pass
-while checking nothing. Each runner (Python, Node.js, Go, C++) gets a few
+while checking nothing (so would an empty ProposeStream or ProposeBatch, or a
+ProposeColumns without states). Each runner (Python, Node.js, Go, C++) gets a few
 malformed copies of vector.json and must exit 2 and say why ("bad vector" and
 the fault) on stderr, with no server at its address. The Node.js, Go and C++
 runners are skipped where they are not built (`make -f client/polyglot.mk
@@ -41,6 +42,11 @@ def _empty_stream(v: dict[str, Any]) -> None:
     next(op for op in v["operations"] if op["op"] == "ProposeStream")["messages"] = []
 
 
+def _change(name: str, change: Any):
+    """Applies `change` to the vector's first operation named `name`."""
+    return lambda v: change(next(op for op in v["operations"] if op["op"] == name))
+
+
 #: name: (how the vector is broken, a word the refusal must contain)
 MALFORMED = {
     "empty-operations": (_set("operations", []), "operations"),
@@ -52,6 +58,10 @@ MALFORMED = {
     "no-prob-tolerance": (_without("prob_tolerance"), "prob_tolerance"),
     "negative-prob-tolerance": (_set("prob_tolerance", -0.5), "prob_tolerance"),
     "stream-without-messages": (_empty_stream, "messages"),
+    "batch-without-requests": (_change("ProposeBatch", _set("requests", [])), "requests"),
+    "columns-without-states": (_change("ProposeColumns", _without("states")), "states"),
+    "columns-without-hiddens": (_change("ProposeColumns", _without("hiddens")), "hiddens"),
+    "columns-stream-not-boolean": (_change("ProposeColumns", _set("stream", "yes")), "stream"),
 }
 
 RUNNERS = {

@@ -2,16 +2,17 @@
 
 No server: the oracle (oracle.py over tests/mtp_reference.py) replays the vector's
 operations over the rows each state must hold and must give every recorded draft,
-probability and confidence; every draft must lead its runner-up by the margin the
-vector's derivation requires, and a min_confidence must lie prob_tolerance or more
-from every probability of its chain.
+probability and confidence (a ProposeBatch's proposals, a ProposeColumns' columns
+with their padding and failed rows too); every draft must lead its runner-up by the
+margin the vector's derivation requires, and a min_confidence must lie
+prob_tolerance or more from every probability of its chain.
 """
 
 from __future__ import annotations
 
 import pytest
 from mtp_reference import Reference
-from oracle import Oracle, Proposal, margins, proposes, two_digits_up
+from oracle import Oracle, Proposal, expectations, margins, proposes, two_digits_up
 from vector_runner import load_vector
 
 from mtpdraft.service.model.default_model import DEFAULT_CHECKPOINT
@@ -38,6 +39,60 @@ def test_every_draft_is_the_oracles(vector: dict, exact: list[Proposal | None]) 
         assert got["tokens"] == want["tokens"] and got["first_position"] == want["first_position"]
         assert got["probs"] == pytest.approx(want["probs"], abs=1e-9)
         assert got["confidence"] == pytest.approx(want["confidence"], abs=1e-9)
+
+
+def same(want: object, got: object) -> bool:
+    """Equal, floats within 1e-9, at any depth of lists and dicts."""
+    if isinstance(want, dict):
+        return (
+            isinstance(got, dict)
+            and set(got) == set(want)
+            and all(same(want[k], got[k]) for k in want)
+        )
+    if isinstance(want, list):
+        return (
+            isinstance(got, list)
+            and len(got) == len(want)
+            and all(same(w, g) for w, g in zip(want, got, strict=True))
+        )
+    if isinstance(want, float):
+        return isinstance(got, float) and abs(got - want) <= 1e-9
+    return type(got) is type(want) and got == want
+
+
+def test_every_operation_expects_the_oracles(vector: dict, exact: list[Proposal | None]) -> None:
+    """Each drafting operation's whole expect, as oracle.expectations derives it."""
+    found = expectations(vector["operations"], exact)
+    kinds = {op.get("op", "message") for op, _ in found}
+    assert {"Propose", "message", "ProposeBatch", "ProposeColumns"} <= kinds
+    for op, want in found:
+        assert same(want, op["expect"]), (op.get("op"), op["expect"], want)
+
+
+def test_the_vector_covers_batches_and_columns(vector: dict) -> None:
+    ops = vector["operations"]
+    batches = [op for op in ops if op["op"] == "ProposeBatch"]
+    assert any(
+        "expect" in b and len(b["requests"]) >= 2 and any("previous" in r for r in b["requests"])
+        for b in batches
+    )
+    assert any(b.get("expect_reason") == "DUPLICATE_STATE" for b in batches)
+    for stream in (False, True):
+        columns = [op for op in ops if op["op"] == "ProposeColumns" and op["stream"] is stream]
+        answered = [c for c in columns if "expect" in c]
+        assert any(
+            -1 in c["num_accepted"]
+            and any(c.get("refeed_rows", []))
+            and any(c.get("bitmask_rows", []))
+            and any(c.get("min_confidence", []))
+            for c in answered
+            if not c["expect"]["errors"]
+        ), stream
+        assert any(
+            c["expect"]["errors"] and len(c["expect"]["errors"]) < len(c["states"])
+            for c in answered
+        ), stream
+        assert any(c.get("expect_reason") == "COLUMNS_MISMATCH" for c in columns), stream
 
 
 def test_every_draft_clears_the_tie_rule(vector: dict, exact: list[Proposal | None]) -> None:
