@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 from mtp_reference import Reference
-from servers import SERVER_ARGS, start_server
+from servers import PATIENCE, SERVER_ARGS, start_server
 
 from mtpdraft.client import DrafterClient, StateNotFound, Unavailable, Verdict
 from mtpdraft.service.model.default_model import DEFAULT_CHECKPOINT
@@ -49,7 +49,8 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
 
 
 def test_leases_free_idle_states_and_untaken_handles(mimo_checkpoint) -> None:
-    proc = start_server(mimo_checkpoint, *SERVER_ARGS, "--state-ttl", "1", "--no-reflection")
+    ttl = 2.0
+    proc = start_server(mimo_checkpoint, *SERVER_ARGS, "--state-ttl", str(ttl), "--no-reflection")
     try:
         with DrafterClient(proc.address, timeout=10) as c:
             idle = c.alloc_state()
@@ -61,11 +62,16 @@ def test_leases_free_idle_states_and_untaken_handles(mimo_checkpoint) -> None:
             info = c.info()
             assert (info.live_states, info.kv_handles) == (3, 1)
             assert info.kv_blocks_free < info.kv_blocks_total
-            # A state in use keeps its lease: touch `kept` every 0.3 s across the TTL.
-            deadline = time.monotonic() + 2.5
-            while time.monotonic() < deadline:
-                c.prefill(kept, [], None, 1)  # an empty prefill is a no-op that renews
-                time.sleep(0.3)
+            # A state in use keeps its lease: touch `kept` (an empty prefill is a no-op that
+            # renews) until the idle states and the handle are reaped, and a TTL more.
+            deadline, reaped = time.monotonic() + PATIENCE, None
+            while reaped is None or time.monotonic() < reaped + ttl:
+                c.prefill(kept, [], None, 1)
+                info = c.info()
+                if reaped is None and (info.live_states, info.kv_handles) == (1, 0):
+                    reaped = time.monotonic()
+                assert time.monotonic() < deadline, "the idle states and the handle outlived it"
+                time.sleep(0.1)
             info = c.info()
             assert (info.live_states, info.kv_handles) == (1, 0)
             assert info.kv_blocks_free == info.kv_blocks_total
