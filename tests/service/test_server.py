@@ -87,7 +87,7 @@ def test_leases_free_idle_states_and_untaken_handles(mimo_checkpoint) -> None:
 
 @pytest.mark.parametrize("front_ends", ["0", "2"], ids=["one-process", "2-front-ends"])
 def test_sigterm_drains_then_frees_everything(mimo_checkpoint, front_ends: str) -> None:
-    args = (*SERVER_ARGS[:-2], "--grace-period", "30", "--front-ends", front_ends)
+    args = (*SERVER_ARGS[:-2], "--grace-period", "600", "--front-ends", front_ends)
     proc = start_server(mimo_checkpoint, *args)
     with DrafterClient(proc.address, timeout=10) as c:
         state = c.alloc_state()
@@ -101,11 +101,9 @@ def test_sigterm_drains_then_frees_everything(mimo_checkpoint, front_ends: str) 
         # A live state finishes its work during the grace period...
         c.propose(state, 4, hiddens(1, 5), 4, 3)
         c.after_verify(state, 3)
-        # ...and once it is freed the server stops well before the 30 s grace ends.
-        started = time.monotonic()
+        # ...and once it is freed the server stops, long before the 600 s grace ends.
         c.free_state(state)
-        assert proc.process.wait(timeout=15) == 0
-        assert time.monotonic() - started < 10
+        assert proc.process.wait(timeout=PATIENCE) == 0
     out = "".join(proc.lines) + proc.process.stdout.read()
     assert "freed 0 live states" in out
 
