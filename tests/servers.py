@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -21,6 +23,20 @@ class ServerProcess:
     process: subprocess.Popen
     address: str
     lines: list[str]
+
+    def new_output(self) -> str:
+        """What the server wrote since the last call, without waiting (its stdout made
+        non-blocking first: os.set_blocking(process.stdout.fileno(), False))."""
+        fd, chunks = self.process.stdout.fileno(), []
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks).decode(errors="replace")
 
     def stop(self, timeout: float = PATIENCE) -> int:
         if self.process.poll() is None:
@@ -113,3 +129,12 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+async def until(predicate, what: str) -> None:
+    """Polls `predicate` on the event loop until it holds (failing after PATIENCE)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PATIENCE
+    while not predicate():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)

@@ -42,17 +42,7 @@ class Served:
     def new_log(self) -> str:
         """What the server wrote since the last call. Every line a call causes is
         written before its answer leaves, so it is in the pipe once the answer came."""
-        fd = self.server.process.stdout.fileno()
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        return b"".join(chunks).decode(errors="replace")
+        return self.server.new_output()
 
 
 @pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "2-front-ends"])

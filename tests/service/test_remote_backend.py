@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 from drafting import hiddens
-from servers import PATIENCE, small_engine
+from servers import PATIENCE, small_engine, until
 
 from mtpdraft.client import messages as m
 from mtpdraft.service.backend import LocalBackend
@@ -32,15 +32,6 @@ async def _linked(engine, tmp_path):
 async def _close(local: LocalBackend, host: BackendHost) -> None:
     await host.close()
     await local.close()
-
-
-async def _until(predicate, what: str) -> None:
-    """Polls `predicate` on the event loop until it holds (failing after PATIENCE)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + PATIENCE
-    while not predicate():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def test_errors_and_results_cross_the_link_unchanged(mimo_checkpoint, tmp_path) -> None:
@@ -121,7 +112,7 @@ def test_a_fast_prefill_stream_is_held_back_while_the_engine_is_busy(
             loop = asyncio.get_running_loop()
             started = loop.time()
             prefill = asyncio.ensure_future(remote.prefill(fast_client()))
-            await _until(lambda: pulled >= 1, "the first chunk")
+            await until(lambda: pulled >= 1, "the first chunk")
             # Ten times as long as the first took (half a second at least): no more than
             # the two a fast client may have in flight are taken meanwhile.
             await asyncio.sleep(max(0.5, 10 * (loop.time() - started)))
@@ -148,12 +139,12 @@ def test_a_cancelled_propose_leaves_the_engine_queue(mimo_checkpoint, tmp_path) 
             request = m.propose_request(state, 4, hiddens(1, 4)[0], 1, 2)
             future, _ = remote.propose([request], None)
             # Queued, then taken into a batch that waits for the thread.
-            await _until(lambda: len(host.calls) == 1, "the link")
+            await until(lambda: len(host.calls) == 1, "the link")
             (calls,) = host.calls.values()
-            await _until(lambda: calls.open and not local.scheduler.queued, "the call taken")
+            await until(lambda: calls.open and not local.scheduler.queued, "the call taken")
             assert len(calls.open) == 1
             future.cancel()
-            await _until(lambda: not calls.open, "the engine process to drop the cancelled call")
+            await until(lambda: not calls.open, "the engine process to drop the cancelled call")
             hold.set()
             await local.scheduler.settle(PATIENCE)
             assert engine.states[state].pending is None, "the cancelled call was drafted"

@@ -328,16 +328,7 @@ class TokenServer:
     def new_log(self) -> str:
         """What the server wrote since the last call (a line is written before the
         answer of the call that caused it leaves)."""
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(self.server.process.stdout.fileno(), 1 << 16)
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        return b"".join(chunks).decode(errors="replace")
+        return self.server.new_output()
 
     def wait_for_reload(self, words: str) -> str:
         """Calls until every process has logged `words`, each having read the file's

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from servers import PATIENCE
+from servers import PATIENCE, until
 
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.engine.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
@@ -79,15 +79,6 @@ def test_concurrent_calls_merge_and_equal_sequential(head: MTPHead) -> None:
             assert g.probs == pytest.approx(e.probs, abs=1e-5)
 
 
-async def _until(predicate, what: str) -> None:
-    """Polls `predicate` on the event loop until it holds (failing after PATIENCE)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + PATIENCE
-    while not predicate():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
 async def _blocked(scheduler: ProposeScheduler) -> tuple[asyncio.Future, threading.Event]:
     """A first batch that computes until the event is set, so that the next calls queue up
     behind it: (its call, the event)."""
@@ -104,7 +95,7 @@ async def _blocked(scheduler: ProposeScheduler) -> tuple[asyncio.Future, threadi
 
     engine.propose_groups = slow
     call = asyncio.ensure_future(scheduler.submit([ProposeArgs(state, 1, h(1, 0), 3, 1)]))
-    await _until(computing.is_set, "the slow batch")
+    await until(computing.is_set, "the slow batch")
     return call, release
 
 
@@ -118,7 +109,7 @@ def test_deadline_cancellation_and_queue_limit(head: MTPHead) -> None:
         late = asyncio.ensure_future(scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)], 0.1))
         gone = asyncio.ensure_future(scheduler.submit([ProposeArgs(b, 1, h(1, 2), 4, 2)]))
         kept = asyncio.ensure_future(scheduler.submit([ProposeArgs(c, 1, h(1, 3), 5, 2)]))
-        await _until(lambda: scheduler.queued == 3, "three queued calls")
+        await until(lambda: scheduler.queued == 3, "three queued calls")
         with pytest.raises(ResourceExhausted):  # three calls wait: the queue is full
             await scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)])
         gone.cancel()
@@ -149,7 +140,7 @@ def test_a_bad_call_fails_alone(head: MTPHead) -> None:
         good = asyncio.ensure_future(scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)]))
         bad = asyncio.ensure_future(scheduler.submit([ProposeArgs(b, 1, h(1, 2), 9, 2)]))
         twice = asyncio.ensure_future(scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)]))
-        await _until(lambda: scheduler.queued == 3, "three queued calls")
+        await until(lambda: scheduler.queued == 3, "three queued calls")
         release.set()
         await busy
         assert len((await good)[0][0].tokens) == 2
