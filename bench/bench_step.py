@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from shapes import MIMO_7B, SMALL
@@ -82,24 +83,24 @@ def make_chain(head: MTPHead, b: int, ctx: int, gen: torch.Generator) -> tuple[C
     """b states of ctx rows each (the last one computed by the step); blocks for CHAIN more."""
     per_seq = math.ceil((ctx + CHAIN) / BLOCK)
     chain = ChainInputs(
-        tokens=torch.randint(0, head.config.vocab_size, (b,), generator=gen),
+        tokens=torch.randint(0, head.config.vocab_size, (b,), generator=gen).numpy(),
         hiddens=torch.randn(b, head.config.hidden_size, generator=gen).to(head.dtype),
-        positions=torch.full((b,), ctx - 1),
-        limits=torch.ones(b, dtype=torch.int64),
-        block_tables=torch.randperm(b * per_seq, generator=gen).reshape(b, per_seq).int(),
+        positions=np.full(b, ctx - 1),
+        limits=np.ones(b, dtype=np.int64),
+        block_tables=torch.randperm(b * per_seq, generator=gen).reshape(b, per_seq).int().numpy(),
     )
     return chain, b * per_seq
 
 
 def first_step(chain: ChainInputs, device: torch.device) -> RowBatch:
-    positions, slots, context_lens = chain.step_rows(BLOCK)[0].to(device)
+    positions, slots, context_lens = torch.from_numpy(chain.step_rows(BLOCK)[0]).to(device)
     return RowBatch(
-        tokens=chain.tokens.to(device),
+        tokens=torch.from_numpy(chain.tokens).to(device),
         hiddens=chain.hiddens.to(device),
         positions=positions,
         seq_ids=torch.arange(len(chain), dtype=torch.int32, device=device),
         slot_mapping=slots,
-        block_tables=chain.block_tables.to(device),
+        block_tables=torch.from_numpy(chain.block_tables).to(device),
         context_lens=context_lens,
     )
 
@@ -197,7 +198,7 @@ def measure(
     if device.type == "cuda":
         graphs = DecodeGraphs(fast, kv, b, CHAIN, buckets=(b,), masks=(False,))
         row["mtpdraft_ms"] = timed_replay(graphs, chain, iters)
-        chain.limits = torch.full((b,), CHAIN)
+        chain.limits = np.full(b, CHAIN)
         row["chain_ms_per_draft"] = timed_chain(graphs, chain, iters)
     else:
         row["mtpdraft_ms"] = timed(lambda: fast.decode_chain(kv, chain), 5, device)

@@ -1,19 +1,20 @@
-"""A verifier's step for many states as columns: checked as a whole, then row by row.
+"""A verifier's step for many states as the wire gives it: checked as a whole, then a Step.
 
-The columns must fit together (lengths, tensor shapes) or the whole step is
-refused; each row is then one state's Propose (with its fused verdict), which
-fails on its own. Rows become the engine's per-state requests here, views into
-the step's tensors (no copies).
+The columns must fit together (lengths, tensor shapes, row counts) or the whole
+step is refused with INVALID_ARGUMENT; each row is then one state's Propose
+(with its fused verdict), which the engine answers or fails on its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import InvalidArgument
-from .types import ProposeArgs, Verdict
+from .step import Step, padded_mask, refeed_rows
 from .validation import check_batch_size
 
 
@@ -21,87 +22,91 @@ from .validation import check_batch_size
 class Columns:
     """B states' step (row i of every column is state_ids[i]'s); see ColumnsRequest."""
 
-    state_ids: list[int]
-    tokens: list[int]
-    positions: list[int]
+    state_ids: Sequence[int]
+    tokens: Sequence[int]
+    positions: Sequence[int]
     hiddens: torch.Tensor  # [B, H]
-    num_drafts: list[int]  # B values, or one for all
-    num_accepted: list[int]  # B values (-1: no verdict), or empty
-    refeed_rows: list[int]  # B values, or empty
+    num_drafts: Sequence[int]  # B values, or one for all
+    num_accepted: Sequence[int]  # B values (-1: no verdict), or empty
+    refeed_rows: Sequence[int]  # B values, or empty
     refeed_hiddens: torch.Tensor | None  # [sum(refeed_rows), H]
-    bitmask_rows: list[int]  # B values, or empty
+    bitmask_rows: Sequence[int]  # B values, or empty
     bitmasks: torch.Tensor | None  # [sum(bitmask_rows), W] int32
-    min_confidence: list[float]  # B values, one for all, or empty
+    min_confidence: Sequence[float]  # B values, one for all, or empty
 
 
 def _mismatch(field: str, message: str) -> InvalidArgument:
     return InvalidArgument(f"{field}: {message}", reason="COLUMNS_MISMATCH", field=field)
 
 
-def _per_row(values: list, field: str, size: int, *, one_for_all: bool) -> None:
-    allowed = (0, size, 1) if one_for_all else (0, size)
-    if len(values) not in allowed:
-        raise _mismatch(field, f"{len(values)} values for {size} states")
+def _column(values: Sequence, field: str, size: int, dtype, *, default=None) -> np.ndarray:
+    """B values; one value stands for all where a default is given, none for the default."""
+    array = np.asarray(values, dtype)
+    if default is not None and len(array) in (0, 1):
+        return np.full(size, array[0] if len(array) else default, dtype)
+    if len(array) != size:
+        raise _mismatch(field, f"{len(array)} values for {size} states")
+    return array
 
 
-def _split(tensor: torch.Tensor | None, counts: list[int], field: str, counts_field: str) -> list:
-    """The rows of `tensor` that each state's count takes, in order (None for 0)."""
-    if any(c < 0 for c in counts):
-        raise _mismatch(counts_field, "a negative row count")
-    total = sum(counts)
+def _counts(values: Sequence[int], field: str, size: int) -> np.ndarray:
+    counts = np.zeros(size, np.int64) if not len(values) else _column(values, field, size, np.int64)
+    if (counts < 0).any():
+        raise _mismatch(field, "a negative row count")
+    return counts
+
+
+def _ragged(tensor: torch.Tensor | None, counts: np.ndarray, field: str) -> torch.Tensor | None:
+    total = int(counts.sum())
     rows = 0 if tensor is None else (tensor.shape[0] if tensor.dim() else -1)
     if rows != total:
         raise _mismatch(field, f"{rows} rows where the counts add up to {total}")
-    if not total:
-        return [None] * len(counts)
-    parts = torch.split(tensor, counts)
-    return [part if count else None for part, count in zip(parts, counts, strict=True)]
+    return tensor if total else None
 
 
-def rows(columns: Columns, hidden_size: int, max_batch: int) -> list[ProposeArgs]:
-    """Each state's request, or INVALID_ARGUMENT when the columns do not fit together."""
+def step(columns: Columns, hidden_size: int, vocab_size: int, max_batch: int) -> Step:
+    """The columns as a Step (each row its own group), or INVALID_ARGUMENT when they do
+    not fit together."""
     c = columns
     size = len(c.state_ids)
     check_batch_size(size, max_batch)
-    for values, field in ((c.tokens, "tokens"), (c.positions, "positions")):
-        if len(values) != size:
-            raise _mismatch(field, f"{len(values)} values for {size} states")
-    _per_row(c.num_drafts, "num_drafts", size, one_for_all=True)
-    if not c.num_drafts:
+    if not len(c.num_drafts):
         raise _mismatch("num_drafts", "required: one value for every state, or one for all")
-    _per_row(c.min_confidence, "min_confidence", size, one_for_all=True)
-    for values, field in (
-        (c.num_accepted, "num_accepted"),
-        (c.refeed_rows, "refeed_rows"),
-        (c.bitmask_rows, "bitmask_rows"),
-    ):
-        _per_row(values, field, size, one_for_all=False)
     if tuple(c.hiddens.shape) != (size, hidden_size):
         raise InvalidArgument(
             f"hiddens: expected shape [{size}, {hidden_size}], got {list(c.hiddens.shape)}",
             reason="BAD_SHAPE",
             field="hiddens",
         )
-    refeed_counts = c.refeed_rows or [0] * size
-    accepted = c.num_accepted or [-1] * size
-    for i, (count, a) in enumerate(zip(refeed_counts, accepted, strict=True)):
-        if count and count != a:
-            raise _mismatch("refeed_rows", f"state {i} has {count} refeed rows for {a} accepted")
-    refeeds = _split(c.refeed_hiddens, refeed_counts, "refeed_hiddens", "refeed_rows")
-    masks = _split(c.bitmasks, c.bitmask_rows or [0] * size, "bitmasks", "bitmask_rows")
-    num_drafts = c.num_drafts * size if len(c.num_drafts) == 1 else c.num_drafts
-    confidences = c.min_confidence or [0.0]
-    confidences = confidences * size if len(confidences) == 1 else confidences
-    return [
-        ProposeArgs(
-            state_id=c.state_ids[i],
-            token=c.tokens[i],
-            hidden=hidden,
-            position=c.positions[i],
-            num_drafts=num_drafts[i],
-            bitmask=masks[i],
-            min_confidence=confidences[i],
-            previous=None if accepted[i] < 0 else Verdict(accepted[i], refeeds[i]),
+    accepted = np.full(size, -1, np.int64)
+    if len(c.num_accepted):
+        accepted = _column(c.num_accepted, "num_accepted", size, np.int64)
+    refeed_counts = _counts(c.refeed_rows, "refeed_rows", size)
+    wrong = np.flatnonzero((refeed_counts != 0) & (refeed_counts != accepted))
+    if len(wrong):
+        i = int(wrong[0])
+        raise _mismatch(
+            "refeed_rows",
+            f"state {i} has {refeed_counts[i]} refeed rows for {accepted[i]} accepted",
         )
-        for i, hidden in enumerate(c.hiddens.unbind(0))
-    ]
+    refeeds = _ragged(c.refeed_hiddens, refeed_counts, "refeed_hiddens")
+    if refeeds is not None:
+        refeeds = refeed_rows(refeeds, refeeds.shape[0], hidden_size, "refeed_hiddens")
+    mask_counts = _counts(c.bitmask_rows, "bitmask_rows", size)
+    masks = _ragged(c.bitmasks, mask_counts, "bitmasks")
+    if masks is not None:
+        masks = padded_mask(masks, vocab_size, "bitmask")
+    return Step(
+        state_ids=_column(c.state_ids, "state_ids", size, np.uint64),
+        tokens=_column(c.tokens, "tokens", size, np.int64),
+        positions=_column(c.positions, "positions", size, np.int64),
+        hiddens=c.hiddens,
+        num_drafts=_column(c.num_drafts, "num_drafts", size, np.int64, default=0),
+        num_accepted=accepted,
+        refeed_counts=refeed_counts,
+        refeed_hiddens=refeeds,
+        mask_counts=mask_counts,
+        bitmasks=masks,
+        min_confidence=_column(c.min_confidence, "min_confidence", size, np.float64, default=0.0),
+        groups=np.arange(size),
+    )

@@ -1,118 +1,180 @@
-"""The drafting itself: computes chains' rows and takes their drafts, for the engine.
+"""The drafting itself: n states' chains of drafts, computed as columns.
 
-It is handed the chains to advance (their states already hold the KV blocks the
-rows need) and knows nothing of leases, limits or how the chains were chosen.
+It is handed the rows to advance (their states already hold the KV blocks the
+rows need) and knows nothing of leases, limits or how the rows were chosen. A
+state whose verdict recomputes rows (refeed hiddens, or the row of an accepted
+last draft) takes its first draft from one forward over those rows and R0; every
+state then continues in one device-side chain of one-row decode steps.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from ..model.decode_chain import ChainInputs
 from ..model.kv_cache import KVCache
 from ..model.mtp_head import MTPHead
-from .chain import Chain, VerdictPlan
-from .rows import Segment, block_tables, draft_segments
+from .rows import Segment, draft_segments
+from .state import StateTable
 
 
-def draft_all(
-    head: MTPHead, kv: KVCache, chains: list[Chain], verdicts: list[VerdictPlan | None]
-) -> None:
-    """Every chain's drafts: one forward for rows that verdicts recompute, then one chain.
+@dataclass
+class ChainPlan:
+    """n states to draft for: row i is state slots[i]'s."""
 
-    A chain whose verdict recomputes rows (refeed hiddens, or the row of an
-    accepted last draft) takes its first draft from a forward over those rows and
-    R0; every other chain starts at R0 in the device-side chain of one-row steps.
-    """
-    recomputing = [
-        (c, v.recompute)
-        for c, v in zip(chains, verdicts, strict=True)
-        if v is not None and v.recompute is not None
-    ]
-    if recomputing:
-        first_drafts(head, kv, [c for c, _ in recomputing], [rows for _, rows in recomputing])
-    active = [c for c in chains if not c.done]
-    if active:
-        chain_drafts(head, kv, active)
+    slots: np.ndarray  # [n]
+    tokens: np.ndarray  # [n] int64: R0's token
+    hiddens: torch.Tensor  # [n, H] on the host: R0's hidden
+    base_rows: np.ndarray  # [n] row index of R0
+    num_drafts: np.ndarray  # [n] K
+    min_confidence: np.ndarray  # [n]
+    mask_starts: np.ndarray  # [n] first row of bitmasks that is this state's (if any)
+    mask_counts: np.ndarray  # [n] 0: no mask
+    bitmasks: torch.Tensor | None  # [rows, W] int32
+    recompute: list[tuple[int, Segment]]  # (i, the rows its verdict recomputes before R0)
 
 
-def first_drafts(
-    head: MTPHead, kv: KVCache, chains: list[Chain], recomputed: list[Segment]
-) -> None:
-    """One forward: each state's recomputed verdict rows followed by its row R0."""
+@dataclass
+class Drafted:
+    """Each state's drafts after min_confidence, as columns."""
+
+    drafts: np.ndarray  # [n, width] int64, -1 past count
+    probs: np.ndarray  # [n, width] float32, 0 past count
+    counts: np.ndarray  # [n]
+    confidences: np.ndarray  # [n]
+    rows_computed: np.ndarray  # [n] rows R0 .. written to the KV
+    all_drafts: np.ndarray  # [n, width] every draft computed, kept or not
+
+
+def _mask_rows(plan: ChainPlan, rows: np.ndarray, drafts_before: np.ndarray, steps: int):
+    """[steps, len(rows)] index into [bitmasks; all-ones row] of each step's mask (a mask
+    of fewer rows than drafts repeats its last row)."""
+    step = np.arange(steps)[:, None]
+    counts, starts = plan.mask_counts[rows], plan.mask_starts[rows]
+    own = starts + np.minimum(drafts_before + step, np.maximum(counts, 1) - 1)
+    return np.where(counts > 0, own, plan.bitmasks.shape[0])
+
+
+def _masks(plan: ChainPlan, index: np.ndarray) -> torch.Tensor:
+    ones = plan.bitmasks.new_full((1, plan.bitmasks.shape[1]), -1)
+    return torch.cat([plan.bitmasks, ones])[torch.from_numpy(index)]
+
+
+def draft(
+    head: MTPHead, kv: KVCache, table: StateTable, plan: ChainPlan
+) -> tuple[Drafted, torch.Tensor]:
+    """The drafts of every state, and the output hidden of each one's last computed row
+    ([n, H] on the device)."""
+    n, k = len(plan.slots), plan.num_drafts
+    width = int(k.max())
+    tokens = np.full((n, width), -1, np.int64)
+    probs = np.zeros((n, width), np.float32)
+    offsets = np.zeros(n, np.int64)  # drafts taken before the chain: 1 if recomputed
+    first = None
+    if plan.recompute:
+        first = _first_drafts(head, kv, table, plan)
+        tokens[first.rows, 0], probs[first.rows, 0] = first.drafts, first.probs
+        offsets[first.rows] = 1
+    limits = k - offsets
+    chained = np.flatnonzero(limits > 0)
+    out = None
+    if len(chained):
+        out = _chain(head, kv, table, plan, chained, offsets, limits, first)
+        step, column = np.nonzero(np.arange(out.tokens.shape[0])[:, None] < limits[chained])
+        rows = chained[column]
+        tokens[rows, offsets[rows] + step] = out.tokens[step, column]
+        probs[rows, offsets[rows] + step] = out.probs[step, column]
+    drafted = _confident(tokens, probs, k, plan.min_confidence)
+    # Each state's last computed row: a step of the chain, or R0 of a recomputing state
+    # that stopped at its first draft.
+    last = drafted.rows_computed - 1
+    hiddens = torch.empty(n, head.config.hidden_size, dtype=head.dtype, device=head.device)
+    in_chain = np.flatnonzero(last >= offsets)
+    if len(in_chain):
+        step = torch.from_numpy(last[in_chain] - offsets[in_chain])
+        column = torch.from_numpy(np.searchsorted(chained, in_chain))
+        picked = out.hiddens[step, column]
+        if len(in_chain) == n:
+            return drafted, picked
+        hiddens[torch.from_numpy(in_chain)] = picked
+    at_r0 = np.flatnonzero(last < offsets)
+    if len(at_r0):
+        hiddens[torch.from_numpy(at_r0)] = first.hiddens[np.searchsorted(first.rows, at_r0)]
+    return drafted, hiddens
+
+
+@dataclass
+class _FirstDrafts:
+    rows: np.ndarray  # [r] the plan's rows that recompute, ascending
+    hiddens: torch.Tensor  # [r, H] on the device: R0's output
+    drafts: np.ndarray  # [r]
+    probs: np.ndarray  # [r]
+
+
+def _first_drafts(head, kv, table, plan: ChainPlan) -> _FirstDrafts:
+    """One forward: each recomputing state's verdict rows followed by its R0."""
+    rows = np.array([i for i, _ in plan.recompute], np.int64)
+    r0 = plan.hiddens[torch.from_numpy(rows)].to(head.device, head.dtype)
     segments = []
-    for chain, rows in zip(chains, recomputed, strict=True):
-        hidden = chain.args.hidden.reshape(1, -1)
-        hiddens = torch.cat([rows.hiddens.to(head.device), hidden.to(head.device)])
-        segments.append(
-            Segment(chain.state, rows.start_row, [*rows.tokens, chain.args.token], hiddens)
-        )
-    masks = [c.mask_row() for c in chains]
+    for j, (i, recomputed) in enumerate(plan.recompute):
+        hiddens = torch.cat([recomputed.hiddens.to(head.device, head.dtype), r0[j : j + 1]])
+        tokens = np.append(recomputed.tokens, plan.tokens[i])
+        segments.append(Segment(int(plan.slots[i]), recomputed.start_row, tokens, hiddens))
     bitmask = None
-    if any(m is not None for m in masks):
-        full = torch.full_like(next(m for m in masks if m is not None), -1)
-        bitmask = torch.stack([full if m is None else m for m in masks]).to(head.device)
-    hidden, tokens, probs = draft_segments(head, kv, segments, bitmask)
-    for chain, out, token, prob in zip(
-        chains, hidden, tokens.tolist(), probs.tolist(), strict=True
-    ):
-        chain.last_hidden = out
-        chain.rows_computed += 1
-        chain.take(token, prob)
+    if plan.bitmasks is not None:
+        index = _mask_rows(plan, rows, np.zeros(len(rows), np.int64), 1)[0]
+        bitmask = _masks(plan, index).to(head.device)
+    hidden, drafts, probs = draft_segments(head, kv, table, segments, bitmask)
+    return _FirstDrafts(rows, hidden, drafts.cpu().numpy(), probs.float().cpu().numpy())
 
 
-def _chain_bitmasks(chains: list[Chain], steps: int) -> torch.Tensor | None:
-    """[steps, n, W] int32: each chain's mask for each of its next drafts (all-ones if none)."""
-    masked = [(i, c.bitmask) for i, c in enumerate(chains) if c.bitmask is not None]
-    if not masked:
-        return None
-    words = masked[0][1].shape[1]
-    out = torch.full((steps, len(chains), words), -1, dtype=torch.int32)
-    for i, mask in masked:
-        # A mask of fewer rows than drafts repeats its last row.
-        rows = (len(chains[i].drafts) + torch.arange(steps)).clamp_max(mask.shape[0] - 1)
-        out[:, i] = mask[rows]
-    return out
-
-
-def _rows(hiddens: list[torch.Tensor]) -> torch.Tensor:
-    """[n, H] from rows of [H] (the usual) or [1, H]: one torch call when they agree, as
-    each torch call on the engine thread hands the GIL to the event loop."""
-    if all(h.dim() == 1 for h in hiddens):
-        return torch.stack(hiddens)
-    return torch.cat([h if h.dim() == 2 else h[None] for h in hiddens])
-
-
-def chain_drafts(head: MTPHead, kv: KVCache, chains: list[Chain]) -> None:
-    """The remaining drafts of every chain in one device-side chain of decode steps."""
-    limits = [c.args.num_drafts - len(c.drafts) for c in chains]
-    starts = [c.next_input() for c in chains]
-    hiddens = [h for _, h, _ in starts]
-    if len({h.device for h in hiddens}) > 1:  # fresh chains' hiddens on the host, others not
-        hiddens = [h.to(head.device) for h in hiddens]
-    out = head.decode_chain(
+def _chain(head, kv, table, plan: ChainPlan, chained, offsets, limits, first):
+    """The chain of decode steps of the rows `chained`: fresh ones start at R0,
+    recomputing ones after their first draft (its token, R0's output hidden)."""
+    whole = len(chained) == len(plan.slots)
+    hiddens = plan.hiddens if whole else plan.hiddens[torch.from_numpy(chained)]
+    tokens = plan.tokens[chained]
+    if first is not None:
+        going = limits[first.rows] > 0
+        at = np.searchsorted(chained, first.rows[going])
+        hiddens = hiddens.to(head.device, head.dtype)
+        hiddens[torch.from_numpy(at)] = first.hiddens[torch.from_numpy(going)]
+        tokens = tokens.copy()
+        tokens[at] = first.drafts[going]
+    steps = int(limits[chained].max())
+    masks = None
+    if plan.bitmasks is not None:
+        masks = _masks(plan, _mask_rows(plan, chained, offsets[chained], steps))
+    return head.decode_chain(
         kv,
         ChainInputs(
-            tokens=torch.tensor([t for t, _, _ in starts], dtype=torch.int64),
-            hiddens=_rows(hiddens),
-            positions=torch.tensor([row for _, _, row in starts], dtype=torch.int64),
-            limits=torch.tensor(limits, dtype=torch.int64),
-            block_tables=block_tables([c.state for c in chains]),
-            bitmasks=_chain_bitmasks(chains, max(limits)),
+            tokens=tokens,
+            hiddens=hiddens,
+            positions=plan.base_rows[chained] + offsets[chained],
+            limits=limits[chained],
+            block_tables=table.block_tables(plan.slots[chained]),
+            bitmasks=masks,
         ),
     )
-    last_step = [0] * len(chains)
-    for j, (tokens, probs) in enumerate(zip(out.tokens, out.probs, strict=True)):
-        for i, c in enumerate(chains):
-            if j < limits[i] and not c.done:
-                last_step[i] = j
-                c.rows_computed += 1
-                c.take(tokens[i], probs[i])
-    # One torch call for them all, not one index per chain (~3 us each, which lets go of
-    # the GIL): a view of the last step when every chain ran every step, else a gather.
-    if len(set(last_step)) == 1:
-        last_hiddens = out.hiddens[last_step[0]]
-    else:
-        last_hiddens = out.hiddens[last_step, list(range(len(chains)))]
-    for c, hidden in zip(chains, last_hiddens.unbind(0), strict=True):
-        c.last_hidden = hidden
+
+
+def _confident(tokens, probs, k, min_confidence) -> Drafted:
+    """The drafts kept: each chain stops before the first draft that takes its running
+    minimum probability below min_confidence."""
+    width = tokens.shape[1]
+    valid = np.arange(width)[None, :] < k[:, None]
+    running = np.minimum.accumulate(np.where(valid, probs, np.inf), axis=1)
+    counts = ((running >= min_confidence[:, None]) & valid).sum(axis=1)
+    confidences = running[np.arange(len(k)), np.minimum(counts, k - 1)].astype(np.float64)
+    kept = np.arange(width)[None, :] < counts[:, None]
+    return Drafted(
+        drafts=np.where(kept, tokens, -1),
+        probs=np.where(kept, probs, 0).astype(np.float32),
+        counts=counts,
+        confidences=confidences,
+        rows_computed=np.minimum(counts + 1, k),
+        all_drafts=tokens,
+    )

@@ -13,46 +13,35 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+
+import numpy as np
+import torch
 
 from ..model.mtp_head import MTPHead
 from . import validation as check
+from .admission import (
+    Limits,
+    admit,
+    not_finite,
+    num_accepted_out_of_range,
+    position_mismatch,
+    position_too_large,
+)
 from .block_pool import BlockPool
-from .chain import Chain, VerdictPlan
-from .drafting import draft_all
+from .drafting import ChainPlan, draft
 from .errors import (
     DrafterError,
     FailedPrecondition,
-    InvalidArgument,
     NotFound,
     ResourceExhausted,
     Unavailable,
 )
 from .prefill import PrefillSession
 from .rows import Segment, run_segments
-from .state import DrafterState, KVHandle, PendingProposal
+from .state import DrafterState, KVHandle, StateTable
+from .step import Step, StepResult, refeed_rows
 from .types import EngineInfo, Proposal, ProposeArgs, RowCount, TakenKV, Verdict
-
-# id(tensor) -> whether it is free of NaN and inf, for every hidden of one batch.
-Finiteness = dict[int, bool]
-
-
-def _finiteness(requests: Iterable[ProposeArgs]) -> Finiteness:
-    """Whether a batch's hiddens and refeed hiddens are free of NaN and inf: as their
-    reader found, or else checked here together (see check.finite_flags)."""
-    known: Finiteness = {}
-    unknown = {}
-    for args in requests:
-        pairs = [(args.hidden, args.hidden_finite)]
-        if args.previous is not None and args.previous.refeed_hiddens is not None:
-            pairs.append((args.previous.refeed_hiddens, args.previous.refeed_finite))
-        for tensor, finite in pairs:
-            if finite is None:
-                unknown[id(tensor)] = tensor
-            else:
-                known[id(tensor)] = finite
-    known.update(zip(unknown, check.finite_flags(list(unknown.values())), strict=True))
-    return known
 
 
 class DraftEngine:
@@ -75,11 +64,23 @@ class DraftEngine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.head = head
+        c = head.config
         self.kv = head.new_kv_cache(kv_blocks, block_size)
         if cuda_graphs and head.device.type == "cuda":
             head.capture_decode_graphs(self.kv, max_batch, max_drafts)
         self.pool = BlockPool(kv_blocks)
         self.block_size = block_size
+        self.table = StateTable(
+            max_states,
+            -(-c.max_position_embeddings // block_size),
+            max_drafts,
+            block_size,
+            self.pool,
+            (c.hidden_size, head.dtype, head.device),
+        )
+        self.limits = Limits(
+            c.vocab_size, c.max_position_embeddings, max_drafts, max_rows_per_state
+        )
         self.max_states = max_states
         self.max_states_per_owner = max_states_per_owner
         self.max_rows_per_state = max_rows_per_state
@@ -92,8 +93,8 @@ class DraftEngine:
         self.states: dict[int, DrafterState] = {}
         self.handles: dict[int, KVHandle] = {}
         self.draining = False
-        # Called with (drafts proposed, drafts accepted) for every verdict: metrics.
-        self.on_verdict: Callable[[int, int], None] | None = None
+        # Called with the drafts proposed and accepted of every verdict ([n] each): metrics.
+        self.on_verdicts: Callable[[np.ndarray, np.ndarray], None] | None = None
 
     # ---- bookkeeping -------------------------------------------------------
 
@@ -127,7 +128,8 @@ class DraftEngine:
             if new and new not in taken:
                 return new
 
-    def _state(self, state_id: int) -> DrafterState:
+    def state(self, state_id: int) -> DrafterState:
+        """The live state, its lease renewed; NOT_FOUND if there is none."""
         state = self.states.get(state_id)
         if state is None:
             raise NotFound(
@@ -135,7 +137,7 @@ class DraftEngine:
                 reason="STATE_NOT_FOUND",
                 field="state_id",
             )
-        state.last_used = self.clock()
+        state.touch(self.clock())
         return state
 
     def _check_not_prefilling(self, state: DrafterState, action: str) -> None:
@@ -147,9 +149,9 @@ class DraftEngine:
 
     def _idle_state(self, state_id: int, action: str) -> DrafterState:
         """A state with no open Prefill and no pending proposal."""
-        state = self._state(state_id)
+        state = self.state(state_id)
         self._check_not_prefilling(state, action)
-        if state.pending is not None:
+        if self.table.pending_row[state.slot] >= 0:
             raise FailedPrecondition(
                 f"cannot {action}: state {state_id} has a proposal awaiting its verdict "
                 "(call AfterVerify, or pass it as Propose.previous)",
@@ -157,50 +159,29 @@ class DraftEngine:
             )
         return state
 
-    def _blocks_for(self, rows: int) -> int:
-        return -(-rows // self.block_size)
-
-    def _reserve(self, needs: list[tuple[DrafterState, int]]) -> None:
-        """Grows each state's blocks to cover its row count, all or nothing."""
+    def reserve(self, state: DrafterState, rows: int, field: str) -> None:
+        """Grows the state's blocks to hold `rows` rows (the last at index rows - 1)."""
+        if rows > self.limits.max_position:
+            raise position_too_large(rows - 1, self.limits.max_position, field)
         limit = self.max_rows_per_state
-        for state, rows in needs:
-            if limit is not None and rows > limit:
-                raise ResourceExhausted(
-                    f"state {state.id} would hold {rows} rows; the limit per state is {limit}",
-                    reason="ROWS_PER_STATE_EXCEEDED",
-                )
-        extra = [(s, max(0, self._blocks_for(rows) - len(s.blocks))) for s, rows in needs]
-        total = sum(n for _, n in extra)
-        if total > self.pool.num_free:
+        if limit is not None and rows > limit:
             raise ResourceExhausted(
-                f"no free KV blocks: {total} needed, {self.pool.num_free} of "
+                f"state {state.id} would hold {rows} rows; the limit per state is {limit}",
+                reason="ROWS_PER_STATE_EXCEEDED",
+            )
+        slots = np.array([state.slot])
+        needed = int(self.table.extra_blocks(slots, np.array([rows]))[0])
+        if needed > self.pool.num_free:
+            raise ResourceExhausted(
+                f"no free KV blocks: {needed} needed, {self.pool.num_free} of "
                 f"{self.pool.num_total} free",
                 reason="KV_BLOCKS_EXHAUSTED",
             )
-        for state, n in extra:
-            state.add_blocks(self.pool.allocate(n))
-
-    def _trim(self, state: DrafterState) -> None:
-        self.pool.free(state.drop_blocks(self._blocks_for(state.num_rows)))
-
-    def _check_rows_fit(self, last_row: int, field: str) -> None:
-        limit = self.head.config.max_position_embeddings
-        if last_row >= limit:
-            raise InvalidArgument(
-                f"{field}: row at position {last_row + 1} exceeds the model's "
-                f"max_position_embeddings ({limit})",
-                reason="POSITION_TOO_LARGE",
-                field=field,
-            )
+        self.table.grow(slots, np.array([rows]))
 
     def _check_position(self, position: int, expected: int, field: str) -> None:
         if position != expected:
-            raise InvalidArgument(
-                f"{field}: position {position} does not continue the state, which expects "
-                f"{expected}",
-                reason="POSITION_MISMATCH",
-                field=field,
-            )
+            raise position_mismatch(position, expected, field)
 
     # ---- lifecycle ---------------------------------------------------------
 
@@ -219,7 +200,8 @@ class DraftEngine:
                 reason="STATES_PER_CLIENT_EXCEEDED",
             )
         state_id = self._new_id(self.states)
-        self.states[state_id] = DrafterState(id=state_id, last_used=self.clock(), owner=owner)
+        slot = self.table.take_slot(self.clock())
+        self.states[state_id] = DrafterState(state_id, owner, slot, self.table)
         self._owned[owner] = owned + 1
         return state_id
 
@@ -232,7 +214,7 @@ class DraftEngine:
             self._owned[state.owner] = left
         else:
             del self._owned[state.owner]
-        self.pool.free(state.replace_blocks([]))
+        self.table.release_slot(state.slot)
         return True
 
     def reap_expired(self) -> tuple[int, int]:
@@ -240,7 +222,8 @@ class DraftEngine:
         now = self.clock()
         # A Prefill stream renews the lease with every chunk; one silent for a whole
         # TTL is as dead as an idle state (its client may have vanished mid-stream).
-        stale = [s.id for s in self.states.values() if now - s.last_used > self.state_ttl]
+        used = self.table.last_used
+        stale = [s.id for s in self.states.values() if now - used[s.slot] > self.state_ttl]
         for state_id in stale:
             self.free_state(state_id)
         expired = [h.id for h in self.handles.values() if now > h.expires_at]
@@ -266,62 +249,75 @@ class DraftEngine:
         self._check_position(start_position, state.next_position, "start_position")
         return PrefillSession(self, state)
 
+    def compute_rows(self, state: DrafterState, tokens: np.ndarray, hiddens: torch.Tensor) -> None:
+        """Appends committed rows to the state (its blocks must hold them), in forwards
+        of at most prefill_rows_per_forward rows."""
+        step = self.prefill_rows_per_forward
+        for lo in range(0, len(tokens), step):
+            rows = hiddens[lo : lo + step]  # moved to the device with the batch's inputs
+            segment = Segment(state.slot, state.num_rows, tokens[lo : lo + step], rows)
+            run_segments(self.head, self.kv, self.table, [segment])
+            state.num_rows += rows.shape[0]
+
     # ---- the propose / verify cycle -----------------------------------------
 
-    def _plan_verdict(
-        self, state: DrafterState, verdict: Verdict, field: str, finite: Finiteness | None = None
-    ) -> VerdictPlan:
-        pending = state.pending
-        if pending is None:
+    def _apply_verdicts(
+        self, slots: np.ndarray, accepted: np.ndarray, refeeds: list[torch.Tensor | None]
+    ) -> list[Segment | None]:
+        """Applies verdicts on the states' pending proposals (checked already): truncates
+        each state to the rows it keeps and returns the rows each must compute next
+        (DESIGN.md, "AfterVerify: which rows remain")."""
+        t = self.table
+        first, k = t.pending_row[slots], t.pending_count[slots]
+        computed_end = first + t.pending_computed[slots]
+        rows_after = first + 1 + accepted
+        keep = np.where(rows_after <= computed_end, rows_after, computed_end)
+        recompute: list[Segment | None] = [None] * len(slots)
+        for i, refeed in enumerate(refeeds):
+            slot = int(slots[i])
+            if refeed is not None:
+                # Cut back to R0; the accepted drafts' rows are recomputed with the
+                # target's hiddens.
+                keep[i] = first[i] + 1
+                tokens = t.pending_drafts[slot, : accepted[i]].copy()
+                recompute[i] = Segment(slot, int(keep[i]), tokens, refeed)
+            elif rows_after[i] > computed_end[i]:
+                # All k accepted and the row of d(k) not computed yet: (d(k), m(k-1)).
+                tokens = t.pending_drafts[slot, k[i] - 1 : k[i]].copy()
+                recompute[i] = Segment(slot, int(keep[i]), tokens, t.last_hidden[slot : slot + 1])
+        if self.on_verdicts is not None:
+            self.on_verdicts(k, accepted)
+        t.pending_row[slots] = -1
+        t.num_rows[slots] = keep
+        return recompute
+
+    def after_verify(self, state_id: int, verdict: Verdict) -> RowCount:
+        state = self.state(state_id)
+        self._check_not_prefilling(state, "apply a verdict")
+        t, slot = self.table, state.slot
+        if t.pending_row[slot] < 0:
             raise FailedPrecondition(
                 f"state {state.id} has no proposal awaiting a verdict",
                 reason="NO_PENDING_PROPOSAL",
             )
-        k, a = len(pending.drafts), verdict.num_accepted
+        k, a = int(t.pending_count[slot]), verdict.num_accepted
         if not 0 <= a <= k:
-            raise InvalidArgument(
-                f"{field}.num_accepted: {a} is outside [0, {k}] (the proposal had {k} drafts)",
-                reason="NUM_ACCEPTED_OUT_OF_RANGE",
-                field=f"{field}.num_accepted",
-            )
+            raise num_accepted_out_of_range(a, k, "verdict")
         refeed = verdict.refeed_hiddens
         if refeed is not None and refeed.numel() == 0 and a == 0:
             refeed = None
-        rows_after = pending.first_row + 1 + a
         if refeed is not None:
-            hiddens = check.check_hiddens(
-                refeed,
-                a,
-                self.head.config.hidden_size,
-                f"{field}.refeed_hiddens",
-                verdict.refeed_finite if finite is None else finite.get(id(refeed)),
-            )
-            segment = Segment(state, pending.first_row + 1, pending.drafts[:a], hiddens)
-            return VerdictPlan(pending.first_row + 1, segment, rows_after)
-        computed = pending.first_row + pending.rows_computed
-        if rows_after <= computed:
-            return VerdictPlan(rows_after, None, rows_after)
-        # All k accepted and the row of d(k) not computed yet: (d(k), m(k-1)).
-        segment = Segment(state, computed, [pending.drafts[-1]], pending.last_hidden[None])
-        return VerdictPlan(computed, segment, rows_after)
-
-    def _apply_truncation(self, state: DrafterState, plan: VerdictPlan) -> None:
-        if self.on_verdict is not None and state.pending is not None:
-            drafts = len(state.pending.drafts)
-            self.on_verdict(drafts, plan.rows_after - state.pending.first_row - 1)
-        state.pending = None
-        state.num_rows = plan.keep_rows
-
-    def after_verify(self, state_id: int, verdict: Verdict) -> RowCount:
-        state = self._state(state_id)
-        self._check_not_prefilling(state, "apply a verdict")
-        plan = self._plan_verdict(state, verdict, "verdict")
-        self._reserve([(state, plan.rows_after)])
-        self._apply_truncation(state, plan)
-        if plan.recompute is not None:
-            run_segments(self.head, self.kv, [plan.recompute])
-        state.num_rows = plan.rows_after
-        self._trim(state)
+            field = "verdict.refeed_hiddens"
+            refeed = refeed_rows(refeed, a, self.head.config.hidden_size, field)
+            if not check.finite_flags([refeed])[0]:
+                raise not_finite(field)
+        rows_after = int(t.pending_row[slot]) + 1 + a
+        self.reserve(state, rows_after, "verdict")
+        (segment,) = self._apply_verdicts(np.array([slot]), np.array([a]), [refeed])
+        if segment is not None:
+            run_segments(self.head, self.kv, self.table, [segment])
+        state.num_rows = rows_after
+        state.trim()
         return RowCount(state.num_rows, state.next_position)
 
     def propose(self, args: ProposeArgs) -> Proposal:
@@ -334,101 +330,109 @@ class DraftEngine:
             raise result
         return result
 
+    def step_of(self, requests: list[ProposeArgs]) -> Step:
+        """The requests as one Step, all or nothing (see Step.from_requests)."""
+        c = self.head.config
+        return Step.from_requests(requests, c.hidden_size, c.vocab_size)
+
     def propose_groups(
         self, groups: list[list[ProposeArgs]]
     ) -> list[list[Proposal] | DrafterError]:
-        """Drafts for many independent groups (one group per client call) in one batch.
-
-        Each group is validated and given its KV blocks all or nothing; a group that
-        fails gets its error in its place and changes nothing. The groups that pass
-        are drafted together, one batched forward per draft position.
-        """
+        """Drafts for many independent groups of requests in one batch (see propose_step)."""
         results: list[list[Proposal] | DrafterError | None] = [None] * len(groups)
-        admitted: list[tuple[int, list[Chain]]] = []
-        chains: list[Chain] = []
-        verdicts: list[VerdictPlan | None] = []
-        busy: set[int] = set()
-        finite = _finiteness(args for group in groups for args in group)
+        steps, placed = [], []
         for index, group in enumerate(groups):
             try:
-                planned = self._plan_group(group, busy, finite)
-                self._reserve([(c.state, c.base_row + c.args.num_drafts) for c, _ in planned])
+                check.check_batch_size(len(group), self.max_batch)
+                steps.append(self.step_of(group))
+                placed.append(index)
             except DrafterError as err:
                 results[index] = err
-                continue
-            busy.update(args.state_id for args in group)
-            admitted.append((index, [c for c, _ in planned]))
-            chains.extend(c for c, _ in planned)
-            verdicts.extend(v for _, v in planned)
-        if chains:
-            self._run_chains(chains, verdicts)
-        for index, group_chains in admitted:
-            results[index] = [self._finish(c) for c in group_chains]
+        if steps:
+            step = Step.concat(steps)
+            answer = self.propose_step(step)
+            lo = 0
+            for index, part in zip(placed, steps, strict=True):
+                hi = lo + len(part)
+                error = next((answer.errors[i] for i in range(lo, hi) if i in answer.errors), None)
+                ids = part.state_ids.tolist()
+                results[index] = error or [answer.proposal(lo + i, ids[i]) for i in range(hi - lo)]
+                lo = hi
         return results  # type: ignore[return-value]
 
-    def _plan_group(
-        self, group: list[ProposeArgs], busy: set[int], finite: Finiteness
-    ) -> list[tuple[Chain, VerdictPlan | None]]:
-        check.check_batch_size(len(group), self.max_batch)
-        planned, seen = [], set(busy)
-        for i, args in enumerate(group):
-            if args.state_id in seen:
-                raise InvalidArgument(
-                    f"requests[{i}]: state {args.state_id} appears twice in one batch",
-                    reason="DUPLICATE_STATE",
-                    field="requests",
-                )
-            seen.add(args.state_id)
-            planned.append(self._plan_proposal(args, finite))
-        return planned
+    def propose_step(self, step: Step) -> StepResult:
+        """Drafts for every row of the step, one batched forward per draft position.
 
-    def _run_chains(self, chains: list[Chain], verdicts: list[VerdictPlan | None]) -> None:
-        """Applies the verdicts, then chains the drafts: one forward per draft position."""
-        for chain, verdict in zip(chains, verdicts, strict=True):
-            if verdict is not None:
-                self._apply_truncation(chain.state, verdict)
-        draft_all(self.head, self.kv, chains, verdicts)
-
-    def _plan_proposal(
-        self, args: ProposeArgs, finite: Finiteness
-    ) -> tuple[Chain, VerdictPlan | None]:
-        c = self.head.config
-        if args.previous is not None:
-            state = self._state(args.state_id)
-            self._check_not_prefilling(state, "propose")
-            verdict = self._plan_verdict(state, args.previous, "previous", finite)
-            base_row = verdict.rows_after
-        else:
-            state = self._idle_state(args.state_id, "propose")
-            verdict, base_row = None, state.num_rows
-        self._check_position(args.position, base_row + 1, "position")
-        check.check_tokens([args.token], c.vocab_size, "token")
-        hidden = check.check_row(args.hidden, c.hidden_size, "hidden", finite[id(args.hidden)])
-        check.check_num_drafts(args.num_drafts, self.max_drafts)
-        check.check_min_confidence(args.min_confidence)
-        bitmask = check.check_bitmask(args.bitmask, args.num_drafts, c.vocab_size)
-        self._check_rows_fit(base_row + args.num_drafts, "position")
-        # Inputs stay on the host: the chain stages a whole batch in one copy each.
-        args.hidden = hidden
-        return Chain(args, state, base_row, bitmask), verdict
-
-    def _finish(self, chain: Chain) -> Proposal:
-        state = chain.state
-        state.pending = PendingProposal(
-            first_row=chain.base_row,
-            drafts=chain.drafts,
-            rows_computed=chain.rows_computed,
-            last_hidden=chain.last_hidden,
+        The rows of a group stand or fail together; a failed row gets its group's
+        error in the answer and changes nothing. Rows of groups that pass are drafted
+        together: their verdicts applied, their chains run, their proposals left
+        pending.
+        """
+        b = len(step)
+        slots = np.fromiter(
+            (s.slot if (s := self.states.get(i)) else -1 for i in step.state_ids.tolist()),
+            np.int64,
+            b,
         )
-        state.num_rows = chain.base_row + chain.rows_computed
-        self._trim(state)
-        return Proposal(
-            state_id=state.id,
-            tokens=chain.drafts,
-            probs=chain.probs,
-            confidence=chain.chain,
-            first_position=chain.args.position + 1,
+        known = slots[slots >= 0]
+        self.table.last_used[known] = self.clock()
+        admitted = admit(step, slots, self.table, self.limits)
+        width = int(step.num_drafts.max()) if b else 0
+        result = StepResult(
+            drafts=np.full((b, width), -1, np.int64),
+            probs=np.zeros((b, width), np.float32),
+            counts=np.zeros(b, np.int64),
+            confidences=np.zeros(b, np.float64),
+            first_positions=np.zeros(b, np.int64),
+            errors=admitted.errors,
         )
+        rows = admitted.rows
+        if not len(rows):
+            return result
+        self._draft(step, rows, admitted.slots, admitted.base_rows, result)
+        return result
+
+    def _draft(self, step, rows, slots, base_rows, result: StepResult) -> None:
+        t = self.table
+        k = step.num_drafts[rows]
+        t.grow(slots, base_rows + k)
+        recompute: list[tuple[int, Segment]] = []
+        judged = np.flatnonzero(step.num_accepted[rows] >= 0)
+        if len(judged):
+            refeeds = _ragged_rows(step.refeed_hiddens, step.refeed_counts, rows[judged])
+            segments = self._apply_verdicts(slots[judged], step.num_accepted[rows][judged], refeeds)
+            recompute = [(int(judged[j]), s) for j, s in enumerate(segments) if s is not None]
+        mask_starts = np.cumsum(step.mask_counts) - step.mask_counts
+        drafted, last_hiddens = draft(
+            self.head,
+            self.kv,
+            t,
+            ChainPlan(
+                slots=slots,
+                tokens=step.tokens[rows],
+                hiddens=step.hiddens if len(rows) == len(step) else step.hiddens[rows],
+                base_rows=base_rows,
+                num_drafts=k,
+                min_confidence=step.min_confidence[rows],
+                mask_starts=mask_starts[rows],
+                mask_counts=step.mask_counts[rows],
+                bitmasks=step.bitmasks,
+                recompute=recompute,
+            ),
+        )
+        t.pending_row[slots] = base_rows
+        t.pending_count[slots] = drafted.counts
+        t.pending_computed[slots] = drafted.rows_computed
+        t.pending_drafts[slots, : drafted.all_drafts.shape[1]] = drafted.all_drafts
+        t.last_hidden[torch.from_numpy(slots).to(t.last_hidden.device)] = last_hiddens
+        t.num_rows[slots] = base_rows + drafted.rows_computed
+        t.trim(slots)
+        width = drafted.drafts.shape[1]
+        result.drafts[rows, :width] = drafted.drafts
+        result.probs[rows, :width] = drafted.probs
+        result.counts[rows] = drafted.counts
+        result.confidences[rows] = drafted.confidences
+        result.first_positions[rows] = step.positions[rows] + 1
 
     # ---- KV hand-off -------------------------------------------------------
 
@@ -436,7 +440,7 @@ class DraftEngine:
         state = self._idle_state(state_id, "take its KV")
         handle = KVHandle(
             id=self._new_id(self.handles),
-            blocks=state.replace_blocks([]),
+            blocks=self.table.detach_blocks(state.slot),
             num_rows=state.num_rows,
             expires_at=self.clock() + self.state_ttl,
         )
@@ -445,7 +449,7 @@ class DraftEngine:
         return TakenKV(handle.id, handle.num_rows, self.state_ttl)
 
     def install_kv(self, state_id: int, handle_id: int) -> RowCount:
-        state = self._state(state_id)
+        state = self.state(state_id)
         handle = self.handles.get(handle_id)
         if handle is None:
             raise NotFound(
@@ -460,6 +464,17 @@ class DraftEngine:
                 reason="STATE_NOT_EMPTY",
             )
         del self.handles[handle_id]
-        self.pool.free(state.replace_blocks(handle.blocks))
+        self.pool.free(self.table.detach_blocks(state.slot))
+        self.table.attach_blocks(state.slot, handle.blocks)
         state.num_rows = handle.num_rows
         return RowCount(state.num_rows, state.next_position)
+
+
+def _ragged_rows(
+    tensor: torch.Tensor | None, counts: np.ndarray, rows: np.ndarray
+) -> list[torch.Tensor | None]:
+    """The part of a ragged tensor (counts[i] rows for row i) of each of `rows`."""
+    if tensor is None:
+        return [None] * len(rows)
+    starts = np.cumsum(counts) - counts
+    return [tensor[starts[i] : starts[i] + counts[i]] if counts[i] else None for i in rows]

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from . import validation as check
-from .rows import Segment, run_segments
-from .state import DrafterState
 from .types import RowCount
 
 if TYPE_CHECKING:
     from .engine import DraftEngine
+    from .state import DrafterState
 
 
 class PrefillSession:
@@ -24,27 +24,18 @@ class PrefillSession:
         self.rows_before = state.num_rows
         state.prefilling = True
 
-    def _live_state(self) -> DrafterState:
-        return self.engine._state(self.state_id)
-
     def append(self, tokens: list[int], hiddens: torch.Tensor) -> None:
-        engine, state = self.engine, self._live_state()
+        engine, state = self.engine, self.engine.state(self.state_id)
         c = engine.head.config
         check.check_tokens(tokens, c.vocab_size, "tokens")
         hiddens = check.check_hiddens(hiddens, len(tokens), c.hidden_size, "hiddens")
         if not tokens:
             return
-        engine._check_rows_fit(state.num_rows + len(tokens) - 1, "tokens")
-        engine._reserve([(state, state.num_rows + len(tokens))])
-        step = engine.prefill_rows_per_forward
-        for lo in range(0, len(tokens), step):
-            rows = hiddens[lo : lo + step]  # moved to the device with the batch's inputs
-            segment = Segment(state, state.num_rows, tokens[lo : lo + step], rows)
-            run_segments(engine.head, engine.kv, [segment])
-            state.num_rows += rows.shape[0]
+        engine.reserve(state, state.num_rows + len(tokens), "tokens")
+        engine.compute_rows(state, np.asarray(tokens, np.int64), hiddens)
 
     def finish(self) -> RowCount:
-        state = self._live_state()
+        state = self.engine.state(self.state_id)
         state.prefilling = False
         return RowCount(state.num_rows, state.next_position)
 
@@ -54,4 +45,4 @@ class PrefillSession:
             return
         state.prefilling = False
         state.num_rows = self.rows_before
-        self.engine._trim(state)
+        state.trim()

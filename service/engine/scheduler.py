@@ -1,9 +1,10 @@
 """Merges concurrent Propose calls from many clients into batched forwards.
 
-Each call (a Propose, a ProposeBatch, a message of a stream) is a job of one or
-more requests. The loop takes the queued jobs in arrival order, as many as fit
-in one batch (at most max_batch requests, each state at most once), and runs
-them as one `propose_groups` call: one batched forward per draft position. A
+Each call (a Propose, a ProposeBatch, a message of a stream, a ProposeColumns
+step) is a job: a Step of one or more requests, made as the call arrives. The
+loop takes the queued jobs in arrival order, as many as fit in one batch (at
+most max_batch requests, each state at most once), joins their Steps and runs
+them as one `propose_step` call: one batched forward per draft position. A
 job whose state is already in the batch waits for the next one, so no client
 is skipped twice in a row. While a batch computes, new jobs queue up; the next
 batch takes them all (continuous batching).
@@ -29,18 +30,18 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import islice
 
 from .engine import DraftEngine
-from .errors import DeadlineExceeded, DrafterError, ResourceExhausted, Unavailable
+from .errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from .runner import EngineRunner
+from .step import Step, StepResult
 from .types import JobTiming, Proposal, ProposeArgs
 from .validation import check_batch_size
 
 
 @dataclass
 class _Job:
-    requests: list[ProposeArgs]
+    step: Step
     future: asyncio.Future
     deadline: float | None  # loop time
     timing: JobTiming
@@ -49,7 +50,19 @@ class _Job:
     states: set[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.states = {r.state_id for r in self.requests}
+        self.states = set(self.step.state_ids.tolist())
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def answer(self, result: StepResult) -> list[Proposal] | StepResult | BaseException:
+        """The call's answer from its rows of the batch's result."""
+        if self.apart:
+            return result
+        if result.errors:
+            return result.errors[min(result.errors)]  # the group's error, on every row
+        ids = self.step.state_ids.tolist()
+        return [result.proposal(i, state) for i, state in enumerate(ids)]
 
 
 @dataclass
@@ -136,7 +149,7 @@ class ProposeScheduler:
         self._queue.clear()
 
     async def submit(
-        self, requests: list[ProposeArgs], timeout: float | None = None
+        self, requests: list[ProposeArgs] | Step, timeout: float | None = None
     ) -> tuple[list[Proposal], JobTiming]:
         """Queues one call's requests; returns their proposals once their batch ran."""
         future, timing = self.enqueue(requests, timeout)
@@ -145,13 +158,15 @@ class ProposeScheduler:
         return await future, timing
 
     def enqueue(
-        self, requests: list[ProposeArgs], timeout: float | None = None, apart: bool = False
-    ) -> tuple[asyncio.Future[list], JobTiming]:
+        self, requests: list[ProposeArgs] | Step, timeout: float | None = None, apart: bool = False
+    ) -> tuple[asyncio.Future, JobTiming]:
         """Queues one call's requests; the future holds their proposals once their
-        batch ran. Cancelling it takes the call out of the queue. `apart`: each request
-        stands or fails alone, and the future holds a Proposal or a DrafterError each."""
+        batch ran. Cancelling it takes the call out of the queue. `apart` (a Step whose
+        rows stand or fail alone): the future holds the StepResult of its rows."""
         # A call larger than a batch could never be taken: refuse it here.
         check_batch_size(len(requests), self.max_batch)
+        if not isinstance(requests, Step):
+            requests = self.engine.step_of(requests)
         if self.closing:
             raise Unavailable("the server is stopping", reason="DRAINING")
         if len(self._queue) >= self.max_queue:
@@ -163,10 +178,10 @@ class ProposeScheduler:
         now = loop.time()
         deadline = None if timeout is None else now + timeout
         round_trips = {}
-        for request in requests:
-            answered = self._answered.pop(request.state_id, None)
+        for state in requests.state_ids.tolist():
+            answered = self._answered.pop(state, None)
             if answered is not None:
-                round_trips[request.state_id] = now - answered.at
+                round_trips[state] = now - answered.at
         timing = JobTiming(time.time_ns())
         job = _Job(requests, loop.create_future(), deadline, timing, round_trips, apart)
         self._queue.append(job)
@@ -189,11 +204,11 @@ class ProposeScheduler:
             if job.deadline is not None and now >= job.deadline:
                 job.future.set_exception(_deadline_passed())
                 continue
-            if size + len(job.requests) > self.max_batch or job.states & states:
+            if size + len(job) > self.max_batch or job.states & states:
                 deferred.append(job)
                 continue
             taken.append(job)
-            size += len(job.requests)
+            size += len(job)
             states |= job.states
         self._queue.extendleft(reversed(deferred))  # they keep their place in line
         return taken
@@ -222,7 +237,7 @@ class ProposeScheduler:
 
     async def _gather(self) -> None:
         """Waits for the states due back soon (see the module docstring)."""
-        if sum(len(job.requests) for job in self._queue) >= self.max_batch:
+        if sum(len(job) for job in self._queue) >= self.max_batch:
             return
         now = asyncio.get_running_loop().time()
         until = now + self.batch_wait
@@ -257,7 +272,7 @@ class ProposeScheduler:
     async def _run(self, batch: list[_Job]) -> None:
         started = time.time_ns()
 
-        def compute() -> tuple[list[_Job], list]:
+        def compute() -> tuple[list[_Job], StepResult | BaseException | None]:
             # On the engine thread, right before the forward: a job whose caller went
             # away or whose deadline passed while the batch waited for this thread is
             # left out, so that a failed call changes nothing. (future.done() read from
@@ -269,27 +284,24 @@ class ProposeScheduler:
                 if not job.future.done() and (job.deadline is None or now < job.deadline)
             ]
             if not live:
-                return live, []
-            groups = [[[r] for r in job.requests] if job.apart else [job.requests] for job in live]
+                return live, None
             try:
-                results = iter(self.engine.propose_groups([g for job in groups for g in job]))
+                return live, self.engine.propose_step(Step.concat([job.step for job in live]))
             except Exception as exc:  # a bug in the forward: fail the batch, keep serving
-                return live, [exc] * len(live)
-            return live, [
-                [r if isinstance(r, DrafterError) else r[0] for r in islice(results, len(g))]
-                if job.apart
-                else next(results)
-                for job, g in zip(live, groups, strict=True)
-            ]
+                return live, exc
 
-        live, results = await self.runner.call(compute)
+        live, result = await self.runner.call(compute)
         done = time.time_ns()
-        requests = sum(len(job.requests) for job in live)
+        requests = sum(len(job) for job in live)
         if live:
             self.batch_sizes[requests] += 1
             if self.on_batch is not None:
                 self.on_batch(requests, len(live))
-        outcome = dict(zip(map(id, live), results, strict=True))
+        outcome, lo = {}, 0
+        for job in live:
+            rows = result if isinstance(result, BaseException) else result.rows(lo, lo + len(job))
+            outcome[id(job)] = rows if isinstance(rows, BaseException) else job.answer(rows)
+            lo += len(job)
         for job in batch:
             job.timing.started_ns, job.timing.done_ns = started, done
             job.timing.batch_requests, job.timing.batch_jobs = requests, len(live)

@@ -1,16 +1,122 @@
-"""What the engine keeps per sequence (a state) and per detached KV (a handle)."""
+"""What the engine keeps per sequence (a state), in arrays indexed by the state's slot.
+
+A batch of B states reads and writes its bookkeeping (rows held, the pending
+proposal, the KV block table, the last output hidden) with a handful of array
+operations over the B slots, not B Python objects. `DrafterState` is a view of
+one slot, for the calls that touch one state (Prefill, AfterVerify, TakeKV).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .block_pool import BlockPool
+
+
+class StateTable:
+    """The bookkeeping of up to `capacity` states; a state holds one slot while it lives."""
+
+    def __init__(
+        self,
+        capacity: int,
+        max_blocks: int,
+        max_drafts: int,
+        block_size: int,
+        pool: BlockPool,
+        hidden: tuple[int, torch.dtype, torch.device],
+    ) -> None:
+        size, dtype, device = hidden
+        self.block_size = block_size
+        self.pool = pool
+        self.num_rows = np.zeros(capacity, np.int64)  # rows in the KV, pending ones included
+        self.prefilling = np.zeros(capacity, bool)  # a Prefill stream is open on it
+        self.last_used = np.zeros(capacity, np.float64)
+        # The pending proposal: R0's row index (-1: none), its drafts, rows computed.
+        self.pending_row = np.full(capacity, -1, np.int64)
+        self.pending_count = np.zeros(capacity, np.int64)
+        self.pending_drafts = np.zeros((capacity, max_drafts), np.int64)
+        self.pending_computed = np.zeros(capacity, np.int64)
+        # Output hidden of its last computed row: the hidden of the row of the last
+        # draft, should all drafts be accepted.
+        self.last_hidden = torch.zeros(capacity, size, dtype=dtype, device=device)
+        self.blocks = np.zeros((capacity, max_blocks), np.int32)
+        self.num_blocks = np.zeros(capacity, np.int64)
+        self._free_slots = list(range(capacity - 1, -1, -1))
+
+    @property
+    def max_blocks(self) -> int:
+        return self.blocks.shape[1]
+
+    def take_slot(self, now: float) -> int:
+        slot = self._free_slots.pop()
+        self.num_rows[slot] = self.num_blocks[slot] = 0
+        self.prefilling[slot] = False
+        self.pending_row[slot] = -1
+        self.last_used[slot] = now
+        return slot
+
+    def release_slot(self, slot: int) -> None:
+        self.pool.free(self.detach_blocks(slot))
+        self._free_slots.append(slot)
+
+    def blocks_for(self, rows: np.ndarray | int) -> np.ndarray | int:
+        return -(-rows // self.block_size)
+
+    def extra_blocks(self, slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Blocks each slot lacks to hold `rows` rows."""
+        return np.maximum(self.blocks_for(rows) - self.num_blocks[slots], 0)
+
+    def grow(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Gives each slot the blocks it lacks for its rows; the pool must hold them all."""
+        extra = self.extra_blocks(slots, rows)
+        growing = np.flatnonzero(extra)
+        if not len(growing):
+            return
+        taken = np.asarray(self.pool.allocate(int(extra.sum())), np.int32)
+        offset = 0
+        for i in growing:  # only the states that cross into a new block this step
+            slot, n = slots[i], extra[i]
+            held = self.num_blocks[slot]
+            self.blocks[slot, held : held + n] = taken[offset : offset + n]
+            self.num_blocks[slot] = held + n
+            offset += n
+
+    def trim(self, slots: np.ndarray) -> None:
+        """Returns to the pool the blocks past each slot's rows."""
+        keep = self.blocks_for(self.num_rows[slots])
+        for i in np.flatnonzero(self.num_blocks[slots] > keep):
+            slot = slots[i]
+            self.pool.free(self.blocks[slot, keep[i] : self.num_blocks[slot]].tolist())
+            self.num_blocks[slot] = keep[i]
+
+    def detach_blocks(self, slot: int) -> list[int]:
+        """The slot's blocks, which it holds no more."""
+        blocks = self.blocks[slot, : self.num_blocks[slot]].tolist()
+        self.num_blocks[slot] = 0
+        return blocks
+
+    def attach_blocks(self, slot: int, blocks: list[int]) -> None:
+        """Holds `blocks` (the slot holds none)."""
+        self.blocks[slot, : len(blocks)] = blocks
+        self.num_blocks[slot] = len(blocks)
+
+    def block_tables(self, slots: np.ndarray) -> np.ndarray:
+        """[len(slots), widest] int32: the slots' blocks, padded with zeros past each one's."""
+        width = max(int(self.num_blocks[slots].max()), 1)
+        return self.blocks[slots, :width]
+
+    def kv_slots(self, slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The flat KV slot (block * block_size + offset) of row `rows[i]` of `slots[i]`."""
+        bs = self.block_size
+        return self.blocks[slots, rows // bs].astype(np.int64) * bs + rows % bs
+
 
 @dataclass
 class PendingProposal:
-    """A proposal awaiting its verdict.
+    """A proposal awaiting its verdict, as StateTable keeps it (read, for a look at a state).
 
     Rows R0 (the committed row of the proposed token) .. R(rows_computed - 1)
     sit in the KV from row index first_row on; R(j) for j >= 1 is the
@@ -20,53 +126,54 @@ class PendingProposal:
     first_row: int
     drafts: list[int]
     rows_computed: int
-    last_hidden: torch.Tensor  # [H]: output hidden of the last computed row
 
 
-@dataclass
 class DrafterState:
-    """One sequence: its KV blocks, the rows they hold, and its place in the step cycle."""
+    """One live state: its id, owner (the client's host, for the per-owner limit) and slot."""
 
-    id: int
-    last_used: float
-    owner: str = ""  # who allocated it (the client's host), for the per-owner limit
-    blocks: list[int] = field(default_factory=list)  # changed only by the methods below
-    num_rows: int = 0  # rows in the KV, speculative ones of a pending proposal included
-    pending: PendingProposal | None = None
-    prefilling: bool = False  # a Prefill stream is open on it
-    _block_row: np.ndarray | None = field(default=None, repr=False, compare=False)
+    __slots__ = ("id", "owner", "slot", "table")
+
+    def __init__(self, state_id: int, owner: str, slot: int, table: StateTable) -> None:
+        self.id, self.owner, self.slot, self.table = state_id, owner, slot, table
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.table.num_rows[self.slot])
+
+    @num_rows.setter
+    def num_rows(self, rows: int) -> None:
+        self.table.num_rows[self.slot] = rows
 
     @property
     def next_position(self) -> int:
         """Position of the next row's token (rows are numbered by their hidden's position)."""
         return self.num_rows + 1
 
-    def add_blocks(self, blocks: list[int]) -> None:
-        if blocks:
-            self.blocks.extend(blocks)
-            self._block_row = None
+    @property
+    def prefilling(self) -> bool:
+        return bool(self.table.prefilling[self.slot])
 
-    def drop_blocks(self, keep: int) -> list[int]:
-        """Keeps the first `keep` blocks; returns the others."""
-        dropped = self.blocks[keep:]
-        if dropped:
-            del self.blocks[keep:]
-            self._block_row = None
-        return dropped
+    @prefilling.setter
+    def prefilling(self, value: bool) -> None:
+        self.table.prefilling[self.slot] = value
 
-    def replace_blocks(self, blocks: list[int]) -> list[int]:
-        """Holds `blocks` from now on; returns the blocks held until now."""
-        old, self.blocks, self._block_row = self.blocks, blocks, None
-        return old
+    @property
+    def pending(self) -> PendingProposal | None:
+        t, s = self.table, self.slot
+        if t.pending_row[s] < 0:
+            return None
+        drafts = t.pending_drafts[s, : t.pending_count[s]].tolist()
+        return PendingProposal(int(t.pending_row[s]), drafts, int(t.pending_computed[s]))
 
-    def block_row(self) -> np.ndarray:
-        """The blocks as int32, made again only after they change: a block table
-        filled from these took 94 us for 64 states of 220 blocks, 713 us from the
-        lists, in one C call that holds the GIL (served at 64 streams on an H200,
-        that fill was 15% of the engine thread's time holding the GIL)."""
-        if self._block_row is None:
-            self._block_row = np.array(self.blocks, dtype=np.int32)
-        return self._block_row
+    @property
+    def blocks(self) -> list[int]:
+        return self.table.blocks[self.slot, : self.table.num_blocks[self.slot]].tolist()
+
+    def touch(self, now: float) -> None:
+        self.table.last_used[self.slot] = now
+
+    def trim(self) -> None:
+        self.table.trim(np.array([self.slot]))
 
 
 @dataclass

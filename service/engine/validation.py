@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .errors import InvalidArgument
@@ -38,7 +36,7 @@ def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
         # Prefill chunk say, is read in place, not copied.
         group = [tensors[i] for i in members]
         rows = (group[0] if len(group) == 1 else torch.stack(group)).reshape(len(group), -1)
-        for i, ok in zip(members, _finite_rows(rows), strict=True):
+        for i, ok in zip(members, finite_rows(rows), strict=True):
             flags[i] = ok
     return flags
 
@@ -55,7 +53,7 @@ _EXPONENT_BITS = {
 }
 
 
-def _finite_rows(rows: torch.Tensor) -> list[bool]:
+def finite_rows(rows: torch.Tensor) -> list[bool]:
     """Whether each row of a 2-D float tensor is free of NaN and inf."""
     bits = _EXPONENT_BITS.get(rows.dtype)
     if bits is None:  # NaN and inf survive abs().amax(), faster than isfinite().all()
@@ -82,18 +80,6 @@ def check_hiddens(
     return hiddens
 
 
-def check_row(
-    hidden: torch.Tensor, hidden_size: int, field: str, finite: bool | None
-) -> torch.Tensor:
-    """One row of hiddens, [hidden_size] or [1, hidden_size], returned as it came: on the
-    engine thread a reshape per request would be a torch call each, every one a hand-off
-    of the GIL (64 a batch of 64, two thirds of the batch's torch calls)."""
-    if tuple(hidden.shape) != (hidden_size,):
-        return check_hiddens(hidden, 1, hidden_size, field, finite)
-    _check_values(hidden, field, finite)
-    return hidden
-
-
 def _check_values(hiddens: torch.Tensor, field: str, finite: bool | None) -> None:
     if not hiddens.is_floating_point():
         raise InvalidArgument(
@@ -109,15 +95,6 @@ def _check_values(hiddens: torch.Tensor, field: str, finite: bool | None) -> Non
         )
 
 
-def check_num_drafts(num_drafts: int, max_drafts: int) -> None:
-    if not 1 <= num_drafts <= max_drafts:
-        raise InvalidArgument(
-            f"num_drafts: {num_drafts} is outside [1, {max_drafts}]",
-            reason="NUM_DRAFTS_OUT_OF_RANGE",
-            field="num_drafts",
-        )
-
-
 def check_batch_size(size: int, max_batch: int) -> None:
     if not 1 <= size <= max_batch:
         raise InvalidArgument(
@@ -125,48 +102,3 @@ def check_batch_size(size: int, max_batch: int) -> None:
             reason="BATCH_SIZE_OUT_OF_RANGE",
             field="requests",
         )
-
-
-def check_min_confidence(value: float) -> None:
-    if math.isnan(value) or not 0.0 <= value <= 1.0:
-        raise InvalidArgument(
-            f"min_confidence: {value} is outside [0, 1]",
-            reason="MIN_CONFIDENCE_OUT_OF_RANGE",
-            field="min_confidence",
-        )
-
-
-def check_bitmask(
-    bitmask: torch.Tensor | None, num_drafts: int, vocab_size: int
-) -> torch.Tensor | None:
-    """Returns the mask as int32 [n, ceil(vocab / 32)], padded with disallowing zeros."""
-    if bitmask is None:
-        return None
-    words = (vocab_size + 31) // 32
-    mask = bitmask.reshape(1, -1) if bitmask.dim() == 1 else bitmask
-    if bitmask.dtype != torch.int32:
-        raise InvalidArgument(
-            f"bitmask: expected int32, got {bitmask.dtype}", reason="BAD_DTYPE", field="bitmask"
-        )
-    if mask.dim() != 2 or not 1 <= mask.shape[0] <= num_drafts or not 1 <= mask.shape[1] <= words:
-        raise InvalidArgument(
-            f"bitmask: expected shape [words] or [n, words] with 1 <= n <= num_drafts "
-            f"({num_drafts}) and 1 <= words <= {words}, got {list(bitmask.shape)}",
-            reason="BAD_SHAPE",
-            field="bitmask",
-        )
-    if mask.shape[1] < words:
-        mask = torch.cat([mask, mask.new_zeros(mask.shape[0], words - mask.shape[1])], dim=1)
-    tail_bits = vocab_size - 32 * (words - 1)  # bits of the last word that name real tokens
-    if tail_bits < 32:
-        mask = mask.clone()
-        mask[:, -1] &= (1 << tail_bits) - 1
-    empty = (mask == 0).all(dim=1)
-    if bool(empty.any()):
-        row = int(empty.nonzero()[0])
-        raise InvalidArgument(
-            f"bitmask: row {row} allows no token of the vocabulary",
-            reason="EMPTY_BITMASK",
-            field="bitmask",
-        )
-    return mask.contiguous()

@@ -20,42 +20,42 @@ import torch
 class ChainInputs:
     """n sequences, each to advance by limits[i] rows (one per step), described on the host."""
 
-    tokens: torch.Tensor  # [n] int64: the first row's token
+    tokens: np.ndarray  # [n] int64: the first row's token
     hiddens: torch.Tensor  # [n, H]: the first row's hidden (host or device)
-    positions: torch.Tensor  # [n] int64: the first row's position
-    limits: torch.Tensor  # [n] int64, >= 1: rows to compute (and KV rows to write)
-    block_tables: torch.Tensor  # [n, width] int32: KV blocks covering every row written
+    positions: np.ndarray  # [n] int64: the first row's position
+    limits: np.ndarray  # [n] int64, >= 1: rows to compute (and KV rows to write)
+    block_tables: np.ndarray  # [n, width] int32: KV blocks covering every row written
     bitmasks: torch.Tensor | None = None  # [steps, n, W] int32: allowed tokens per step
 
     def __len__(self) -> int:
-        return int(self.tokens.shape[0])
+        return len(self.tokens)
 
     @functools.cached_property
     def steps(self) -> int:
         return int(self.limits.max())
 
-    def step_rows(self, block_size: int) -> torch.Tensor:
+    def step_rows(self, block_size: int) -> np.ndarray:
         """[steps, 3, n] int64: each step's positions, KV slots and context lengths.
 
         A sequence past its limit repeats its last row's position (a valid context)
         and writes nothing (slot -1): its later outputs are meaningless.
         """
-        # In numpy, which keeps the GIL for arrays this small: each of the eight torch
-        # calls this took would let go of it, and the served engine thread then waits
-        # for the event loop to give it back.
-        limits, width = self.limits.numpy()[None, :], self.block_tables.shape[1]
+        # In numpy, which keeps the GIL for arrays this small: a torch call lets go of
+        # it, and the served engine thread then waits for the event loop to give it back.
+        limits, width = self.limits[None, :], self.block_tables.shape[1]
         step = np.arange(self.steps)[:, None]
-        positions = self.positions.numpy()[None, :] + np.minimum(step, limits - 1)
+        positions = self.positions[None, :] + np.minimum(step, limits - 1)
         pages = np.minimum(positions // block_size, width - 1)
-        blocks = np.take_along_axis(self.block_tables.numpy().T, pages, axis=0).astype(np.int64)
+        blocks = np.take_along_axis(self.block_tables.T, pages, axis=0).astype(np.int64)
         slots = np.where(step < limits, blocks * block_size + positions % block_size, -1)
-        return torch.from_numpy(np.stack([positions, slots, positions + 1], axis=1))
+        return np.stack([positions, slots, positions + 1], axis=1)
 
 
 @dataclass
 class ChainOutputs:
-    """Each step's output hiddens (on the device), drafts and their probabilities (host)."""
+    """Each step's output hiddens (on the device; valid until the next chain runs), drafts
+    and their probabilities (host)."""
 
     hiddens: torch.Tensor  # [steps, n, H]
-    tokens: list[list[int]]  # [steps][n]
-    probs: list[list[float]]  # [steps][n]
+    tokens: np.ndarray  # [steps, n] int64
+    probs: np.ndarray  # [steps, n] float32

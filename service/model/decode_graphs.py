@@ -1,4 +1,4 @@
-"""CUDA graphs of one chained decode step, per batch-size bucket: a chain is K replays.
+"""CUDA graphs of chained decode steps, per batch-size bucket: a chain of K drafts is one replay.
 
 A draft step at decode batch sizes is a couple dozen short kernels; launched one
 by one from Python they cost more than the step itself (measured: the eager step
@@ -7,14 +7,16 @@ batch-size bucket, and it advances itself: it reads its step's positions, slots
 and mask from tables staged for the whole chain (indexed by a step counter on the
 device), writes its draft, probability and hidden into per-step outputs, and feeds
 the draft and hidden to the next step (two small kernels: mtpdraft.kernels.chain_step).
-A chain of K drafts is then three host to device copies, K replays and one wait,
-with no kernel launched from Python in between (each such launch left the GPU idle
-for 5-10 us). Rows past the live batch are padding: they write no KV (slot -1) and
-their outputs are ignored.
+K such steps are captured in one graph, one graph per K up to max_steps (as SGLang
+captures all draft steps of EAGLE in one), so a chain of K drafts is three host to
+device copies, one replay and one wait, with no launch from the host in between.
+Rows past the live batch are padding: they write no KV (slot -1) and their outputs
+are ignored.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mtpdraft import kernels
@@ -58,7 +60,7 @@ class _Bucket:
         self.out_t_host = torch.zeros_like(self.out_t, device="cpu").pin_memory()
         self.out_p_host = torch.zeros_like(self.out_p, device="cpu").pin_memory()
         self.done = torch.cuda.Event()
-        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # (masked, steps)
 
     def step_fn(self, head, kv: KVCache, masked: bool):
         """The step the graph records: read this step's rows, compute, record, feed forward."""
@@ -109,21 +111,29 @@ class DecodeGraphs:
         for size in sorted(buckets, reverse=True):  # largest first: smaller ones reuse its pool
             bucket = _Bucket(head, size, max_steps, self.max_blocks, words)
             for masked in masks:
-                bucket.graphs[masked] = self._capture(bucket.step_fn(head, kv, masked), bucket)
+                step = bucket.step_fn(head, kv, masked)
+                self._warm_up(step, bucket)
+                for steps in range(1, max_steps + 1):
+                    bucket.graphs[masked, steps] = self._capture(step, steps)
             self._buckets[size] = bucket
         self.sizes = sorted(self._buckets)
 
-    def _capture(self, step, bucket: _Bucket) -> torch.cuda.CUDAGraph:
+    @staticmethod
+    def _warm_up(step, bucket: _Bucket) -> None:
+        """Runs the step outside a graph: Triton compiles, cuBLAS picks its kernels."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
+            for _ in range(2):
                 bucket.step.zero_()
                 step()
         torch.cuda.current_stream().wait_stream(side)
+
+    def _capture(self, step, steps: int) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            step()
+            for _ in range(steps):
+                step()
         return graph
 
     def fits(self, chain: ChainInputs) -> bool:
@@ -133,33 +143,31 @@ class DecodeGraphs:
             and chain.steps <= self.max_steps
         )
 
-    def run(self, chain: ChainInputs, step_rows: torch.Tensor) -> ChainOutputs:
+    def run(self, chain: ChainInputs, step_rows: np.ndarray) -> ChainOutputs:
         """The chain (see ChainInputs), given its step rows [steps, 3, n] on the host."""
-        graph = self.stage(chain, step_rows)
-        for _ in range(chain.steps):
-            graph.replay()
+        self.stage(chain, step_rows).replay()
         return self.collect(chain)
 
-    def stage(self, chain: ChainInputs, step_rows: torch.Tensor) -> torch.cuda.CUDAGraph:
-        """Copies the chain's inputs to its bucket; returns the graph to replay once per step."""
+    def stage(self, chain: ChainInputs, step_rows: np.ndarray) -> torch.cuda.CUDAGraph:
+        """Copies the chain's inputs to its bucket; returns the graph that runs the chain."""
         n, steps, width = len(chain), chain.steps, chain.block_tables.shape[1]
         b = self._bucket(n)
         # Staged in pinned host buffers and copied without waiting. The buffers are
         # free: the previous chain's wait covered its copies.
         rows = b.meta_host[: self.max_steps * 3 * b.size].view(self.max_steps, 3, b.size)
-        rows[:steps, :, :n] = step_rows
+        rows[:steps, :, :n] = torch.from_numpy(step_rows)
         rows[:steps, 0, n:], rows[:steps, 1, n:], rows[:steps, 2, n:] = 0, -1, 1
         tokens = b.meta_host[self.max_steps * 3 * b.size :]
-        tokens[:n] = chain.tokens
+        tokens[:n] = torch.from_numpy(chain.tokens)
         tokens[n:] = 0  # padding rows' tokens, and the step counter
         b.meta.copy_(b.meta_host, non_blocking=True)
         b.hiddens[:n].copy_(chain.hiddens, non_blocking=True)
-        b.block_tables[:n, :width].copy_(chain.block_tables, non_blocking=True)
+        b.block_tables[:n, :width].copy_(torch.from_numpy(chain.block_tables), non_blocking=True)
         if chain.bitmasks is not None:
             b.masks_host[:steps, :n] = chain.bitmasks
             b.masks_host[:steps, n:] = -1  # padding rows allow every token (no -1 drafts)
             b.masks[:steps].copy_(b.masks_host[:steps], non_blocking=True)
-        return b.graphs[chain.bitmasks is not None]
+        return b.graphs[chain.bitmasks is not None, steps]
 
     def collect(self, chain: ChainInputs) -> ChainOutputs:
         """Waits for the replayed chain and returns its outputs."""
@@ -168,10 +176,11 @@ class DecodeGraphs:
         b.out_t_host[:steps].copy_(b.out_t[:steps], non_blocking=True)
         b.out_p_host[:steps].copy_(b.out_p[:steps], non_blocking=True)
         b.done.record()
-        hiddens = b.out_h[:steps, :n].clone()  # the next chain overwrites out_h
         b.done.synchronize()  # the chain's one wait; releases the GIL meanwhile
         return ChainOutputs(
-            hiddens, b.out_t_host[:steps, :n].tolist(), b.out_p_host[:steps, :n].tolist()
+            b.out_h[:steps, :n],  # read before the next chain overwrites it
+            b.out_t_host[:steps, :n].numpy().copy(),
+            b.out_p_host[:steps, :n].numpy().copy(),
         )
 
     def _bucket(self, n: int) -> _Bucket:

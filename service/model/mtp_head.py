@@ -149,10 +149,10 @@ class MTPHead:
         if graphs is not None and graphs.fits(chain):
             return graphs.run(chain, step_rows)
         dev, n = self.device, len(chain)
-        step_rows = step_rows.to(dev)
-        tokens = chain.tokens.to(dev)
+        step_rows = torch.from_numpy(step_rows).to(dev)
+        tokens = torch.from_numpy(chain.tokens).to(dev)
         hiddens = chain.hiddens.to(dev, self.dtype)
-        tables = chain.block_tables.to(dev)
+        tables = torch.from_numpy(chain.block_tables).to(dev)
         seq_ids = torch.arange(n, dtype=torch.int32, device=dev)
         masks = None if chain.bitmasks is None else chain.bitmasks.to(dev)
         outputs = []
@@ -161,4 +161,4 @@ class MTPHead:
             hiddens, tokens, probs = self.decode(batch, kv, None if masks is None else masks[j])
             outputs.append((hiddens, tokens, probs))
         out_h, out_t, out_p = (torch.stack(o) for o in zip(*outputs, strict=True))
-        return ChainOutputs(out_h, out_t.tolist(), out_p.float().tolist())
+        return ChainOutputs(out_h, out_t.cpu().numpy(), out_p.float().cpu().numpy())

@@ -9,7 +9,7 @@ import torch
 from mtp_reference import Reference
 from torch.overrides import TorchFunctionMode
 
-from mtpdraft.service.engine import validation
+from mtpdraft.service.engine import admission
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.engine.errors import (
     FailedPrecondition,
@@ -17,6 +17,7 @@ from mtpdraft.service.engine.errors import (
     NotFound,
     Unavailable,
 )
+from mtpdraft.service.engine.step import Step
 from mtpdraft.service.engine.types import Proposal, ProposeArgs, Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
@@ -82,7 +83,6 @@ def assert_accounted(engine: DraftEngine) -> None:
     assert held + engine.pool.num_free == engine.pool.num_total
     for s in engine.states.values():
         assert len(s.blocks) == -(-s.num_rows // engine.block_size)
-        assert s.block_row().tolist() == s.blocks  # the cached row follows every change
 
 
 @pytest.mark.parametrize("accepted", [0, 2, 4])
@@ -219,30 +219,34 @@ def test_a_nan_refeed_in_a_batch_refuses_its_group_alone(engine: DraftEngine) ->
     assert_accounted(engine)
 
 
-def test_a_finiteness_the_reader_found_is_not_checked_again(
+def test_non_finite_hiddens_fail_their_own_request_checked_once_a_batch(
     engine: DraftEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Hiddens read off the wire come with their NaN/inf flag: the engine takes it as
-    given and checks only the hiddens that come without one."""
+    """The batch's hiddens are checked for NaN and inf in one call, its refeeds in one
+    more; a request with a bad hidden or refeed fails alone, naming the field."""
     checked: list[int] = []
-    find = validation.finite_flags
-    monkeypatch.setattr(validation, "finite_flags", lambda ts: checked.append(len(ts)) or find(ts))
+    find = admission.finite_rows
+    monkeypatch.setattr(
+        admission, "finite_rows", lambda rows: checked.append(len(rows)) or find(rows)
+    )
     states = [prefill(engine, [1, 2, 3], h(3, 40)) for _ in range(3)]
     engine.propose(ProposeArgs(states[2], 4, h(1, 41), 4, 2))
     checked.clear()
-    flagged_refeed = Verdict(1, h(1, 43), refeed_finite=False)
+    nan_hidden, inf_refeed = h(1, 42), h(1, 43)
+    nan_hidden[0, 5], inf_refeed[0, 1] = float("nan"), float("inf")
     together = engine.propose_groups(
         [
-            [ProposeArgs(states[0], 4, h(1, 42), 4, 3)],  # no flag: checked here
-            [ProposeArgs(states[1], 4, h(1, 42), 4, 3, hidden_finite=False)],
-            [ProposeArgs(states[2], 5, h(1, 44), 6, 3, previous=flagged_refeed)],
+            [ProposeArgs(states[0], 4, h(1, 42), 4, 3)],
+            [ProposeArgs(states[1], 4, nan_hidden, 4, 3)],
+            [ProposeArgs(states[2], 5, h(1, 44), 6, 3, previous=Verdict(1, inf_refeed))],
         ]
     )
-    assert checked == [2]  # the unflagged hidden, and the hidden beside the flagged refeed
+    assert checked == [3, 1]  # the three hiddens, then the one refeed row
     assert len(together[0][0].tokens) == 3
     for refused, field in zip(together[1:], ("hidden", "previous.refeed_hiddens"), strict=True):
         assert isinstance(refused, InvalidArgument)
         assert (refused.reason, refused.field) == ("NOT_FINITE", field)
+    assert engine.states[states[2]].pending is not None  # unchanged: its verdict can come
     assert_accounted(engine)
 
 
@@ -266,8 +270,9 @@ def test_a_batch_makes_no_torch_call_per_request(
     engine: DraftEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Around the head's forward, a batch's host work makes as many torch calls for 6
-    fresh proposals as for 2: on a serving engine thread every torch call hands the GIL
-    to the event loop, and winning it back can take a switch interval."""
+    one-request calls as for 2 (each call made a Step as it arrived): on a serving
+    engine thread every torch call hands the GIL to the event loop, and winning it back
+    can take a switch interval."""
     counter = _TorchCalls()
     decode_chain = engine.head.decode_chain
 
@@ -279,15 +284,21 @@ def test_a_batch_makes_no_torch_call_per_request(
             counter.in_head = False
 
     monkeypatch.setattr(engine.head, "decode_chain", uncounted)
+    c = engine.head.config
     counts = []
     for n in (2, 6):
         states = [prefill(engine, [1, 2, 3], h(3, 40 + i)) for i in range(n)]
-        groups = [[ProposeArgs(s, 4, h(1, 50 + i)[0], 4, 3)] for i, s in enumerate(states)]
+        calls = [
+            Step.from_requests(
+                [ProposeArgs(s, 4, h(1, 50 + i)[0], 4, 3)], c.hidden_size, c.vocab_size
+            )
+            for i, s in enumerate(states)
+        ]
         with counter:
             before = counter.count
-            results = engine.propose_groups(groups)
+            result = engine.propose_step(Step.concat(calls))
             counts.append(counter.count - before)
-        assert all(len(r[0].tokens) == 3 for r in results)
+        assert result.counts.tolist() == [3] * n and not result.errors
     assert counts[0] == counts[1], counts
 
 

@@ -84,16 +84,16 @@ async def _blocked(scheduler: ProposeScheduler) -> tuple[asyncio.Future, threadi
     behind it: (its call, the event)."""
     engine = scheduler.engine
     (state,) = with_prompts(engine, 1)
-    original = engine.propose_groups
+    original = engine.propose_step
     computing, release = threading.Event(), threading.Event()
 
-    def slow(groups):
-        engine.propose_groups = original
+    def slow(step):
+        engine.propose_step = original
         computing.set()
         release.wait(PATIENCE)
-        return original(groups)
+        return original(step)
 
-    engine.propose_groups = slow
+    engine.propose_step = slow
     call = asyncio.ensure_future(scheduler.submit([ProposeArgs(state, 1, h(1, 0), 3, 1)]))
     await until(computing.is_set, "the slow batch")
     return call, release

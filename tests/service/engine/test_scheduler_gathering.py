@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from mtpdraft.service.engine.runner import EngineRunner
 from mtpdraft.service.engine.scheduler import ProposeScheduler
-from mtpdraft.service.engine.types import Proposal, ProposeArgs
+from mtpdraft.service.engine.step import Step, StepResult
+from mtpdraft.service.engine.types import ProposeArgs
 
 
 class TimedEngine:
@@ -28,10 +30,15 @@ class TimedEngine:
         self.step = step
         self.batches: list[set[int]] = []
 
-    def propose_groups(self, groups: list[list[ProposeArgs]]) -> list[list[Proposal]]:
+    def step_of(self, requests: list[ProposeArgs]) -> Step:
+        return Step.from_requests(requests, hidden_size=4, vocab_size=8)
+
+    def propose_step(self, step: Step) -> StepResult:
         time.sleep(self.step)
-        self.batches.append({r.state_id for group in groups for r in group})
-        return [[Proposal(r.state_id, [1], [1.0], 1.0, r.position + 1) for r in g] for g in groups]
+        self.batches.append(set(step.state_ids.tolist()))
+        ones = np.ones((len(step), 1))
+        drafts, probs = ones.astype(np.int64), ones.astype(np.float32)
+        return StepResult(drafts, probs, drafts[:, 0], ones[:, 0], step.positions + 1, {})
 
 
 @pytest.fixture(scope="module")

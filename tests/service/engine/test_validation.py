@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mtpdraft.service.engine.errors import InvalidArgument
-from mtpdraft.service.engine.validation import check_hiddens, check_row, finite_flags
+from mtpdraft.service.engine.validation import check_hiddens, finite_flags
 
 
 def _rows(value: float, dtype: torch.dtype, shape: tuple[int, ...] = (1, 8)) -> torch.Tensor:
@@ -63,16 +63,3 @@ def test_finite_flags_take_scalars_alongside_rows() -> None:
         _rows(1.0, torch.float32),
     ]
     assert finite_flags(tensors) == [True, False, True, True]
-
-
-def test_check_row_returns_a_row_as_it_came() -> None:
-    flat, row = _rows(1.0, torch.float32, (8,)), _rows(1.0, torch.float32)
-    assert check_row(flat, 8, "hidden", True) is flat  # no reshape: no torch call
-    assert check_row(row, 8, "hidden", None) is row
-    for bad, reason in ((_rows(1.0, torch.float32, (2, 8)), "BAD_SHAPE"), (flat, "NOT_FINITE")):
-        with pytest.raises(InvalidArgument) as refused:
-            check_row(bad, 8, "hidden", False if bad is flat else None)
-        assert (refused.value.reason, refused.value.field) == (reason, "hidden")
-    with pytest.raises(InvalidArgument) as integer:
-        check_row(torch.ones(8, dtype=torch.int32), 8, "hidden", True)
-    assert integer.value.reason == "BAD_DTYPE"

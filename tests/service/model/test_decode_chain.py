@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mtpdraft.service.model.batch import RowBatch
@@ -13,23 +14,23 @@ from mtpdraft.service.model.synthetic import write_random_checkpoint
 
 def _chain(hidden_size: int = 8) -> ChainInputs:
     return ChainInputs(
-        tokens=torch.tensor([3, 4]),
+        tokens=np.array([3, 4]),
         hiddens=torch.zeros(2, hidden_size),
-        positions=torch.tensor([6, 1]),
-        limits=torch.tensor([3, 1]),
-        block_tables=torch.tensor([[9, 2, 7], [5, 0, 0]], dtype=torch.int32),
+        positions=np.array([6, 1]),
+        limits=np.array([3, 1]),
+        block_tables=np.array([[9, 2, 7], [5, 0, 0]], dtype=np.int32),
     )
 
 
 def test_step_rows_walk_positions_and_stop_writing_past_the_limit() -> None:
     rows = _chain().step_rows(block_size=4)
     assert rows.shape == (3, 3, 2)
-    positions, slots, context_lens = rows.unbind(1)
+    positions, slots, context_lens = (rows[:, i] for i in range(3))
     # Sequence 0 writes rows 6, 7, 8 (blocks 2, 2, 7); sequence 1 writes row 1 only,
     # then repeats it (a valid context) without writing.
     assert positions.tolist() == [[6, 1], [7, 1], [8, 1]]
     assert slots.tolist() == [[2 * 4 + 2, 5 * 4 + 1], [2 * 4 + 3, -1], [7 * 4 + 0, -1]]
-    assert torch.equal(context_lens, positions + 1)
+    assert (context_lens == positions + 1).all()
 
 
 def test_eager_chain_feeds_each_step_its_predecessor(tmp_path) -> None:
@@ -42,14 +43,14 @@ def test_eager_chain_feeds_each_step_its_predecessor(tmp_path) -> None:
         kv.k.copy_(torch.randn(kv.k.shape, generator=torch.Generator().manual_seed(1)))
         kv.v.copy_(torch.randn(kv.v.shape, generator=torch.Generator().manual_seed(2)))
     out = head.decode_chain(kv_chain, chain)
-    tokens, hiddens = chain.tokens, chain.hiddens
-    for j, (positions, slots, context_lens) in enumerate(chain.step_rows(4)):
+    tokens, hiddens = torch.from_numpy(chain.tokens), chain.hiddens
+    for j, (positions, slots, context_lens) in enumerate(torch.from_numpy(chain.step_rows(4))):
         batch = RowBatch(
             tokens, hiddens, positions, torch.arange(2, dtype=torch.int32), slots,
-            chain.block_tables, context_lens,
+            torch.from_numpy(chain.block_tables), context_lens,
         )  # fmt: skip
         hiddens, drafts, probs = head.decode(batch, kv_steps, None)
-        assert out.tokens[j] == drafts.tolist()
+        assert out.tokens[j].tolist() == drafts.tolist()
         torch.testing.assert_close(torch.tensor(out.probs[j]), probs)
         torch.testing.assert_close(out.hiddens[j], hiddens)
         tokens = drafts

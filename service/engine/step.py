@@ -1,0 +1,207 @@
+"""A propose step of many states as columns (`Step`), and its answer (`StepResult`).
+
+Every Propose the engine serves travels as a Step: a ProposeColumns message is one
+already, a Propose or ProposeBatch call becomes one (`from_requests`), and the
+scheduler joins the calls of one batch into one (`concat`). Row i of every
+column is one state's request; `groups` says which rows stand or fail together
+(a ProposeBatch call is one group, each row of a ProposeColumns step its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from .errors import DrafterError, InvalidArgument
+from .types import Proposal, ProposeArgs
+
+
+@dataclass
+class Step:
+    """B states' requests, row by row; hiddens stay on the host until the chain's copy."""
+
+    state_ids: np.ndarray  # [B] uint64
+    tokens: np.ndarray  # [B] int64
+    positions: np.ndarray  # [B] int64: the token's position, 1 + rows the state holds
+    hiddens: torch.Tensor  # [B, H] float: target hidden at position - 1
+    num_drafts: np.ndarray  # [B] int64
+    num_accepted: np.ndarray  # [B] int64: the fused verdict on the pending proposal, -1: none
+    refeed_counts: np.ndarray  # [B] int64: 0, or num_accepted rows of refeed_hiddens
+    refeed_hiddens: torch.Tensor | None  # [sum(refeed_counts), H]
+    mask_counts: np.ndarray  # [B] int64: rows of bitmasks (0: no mask)
+    bitmasks: torch.Tensor | None  # [sum(mask_counts), ceil(V / 32)] int32
+    min_confidence: np.ndarray  # [B] float64
+    groups: np.ndarray  # [B] int64, non-decreasing: rows of a group stand or fail together
+
+    def __len__(self) -> int:
+        return len(self.state_ids)
+
+    @staticmethod
+    def concat(steps: list[Step]) -> Step:
+        """One step of many (their groups kept apart)."""
+        if len(steps) == 1:
+            return steps[0]
+        columns = {}
+        for f in fields(Step):
+            parts = [getattr(s, f.name) for s in steps]
+            if f.name == "groups":
+                offsets = np.cumsum([0] + [int(g[-1]) + 1 for g in parts[:-1]])
+                columns[f.name] = np.concatenate(
+                    [g + o for g, o in zip(parts, offsets, strict=True)]
+                )
+            elif isinstance(parts[0], np.ndarray):
+                columns[f.name] = np.concatenate(parts)
+            else:
+                columns[f.name] = _cat([p for p in parts if p is not None])
+        return Step(**columns)
+
+    @staticmethod
+    def from_requests(
+        requests: list[ProposeArgs], hidden_size: int, vocab_size: int, *, apart: bool = False
+    ) -> Step:
+        """The requests as one step: one group, or each its own with `apart`.
+
+        Raises InvalidArgument for a tensor of the wrong shape or dtype (the
+        request's field named), as the requests cannot be columns then.
+        """
+        hiddens, refeeds, refeed_counts, masks, mask_counts, accepted = [], [], [], [], [], []
+        for args in requests:
+            hiddens.append(_row(args.hidden, hidden_size))
+            a, refeed = -1, None
+            if args.previous is not None:
+                a, refeed = args.previous.num_accepted, args.previous.refeed_hiddens
+                if refeed is not None and refeed.numel() == 0 and a == 0:
+                    refeed = None
+                if refeed is not None:
+                    refeed = refeed_rows(refeed, a, hidden_size, "previous.refeed_hiddens")
+                    refeeds.append(refeed)
+            accepted.append(a)
+            refeed_counts.append(0 if refeed is None else a)
+            mask = (
+                None if args.bitmask is None else padded_mask(args.bitmask, vocab_size, "bitmask")
+            )
+            if mask is not None:
+                masks.append(mask)
+            mask_counts.append(0 if mask is None else mask.shape[0])
+        count = len(requests)
+        return Step(
+            state_ids=np.fromiter((r.state_id for r in requests), np.uint64, count),
+            tokens=np.fromiter((r.token for r in requests), np.int64, count),
+            positions=np.fromiter((r.position for r in requests), np.int64, count),
+            hiddens=_cat(hiddens),
+            num_drafts=np.fromiter((r.num_drafts for r in requests), np.int64, count),
+            num_accepted=np.array(accepted, np.int64),
+            refeed_counts=np.array(refeed_counts, np.int64),
+            refeed_hiddens=_cat(refeeds),
+            mask_counts=np.array(mask_counts, np.int64),
+            bitmasks=_cat(masks),
+            min_confidence=np.fromiter((r.min_confidence for r in requests), np.float64, count),
+            groups=np.arange(count) if apart else np.zeros(count, np.int64),
+        )
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor of rows; rows of different float dtypes meet in fp32 (exact for all)."""
+    if not tensors:
+        return None
+    if len(tensors) == 1:
+        return tensors[0]
+    if len({t.dtype for t in tensors}) > 1:
+        tensors = [t.float() for t in tensors]
+    return torch.cat(tensors)
+
+
+def _bad_shape(field: str, expected: str, got: torch.Tensor) -> InvalidArgument:
+    return InvalidArgument(
+        f"{field}: expected shape {expected}, got {list(got.shape)}",
+        reason="BAD_SHAPE",
+        field=field,
+    )
+
+
+def _floating(tensor: torch.Tensor, field: str) -> None:
+    if not tensor.is_floating_point():
+        raise InvalidArgument(
+            f"{field}: expected a floating-point tensor, got {tensor.dtype}",
+            reason="BAD_DTYPE",
+            field=field,
+        )
+
+
+def _row(hidden: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """A Propose's hidden, [H] or [1, H], as [1, H]."""
+    if tuple(hidden.shape) not in ((hidden_size,), (1, hidden_size)):
+        raise _bad_shape("hidden", f"[1, {hidden_size}]", hidden)
+    _floating(hidden, "hidden")
+    return hidden.reshape(1, hidden_size)
+
+
+def refeed_rows(refeed: torch.Tensor, rows: int, hidden_size: int, field: str) -> torch.Tensor:
+    """A verdict's refeed hiddens as [rows, H]; a single row may also come as [H]."""
+    if rows == 1 and tuple(refeed.shape) == (hidden_size,):
+        refeed = refeed.reshape(1, hidden_size)
+    if tuple(refeed.shape) != (rows, hidden_size):
+        raise _bad_shape(field, f"[{rows}, {hidden_size}]", refeed)
+    _floating(refeed, field)
+    return refeed
+
+
+def padded_mask(bitmask: torch.Tensor, vocab_size: int, field: str) -> torch.Tensor:
+    """A bitmask ([W] or [n, W] int32, W <= ceil(V / 32)) as [n, ceil(V / 32)], padded
+    with zero words and its bits past the vocabulary cleared: no token past the mask,
+    nor past the vocabulary, is allowed."""
+    words = (vocab_size + 31) // 32
+    if bitmask.dtype != torch.int32:
+        raise InvalidArgument(
+            f"{field}: expected int32, got {bitmask.dtype}", reason="BAD_DTYPE", field=field
+        )
+    mask = bitmask.reshape(1, -1) if bitmask.dim() == 1 else bitmask
+    if mask.dim() != 2 or mask.shape[0] < 1 or not 1 <= mask.shape[1] <= words:
+        raise InvalidArgument(
+            f"{field}: expected shape [words] or [n, words] with 1 <= n <= num_drafts and "
+            f"1 <= words <= {words}, got {list(bitmask.shape)}",
+            reason="BAD_SHAPE",
+            field=field,
+        )
+    if mask.shape[1] < words:
+        mask = torch.nn.functional.pad(mask, (0, words - mask.shape[1]))
+    tail_bits = vocab_size - 32 * (words - 1)  # bits of the last word that name tokens
+    if tail_bits < 32 and mask.shape[1] == words:
+        mask = mask.clone()
+        mask[:, -1] &= (1 << tail_bits) - 1
+    return mask
+
+
+@dataclass
+class StepResult:
+    """A step's answer as columns: row i answers the step's row i."""
+
+    drafts: np.ndarray  # [B, width] int64, -1 past a row's count
+    probs: np.ndarray  # [B, width] float32, 0 past a row's count
+    counts: np.ndarray  # [B] int64: drafts of each row (0 for a failed row)
+    confidences: np.ndarray  # [B] float64: the chain confidence (0 for a failed row)
+    first_positions: np.ndarray  # [B] int64 (0 for a failed row)
+    errors: dict[int, DrafterError]  # row -> why it failed; its state is unchanged
+
+    def rows(self, lo: int, hi: int) -> StepResult:
+        """Rows lo .. hi - 1 (a view), their errors renumbered from 0."""
+        return StepResult(
+            self.drafts[lo:hi],
+            self.probs[lo:hi],
+            self.counts[lo:hi],
+            self.confidences[lo:hi],
+            self.first_positions[lo:hi],
+            {row - lo: err for row, err in self.errors.items() if lo <= row < hi},
+        )
+
+    def proposal(self, row: int, state_id: int) -> Proposal:
+        n = int(self.counts[row])
+        return Proposal(
+            state_id=state_id,
+            tokens=self.drafts[row, :n].tolist(),
+            probs=self.probs[row, :n].tolist(),
+            confidence=float(self.confidences[row]),
+            first_position=int(self.first_positions[row]),
+        )
