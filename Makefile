@@ -27,7 +27,7 @@ bench:
 
 # On a machine with a CUDA GPU: writes bench/results/service.{json,md}; with a Go
 # verifier's figures too where client/go/build/bin/mtpdraft-hotpath is built (make polyglot-go).
-# 64 streams on three starts of each server: one start can be 25% off another.
+# 64 streams on three starts of the server: one start can be 25% off another.
 bench-service:
 	$(PYTHON) bench/bench_service.py --repeats 3 --out-dir bench/results
 

@@ -13,10 +13,8 @@ verdict (0 accepted: the same rows every step, on both sides):
    /proc over the measured steps, its event loop's CPU per message, how busy the
    loop was and the other threads' CPU per message (the engine thread's included);
 4. tracing on (an SDK TracerProvider with a no-op exporter in the server) against
-   off (Telemetry()): (2) and (3) at 64 again, for one process and for the most
-   front ends measured (--front-ends: `serve --front-ends N`, whose (2) and (3)
-   are measured too). Skipped, with a note, when
-   OpenTelemetry is not installed;
+   off (Telemetry()): (2) and (3) again. Skipped, with a note, when OpenTelemetry
+   is not installed;
 5. the floor (grpc_floor.py): a grpc.aio server answering the same request bytes
    with a canned reply, no work: the least any Python grpc.aio service could add,
    and its event loop's CPU per message; each batch-1 row of (2) also shows its
@@ -25,9 +23,9 @@ verdict (0 accepted: the same rows every step, on both sides):
    `make polyglot-go`): (2) and (3) for the stream again, every stream a goroutine of
    one process, against each tracing-off server. A Go or C++ verifier engine spends
    far less per message than the asyncio client, so this is what the server adds;
-7. with --repeats N, the most streams again on N - 1 more starts of each tracing-off
-   server, alternating (Go client, or asyncio without it), and their median and
-   range: the same code gave 16.3k and 21.6k drafts/s on two starts of one run.
+7. with --repeats N, the most streams again on N - 1 more starts of the tracing-off
+   server (Go client, or asyncio without it), and their median and range: the same
+   code gave 16.3k and 21.6k drafts/s on two starts of one run.
 
 The server runs in its own process (as a verifier would see it), built by the
 `mtpdraft serve` code from the same checkpoint folder; the clients are the
@@ -169,9 +167,7 @@ def build_engine(argv: list[str]) -> tuple[Any, str | None]:
             max_batch=int(opts["--max-batch"]),
         )
         return engine, f"in-process engine built without the CLI ({exc})"
-    parser = argparse.ArgumentParser()
-    cli._serve_parser(parser.add_subparsers(dest="command"))
-    return cli.build_engine(parser.parse_args(["serve", *argv])), None
+    return cli.build_engine(cli.parse_serve(argv)), None
 
 
 def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, Any]:
@@ -380,8 +376,7 @@ class _NoOpExporter:
 
 def traced_telemetry() -> Any:
     """Server spans through an SDK TracerProvider to an exporter that drops them: what
-    tracing costs the server itself. Module-level, so that front-end processes can
-    be spawned with it too."""
+    tracing costs the server itself."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -393,21 +388,17 @@ def traced_telemetry() -> Any:
 
 
 def serve_main(argv: list[str], tracing: bool) -> int:
-    """The server process: `mtpdraft serve ARGV`'s engine and server (its front ends
-    too), optionally traced; prints "PORT n", serves until its stdin closes."""
+    """The server process: `mtpdraft serve ARGV`'s engine and server, optionally traced;
+    prints "PORT n", serves until its stdin closes."""
     from mtpdraft.service import cli
     from mtpdraft.service.telemetry import Telemetry
 
-    parser = argparse.ArgumentParser()
-    cli._serve_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", *argv])
+    config = cli.parse_serve(argv)
 
     async def serve() -> None:
-        engine = cli.build_engine(args)
+        engine = cli.build_engine(config)
         telemetry = traced_telemetry() if tracing else Telemetry()
-        server = cli.build_server(
-            args, engine, telemetry, front_end_telemetry=traced_telemetry if tracing else None
-        )
+        server = cli.build_server(config, engine, telemetry)
         await server.start()
         print(f"PORT {server.port}", flush=True)
         await asyncio.to_thread(sys.stdin.read)  # the bench closes our stdin to stop us
@@ -494,8 +485,6 @@ def grpc_suite(
     """Batch-1 stream and unary, then each batch size in streams, against one server; then
     each batch size with the Go client (`go_hotpath`), if given."""
     name = "tracing on" if tracing else "tracing off"
-    if "--front-ends" in argv:
-        name += f", {argv[argv.index('--front-ends') + 1]} front ends"
     server = start_server(argv, tracing)
     try:
         target = server.target
@@ -623,13 +612,6 @@ def ratios(report: dict[str, Any]) -> dict[str, Any]:
     out["streams_over_batched"] = over_batched("tracing_off", "streams")
     out["go_stream_b1_overhead_us"] = over_b1(_get(grpc, "tracing_off", "go", "1", "p50_us"))
     out["go_streams_over_batched"] = over_batched("tracing_off", "go")
-    for suite in [k for k in grpc if k.startswith("front_ends_")]:
-        out[suite] = {
-            "stream_b1_overhead_us": over_b1(_get(grpc, suite, "stream_b1", "p50_us")),
-            "streams_over_batched": over_batched(suite, "streams"),
-            "go_stream_b1_overhead_us": over_b1(_get(grpc, suite, "go", "1", "p50_us")),
-            "go_streams_over_batched": over_batched(suite, "go"),
-        }
     overhead, ratio64 = out["stream_b1_overhead_us"], out["streams_over_batched"].get("64")
     out["meets"] = {
         "stream_b1_overhead": None if overhead is None else overhead <= STREAM_OVERHEAD_TARGET_US,
@@ -661,13 +643,6 @@ def ratios(report: dict[str, Any]) -> dict[str, Any]:
                 _get(grpc, "tracing_on", "streams", b, "drafts_per_s"),
                 _get(grpc, "tracing_off", "streams", b, "drafts_per_s"),
             )
-        for suite in [k for k in grpc if k.startswith("tracing_on_front_ends_")]:
-            n = suite.removeprefix("tracing_on_front_ends_")
-            for b in sizes:
-                on_off[f"streams{b}_drafts_per_s, {n} front ends"] = _over(
-                    _get(grpc, suite, "streams", b, "drafts_per_s"),
-                    _get(grpc, f"front_ends_{n}", "streams", b, "drafts_per_s"),
-                )
         out["tracing_on_over_off"] = on_off
     return out
 
@@ -687,13 +662,6 @@ def _cpu_cells(measured: dict[str, Any]) -> str:
         f"{_f(cpu.get('loop_us_per_message'), '.0f')} | {_f(cpu.get('loop_busy'), '.0%')} "
         f"| {_f(cpu.get('others_us_per_message'), '.0f')}"
     )
-
-
-def _suites(grpc: dict[str, Any]) -> list[tuple[str, str]]:
-    """The tracing-off suites, one process first: (key, how the server ran)."""
-    split = sorted((k for k in grpc if k.startswith("front_ends_")), key=lambda k: int(k[11:]))
-    suites = [("tracing_off", "one process")] if "tracing_off" in grpc else []
-    return suites + [(k, f"{k[11:]} front-end processes") for k in split]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -733,46 +701,38 @@ def markdown(report: dict[str, Any]) -> str:
     for mode, label in (("stream", "ProposeStream"), ("unary", "unary Propose(previous)")):
         p50 = _get(grpc, "tracing_off", f"{mode}_b1", "p50_us")
         lines.append(b1_row(label, p50, r.get(f"{mode}_b1_overhead_us"), mode == "stream"))
-    for suite, server in _suites(grpc):
-        ours = r if suite == "tracing_off" else r[suite]
-        where = "" if suite == "tracing_off" else f", {server}"
-        if suite != "tracing_off":  # one process's Python stream is the first row
-            p50 = _get(grpc, suite, "stream_b1", "p50_us")
-            lines.append(b1_row(f"ProposeStream{where}", p50, ours["stream_b1_overhead_us"], True))
-        if "go" in grpc[suite]:
-            p50 = _get(grpc, suite, "go", "1", "p50_us")
-            label = f"ProposeStream, Go client{where}"
-            lines.append(b1_row(label, p50, ours["go_stream_b1_overhead_us"], True))
+    off = grpc.get("tracing_off", {})
+    if "go" in off:
+        p50 = _get(off, "go", "1", "p50_us")
+        lines.append(b1_row("ProposeStream, Go client", p50, r["go_stream_b1_overhead_us"], True))
     lines += [
         "",
-        "| concurrent streams | server | drafts/s over gRPC | in-process batched drafts/s | ratio "
+        "| concurrent streams | client | drafts/s over gRPC | in-process batched drafts/s | ratio "
         "| target | met | client processes | server's mean batch "
-        "| engine process loop CPU us/message | loop busy | its other threads CPU us/message |",
+        "| server loop CPU us/message | loop busy | its other threads CPU us/message |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for suite, server in _suites(grpc):
-        ours = r if suite == "tracing_off" else r[suite]
-        for client, key, ratios_key in (
-            ("", "streams", "streams_over_batched"),
-            (", Go client", "go", "go_streams_over_batched"),
-        ):
-            if key not in grpc[suite]:
-                continue
-            ratio = ours[ratios_key]
-            for b in inproc:
-                stream = grpc[suite][key].get(b, {})
-                target = f">= {STREAMS_RATIO_TARGET}x" if b == "64" else ""
-                met = ""
-                if b == "64":
-                    met = _yes(None if ratio.get(b) is None else ratio[b] >= STREAMS_RATIO_TARGET)
-                lines.append(
-                    f"| {b} | {server}{client} | {_f(_get(stream, 'drafts_per_s'), '.0f')} "
-                    f"| {_f(_get(inproc, b, 'drafts_per_s'), '.0f')} "
-                    f"| {_f(ratio.get(b), '.2f', 'x')} | {target} | {met} "
-                    f"| {stream.get('client_processes', 1)} "
-                    f"| {_f(_get(stream, 'server_batches', 'mean_batch'), '.1f')} "
-                    f"| {_cpu_cells(stream)} |"
-                )
+    for client, key, ratios_key in (
+        ("asyncio", "streams", "streams_over_batched"),
+        ("Go", "go", "go_streams_over_batched"),
+    ):
+        if key not in off:
+            continue
+        ratio = r[ratios_key]
+        for b in inproc:
+            stream = off[key].get(b, {})
+            target = f">= {STREAMS_RATIO_TARGET}x" if b == "64" else ""
+            met = ""
+            if b == "64":
+                met = _yes(None if ratio.get(b) is None else ratio[b] >= STREAMS_RATIO_TARGET)
+            lines.append(
+                f"| {b} | {client} | {_f(_get(stream, 'drafts_per_s'), '.0f')} "
+                f"| {_f(_get(inproc, b, 'drafts_per_s'), '.0f')} "
+                f"| {_f(ratio.get(b), '.2f', 'x')} | {target} | {met} "
+                f"| {stream.get('client_processes', 1)} "
+                f"| {_f(_get(stream, 'server_batches', 'mean_batch'), '.1f')} "
+                f"| {_cpu_cells(stream)} |"
+            )
     floor = report.get("floor", {})
     if floor and "error" not in floor:
         after = floor["b1_after_step"]
@@ -786,7 +746,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {after['messages_per_s']:.0f} | | |",
         ]
         for b, got in floor["streams"].items():
-            stream = grpc.get("tracing_off", {}).get("streams", {}).get(b, {})
+            stream = off.get("streams", {}).get(b, {})
             service = _get(stream, "drafts_per_s")
             service_rate = None if service is None else service / w["num_drafts"]
             lines.append(
@@ -802,11 +762,10 @@ def markdown(report: dict[str, Any]) -> str:
             "starts | drafts/s each | median | range | median / in-process batched |",
             "|---|---|---|---|---|",
         ]
-        names = dict(_suites(grpc))
         for key, got in r["repeats"].items():
             each = ", ".join(f"{v:.0f}" for v in rep["drafts_per_s"][key])
             lines.append(
-                f"| {names.get(key, key)} | {each} | {got['median']:.0f} "
+                f"| {key.replace('_', ' ')} | {each} | {got['median']:.0f} "
                 f"| {got['min']:.0f} - {got['max']:.0f} "
                 f"| {_f(got['median_over_batched'], '.2f', 'x')} |"
             )
@@ -842,28 +801,23 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8,64", help="concurrent streams to compare")
     parser.add_argument("--client-processes", type=int, help="default: 1 up to 8 streams, else 4")
     parser.add_argument(
-        "--front-ends",
-        default="4",
-        help="gRPC front-end process counts to measure besides one process (serve --front-ends)",
-    )
-    parser.add_argument(
         "--go-hotpath",
         default="client/go/build/bin/mtpdraft-hotpath",
-        help="the Go client's hot-path binary (make polyglot-go), run against every "
+        help="the Go client's hot-path binary (make polyglot-go), run against the "
         "tracing-off server; skipped with a note where it is missing",
     )
     parser.add_argument(
         "--serve-options",
         default="",
         help="more `mtpdraft serve` options for the engine and every server, e.g. "
-        '"--gil-switch-us 5000" (an A/B against the defaults)',
+        '"--batch-wait-us 0" (an A/B against the defaults)',
     )
     parser.add_argument(
         "--repeats",
         type=int,
         default=1,
-        help="starts of each tracing-off server to measure the most streams on (median, "
-        "range); 1: the suites' one measurement",
+        help="starts of the tracing-off server to measure the most streams on (median, "
+        "range); 1: the suite's one measurement",
     )
     parser.add_argument(
         "--render",
@@ -970,29 +924,10 @@ def main() -> int:
                 report["grpc"]["tracing_on"] = grpc_suite(
                     argv, True, work, batches, args.client_processes, notes
                 )
-            counts = [int(n) for n in args.front_ends.split(",") if n and int(n) > 0]
-            split = {n: [*argv, "--front-ends", str(n)] for n in counts}
-            for n, split_argv in split.items():
-                log(f"gRPC, tracing off, {n} front-end processes")
-                report["grpc"][f"front_ends_{n}"] = grpc_suite(
-                    split_argv, False, work, batches, args.client_processes, notes, go_hotpath
-                )
-            if counts and not sdk_missing:  # where the spans are made matters: measure it
-                n = max(counts)
-                log(f"gRPC, tracing on, {n} front-end processes")
-                report["grpc"][f"tracing_on_front_ends_{n}"] = grpc_suite(
-                    split[n],
-                    True,
-                    work,
-                    batches,
-                    args.client_processes,
-                    notes,
-                )
             if args.repeats > 1:
                 most = max(batches)
                 servers = {"tracing_off": argv}
-                servers |= {f"front_ends_{n}": split_argv for n, split_argv in split.items()}
-                log(f"gRPC, {most} streams on {args.repeats - 1} more starts of each server")
+                log(f"gRPC, {most} streams on {args.repeats - 1} more starts of the server")
                 report["repeats"] = {
                     "streams": most,
                     "client": "Go" if go_hotpath is not None else "asyncio",

@@ -1,12 +1,9 @@
-"""What the servicer asks of the engine: one interface, served here or by another process.
+"""The engine as the servicer calls it: `LocalBackend` runs each call on the engine's
+worker thread, Propose calls through the batching scheduler, and reaps expired leases.
 
-`LocalBackend` runs the calls on an engine in this process (every engine call on
-its worker thread, Propose calls through the batching scheduler).
-`remote_backend.RemoteBackend` forwards the same calls to an engine process that
-several gRPC front-end processes share. Requests come in as proto messages; a
-Propose's are read and checked (`wire_values`) where they arrive, in the front-end
-process when there is one, and reach the engine as tensors (`wire`). Results go
-out as the engine's small dataclasses, which the servicer turns into responses.
+Requests come in as proto messages and reach the engine as its own types, read and
+checked by `wire` (INVALID_ARGUMENT before anything is queued); results go out as
+the engine's small dataclasses, which the servicer turns into responses.
 """
 
 from __future__ import annotations
@@ -14,16 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from mtpdraft.v1 import drafter_pb2 as pb
 
 from . import wire
-from .engine import errors
-from .engine.columns import rows
+from .config import DEFAULTS
+from .engine import columns, errors
 from .engine.engine import DraftEngine, PrefillSession
 from .engine.runner import EngineRunner
-from .engine.scheduler import DEFAULT_BATCH_WAIT_S, ProposeScheduler
+from .engine.scheduler import ProposeScheduler
 from .engine.types import (
     JobTiming,
     Proposal,
@@ -32,48 +29,11 @@ from .engine.types import (
     TakenKV,
 )
 from .telemetry import Telemetry
-from .wire_values import HIDDEN_DTYPES, RawPropose, read_proposes, read_verdict
+
+if TYPE_CHECKING:
+    from .front_end import FrontEnd
 
 log = logging.getLogger("mtpdraft.backend")
-
-
-class Serving(Protocol):
-    """What serves a backend over gRPC: one front end, or the processes of several."""
-
-    async def enter_graceful_shutdown(self) -> None: ...
-
-    async def stop(self, grace: float) -> None: ...
-
-
-class DraftBackend(Protocol):
-    async def info(self) -> ServerInfo: ...
-
-    async def alloc_state(self, owner: str) -> int: ...
-
-    async def prefill(self, chunks: AsyncIterator[pb.PrefillChunk]) -> RowCount: ...
-
-    def propose(
-        self, requests: Sequence[pb.ProposeRequest], timeout: float | None, batch: bool = False
-    ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
-        """Queues one call's requests (`batch`: a ProposeBatch, whose errors name the
-        request's index); the future holds the proposals once their batch ran, and
-        cancelling it takes the call out of the queue."""
-        ...
-
-    def propose_columns(
-        self, request: pb.ColumnsRequest, timeout: float | None
-    ) -> tuple[asyncio.Future[list[Proposal | errors.DrafterError]], JobTiming]:
-        """Queues a verifier's step (INVALID_ARGUMENT at once when its columns do not fit
-        together); the future holds each row's proposal or error once their batch ran."""
-        ...
-
-    async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount: ...
-
-    async def take_kv(self, state_id: int) -> TakenKV: ...
-
-    async def install_kv(self, state_id: int, handle_id: int) -> RowCount: ...
-
-    async def free_state(self, state_id: int) -> bool: ...
 
 
 class LocalBackend:
@@ -85,8 +45,8 @@ class LocalBackend:
         engine: DraftEngine,
         telemetry: Telemetry | None = None,
         *,
-        max_queue: int = 4096,
-        batch_wait: float = DEFAULT_BATCH_WAIT_S,
+        max_queue: int = DEFAULTS.max_queue,
+        batch_wait: float = DEFAULTS.batch_wait,
     ) -> None:
         self.telemetry = telemetry = telemetry or Telemetry()
         self.engine = engine
@@ -106,7 +66,7 @@ class LocalBackend:
     async def info(self) -> ServerInfo:
         queued, batches = self.scheduler.queued, dict(self.scheduler.batch_sizes)
         engine = await self.runner.call(self.engine.info)
-        return ServerInfo(engine, list(HIDDEN_DTYPES), queued, batches)
+        return ServerInfo(engine, list(wire.HIDDEN_DTYPES), queued, batches)
 
     async def alloc_state(self, owner: str) -> int:
         return await self.runner.call(self.engine.alloc_state, owner)
@@ -114,24 +74,47 @@ class LocalBackend:
     def propose(
         self, requests: Sequence[pb.ProposeRequest], timeout: float | None, batch: bool = False
     ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
-        # No NaN/inf flags here: the engine thread checks the batch (see wire_values).
-        return self.propose_read(read_proposes(requests, batch, flag_finite=False), timeout)
-
-    def propose_read(
-        self, requests: list[RawPropose], timeout: float | None
-    ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
-        """As propose, the requests read already (by a front-end process)."""
-        return self.scheduler.enqueue([wire.propose_args(r) for r in requests], timeout)
+        """Queues one call's requests (`batch`: a ProposeBatch, whose errors name the
+        request's index); the future holds the proposals once their batch ran, and
+        cancelling it takes the call out of the queue."""
+        return self.scheduler.enqueue(wire.read_proposes(requests, batch), timeout)
 
     def propose_columns(
         self, request: pb.ColumnsRequest, timeout: float | None
     ) -> tuple[asyncio.Future[list[Proposal | errors.DrafterError]], JobTiming]:
-        hidden_size = self.engine.head.config.hidden_size
-        requests = rows(wire.columns(request), hidden_size, self.engine.max_batch)
-        return self.scheduler.enqueue(requests, timeout, apart=True)
+        """Queues a verifier's step (INVALID_ARGUMENT at once when its columns do not fit
+        together); the future holds each row's proposal or error once their batch ran."""
+        c = self.engine.head.config
+        step = columns.step(
+            wire.columns(request), c.hidden_size, c.vocab_size, self.engine.max_batch
+        )
+        job, timing = self.scheduler.enqueue(step, timeout, apart=True)
+        answer: asyncio.Future = asyncio.get_running_loop().create_future()
+        state_ids = list(request.state_ids)
+
+        def rows_of(done: asyncio.Future) -> None:  # the job's StepResult, row by row
+            if answer.done():
+                return
+            if done.cancelled():
+                answer.cancel()
+            elif (err := done.exception()) is not None:
+                answer.set_exception(err)
+            else:
+                result = done.result()
+                answer.set_result(
+                    [
+                        result.errors.get(i) or result.proposal(i, state)
+                        for i, state in enumerate(state_ids)
+                    ]
+                )
+
+        job.add_done_callback(rows_of)
+        # Cancelling the answer takes the step out of the queue.
+        answer.add_done_callback(lambda a: job.cancel() if a.cancelled() else None)
+        return answer, timing
 
     async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount:
-        given = wire.verdict(read_verdict(request.verdict, "verdict", flag_finite=False))
+        given = wire.verdict(request.verdict, "verdict")
         return await self.runner.call(self.engine.after_verify, request.state_id, given)
 
     async def take_kv(self, state_id: int) -> TakenKV:
@@ -209,12 +192,12 @@ class LocalBackend:
             if states or handles:
                 log.info("lease expired: freed %d states and %d KV handles", states, handles)
 
-    async def drain(self, grace: float, serving: Serving) -> int:
+    async def drain(self, grace: float, front_end: FrontEnd) -> int:
         """Stops taking new states, lets live ones finish for up to `grace` seconds, stops
-        `serving` and the engine, flushes the telemetry. Returns how many states were
+        `front_end` and the engine, flushes the telemetry. Returns how many states were
         still live (and freed)."""
         await self.runner.call(setattr, self.engine, "draining", True)
-        await serving.enter_graceful_shutdown()
+        await front_end.enter_graceful_shutdown()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         while loop.time() < deadline and self.engine.states:
@@ -224,7 +207,7 @@ class LocalBackend:
         self.scheduler.closing = True
         await self.scheduler.settle(timeout=5.0)
         # Half a second at least: time to write the answers just given.
-        await serving.stop(max(0.5, min(1.0, deadline - loop.time())))
+        await front_end.stop(max(0.5, min(1.0, deadline - loop.time())))
         freed = await self.close()
         self.telemetry.shutdown()
         return freed

@@ -1,4 +1,4 @@
-"""The gRPC side of a server: the Drafter service over a backend, health, reflection, auth."""
+"""The gRPC side of the server: the Drafter service over the backend, health, reflection, auth."""
 
 from __future__ import annotations
 
@@ -11,18 +11,15 @@ from grpc_reflection.v1alpha import reflection
 
 from mtpdraft.v1 import drafter_pb2 as pb
 
+from .config import DEFAULTS
 from .security import TokenAuthInterceptor, TokenSource
 from .servicer import DrafterServicer, add_to_server
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
-    from .backend import DraftBackend
+    from .backend import LocalBackend
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
-# 16 MiB: room for a ProposeBatch of 64 states with bf16 hiddens of 4096 and a
-# bitmask row each (64 x (8 KB + 19 KB) = 1.7 MB) and for Prefill chunks of a few
-# MB, while one message can never take a large share of memory.
-DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 
 
 class FrontEnd:
@@ -31,19 +28,17 @@ class FrontEnd:
     `credentials` (e.g. `security.server_credentials(...)`) serves over TLS instead of
     plaintext; `tokens` (a `security.TokenSource` or the accepted tokens) makes every
     call but the health service's carry `authorization: Bearer <token>` metadata.
-    Several front ends (processes) may bind one port: gRPC sets SO_REUSEPORT, and
-    the kernel spreads new connections over them.
     """
 
     def __init__(
         self,
-        backend: DraftBackend,
+        backend: LocalBackend,
         address: str,
         telemetry: Telemetry,
         *,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        reflection_enabled: bool = True,
-        max_inflight: int | None = None,
+        max_message_bytes: int = DEFAULTS.max_message_bytes,
+        reflection_enabled: bool = DEFAULTS.reflection,
+        max_inflight: int | None = DEFAULTS.max_inflight,
         credentials: grpc.ServerCredentials | None = None,
         tokens: TokenSource | Sequence[str | bytes] | None = None,
     ) -> None:

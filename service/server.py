@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from .backend import LocalBackend
+from .config import DEFAULTS
 from .engine.engine import DraftEngine
-from .engine.scheduler import DEFAULT_BATCH_WAIT_S
-from .front_end import DEFAULT_MAX_MESSAGE_BYTES, SERVICE_NAME, FrontEnd
+from .front_end import SERVICE_NAME, FrontEnd
 from .telemetry import Telemetry
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "SERVICE_NAME", "DrafterServer", "create_server"]
+__all__ = ["SERVICE_NAME", "DrafterServer", "create_server"]
 
 
 class DrafterServer:
     """A started-or-not server around one engine. Use create_server() to make one.
 
     Takes FrontEnd's options (credentials, tokens, max_message_bytes,
-    reflection_enabled, max_inflight) and the scheduler's (max_queue, batch_wait).
+    reflection_enabled, max_inflight) and the scheduler's (max_queue, batch_wait in
+    seconds); those not given are `mtpdraft serve`'s defaults (config.py).
     """
 
     def __init__(
@@ -23,8 +24,8 @@ class DrafterServer:
         engine: DraftEngine,
         address: str,
         *,
-        max_queue: int = 4096,
-        batch_wait: float = DEFAULT_BATCH_WAIT_S,
+        max_queue: int = DEFAULTS.max_queue,
+        batch_wait: float = DEFAULTS.batch_wait,
         telemetry: Telemetry | None = None,
         **front_end_options,
     ) -> None:

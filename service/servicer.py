@@ -1,10 +1,10 @@
 """The gRPC servicer: translates proto <-> backend calls and engine errors <-> status codes.
 
-The backend (backend.py) is the engine in this process or in an engine process
-shared by several front ends; Propose calls of every kind (unary, batch, stream)
-are batched across clients there. Each handler raises engine errors; the `rpc`
-wrapper turns them into status codes (with ErrorInfo / BadRequest details) and
-records the RPC's duration.
+The backend (backend.py) runs the engine's calls; Propose calls of every kind
+(unary, batch, stream) are batched across clients there. Requests go to it as
+they came; responses are made from its results by `wire`. Each handler raises
+engine errors; the `rpc` wrapper turns them into status codes (with ErrorInfo /
+BadRequest details) and records the RPC's duration.
 
 `add_to_server` registers the handlers with request deserializers that never
 raise: bytes that do not parse as the method's message reach the handler as an
@@ -33,13 +33,13 @@ from opentelemetry.trace import Status, StatusCode
 from mtpdraft.v1 import drafter_pb2 as pb
 from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
+from . import wire
 from .engine import errors
 from .engine.types import JobTiming, Proposal
 from .telemetry import Telemetry
-from .wire_values import COLUMN_OF_FIELD, columns_answer
 
 if TYPE_CHECKING:
-    from .backend import DraftBackend
+    from .backend import LocalBackend
 
 log = logging.getLogger("mtpdraft.servicer")
 
@@ -94,18 +94,8 @@ def _stream_error(err: BaseException) -> pb.Error:
 def _row_error(err: errors.DrafterError) -> pb.Error:
     """A ProposeColumns row's error, naming the column its field comes from."""
     error = _error_value(err)
-    error.field = COLUMN_OF_FIELD.get(err.field or "", err.field or "")
+    error.field = wire.COLUMN_OF_FIELD.get(err.field or "", err.field or "")
     return error
-
-
-def _proposal(p: Proposal) -> pb.Proposal:
-    return pb.Proposal(
-        state_id=p.state_id,
-        tokens=p.tokens,
-        probs=p.probs,
-        confidence=p.confidence,
-        first_position=p.first_position,
-    )
 
 
 def _client_host(peer: str) -> str:
@@ -207,7 +197,7 @@ def rpc(handler: Handler) -> Handler:
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(self, backend: DraftBackend, telemetry: Telemetry, max_message_bytes: int) -> None:
+    def __init__(self, backend: LocalBackend, telemetry: Telemetry, max_message_bytes: int) -> None:
         self.backend = backend
         self.telemetry = telemetry
         self.max_message_bytes = max_message_bytes
@@ -252,12 +242,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     @rpc
     async def Propose(self, request, context):
         (proposal,) = await self._propose([request], context)
-        return _proposal(proposal)
+        return wire.proposal(proposal)
 
     @rpc
     async def ProposeBatch(self, request, context):
         proposals = await self._propose(list(request.requests), context, batch=True)
-        return pb.ProposeBatchResponse(proposals=[_proposal(p) for p in proposals])
+        return pb.ProposeBatchResponse(proposals=[wire.proposal(p) for p in proposals])
 
     async def ProposeStream(self, request_iterator: AsyncIterator[pb.ProposeRequest], context):
         """Each message a Propose; its answer carries its request_id and the proposal or
@@ -269,7 +259,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         def reply(msg, timing: JobTiming, proposals: list[Proposal]):
             self._record(timing, proposals)
             return pb.ProposeStreamResponse(
-                request_id=msg.request_id, proposal=_proposal(proposals[0])
+                request_id=msg.request_id, proposal=wire.proposal(proposals[0])
             )
 
         def refuse(request_id: int, error: pb.Error):
@@ -303,7 +293,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def _columns_answer(self, msg: pb.ColumnsRequest, timing: JobTiming, results: list):
         self._record(timing, [r for r in results if isinstance(r, Proposal)])
         rows = [r if isinstance(r, Proposal) else _row_error(r) for r in results]
-        return columns_answer(msg.request_id, max(msg.num_drafts), rows)
+        return wire.columns_answer(msg.request_id, max(msg.num_drafts), rows)
 
     async def _answer_stream(self, name, request_iterator, context, submit, reply, refuse):
         """An async generator of a propose stream's answers (the form gRPC interceptors

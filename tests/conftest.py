@@ -51,11 +51,10 @@ def deepseek_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-@pytest.fixture(scope="session", params=[0, 2], ids=["one-process", "2-front-ends"])
-def server(request: pytest.FixtureRequest, mimo_checkpoint: Path) -> Iterator[ServerProcess]:
-    """The server in one process, then with two gRPC front-end processes before the
-    engine's: every test of the service runs against both."""
-    proc = start_server(mimo_checkpoint, *SERVER_ARGS, "--front-ends", str(request.param))
+@pytest.fixture(scope="session")
+def server(mimo_checkpoint: Path) -> Iterator[ServerProcess]:
+    """`mtpdraft serve` on the test checkpoint, shared by the tests of the service."""
+    proc = start_server(mimo_checkpoint, *SERVER_ARGS)
     yield proc
     proc.stop()
 

@@ -109,28 +109,6 @@ def small_engine(checkpoint: Path, **options):
     return DraftEngine(head, **limits)
 
 
-def front_end_pids(server: ServerProcess) -> list[int]:
-    """The server's front-end processes (spawned children; not multiprocessing's tracker)."""
-    pid = server.process.pid
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        children = [int(c) for c in f.read().split()]
-    pids = []
-    for child in children:
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                pids.append(child)
-    return pids
-
-
-def running(pid: int) -> bool:
-    """The process has not exited (it is there, and not a zombie whose files are closed)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 async def until(predicate, what: str) -> None:
     """Polls `predicate` on the event loop until it holds (failing after PATIENCE)."""
     loop = asyncio.get_running_loop()

@@ -81,10 +81,10 @@ CUT_SHORT = {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEAD
 PREFILL_CANCEL_MAY_COMMIT = False
 
 
-@pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "2-front-ends"])
-def srv(request, mimo_checkpoint, pace: Pace):
+@pytest.fixture(scope="module")
+def srv(mimo_checkpoint, pace: Pace):
     ttl = pace.lease(TTL)
-    server = ManagedServer(mimo_checkpoint, *server_args(ttl, front_ends=request.param))
+    server = ManagedServer(mimo_checkpoint, *server_args(ttl))
     yield server
     assert server.alive(), "the server died"
     assert server.stop() == 0

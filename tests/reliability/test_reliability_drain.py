@@ -130,13 +130,12 @@ def _watch_health(server: ManagedServer, seen: threading.Event) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("front_ends", [0, 2], ids=["one-process", "2-front-ends"])
 @pytest.mark.parametrize("stubborn", [0, 2], ids=["cooperative", "two-stubborn"])
 def test_sigterm_under_load_loses_no_accepted_request(
-    mimo_checkpoint, pace: Pace, stubborn: int, front_ends: int
+    mimo_checkpoint, pace: Pace, stubborn: int
 ) -> None:
     grace = pace.lease(GRACE) if stubborn else UNNEEDED_GRACE
-    args = server_args(600.0, grace_period=grace, front_ends=front_ends)
+    args = server_args(600.0, grace_period=grace)
     server = ManagedServer(mimo_checkpoint, *args)
     draining, sigterm = threading.Event(), threading.Event()
     verifiers = [

@@ -164,9 +164,9 @@ class Harness:
                 self.check_references()
 
 
-@pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "2-front-ends"])
-def harness(request, mimo_checkpoint):
-    server = ManagedServer(mimo_checkpoint, *server_args(600.0, front_ends=request.param))
+@pytest.fixture(scope="module")
+def harness(mimo_checkpoint):
+    server = ManagedServer(mimo_checkpoint, *server_args(600.0))
     h = Harness(server)
     yield h
     h.check_references()

@@ -1,7 +1,8 @@
 """`mtpdraft serve ARGV` built in this process, as the command builds it; an engine held busy.
 
-The command parses its flags, builds the engine (`cli.build_engine`) and the
-server around it (`cli.build_server`) and starts it; `CliServer` does the same,
+The command parses its flags into a ServeConfig, builds the engine
+(`cli.build_engine`) and the server around it (`cli.build_server`) from it and
+starts it; `CliServer` does the same,
 with the event loop on a thread of its own, so that a test can reach into the
 engine and the scheduler of the server it talks to. Cheaper than a subprocess
 (no second torch import), for the flags whose effect lives in those builders.
@@ -9,7 +10,6 @@ engine and the scheduler of the server it talks to. Cheaper than a subprocess
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import threading
@@ -17,35 +17,34 @@ from collections.abc import Coroutine
 from typing import Any
 
 from mtpdraft.service import cli
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.telemetry import Telemetry
 
 
-def serve_args(*argv: str) -> argparse.Namespace:
-    """`mtpdraft serve ARGV` parsed by the command's own parser."""
-    parser = argparse.ArgumentParser()
-    cli._serve_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["serve", *argv])
+def serve_args(*argv: str) -> ServeConfig:
+    """`mtpdraft serve ARGV`'s configuration, parsed by the command's own parser."""
+    return cli.parse_serve(argv)
 
 
 class CliServer:
     """The server of `mtpdraft serve --port 0 --device cpu ARGV`, started; `stop()` drains it."""
 
     def __init__(self, *argv: str, telemetry: Telemetry | None = None) -> None:
-        self.args = serve_args("--port", "0", "--device", "cpu", *argv)
-        self.engine = cli.build_engine(self.args)
+        self.config = serve_args("--port", "0", "--device", "cpu", *argv)
+        self.engine = cli.build_engine(self.config)
         self._switch_interval = sys.getswitchinterval()  # build_server sets the process's
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
 
         async def start():
-            server = cli.build_server(self.args, self.engine, telemetry or Telemetry())
+            server = cli.build_server(self.config, self.engine, telemetry or Telemetry())
             await server.start()
             return server
 
         self.server = self.run(start())
-        self.address = f"{self.args.host}:{self.server.port}"
+        self.address = f"{self.config.host}:{self.server.port}"
 
     @property
     def scheduler(self):
@@ -67,12 +66,12 @@ def hold_the_engine(engine: DraftEngine) -> tuple[threading.Event, threading.Eve
     """Makes the engine's next batched forward wait until `release` is set (60 s at most):
     returns (entered, release). Calls that come meanwhile stay queued."""
     entered, release = threading.Event(), threading.Event()
-    forward = engine.propose_groups
+    forward = engine.propose_step
 
-    def held(groups):
+    def held(step):
         entered.set()
         release.wait(60)
-        return forward(groups)
+        return forward(step)
 
-    engine.propose_groups = held
+    engine.propose_step = held
     return entered, release

@@ -1,66 +1,122 @@
-"""`mtpdraft serve` options that change the serving process itself."""
+"""`mtpdraft serve`'s configuration (one ServeConfig, its parser generated from it) and the
+options that change the serving process itself."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
+import inspect
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from mtpdraft.client import DrafterClient
 from mtpdraft.service import cli
+from mtpdraft.service.backend import LocalBackend
+from mtpdraft.service.config import DEFAULTS, ServeConfig
+from mtpdraft.service.engine.runner import GIL_SWITCH_INTERVAL_S
+from mtpdraft.service.front_end import FrontEnd
+from mtpdraft.service.server import DrafterServer
 from mtpdraft.service.telemetry import Telemetry
 
 
-def _serve_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli._serve_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["serve", *argv])
+def test_the_parser_fills_a_serve_config_with_its_defaults() -> None:
+    """Each default is written once, in ServeConfig: no flag given is the dataclass's
+    defaults, and every field has its flag."""
+    assert cli.parse_serve([]) == ServeConfig() == DEFAULTS
+    given = cli.parse_serve(
+        [
+            *("--max-queue", "7", "--batch-wait-us", "0", "--max-inflight", "3", "--no-reflection"),
+            *("--no-cuda-graphs", "--dtype", "float32", "--state-ttl", "2.5", "--host", "::1"),
+            *("--auth-token-file", "tokens"),
+        ]
+    )
+    assert given == dataclasses.replace(
+        DEFAULTS,
+        max_queue=7,
+        batch_wait_us=0.0,
+        max_inflight=3,
+        reflection=False,
+        cuda_graphs=False,
+        dtype="float32",
+        state_ttl=2.5,
+        host="::1",
+        auth_token_file="tokens",
+    )
+    assert given.batch_wait == 0.0 and DEFAULTS.batch_wait == pytest.approx(2e-3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        given.port = 1  # type: ignore[misc]
 
 
-@pytest.mark.parametrize(
-    ("flags", "interval"),
-    [((), 500e-6), (("--gil-switch-us", "250"), 250e-6)],
-    ids=["default", "250us"],
-)
-def test_the_server_sets_the_engine_process_gil_switch_interval(
-    mimo_checkpoint: Path, flags: tuple[str, ...], interval: float
-) -> None:
-    args = _serve_args("--model", str(mimo_checkpoint), "--device", "cpu", "--port", "0", *flags)
-    engine = cli.build_engine(args)
+def test_removed_flags_are_refused(capsys) -> None:
+    for flag in ("--front-ends", "--torch-threads", "--gil-switch-us"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.parse_serve([flag, "2"])
+        assert exit_.value.code == 2
+        assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults() -> None:
+    cmd = [sys.executable, "-m", "mtpdraft", "serve", "--help"]
+    usage = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    shown = " ".join(usage.split("options:", 1)[1].split())  # each flag's line, its help
+    for flag, default in [
+        ("--max-queue N", "(default: 4096)"),
+        ("--batch-wait-us US", "(default: 2000.0)"),
+        ("--max-message-bytes B", f"(default: {16 << 20})"),
+        ("--state-ttl SECONDS", "(default: 600.0)"),
+        ("--max-batch N", "(default: 64)"),
+        ("--model DIR", "(default: the embedded default model)"),
+    ]:
+        assert flag in shown
+        assert default in shown.split(flag, 1)[1].split(" --", 1)[0], flag
+
+
+def test_the_servers_keyword_defaults_are_the_commands() -> None:
+    def defaults(of) -> dict:
+        return {
+            name: p.default
+            for name, p in inspect.signature(of).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
+
+    assert defaults(DrafterServer) == {
+        "max_queue": DEFAULTS.max_queue,
+        "batch_wait": DEFAULTS.batch_wait,
+        "telemetry": None,
+    }
+    assert defaults(LocalBackend) == defaults(DrafterServer)
+    assert defaults(FrontEnd) == {
+        "max_message_bytes": DEFAULTS.max_message_bytes,
+        "reflection_enabled": DEFAULTS.reflection,
+        "max_inflight": DEFAULTS.max_inflight,
+        "credentials": None,
+        "tokens": None,
+    }
+
+
+def test_the_server_sets_the_gil_switch_interval(mimo_checkpoint: Path) -> None:
+    config = cli.parse_serve(["--model", str(mimo_checkpoint), "--device", "cpu", "--port", "0"])
+    engine = cli.build_engine(config)
     before = sys.getswitchinterval()
     sys.setswitchinterval(0.005)  # Python's default: the server, not the process, sets it
 
     async def serve() -> float:
-        server = cli.build_server(args, engine, Telemetry())
+        server = cli.build_server(config, engine, Telemetry())
         try:
             await server.start()
             interval = sys.getswitchinterval()
             # It serves: the setting is made where the server is built, not instead of it.
             with DrafterClient(f"127.0.0.1:{server.port}") as client:
                 info = await asyncio.to_thread(client.info)
-            assert info.max_batch == args.max_batch
+            assert info.max_batch == config.max_batch
             return interval
         finally:
             await server.drain(0)
 
     try:
-        assert asyncio.run(serve()) == pytest.approx(interval)
+        assert asyncio.run(serve()) == pytest.approx(GIL_SWITCH_INTERVAL_S)
     finally:
         sys.setswitchinterval(before)
-
-
-def test_torch_threads_are_set_where_the_engine_is_built(mimo_checkpoint: Path) -> None:
-    before = torch.get_num_threads()
-    assert _serve_args().torch_threads is None  # torch's own default unless asked
-    args = _serve_args("--model", str(mimo_checkpoint), "--device", "cpu", "--torch-threads", "1")
-    try:
-        torch.set_num_threads(2)  # so that the option, not the machine, makes it 1
-        engine = cli.build_engine(args)
-        assert torch.get_num_threads() == 1
-        assert engine.head.device.type == "cpu"
-    finally:
-        torch.set_num_threads(before)

@@ -25,9 +25,9 @@ def ref(mimo_checkpoint) -> Reference:
     return Reference(mimo_checkpoint)
 
 
-@pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "2-front-ends"])
-def address(request, mimo_checkpoint):
-    proc = start_server(mimo_checkpoint, *SERVER_ARGS, "--front-ends", str(request.param))
+@pytest.fixture(scope="module")
+def address(mimo_checkpoint):
+    proc = start_server(mimo_checkpoint, *SERVER_ARGS)
     yield proc.address
     proc.stop()
 

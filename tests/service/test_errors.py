@@ -131,7 +131,7 @@ def test_unknown_handle_is_not_found(client: DrafterClient) -> None:
         ({"hidden": T("FP32", [H + 1], bytes(4 * H + 4))}, "BAD_SHAPE", "hidden"),
         ({"hidden": T("FP32", [2, H], bytes(8 * H))}, "BAD_SHAPE", "hidden"),
         ({"hidden": T(99, [H], bytes(4 * H))}, "BAD_DTYPE", "hidden"),
-        # NaN and inf, little-endian: read in a front end or by the engine, refused alike.
+        # NaN and inf, little-endian, in fp32 and bf16: the engine refuses both.
         (
             {"hidden": T("FP32", [H], bytes(4 * H - 4) + b"\x00\x00\xc0\x7f")},
             "NOT_FINITE",

@@ -1,11 +1,9 @@
-"""Telemetry switched on by the standard OTEL_* variables, from real `mtpdraft serve` processes.
+"""Telemetry switched on by the standard OTEL_* variables, from a real `mtpdraft serve` process.
 
-An OTLP/gRPC collector in this process receives what a server exports, in one
-process and with two front-end processes (the RPC spans and duration metric come
-from the front ends there, the engine's metrics from the engine process): the
-same spans, parented by a traced client's, and the same metrics, under the
-resource and at the endpoint the variables name. Every server flushes its
-telemetry when it stops, so the checks run on what arrived by then.
+An OTLP/gRPC collector in this process receives what the server exports: spans
+parented by a traced client's, and every metric, under the resource and at the
+endpoint the variables name. The server flushes its telemetry when it stops, so
+the checks run on what arrived by then.
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ class Collector:
 
     spans: list = field(default_factory=list)  # (resource attributes, span)
     metric_names: set[str] = field(default_factory=set)
-    metric_exports: list[set[str]] = field(default_factory=list)  # each from one process
+    metric_exports: list[set[str]] = field(default_factory=list)  # each export's names
     resources: list[dict] = field(default_factory=list)
     headers: list[dict] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -112,12 +110,12 @@ OTEL_ENV = {
 }
 
 
-def _start(mimo_checkpoint, collector: Collector, front_ends: str) -> ServerProcess:
+def _start(mimo_checkpoint, collector: Collector) -> ServerProcess:
     with pytest.MonkeyPatch.context() as env:  # the server process inherits these
         for name, value in OTEL_ENV.items():
             env.setenv(name, value)
         env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.start())
-        return start_server(mimo_checkpoint, *SERVER_ARGS, "--front-ends", front_ends)
+        return start_server(mimo_checkpoint, *SERVER_ARGS)
 
 
 def _traced_calls(address: str) -> list:
@@ -143,56 +141,36 @@ def _traced_calls(address: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def exported(mimo_checkpoint) -> dict[str, Exported]:
-    """One server in one process and one with two front ends, each exporting to a
-    collector of its own; the same calls to each; both stopped (which flushes)."""
-    collectors = {"0": Collector(), "2": Collector()}
-    servers: dict[str, ServerProcess] = {}
-    results = {}
+def exported(mimo_checkpoint) -> Exported:
+    """A server exporting to a collector of its own, every call kind made to it, stopped
+    (which flushes)."""
+    collector = Collector()
+    server = _start(mimo_checkpoint, collector)
     try:
-        for n, collector in collectors.items():  # one after the other: each its own env
-            servers[n] = _start(mimo_checkpoint, collector, n)
-        for n, server in servers.items():
-            results[n] = _traced_calls(server.address)
+        client_spans = _traced_calls(server.address)
     finally:
-        for server in servers.values():  # both drain at once
-            server.process.terminate()
-        codes = {n: server.process.wait(60) for n, server in servers.items()}
-        for collector in collectors.values():
-            collector.server.stop(0)
-    return {
-        n: Exported(
-            collectors[n],
-            results[n],
-            "".join(server.lines) + server.process.stdout.read(),
-            codes[n],
-        )
-        for n, server in servers.items()
-    }
+        server.process.terminate()
+        exit_code = server.process.wait(60)
+        collector.server.stop(0)
+    output = "".join(server.lines) + server.process.stdout.read()
+    return Exported(collector, client_spans, output, exit_code)
 
 
-FRONT_ENDS = pytest.mark.parametrize("front_ends", ["0", "2"], ids=["one-process", "2-front-ends"])
-
-
-@FRONT_ENDS
-def test_otlp_goes_to_the_endpoint_with_the_headers_and_resource_named(exported, front_ends):
-    got = exported[front_ends]
-    assert got.exit_code == 0, got.output
-    assert got.collector.headers, "nothing was exported"
-    assert all(h.get("x-tenant") == "verifiers" for h in got.collector.headers)
-    for resource in got.collector.resources:
+def test_otlp_goes_to_the_endpoint_with_the_headers_and_resource_named(exported) -> None:
+    assert exported.exit_code == 0, exported.output
+    assert exported.collector.headers, "nothing was exported"
+    assert all(h.get("x-tenant") == "verifiers" for h in exported.collector.headers)
+    for resource in exported.collector.resources:
         assert resource["service.name"] == "drafter-under-test"
         assert resource["deployment.environment"] == "ci"
 
 
-@FRONT_ENDS
-def test_each_rpc_has_a_server_span_parented_by_the_clients(exported, front_ends) -> None:
-    got = exported[front_ends]
-    client = [s for s in got.client_spans if s.kind == SpanKind.CLIENT]
+def test_each_rpc_has_a_server_span_parented_by_the_clients(exported) -> None:
+    client = [s for s in exported.client_spans if s.kind == SpanKind.CLIENT]
     methods = ["AllocState", "Prefill", "Propose", "ProposeStream", "AfterVerify", "TakeKV"]
     methods += ["InstallKV", "FreeState"]
     assert {s.name for s in client} == {SERVICE + m for m in methods}
-    served = {s.span_id: s for _, s in got.collector.spans if s.name.startswith(SERVICE)}
+    served = {s.span_id: s for _, s in exported.collector.spans if s.name.startswith(SERVICE)}
     assert len(served) == len(client) == 10
     for span in client:
         (server_span,) = [s for s in served.values() if s.parent_span_id == span_id(span)]
@@ -204,9 +182,8 @@ def span_id(span) -> bytes:
     return span.context.span_id.to_bytes(8, "big")
 
 
-@FRONT_ENDS
-def test_queue_forward_and_kv_spans_sit_under_their_rpc(exported, front_ends) -> None:
-    collector = exported[front_ends].collector
+def test_queue_forward_and_kv_spans_sit_under_their_rpc(exported) -> None:
+    collector = exported.collector
 
     def parents(name: str) -> list[str]:
         by_id = {s.span_id: s.name for _, s in collector.spans}
@@ -227,26 +204,18 @@ def test_queue_forward_and_kv_spans_sit_under_their_rpc(exported, front_ends) ->
     assert parents("mtpdraft.kv.free") == [SERVICE + "FreeState"] * 2
 
 
-@FRONT_ENDS
-def test_every_metric_is_exported(exported, front_ends) -> None:
-    assert exported[front_ends].collector.metric_names >= METRICS
+def test_every_metric_is_exported(exported) -> None:
+    assert exported.collector.metric_names >= METRICS
 
 
-def test_front_ends_export_the_rpc_metrics_and_the_engine_process_the_rest(exported) -> None:
-    """Each export comes from one process's meter: with front ends, the RPCs' metrics
-    (their duration, the drafts they returned) and the engine's never share one; in one
-    process they do."""
+def test_the_rpc_metrics_and_the_engines_share_one_meter(exported) -> None:
+    """One process, one meter: an export carries the RPCs' metrics (their duration, the
+    drafts they returned) and the engine's together."""
     rpc_metrics = {"rpc.server.duration", "mtpdraft.drafts.proposed"}
-
-    def kinds(front_ends: str) -> list[tuple[bool, bool]]:
-        return [
-            (bool(names & rpc_metrics), bool(names & (METRICS - rpc_metrics)))
-            for names in exported[front_ends].collector.metric_exports
-        ]
-
-    assert (True, True) in kinds("0")
-    assert (True, True) not in kinds("2")
-    assert (True, False) in kinds("2") and (False, True) in kinds("2")
+    assert any(
+        names & rpc_metrics and names & (METRICS - rpc_metrics)
+        for names in exported.collector.metric_exports
+    )
 
 
 def test_console_exporters_print_spans_and_metrics(mimo_checkpoint, monkeypatch) -> None:

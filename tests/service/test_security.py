@@ -281,7 +281,7 @@ def test_health_needs_no_token_and_reflection_does(servers: Servers, pki: Pki) -
         assert "mtpdraft.v1.Drafter" in services
 
 
-# --- the token file: rotation and revocation, over both server modes ---------------------
+# --- the token file: rotation and revocation ----------------------------------------------
 
 ORIGINAL_TOKENS = f"{TOKEN_A}\n\n{TOKEN_B}\n"
 
@@ -304,7 +304,6 @@ class TokenServer:
 
     server: ServerProcess
     token_file: Path
-    processes: int  # how many processes check tokens, each reading the file itself
 
     def write(self, data: bytes | None) -> None:
         """Replaces the file at once, as an operator should: no reading sees it half
@@ -331,36 +330,34 @@ class TokenServer:
         return self.server.new_output()
 
     def wait_for_reload(self, words: str) -> str:
-        """Calls until every process has logged `words`, each having read the file's
-        change (a process reads it again on a call, once a second at most; the kernel
-        picks the process a connection goes to). Returns the log."""
+        """Calls until the server has logged `words`, having read the file's change (it
+        reads it again on a call, once a second at most). Returns the log."""
         log = ""
 
-        def every_process_read_it() -> bool:
+        def read_it() -> bool:
             nonlocal log
             self.works(TOKEN_B)
             log += self.new_log()
-            return _lines(log, words) >= self.processes
+            return _lines(log, words) >= 1
 
-        _wait_for(every_process_read_it)
+        _wait_for(read_it)
         return log
 
 
-@pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "2-front-ends"])
-def token_server(request, mimo_checkpoint, tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module")
+def token_server(mimo_checkpoint, tmp_path_factory: pytest.TempPathFactory):
     token_file = tmp_path_factory.mktemp("tokens") / "tokens"
     token_file.write_text(ORIGINAL_TOKENS)
-    args = (*SERVER_ARGS, "--front-ends", str(request.param), "--auth-token-file", str(token_file))
-    server = start_server(mimo_checkpoint, *args)
+    server = start_server(mimo_checkpoint, *SERVER_ARGS, "--auth-token-file", str(token_file))
     os.set_blocking(server.process.stdout.fileno(), False)
-    yield TokenServer(server, token_file, max(1, request.param))
+    yield TokenServer(server, token_file)
     assert server.stop() == 0
 
 
 @pytest.fixture
 def tokens(token_server: TokenServer):
-    """The server with both tokens, each process having read them; put back after the
-    test, which must have let every process read its last change."""
+    """The server with both tokens, having read them; put back after the test, which
+    must have let the server read its last change."""
     token_server.new_log()
     assert token_server.works(TOKEN_A) and token_server.works(TOKEN_B)
     yield token_server
@@ -413,12 +410,12 @@ def test_an_emptied_or_deleted_file_accepts_no_token(tokens: TokenServer, how: s
         tokens.token_file.unlink()
     words = ("holds no token" if how == "emptied" else "is gone") + ": every call is refused"
     log = tokens.wait_for_reload(words)
-    # Refused on every call over several reload intervals, and logged once by each process.
+    # Refused on every call over several reload intervals, and logged once.
     started = time.monotonic()
     while time.monotonic() - started < 3 * RELOAD_INTERVAL_S:
         assert not tokens.works(TOKEN_A) and not tokens.works(TOKEN_B)
     log += tokens.new_log()
-    assert _lines(log, words) == tokens.processes, log
+    assert _lines(log, words) == 1, log
     with grpc.insecure_channel(tokens.server.address) as channel:  # health needs no token
         check = health_pb2_grpc.HealthStub(channel).Check
         assert check(health_pb2.HealthCheckRequest(), timeout=10).status == SERVING
@@ -438,7 +435,7 @@ def test_a_file_that_cannot_be_read_keeps_the_tokens_read_before(
         tokens.write(f"{TOKEN_A}\n\x00garbage\xff\n".encode("latin-1"))
         words = "line 2 holds a character outside printable ASCII"
     log = tokens.wait_for_reload(words)
-    assert _lines(log, "keeping the 2 tokens read before") == tokens.processes, log
+    assert _lines(log, "keeping the 2 tokens read before") == 1, log
     assert tokens.works(TOKEN_A) and tokens.works(TOKEN_B)
 
 

@@ -96,17 +96,16 @@ def test_device_auto_picks_cuda_when_there_is_one_else_the_cpu(mimo_checkpoint) 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA device")
 def test_device_cuda_without_one_is_refused(mimo_checkpoint) -> None:
-    args = serve_args("--model", str(mimo_checkpoint), "--device", "cuda")
+    config = serve_args("--model", str(mimo_checkpoint), "--device", "cuda")
     with pytest.raises(SystemExit, match="--device cuda, but no CUDA device is available"):
-        cli.build_engine(args)
+        cli.build_engine(config)
 
 
 # --- --host ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("front_ends", ["0", "1"], ids=["one-process", "1-front-end"])
-def test_host_binds_that_address_alone(serve, front_ends: str) -> None:
-    server = serve("--host", "127.0.0.2", "--front-ends", front_ends)
+def test_host_binds_that_address_alone(serve) -> None:
+    server = serve("--host", "127.0.0.2")
     port = server.server.port
     with DrafterClient(f"127.0.0.2:{port}", timeout=30) as c:
         assert c.info().model_family == "mimo"

@@ -85,9 +85,8 @@ def test_leases_free_idle_states_and_untaken_handles(mimo_checkpoint) -> None:
         assert proc.stop() == 0
 
 
-@pytest.mark.parametrize("front_ends", ["0", "2"], ids=["one-process", "2-front-ends"])
-def test_sigterm_drains_then_frees_everything(mimo_checkpoint, front_ends: str) -> None:
-    args = (*SERVER_ARGS[:-2], "--grace-period", "600", "--front-ends", front_ends)
+def test_sigterm_drains_then_frees_everything(mimo_checkpoint) -> None:
+    args = (*SERVER_ARGS[:-2], "--grace-period", "600")
     proc = start_server(mimo_checkpoint, *args)
     with DrafterClient(proc.address, timeout=10) as c:
         state = c.alloc_state()
@@ -108,11 +107,8 @@ def test_sigterm_drains_then_frees_everything(mimo_checkpoint, front_ends: str) 
     assert "freed 0 live states" in out
 
 
-@pytest.mark.parametrize("front_ends", ["0", "2"], ids=["one-process", "2-front-ends"])
-def test_sigterm_frees_states_left_at_the_end_of_the_grace(
-    mimo_checkpoint, front_ends: str
-) -> None:
-    args = (*SERVER_ARGS[:-2], "--grace-period", "1", "--front-ends", front_ends)
+def test_sigterm_frees_states_left_at_the_end_of_the_grace(mimo_checkpoint) -> None:
+    args = (*SERVER_ARGS[:-2], "--grace-period", "1")
     proc = start_server(mimo_checkpoint, *args)
     with DrafterClient(proc.address, timeout=10) as c:
         for _ in range(2):

@@ -1,0 +1,115 @@
+"""`mtpdraft serve`'s options: one frozen dataclass, each option's default and help written
+once, here.
+
+The command's parser is generated from `ServeConfig` and fills it (cli.py); the engine,
+the scheduler and the gRPC server are built from its values (`cli.build_engine`,
+`cli.build_server`), and the keyword defaults of `DrafterServer`, `LocalBackend` and
+`FrontEnd` are `DEFAULTS`'. A field's metadata holds its flag's help (and `choices`,
+`metavar`, `group`, and `shown_default` for a default better named than printed, where
+it has them); a bool field that defaults to True is the flag `--no-NAME`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .model.default_model import DEFAULT_CHECKPOINT
+
+
+def _option(default: Any, help: str, **flag: Any) -> Any:
+    return field(default=default, metadata={"help": help, **flag})
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    # --- the model and where it runs
+    model: str = _option(
+        str(DEFAULT_CHECKPOINT),
+        "checkpoint folder: config.json and safetensors (a full target checkpoint works)",
+        metavar="DIR",
+        shown_default="the embedded default model",
+    )
+    device: str = _option("auto", "auto: cuda where there is one", choices=("auto", "cpu", "cuda"))
+    dtype: str | None = _option(
+        None,
+        "compute dtype (default: the checkpoint's)",
+        choices=("bfloat16", "float16", "float32"),
+    )
+    ops: str = _option(
+        "auto",
+        "forward ops (auto: Triton kernels on CUDA, torch elsewhere)",
+        choices=("auto", "torch", "triton"),
+    )
+    cuda_graphs: bool = _option(True, "run the draft step eagerly, without CUDA graphs")
+
+    # --- the engine's limits
+    max_states: int = _option(1024, "live states, at most")
+    max_states_per_client: int | None = _option(None, "live states one client host may hold")
+    max_rows_per_state: int | None = _option(None, "rows (prompt + drafts) one state may hold")
+    kv_blocks: int | None = _option(
+        None,
+        "KV pool size in blocks (default: a quarter of the free GPU memory, or 1 GiB of "
+        "host memory)",
+    )
+    block_size: int = _option(16, "rows per KV block")
+    state_ttl: float = _option(
+        600.0, "idle seconds before a state or an untaken KV handle is freed", metavar="SECONDS"
+    )
+    max_drafts: int = _option(16, "largest K")
+    max_batch: int = _option(64, "largest ProposeBatch, and the most requests in one forward")
+
+    # --- scheduling
+    max_queue: int = _option(4096, "Propose calls waiting, at most (past it: RESOURCE_EXHAUSTED)")
+    batch_wait_us: float = _option(
+        2000.0,
+        "the most a batch waits for verifiers due back (0: start at once)",
+        metavar="US",
+    )
+
+    # --- the gRPC server
+    host: str = _option("127.0.0.1", "address to serve on")
+    port: int = _option(50051, "port to serve on; 0 picks a free one (printed)", metavar="PORT")
+    # 16 MiB: room for a ProposeBatch of 64 states with bf16 hiddens of 4096 and a bitmask
+    # row each (64 x (8 KB + 19 KB) = 1.7 MB) and for Prefill chunks of a few MB, while
+    # one message can never take a large share of memory.
+    max_message_bytes: int = _option(16 << 20, "largest message, either way", metavar="B")
+    max_inflight: int | None = _option(None, "concurrent RPCs; streams count as one")
+    reflection: bool = _option(True, "turn server reflection off")
+    grace_period: float = _option(
+        10.0, "seconds live states may go on after SIGTERM", metavar="SECONDS"
+    )
+
+    # --- security
+    tls_cert: str | None = _option(
+        None, "serve TLS: the server's PEM certificate", metavar="FILE", group="security"
+    )
+    tls_key: str | None = _option(
+        None, "the PEM private key of --tls-cert", metavar="FILE", group="security"
+    )
+    tls_client_ca: str | None = _option(
+        None,
+        "mutual TLS: require client certificates signed by this PEM CA",
+        metavar="FILE",
+        group="security",
+    )
+    auth_token_file: str | None = _option(
+        None,
+        "require 'authorization: Bearer <token>' on every call but health; one token per "
+        "line (several while rotating), re-read every second; an emptied or deleted file "
+        "accepts no token",
+        metavar="FILE",
+        group="security",
+    )
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def batch_wait(self) -> float:
+        """--batch-wait-us in seconds, as the scheduler takes it."""
+        return self.batch_wait_us * 1e-6
+
+
+DEFAULTS = ServeConfig()
