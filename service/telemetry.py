@@ -28,6 +28,8 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from .engine.types import JobTiming
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .engine.engine import DraftEngine
 
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -160,7 +162,12 @@ class Telemetry:
             lambda: len(engine.handles),
         )
         gauge("mtpdraft.queue.depth", "{call}", "Propose calls waiting for a batch", queued)
-        engine.on_verdict = self.record_verdict
+        engine.on_verdicts = self.record_verdicts
+
+    def record_verdicts(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
+        """The verdicts of a batch: drafts proposed and accepted, state by state."""
+        for k, a in zip(num_drafts.tolist(), num_accepted.tolist(), strict=True):
+            self.record_verdict(k, a)
 
     def record_verdict(self, num_drafts: int, num_accepted: int) -> None:
         for position in range(1, num_drafts + 1):
