@@ -25,10 +25,13 @@ test-gpu:
 bench:
 	$(PYTHON) bench/bench_step.py --out-dir bench/results
 
-# On a machine with a CUDA GPU: writes bench/results/service.{json,md}; with a Go
-# verifier's figures too where client/go/build/bin/mtpdraft-hotpath is built (make polyglot-go).
-# 64 streams on three starts of the server: one start can be 25% off another.
+# On a machine with a CUDA GPU: a verifier's step served (V verifiers x S states; the
+# kernel-only chain, the in-process engine, the canned-reply floor, a Unix socket, tracing:
+# bench/results/verifier.{json,md}), then one-state streams (bench/results/service.{json,md};
+# with a Go verifier's figures too where client/go/build/bin/mtpdraft-hotpath is built, make
+# polyglot-go; 64 streams on three starts of the server: one start can be 25% off another).
 bench-service:
+	$(PYTHON) bench/bench_verifier.py --out-dir bench/results
 	$(PYTHON) bench/bench_service.py --repeats 3 --out-dir bench/results
 
 # Against a server already running on localhost:50051 (`make serve`).

@@ -6,10 +6,17 @@ step's verdicts (0 accepted: the same rows every step on both sides), as:
 - `columns-stream`: one message a step on a ProposeColumnsStream;
 - `batch`: one ProposeBatch call a step (one ProposeRequest per state).
 Verifiers are asyncio client processes (spawned), started together; a step's time
-is the verifier's round trip. The in-process engine (engine.propose_batch at
-B = V x S, as `mtpdraft serve` builds it) is the reference: served drafts/s over
-in-process drafts/s, and the served p50 step over the in-process one. Writes
-verifier.json and verifier.md to --out-dir. Only ratios within one run count.
+is the verifier's round trip. Measured in the same run, as references:
+- the kernel-only chain: the K draft steps of B = V x S rows as one graph replay, with
+  the host staging and the one wait (MTPHead.decode_chain), no engine around it;
+- the in-process engine: one ProposeColumns step as the server computes it (the
+  columns checked into a Step, then engine.propose_step), B = V x S;
+- the transport floor: a canned-reply grpc.aio server (grpc_floor.py) that answers the
+  same request bytes one in-process step late, over TCP and a Unix socket;
+- one verifier of S states over the server's Unix socket (--unix-socket), and with
+  tracing on (an SDK tracer with a no-op exporter in the server).
+Writes verifier.json and verifier.md to --out-dir, with each target's verdict. Only
+ratios within one run count.
 
     python bench/bench_verifier.py [--small] [--device cuda|cpu] [--shapes 1x64,4x16,8x8,1x1]
 """
@@ -32,6 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import grpc_floor
 from bench_service import (
     BLOCK_SIZE,
     CALL_TIMEOUT_S,
@@ -40,7 +48,6 @@ from bench_service import (
     Workload,
     _hiddens,
     build_engine,
-    in_process,
     log,
     percentiles_us,
     serve_argv,
@@ -152,34 +159,202 @@ def served(target: str, mode: str, verifiers: int, size: int, work: Workload) ->
     return {**percentiles_us(times), "drafts": drafts, "drafts_per_s": drafts / window}
 
 
+def _prefilled(engine: Any, batch: int, work: Workload, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    prompt = _hiddens(work.prompt - 1, work, seed)
+    states = [engine.alloc_state() for _ in range(batch)]
+    for state in states:
+        session = engine.begin_prefill(state, 1)
+        session.append([rng.randrange(work.vocab_size) for _ in range(work.prompt - 1)], prompt)
+        session.finish()
+    return states
+
+
+def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, Any]:
+    """The engine alone on B = `batch` states: a ProposeColumns step as the server
+    computes it (columns.step, then propose_step), and the kernel-only chain."""
+    import numpy as np
+
+    from mtpdraft.service.engine.columns import Columns
+    from mtpdraft.service.engine.columns import step as columns_step
+    from mtpdraft.service.model.decode_chain import ChainInputs
+
+    c, k = engine.head.config, work.num_drafts
+    states = _prefilled(engine, batch, work, seed)
+    rows = _hiddens(batch, work, seed + 1)
+    token = random.Random(seed).randrange(work.vocab_size)
+    times, drafts = [], 0
+    for index in range(work.warmup + work.steps):
+        step = Columns(
+            state_ids=states,
+            tokens=[token] * batch,
+            positions=[work.prompt + index] * batch,  # 0 accepted: the bonus token is next
+            hiddens=rows,
+            num_drafts=[k],
+            num_accepted=[0] * batch if index else [],
+            refeed_rows=[],
+            refeed_hiddens=None,
+            bitmask_rows=[],
+            bitmasks=None,
+            min_confidence=[],
+        )
+        started = time.perf_counter()
+        result = engine.propose_step(columns_step(step, c.hidden_size, c.vocab_size, batch))
+        elapsed = time.perf_counter() - started  # the result is host arrays: synchronized
+        assert not result.errors, result.errors
+        if index >= work.warmup:
+            times.append(elapsed)
+            drafts += int(result.counts.sum())
+    out = {"batch": batch, **percentiles_us(times), "drafts_per_s": drafts / sum(times)}
+    # The kernels alone: the same states' K-step chain, its inputs already on the device.
+    slots = np.array([engine.state(s).slot for s in states])
+    chain = ChainInputs(
+        tokens=np.full(batch, token, np.int64),
+        hiddens=rows.to(engine.head.device),
+        positions=np.full(batch, work.prompt, np.int64),
+        limits=np.full(batch, k, np.int64),
+        block_tables=engine.table.block_tables(slots),
+    )
+    chain_times = []
+    for index in range(work.warmup + work.steps):
+        started = time.perf_counter()
+        engine.head.decode_chain(engine.kv, chain)  # host arrays out: synchronized
+        if index >= work.warmup:
+            chain_times.append(time.perf_counter() - started)
+    kernels = percentiles_us(chain_times)
+    out["kernel_only"] = {**kernels, "drafts_per_s": batch * k / (kernels["p50_us"] * 1e-6)}
+    for state in states:
+        engine.free_state(state)
+    return out
+
+
+def columns_request(size: int, work: Workload) -> bytes:
+    """A verifier's step for `size` states as the wire carries it (the floor's payload)."""
+    import numpy as np
+
+    from mtpdraft.client.messages import columns_request as build
+
+    hiddens = _hiddens(size, work, 7)
+    ids = np.arange(1, size + 1, dtype=np.uint64)
+    msg = build(
+        ids, np.ones(size, np.int32), np.full(size, work.prompt), hiddens, work.num_drafts,
+        num_accepted=np.zeros(size, np.int32),
+    )  # fmt: skip
+    return msg.SerializeToString()
+
+
+def late_floor(size: int, work: Workload, step_s: float, unix: str | None) -> dict[str, Any]:
+    """The canned-reply server answering one verifier's `size`-state step `step_s` late."""
+    server = grpc_floor.start_server(work.num_drafts, step_s, states=size, unix=unix)
+    try:
+        target = f"unix:{unix}" if unix else server.target
+        request = columns_request(size, work)
+        got = grpc_floor.measure(target, 1, 1, request, work.steps, work.warmup)
+    finally:
+        server.stop()
+    return {**got, "step_us": step_s * 1e6, "over_step_us": got["p50_us"] - step_s * 1e6}
+
+
+SOCKET_MODE = "columns-stream, unix socket"
+TRACED_MODE = "columns-stream, tracing on"
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with what it compares and whether it is met."""
+    out: list[dict[str, Any]] = []
+
+    def add(what: str, got: float | None, bound: float | None, at_most: bool) -> None:
+        met = None if got is None or bound is None else (got <= bound if at_most else got >= bound)
+        out.append({"target": what, "got": got, "bound": bound, "met": met})
+
+    shapes = report["shapes"]
+    largest = max(shapes.values(), key=lambda r: r["in_process"]["batch"])["in_process"]
+    add(
+        f"in-process drafts/s >= 0.8x the kernel-only chain's (B = {largest['batch']})",
+        largest["drafts_per_s"] / largest["kernel_only"]["drafts_per_s"],
+        0.8,
+        False,
+    )
+    for key, row in shapes.items():
+        engine, floor = row["in_process"], report["floor"].get(key, {})
+        verifiers, size = (int(n) for n in key.split("x"))
+        slack = 150.0 if size == 1 else 300.0
+        if verifiers == 1:
+            for mode, transport in (("columns-stream", "tcp"), (SOCKET_MODE, "unix")):
+                got, late = row.get(mode, {}).get("p50_us"), floor.get(transport)
+                bound = late and engine["p50_us"] + late["over_step_us"] + slack
+                add(f"{key} {mode}: p50 us <= in-process + floor + {slack:.0f}", got, bound, True)
+        else:
+            best = max((row.get(m, {}).get("drafts_per_s") or 0) for m in MODES)
+            add(f"{key}: drafts/s / in-process at B = {size * verifiers} >= 0.8", best
+                / engine["drafts_per_s"], 0.8, False)  # fmt: skip
+        if TRACED_MODE in row:
+            on = row[TRACED_MODE].get("drafts_per_s")
+            off = row["columns-stream"].get("drafts_per_s")
+            add(f"{key} tracing on / off >= 0.97", on and off and on / off, 0.97, False)
+    return out
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value / 1e3:.2f}"
+
+
 def markdown(report: dict[str, Any]) -> str:
+    work = report["workload"]
     lines = [
         "# A verifier's step, served (bench/bench_verifier.py)",
         "",
         f"`{report['command']}` on {report['device']}, {report['date']}; "
-        f"K = {report['workload']['num_drafts']}, prompt {report['workload']['prompt']} rows, "
-        f"{report['workload']['steps']} measured steps.",
+        f"K = {work['num_drafts']}, prompt {work['prompt']} rows, {work['steps']} measured "
+        "steps; asyncio client processes.",
         "",
-        "| V x S | way | p50 step (ms) | in-process p50 (ms) | drafts/s | x in-process |",
-        "|---|---|---|---|---|---|",
+        "| V x S | way | p50 step (ms) | drafts/s | x in-process |",
+        "|---|---|---|---|---|",
     ]
     for shape, row in report["shapes"].items():
         engine = row["in_process"]
+        kernels, b = engine["kernel_only"], engine["batch"]
+        over = kernels["drafts_per_s"] / engine["drafts_per_s"]
         lines.append(
-            f"| {shape} | in-process engine (B = {engine['batch']}) | "
-            f"{engine['p50_us'] / 1e3:.2f} | | {engine['drafts_per_s']:,.0f} | 1.00 |"
+            f"| {shape} | kernel-only chain (B = {b}) | {_ms(kernels['p50_us'])} | "
+            f"{kernels['drafts_per_s']:,.0f} | {over:.2f} |"
         )
-        for mode in MODES:
+        lines.append(
+            f"| {shape} | in-process engine (B = {b}) | {_ms(engine['p50_us'])} | "
+            f"{engine['drafts_per_s']:,.0f} | 1.00 |"
+        )
+        for transport, late in report["floor"].get(shape, {}).items():
+            lines.append(
+                f"| {shape} | canned-reply floor, {transport}, answered one in-process step "
+                f"late | {_ms(late['p50_us'])} (+{late['over_step_us']:.0f} us) | | |"
+            )
+        for mode in (*MODES, SOCKET_MODE, TRACED_MODE):
             got = row.get(mode)
-            if not got or "error" in got:
-                lines.append(f"| {shape} | {mode} | {got and got.get('error')} | | | |")
+            if got is None:
+                continue
+            if "error" in got:
+                lines.append(f"| {shape} | {mode} | {got['error']} | | |")
                 continue
             ratio = got["drafts_per_s"] / engine["drafts_per_s"]
             lines.append(
-                f"| {shape} | {mode} | {got['p50_us'] / 1e3:.2f} | {engine['p50_us'] / 1e3:.2f} "
-                f"| {got['drafts_per_s']:,.0f} | {ratio:.2f} |"
+                f"| {shape} | {mode} | {_ms(got['p50_us'])} | {got['drafts_per_s']:,.0f} | "
+                f"{ratio:.2f} |"
             )
+    lines += ["", "| target | got | bound | met |", "|---|---|---|---|"]
+    for t in report["targets"]:
+        got = "" if t["got"] is None else f"{t['got']:,.2f}"
+        bound = "" if t["bound"] is None else f"{t['bound']:,.2f}"
+        met = {True: "yes", False: "no", None: "n/a"}[t["met"]]
+        lines.append(f"| {t['target']} | {got} | {bound} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def _served(target: str, mode: str, verifiers: int, size: int, work: Workload) -> dict[str, Any]:
+    log(f"{verifiers}x{size} {mode}")
+    try:
+        return served(target, mode, verifiers, size, work)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def main() -> int:
@@ -225,28 +400,46 @@ def main() -> int:
         "workload": asdict(work),
         "server": argv,
         "shapes": {},
+        "floor": {},
     }
-    log("in-process engine")
+    log("in-process engine and kernel-only chain")
     engine, _ = build_engine(argv)
     engines = {b: in_process(engine, b, work, seed=b) for b in sorted({v * s for v, s in shapes})}
     del engine
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    server = start_server(argv, tracing=False)
+    sockets = tempfile.mkdtemp(prefix="bench-verifier-sockets-")
+    served_socket = f"{sockets}/drafter.sock"
+    for verifiers, size in shapes:
+        if verifiers == 1:
+            step_s = engines[size]["p50_us"] * 1e-6
+            log(f"1x{size} canned-reply floor")
+            report["floor"][f"1x{size}"] = {
+                "tcp": late_floor(size, work, step_s, None),
+                "unix": late_floor(size, work, step_s, f"{sockets}/floor-{size}.sock"),
+            }
+    server = start_server([*argv, "--unix-socket", served_socket], tracing=False)
     try:
         for verifiers, size in shapes:
-            key = f"{verifiers}x{size}"
             row: dict[str, Any] = {"in_process": engines[verifiers * size]}
             for mode in MODES:
-                log(f"{key} {mode}")
-                try:
-                    row[mode] = served(server.target, mode, verifiers, size, work)
-                except Exception as exc:
-                    row[mode] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-            report["shapes"][key] = row
+                row[mode] = _served(server.target, mode, verifiers, size, work)
+            if verifiers == 1:
+                target = f"unix:{served_socket}"
+                row[SOCKET_MODE] = _served(target, "columns-stream", 1, size, work)
+            report["shapes"][f"{verifiers}x{size}"] = row
     finally:
         server.stop()
+    server = start_server(argv, tracing=True)
+    try:
+        for verifiers, size in shapes:
+            if verifiers * size == largest:
+                row = report["shapes"][f"{verifiers}x{size}"]
+                row[TRACED_MODE] = _served(server.target, "columns-stream", verifiers, size, work)
+    finally:
+        server.stop()
+    report["targets"] = targets(report)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "verifier.json").write_text(json.dumps(report, indent=1))

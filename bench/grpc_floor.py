@@ -7,9 +7,10 @@ Python grpc.aio service could reach on this machine. At batch 1 the server first
 waits as long as the in-process step takes (blocking its loop, as a computing
 engine would): both processes then idle between messages, and waking them costs
 more than a back-to-back echo. bench_service.py reports these next to the
-service's own figures.
+service's own figures. With STATES, the reply is a ColumnsResponse of STATES rows (a
+verifier's step, bench_verifier.py), and with UNIX the server listens there too.
 
-    python bench/grpc_floor.py --serve K DELAY_US   # the server (prints "PORT n")
+    python bench/grpc_floor.py --serve K DELAY_US [STATES [UNIX]]  # prints "PORT n"
 """
 
 from __future__ import annotations
@@ -27,9 +28,19 @@ SERVICE, METHOD = "mtpdraft.v1.Drafter", "ProposeStream"
 START_TIMEOUT_S = 60.0
 
 
-def _canned_reply(num_drafts: int) -> bytes:
+def _canned_reply(num_drafts: int, states: int = 0) -> bytes:
     from mtpdraft.v1 import drafter_pb2 as pb
 
+    if states:
+        return pb.ColumnsResponse(
+            request_id=1,
+            width=num_drafts,
+            drafts=list(range(num_drafts)) * states,
+            probs=[0.5] * (num_drafts * states),
+            draft_counts=[num_drafts] * states,
+            confidences=[0.5] * states,
+            first_positions=[2048] * states,
+        ).SerializeToString()
     proposal = pb.Proposal(
         state_id=1,
         tokens=list(range(num_drafts)),
@@ -40,10 +51,10 @@ def _canned_reply(num_drafts: int) -> bytes:
     return pb.ProposeStreamResponse(request_id=1, proposal=proposal).SerializeToString()
 
 
-def serve(num_drafts: int, delay_s: float) -> None:
+def serve(num_drafts: int, delay_s: float, states: int = 0, unix: str | None = None) -> None:
     import grpc
 
-    reply = _canned_reply(num_drafts)
+    reply = _canned_reply(num_drafts, states)
 
     async def answer(requests: Any, context: Any) -> Any:
         async for _ in requests:
@@ -58,6 +69,8 @@ def serve(num_drafts: int, delay_s: float) -> None:
             (grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler}),)
         )
         port = server.add_insecure_port("127.0.0.1:0")
+        if unix:
+            server.add_insecure_port(f"unix:{unix}")
         await server.start()
         print(f"PORT {port}", flush=True)
         await asyncio.to_thread(sys.stdin.read)  # the bench closes our stdin to stop us
@@ -123,10 +136,13 @@ def measure(
     }
 
 
-def start_server(num_drafts: int, delay_s: float) -> ServerProcess:
-    """The canned-reply server in a subprocess."""
+def start_server(
+    num_drafts: int, delay_s: float, states: int = 0, unix: str | None = None
+) -> ServerProcess:
+    """The canned-reply server in a subprocess (see the module docstring)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(num_drafts)]
-    return ServerProcess([*cmd, str(delay_s * 1e6)], START_TIMEOUT_S)
+    cmd += [str(delay_s * 1e6), str(states), *([unix] if unix else [])]
+    return ServerProcess(cmd, START_TIMEOUT_S)
 
 
 def floor(
@@ -165,4 +181,10 @@ def floor(
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
-        serve(int(sys.argv[2]), float(sys.argv[3]) * 1e-6)
+        rest = sys.argv[4:]
+        serve(
+            int(sys.argv[2]),
+            float(sys.argv[3]) * 1e-6,
+            int(rest[0]) if rest else 0,
+            rest[1] if len(rest) > 1 else None,
+        )

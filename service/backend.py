@@ -3,7 +3,8 @@ worker thread, Propose calls through the batching scheduler, and reaps expired l
 
 Requests come in as proto messages and reach the engine as its own types, read and
 checked by `wire` (INVALID_ARGUMENT before anything is queued); results go out as
-the engine's small dataclasses, which the servicer turns into responses.
+the engine's types (a ProposeColumns step's as a StepResult of columns), which the
+servicer turns into responses.
 """
 
 from __future__ import annotations
@@ -21,13 +22,8 @@ from .engine import columns, errors
 from .engine.engine import DraftEngine, PrefillSession
 from .engine.runner import EngineRunner
 from .engine.scheduler import ProposeScheduler
-from .engine.types import (
-    JobTiming,
-    Proposal,
-    RowCount,
-    ServerInfo,
-    TakenKV,
-)
+from .engine.step import StepResult
+from .engine.types import Proposal, RowCount, ServerInfo, TakenKV
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -56,7 +52,7 @@ class LocalBackend:
             self.runner,
             max_queue=max_queue,
             batch_wait=batch_wait,
-            on_batch=lambda requests, _: telemetry.batch_size.record(requests),
+            on_batch=telemetry.record_batch,
         )
         telemetry.observe_engine(engine, lambda: self.scheduler.queued)
         self._reaper: asyncio.Task | None = None
@@ -73,45 +69,24 @@ class LocalBackend:
 
     def propose(
         self, requests: Sequence[pb.ProposeRequest], timeout: float | None, batch: bool = False
-    ) -> tuple[asyncio.Future[list[Proposal]], JobTiming]:
+    ) -> asyncio.Future[list[Proposal]]:
         """Queues one call's requests (`batch`: a ProposeBatch, whose errors name the
         request's index); the future holds the proposals once their batch ran, and
         cancelling it takes the call out of the queue."""
-        return self.scheduler.enqueue(wire.read_proposes(requests, batch), timeout)
+        return self.scheduler.enqueue(
+            wire.read_proposes(requests, batch), timeout, tag=self.telemetry.span_context()
+        )
 
     def propose_columns(
         self, request: pb.ColumnsRequest, timeout: float | None
-    ) -> tuple[asyncio.Future[list[Proposal | errors.DrafterError]], JobTiming]:
+    ) -> asyncio.Future[StepResult]:
         """Queues a verifier's step (INVALID_ARGUMENT at once when its columns do not fit
-        together); the future holds each row's proposal or error once their batch ran."""
+        together); the future holds its rows' results, as columns, once their batch ran."""
         c = self.engine.head.config
         step = columns.step(
             wire.columns(request), c.hidden_size, c.vocab_size, self.engine.max_batch
         )
-        job, timing = self.scheduler.enqueue(step, timeout, apart=True)
-        answer: asyncio.Future = asyncio.get_running_loop().create_future()
-        state_ids = list(request.state_ids)
-
-        def rows_of(done: asyncio.Future) -> None:  # the job's StepResult, row by row
-            if answer.done():
-                return
-            if done.cancelled():
-                answer.cancel()
-            elif (err := done.exception()) is not None:
-                answer.set_exception(err)
-            else:
-                result = done.result()
-                answer.set_result(
-                    [
-                        result.errors.get(i) or result.proposal(i, state)
-                        for i, state in enumerate(state_ids)
-                    ]
-                )
-
-        job.add_done_callback(rows_of)
-        # Cancelling the answer takes the step out of the queue.
-        answer.add_done_callback(lambda a: job.cancel() if a.cancelled() else None)
-        return answer, timing
+        return self.scheduler.enqueue(step, timeout, apart=True, tag=self.telemetry.span_context())
 
     async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount:
         given = wire.verdict(request.verdict, "verdict")

@@ -158,6 +158,7 @@ def build_server(
         max_message_bytes=config.max_message_bytes,
         reflection_enabled=config.reflection,
         max_inflight=config.max_inflight,
+        unix_socket=config.unix_socket,
         telemetry=telemetry,
         **(security or {}),
     )

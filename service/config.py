@@ -70,6 +70,12 @@ class ServeConfig:
     # --- the gRPC server
     host: str = _option("127.0.0.1", "address to serve on")
     port: int = _option(50051, "port to serve on; 0 picks a free one (printed)", metavar="PORT")
+    unix_socket: str | None = _option(
+        None,
+        "also serve on this Unix domain socket (verifiers on the same host: a shorter round "
+        "trip than TCP loopback)",
+        metavar="PATH",
+    )
     # 16 MiB: room for a ProposeBatch of 64 states with bf16 hiddens of 4096 and a bitmask
     # row each (64 x (8 KB + 19 KB) = 1.7 MB) and for Prefill chunks of a few MB, while
     # one message can never take a large share of memory.

@@ -23,7 +23,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
 class FrontEnd:
-    """A grpc.aio server bound to `address`, serving `backend`; not yet started.
+    """A grpc.aio server bound to `address` (and to `unix_socket`, a path, if given),
+    serving `backend`; not yet started.
 
     `credentials` (e.g. `security.server_credentials(...)`) serves over TLS instead of
     plaintext; `tokens` (a `security.TokenSource` or the accepted tokens) makes every
@@ -41,6 +42,7 @@ class FrontEnd:
         max_inflight: int | None = DEFAULTS.max_inflight,
         credentials: grpc.ServerCredentials | None = None,
         tokens: TokenSource | Sequence[str | bytes] | None = None,
+        unix_socket: str | None = DEFAULTS.unix_socket,
     ) -> None:
         self.health = health.aio.HealthServicer()
         # Authentication first, so that an unauthenticated call is refused before any
@@ -67,12 +69,18 @@ class FrontEnd:
         if reflection_enabled:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
             reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), self.server)
+        self.port = self._bind(address, credentials)
+        if unix_socket is not None:
+            self._bind(f"unix:{unix_socket}", credentials)
+
+    def _bind(self, address: str, credentials: grpc.ServerCredentials | None) -> int:
         if credentials is None:
-            self.port = self.server.add_insecure_port(address)
+            port = self.server.add_insecure_port(address)
         else:
-            self.port = self.server.add_secure_port(address, credentials)
-        if self.port == 0:
+            port = self.server.add_secure_port(address, credentials)
+        if port == 0:
             raise OSError(f"could not bind {address}")
+        return port
 
     async def start(self) -> None:
         await self.server.start()

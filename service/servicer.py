@@ -35,7 +35,8 @@ from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
 from . import wire
 from .engine import errors
-from .engine.types import JobTiming, Proposal
+from .engine.step import StepResult
+from .engine.types import Proposal
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -208,14 +209,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         context: grpc.aio.ServicerContext,
         batch: bool = False,
     ) -> list[Proposal]:
-        future, timing = self.backend.propose(requests, context.time_remaining(), batch)
-        proposals = await future
-        self._record(timing, proposals)
-        return proposals
-
-    def _record(self, timing: JobTiming, proposals: list[Proposal]) -> None:
-        self.telemetry.record_job(timing)
-        self.telemetry.drafts.add(sum(len(p.tokens) for p in proposals))
+        return await self.backend.propose(requests, context.time_remaining(), batch)
 
     @rpc
     async def GetInfo(self, request, context):
@@ -256,8 +250,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         def submit(msg: pb.ProposeRequest):
             return self.backend.propose([msg], context.time_remaining())
 
-        def reply(msg, timing: JobTiming, proposals: list[Proposal]):
-            self._record(timing, proposals)
+        def reply(msg, proposals: list[Proposal]):
             return pb.ProposeStreamResponse(
                 request_id=msg.request_id, proposal=wire.proposal(proposals[0])
             )
@@ -272,8 +265,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def ProposeColumns(self, request, context):
-        future, timing = self.backend.propose_columns(request, context.time_remaining())
-        return self._columns_answer(request, timing, await future)
+        result = await self.backend.propose_columns(request, context.time_remaining())
+        return self._columns_answer(request, result)
 
     async def ProposeColumnsStream(self, request_iterator: AsyncIterator, context):
         """Each message a verifier's step, answered as ProposeColumns is; a message that
@@ -290,10 +283,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         ):
             yield answer
 
-    def _columns_answer(self, msg: pb.ColumnsRequest, timing: JobTiming, results: list):
-        self._record(timing, [r for r in results if isinstance(r, Proposal)])
-        rows = [r if isinstance(r, Proposal) else _row_error(r) for r in results]
-        return wire.columns_answer(msg.request_id, max(msg.num_drafts), rows)
+    def _columns_answer(self, msg: pb.ColumnsRequest, result: StepResult) -> pb.ColumnsResponse:
+        failed = {row: _row_error(err) for row, err in result.errors.items()}
+        return wire.columns_answer(msg.request_id, result, failed)
 
     async def _answer_stream(self, name, request_iterator, context, submit, reply, refuse):
         """An async generator of a propose stream's answers (the form gRPC interceptors
@@ -311,14 +303,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         answers: asyncio.Queue = asyncio.Queue()
         in_flight: set[asyncio.Future] = set()
 
-        def answer(msg, timing: JobTiming, job: asyncio.Future) -> None:
+        def answer(msg, job: asyncio.Future) -> None:
             in_flight.discard(job)
             if job.cancelled():  # the stream is going away
                 return
             if (err := job.exception()) is not None:
                 answers.put_nowait(refuse(msg.request_id, _stream_error(err)))
             else:
-                answers.put_nowait(reply(msg, timing, job.result()))
+                answers.put_nowait(reply(msg, job.result()))
 
         async def read() -> None:
             try:
@@ -328,12 +320,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                         answers.put_nowait(refuse(0, _error_value(err)))
                         continue
                     try:
-                        job, timing = submit(msg)
+                        job = submit(msg)
                     except errors.DrafterError as err:
                         answers.put_nowait(refuse(msg.request_id, _error_value(err)))
                         continue
                     in_flight.add(job)
-                    job.add_done_callback(functools.partial(answer, msg, timing))
+                    job.add_done_callback(functools.partial(answer, msg))
                 if in_flight:
                     await asyncio.wait(list(in_flight))
             finally:

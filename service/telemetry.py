@@ -9,9 +9,11 @@ OTEL_PROPAGATORS picks the propagation format (W3C trace context by default).
 
 Spans: one server span per RPC (opentelemetry-instrumentation-grpc, parented by
 the client's span through the W3C `traceparent` metadata, with the RPC semantic
-convention attributes), and under it `mtpdraft.queue` (waiting for a batch),
-`mtpdraft.forward` (the batched forward, with its batch size) and
-`mtpdraft.kv.*` (Prefill, AfterVerify, TakeKV, InstallKV, FreeState).
+convention attributes), `mtpdraft.kv.*` under it (Prefill, AfterVerify, TakeKV,
+InstallKV, FreeState), and one `mtpdraft.batch` span per batched forward, not per
+call: it links the RPC span of every call in the batch and sits under the first,
+with the batch's size and how long its oldest call queued. Metrics too are
+recorded per batch, so that their cost does not grow with the rows.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import grpc
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from .engine.types import JobTiming
+from .engine.types import BatchRun
 
 if TYPE_CHECKING:
     import numpy as np
@@ -165,16 +167,14 @@ class Telemetry:
         engine.on_verdicts = self.record_verdicts
 
     def record_verdicts(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
-        """The verdicts of a batch: drafts proposed and accepted, state by state."""
-        for k, a in zip(num_drafts.tolist(), num_accepted.tolist(), strict=True):
-            self.record_verdict(k, a)
-
-    def record_verdict(self, num_drafts: int, num_accepted: int) -> None:
-        for position in range(1, num_drafts + 1):
+        """The verdicts of a batch, counted per draft position: one add per position."""
+        if not self.metering or not len(num_drafts):
+            return
+        for position in range(1, int(num_drafts.max()) + 1):
             attrs = {"mtpdraft.draft.position": position}
-            self.verified.add(1, attrs)
-            if position <= num_accepted:
-                self.accepted.add(1, attrs)
+            self.verified.add(int((num_drafts >= position).sum()), attrs)
+            if accepted := int((num_accepted >= position).sum()):
+                self.accepted.add(accepted, attrs)
 
     def record_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         if not self.metering:
@@ -189,16 +189,36 @@ class Telemetry:
             },
         )
 
-    def record_job(self, timing: JobTiming) -> None:
-        """The queue wait and the batched forward of one call, as child spans."""
+    def span_context(self) -> trace.SpanContext | None:
+        """The current RPC's span, for the batch that will run its call (None when off)."""
+        if not self.tracing:
+            return None
+        context = trace.get_current_span().get_span_context()
+        return context if context.is_valid else None
+
+    def record_batch(self, run: BatchRun) -> None:
+        """One batched forward: its size and drafts, and its span (see the docstring)."""
+        if self.metering:
+            self.batch_size.record(run.requests)
+            self.drafts.add(run.drafts)
         if not self.tracing:
             return
-        queue = self.tracer.start_span("mtpdraft.queue", start_time=timing.queued_ns)
-        queue.end(end_time=timing.started_ns)
-        forward = self.tracer.start_span("mtpdraft.forward", start_time=timing.started_ns)
-        forward.set_attribute("mtpdraft.batch.requests", timing.batch_requests)
-        forward.set_attribute("mtpdraft.batch.calls", timing.batch_jobs)
-        forward.end(end_time=timing.done_ns)
+        links = [trace.Link(context) for context in run.tags if context is not None]
+        parent = None
+        if links:
+            parent = trace.set_span_in_context(trace.NonRecordingSpan(links[0].context))
+        span = self.tracer.start_span(
+            "mtpdraft.batch",
+            context=parent,
+            links=links,
+            start_time=run.started_ns,
+            attributes={
+                "mtpdraft.batch.requests": run.requests,
+                "mtpdraft.batch.calls": run.calls,
+                "mtpdraft.batch.queued_ms": (run.started_ns - run.queued_ns) / 1e6,
+            },
+        )
+        span.end(end_time=run.done_ns)
 
     @contextmanager
     def kv_span(self, operation: str) -> Iterator[None]:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from mtpdraft.v1 import drafter_pb2 as pb
 
 from .engine.columns import Columns
 from .engine.errors import InvalidArgument
+from .engine.step import StepResult
 from .engine.types import Proposal, ProposeArgs, Verdict
 
 DTYPES: dict[int, torch.dtype] = {
@@ -178,30 +178,17 @@ COLUMN_OF_FIELD = {
 
 
 def columns_answer(
-    request_id: int, width: int, results: list[Proposal | pb.Error]
+    request_id: int, result: StepResult, failed: dict[int, pb.Error]
 ) -> pb.ColumnsResponse:
-    """Each row's proposal, or its error (an Error value), as a ColumnsResponse."""
-    size = len(results)
-    drafts = np.full((size, width), -1, dtype=np.int32)
-    probs = np.zeros((size, width), dtype=np.float32)
-    counts = np.zeros(size, dtype=np.int32)
-    confidences = np.zeros(size, dtype=np.float32)
-    first_positions = np.zeros(size, dtype=np.int64)
-    failed = []
-    for i, result in enumerate(results):
-        if isinstance(result, pb.Error):
-            failed.append(pb.RowError(row=i, error=result))
-            continue
-        n = len(result.tokens)
-        drafts[i, :n], probs[i, :n], counts[i] = result.tokens, result.probs, n
-        confidences[i], first_positions[i] = result.confidence, result.first_position
+    """A step's result as a ColumnsResponse, column by column; `failed` holds the failed
+    rows' errors (their columns are -1 and 0 already)."""
     return pb.ColumnsResponse(
         request_id=request_id,
-        width=width,
-        drafts=drafts.ravel().tolist(),
-        probs=probs.ravel().tolist(),
-        draft_counts=counts.tolist(),
-        confidences=confidences.tolist(),
-        first_positions=first_positions.tolist(),
-        errors=failed,
+        width=result.drafts.shape[1],
+        drafts=result.drafts.ravel().tolist(),
+        probs=result.probs.ravel().tolist(),
+        draft_counts=result.counts.tolist(),
+        confidences=result.confidences.tolist(),
+        first_positions=result.first_positions.tolist(),
+        errors=[pb.RowError(row=row, error=error) for row, error in sorted(failed.items())],
     )

@@ -309,7 +309,7 @@ class DraftEngine:
         if refeed is not None:
             field = "verdict.refeed_hiddens"
             refeed = refeed_rows(refeed, a, self.head.config.hidden_size, field)
-            if not check.finite_flags([refeed])[0]:
+            if not check.is_finite(refeed):
                 raise not_finite(field)
         rows_after = int(t.pending_row[slot]) + 1 + a
         self.reserve(state, rows_after, "verdict")
@@ -377,7 +377,7 @@ class DraftEngine:
         known = slots[slots >= 0]
         self.table.last_used[known] = self.clock()
         admitted = admit(step, slots, self.table, self.limits)
-        width = int(step.num_drafts.max()) if b else 0
+        width = max(0, int(step.num_drafts.max())) if b else 0  # a refused K may be negative
         result = StepResult(
             drafts=np.full((b, width), -1, np.int64),
             probs=np.zeros((b, width), np.float32),

@@ -23,8 +23,7 @@ T = TypeVar("T")
 # 5 ms). The engine thread lets go of the GIL at every torch call and must then win
 # it back from the busy event loop. One process, 64 closed-loop streams on an H200
 # (MiMo-7B shape, K=4), same run: 5 ms 13.4k drafts/s (mean batch 42), 0.5 ms 18.2k
-# (57), 0.1 ms 17.8k; batch-1 p50 3893 -> 3642 us. With front-end processes the
-# engine's loop is less busy and it changed nothing (17.6k, 17.1k, 17.5k).
+# (57), 0.1 ms 17.8k; batch-1 p50 3893 -> 3642 us.
 # Set for the whole engine process by the server's CLI.
 GIL_SWITCH_INTERVAL_S = 0.0005
 

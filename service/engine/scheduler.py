@@ -35,7 +35,7 @@ from .engine import DraftEngine
 from .errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from .runner import EngineRunner
 from .step import Step, StepResult
-from .types import JobTiming, Proposal, ProposeArgs
+from .types import BatchRun, Proposal, ProposeArgs
 from .validation import check_batch_size
 
 
@@ -44,7 +44,8 @@ class _Job:
     step: Step
     future: asyncio.Future
     deadline: float | None  # loop time
-    timing: JobTiming
+    queued_ns: int  # time.time_ns
+    tag: object  # the caller's, handed back with the batch's BatchRun
     round_trips: dict[int, float]  # state -> its answer-to-this-call time, where known
     apart: bool = False  # each request stands or fails alone (a ProposeColumns step)
     states: set[int] = field(init=False)
@@ -95,7 +96,7 @@ def _deadline_passed() -> DeadlineExceeded:
     return DeadlineExceeded("the deadline passed while queued", reason="DEADLINE")
 
 
-BatchObserver = Callable[[int, int], None]  # (requests in the batch, jobs in the batch)
+BatchObserver = Callable[[BatchRun], None]
 
 
 class ProposeScheduler:
@@ -150,19 +151,23 @@ class ProposeScheduler:
 
     async def submit(
         self, requests: list[ProposeArgs] | Step, timeout: float | None = None
-    ) -> tuple[list[Proposal], JobTiming]:
+    ) -> list[Proposal]:
         """Queues one call's requests; returns their proposals once their batch ran."""
-        future, timing = self.enqueue(requests, timeout)
         # Cancelling this await (the caller went away) cancels the future: the loop
         # then skips the job, freeing its place.
-        return await future, timing
+        return await self.enqueue(requests, timeout)
 
     def enqueue(
-        self, requests: list[ProposeArgs] | Step, timeout: float | None = None, apart: bool = False
-    ) -> tuple[asyncio.Future, JobTiming]:
+        self,
+        requests: list[ProposeArgs] | Step,
+        timeout: float | None = None,
+        apart: bool = False,
+        tag: object = None,
+    ) -> asyncio.Future:
         """Queues one call's requests; the future holds their proposals once their
         batch ran. Cancelling it takes the call out of the queue. `apart` (a Step whose
-        rows stand or fail alone): the future holds the StepResult of its rows."""
+        rows stand or fail alone): the future holds the StepResult of its rows. `tag`
+        comes back in the BatchRun of the batch that ran the call (telemetry's span)."""
         # A call larger than a batch could never be taken: refuse it here.
         check_batch_size(len(requests), self.max_batch)
         if not isinstance(requests, Step):
@@ -182,15 +187,15 @@ class ProposeScheduler:
             answered = self._answered.pop(state, None)
             if answered is not None:
                 round_trips[state] = now - answered.at
-        timing = JobTiming(time.time_ns())
-        job = _Job(requests, loop.create_future(), deadline, timing, round_trips, apart)
+        future = loop.create_future()
+        job = _Job(requests, future, deadline, time.time_ns(), tag, round_trips, apart)
         self._queue.append(job)
         self._wake.set()
         if self._awaited:
             self._awaited -= job.states
             if not self._awaited or len(self._queue) >= self.max_batch:
                 self._gathered.set()
-        return job.future, job.timing
+        return job.future
 
     def _take(self) -> list[_Job]:
         now = asyncio.get_running_loop().time()
@@ -296,15 +301,24 @@ class ProposeScheduler:
         if live:
             self.batch_sizes[requests] += 1
             if self.on_batch is not None:
-                self.on_batch(requests, len(live))
+                drafted = int(result.counts.sum()) if isinstance(result, StepResult) else 0
+                self.on_batch(
+                    BatchRun(
+                        requests=requests,
+                        calls=len(live),
+                        queued_ns=min(job.queued_ns for job in live),
+                        started_ns=started,
+                        done_ns=done,
+                        drafts=drafted,
+                        tags=[job.tag for job in live],
+                    )
+                )
         outcome, lo = {}, 0
         for job in live:
             rows = result if isinstance(result, BaseException) else result.rows(lo, lo + len(job))
             outcome[id(job)] = rows if isinstance(rows, BaseException) else job.answer(rows)
             lo += len(job)
         for job in batch:
-            job.timing.started_ns, job.timing.done_ns = started, done
-            job.timing.batch_requests, job.timing.batch_jobs = requests, len(live)
             if job.future.done():  # cancelled (left out, or during compute: its effect stands)
                 continue
             result = outcome.get(id(job))

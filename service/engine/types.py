@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch stays out of the gRPC front-end processes, which unpickle these
+if TYPE_CHECKING:
     import torch
 
 
@@ -15,7 +15,6 @@ class Verdict:
 
     num_accepted: int
     refeed_hiddens: torch.Tensor | None = None  # [num_accepted, H]: h[p] .. h[p + a - 1]
-    refeed_finite: bool | None = None  # free of NaN and inf, where the reader checked already
 
 
 @dataclass
@@ -28,7 +27,6 @@ class ProposeArgs:
     bitmask: torch.Tensor | None = None  # int32 [W] or [n, W], xgrammar layout
     min_confidence: float = 0.0
     previous: Verdict | None = None
-    hidden_finite: bool | None = None  # free of NaN and inf, where the reader checked already
 
 
 @dataclass
@@ -77,14 +75,16 @@ class EngineInfo:
 
 
 @dataclass
-class JobTiming:
-    """When a job was queued, taken into a batch and done (time.time_ns), and the batch size."""
+class BatchRun:
+    """One batched forward as the scheduler ran it (time.time_ns), for telemetry."""
 
-    queued_ns: int
-    started_ns: int = 0
-    done_ns: int = 0
-    batch_requests: int = 0
-    batch_jobs: int = 0
+    requests: int
+    calls: int
+    queued_ns: int  # when the oldest of its calls was queued
+    started_ns: int
+    done_ns: int
+    drafts: int  # draft tokens it made
+    tags: list  # each call's tag (see ProposeScheduler.enqueue), in the batch's order
 
 
 @dataclass

@@ -18,33 +18,16 @@ def check_tokens(tokens: list[int], vocab_size: int, field: str) -> None:
             )
 
 
-def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
-    """Whether each tensor is free of NaN and inf, found in a few calls for them all.
-
-    A batch's hiddens are checked together: on the engine thread every torch call lets
-    go of the GIL, and getting it back from a busy event loop can take a whole switch
-    interval, so three calls per request (64 a batch) cost far more served than alone.
-    """
-    flags = [True] * len(tensors)
-    alike: dict[tuple[torch.dtype, torch.Size, torch.device], list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.is_floating_point() and t.numel():
-            alike.setdefault((t.dtype, t.shape, t.device), []).append(i)
-    for members in alike.values():
-        # Same shape: stacked as they are, one row per tensor (a reshape per tensor
-        # first would cost a torch call each, 2 us on a slow CPU); a lone one, a
-        # Prefill chunk say, is read in place, not copied.
-        group = [tensors[i] for i in members]
-        rows = (group[0] if len(group) == 1 else torch.stack(group)).reshape(len(group), -1)
-        for i, ok in zip(members, finite_rows(rows), strict=True):
-            flags[i] = ok
-    return flags
+def is_finite(tensor: torch.Tensor) -> bool:
+    """Whether a tensor (any shape; an integer or empty one is) is free of NaN and inf."""
+    if not tensor.is_floating_point() or not tensor.numel():
+        return True
+    return finite_rows(tensor.reshape(1, -1))[0]
 
 
 # An IEEE float is NaN or inf exactly when its exponent bits are all set: (the same-sized
 # integer view, those bits). Read as integers, 64 rows of 4096 are checked in 120 us on a
-# CPU where abs().amax().isfinite() took 315 us in bf16 and 915 us in fp32. A front-end
-# process reads the same bits with numpy (wire_values.py), having no torch.
+# CPU where abs().amax().isfinite() took 315 us in bf16 and 915 us in fp32.
 _EXPONENT_BITS = {
     torch.bfloat16: (torch.int16, 0x7F80),
     torch.float16: (torch.int16, 0x7C00),
@@ -62,11 +45,8 @@ def finite_rows(rows: torch.Tensor) -> list[bool]:
     return rows.view(as_int).bitwise_and(exponent).amax(dim=1).ne(exponent).tolist()
 
 
-def check_hiddens(
-    hiddens: torch.Tensor, rows: int, hidden_size: int, field: str, finite: bool | None = None
-) -> torch.Tensor:
-    """Returns hiddens as [rows, hidden_size]; a single row may also come as [hidden_size].
-    `finite`: their finite_flags() value where already known."""
+def check_hiddens(hiddens: torch.Tensor, rows: int, hidden_size: int, field: str) -> torch.Tensor:
+    """Returns hiddens as [rows, hidden_size]; a single row may also come as [hidden_size]."""
     if rows == 1 and tuple(hiddens.shape) == (hidden_size,):
         hiddens = hiddens.reshape(1, hidden_size)
     shape = tuple(hiddens.shape)
@@ -76,23 +56,17 @@ def check_hiddens(
             reason="BAD_SHAPE",
             field=field,
         )
-    _check_values(hiddens, field, finite)
-    return hiddens
-
-
-def _check_values(hiddens: torch.Tensor, field: str, finite: bool | None) -> None:
     if not hiddens.is_floating_point():
         raise InvalidArgument(
             f"{field}: expected a floating-point tensor, got {hiddens.dtype}",
             reason="BAD_DTYPE",
             field=field,
         )
-    if finite is None:
-        finite = finite_flags([hiddens])[0]
-    if not finite:
+    if not is_finite(hiddens):
         raise InvalidArgument(
             f"{field}: holds NaN or infinite values", reason="NOT_FINITE", field=field
         )
+    return hiddens
 
 
 def check_batch_size(size: int, max_batch: int) -> None:

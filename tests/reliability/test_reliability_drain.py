@@ -207,8 +207,8 @@ def test_requests_taken_before_the_grace_ends_are_answered(mimo_checkpoint) -> N
     taken: set[tuple[int, int]] = set()
     enqueue = server.server.scheduler.enqueue  # every Propose call's way in, streams' too
 
-    def recording_enqueue(requests, timeout=None):
-        queued = enqueue(requests, timeout)  # a refused call is not taken
+    def recording_enqueue(requests, *args, **kwargs):
+        queued = enqueue(requests, *args, **kwargs)  # a refused call is not taken
         taken.update((r.state_id, r.position) for r in requests)
         return queued
 

@@ -94,6 +94,7 @@ def test_the_servers_keyword_defaults_are_the_commands() -> None:
         "max_inflight": DEFAULTS.max_inflight,
         "credentials": None,
         "tokens": None,
+        "unix_socket": DEFAULTS.unix_socket,
     }
 
 

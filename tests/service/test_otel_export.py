@@ -182,7 +182,7 @@ def span_id(span) -> bytes:
     return span.context.span_id.to_bytes(8, "big")
 
 
-def test_queue_forward_and_kv_spans_sit_under_their_rpc(exported) -> None:
+def test_batch_and_kv_spans_sit_under_their_rpc(exported) -> None:
     collector = exported.collector
 
     def parents(name: str) -> list[str]:
@@ -190,9 +190,9 @@ def test_queue_forward_and_kv_spans_sit_under_their_rpc(exported) -> None:
         return sorted(by_id[s.parent_span_id] for s in collector.named(name))
 
     proposing = [SERVICE + "Propose", SERVICE + "ProposeStream"]
-    assert parents("mtpdraft.queue") == parents("mtpdraft.forward") == proposing
-    for forward in collector.named("mtpdraft.forward"):
-        (size,) = [a.value.int_value for a in forward.attributes if a.key.endswith("requests")]
+    assert parents("mtpdraft.batch") == proposing  # one call in each batch: under it
+    for batch in collector.named("mtpdraft.batch"):
+        (size,) = [a.value.int_value for a in batch.attributes if a.key.endswith("requests")]
         assert size == 1
     for operation, rpc in [
         ("prefill", "Prefill"),

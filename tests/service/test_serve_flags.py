@@ -114,6 +114,13 @@ def test_host_binds_that_address_alone(serve) -> None:
         c.info()
 
 
+def test_unix_socket_serves_there_too(serve, tmp_path) -> None:
+    path = tmp_path / "drafter.sock"
+    server = serve("--unix-socket", str(path))
+    assert path.is_socket()
+    assert _draft(f"unix:{path}").tokens == _draft(f"127.0.0.1:{server.server.port}").tokens
+
+
 # --- --dtype --------------------------------------------------------------------------
 
 

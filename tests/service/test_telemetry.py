@@ -46,13 +46,14 @@ def _metrics(reader: InMemoryMetricReader) -> dict:
     return found
 
 
-def _job_spans(parent, exporter: InMemorySpanExporter) -> dict[str, list]:
-    """The queue and forward spans under `parent`, by name."""
-    found: dict[str, list] = {"mtpdraft.queue": [], "mtpdraft.forward": []}
-    for span in exporter.get_finished_spans():
-        if span.name in found and span.parent.span_id == parent.context.span_id:
-            found[span.name].append(span)
-    return found
+def _batch_spans(exporter: InMemorySpanExporter, parent=None) -> list:
+    """The batched forwards' spans (those under `parent`, if given)."""
+    return [
+        span
+        for span in exporter.get_finished_spans()
+        if span.name == "mtpdraft.batch"
+        and (parent is None or span.parent.span_id == parent.context.span_id)
+    ]
 
 
 def test_client_span_parents_server_span_and_children(traced) -> None:
@@ -82,12 +83,14 @@ def test_client_span_parents_server_span_and_children(traced) -> None:
         assert server_span.parent.span_id == client_span.context.span_id
         assert server_span.attributes["rpc.system"] == "grpc"
         assert server_span.attributes["rpc.method"] == "Propose"
-    for server_span in propose_server:
-        children = _job_spans(server_span, exporter)
-        (queue,), (forward,) = children["mtpdraft.queue"], children["mtpdraft.forward"]
-        assert forward.attributes["mtpdraft.batch.requests"] == 1
-        assert server_span.start_time <= queue.start_time <= queue.end_time
-        assert queue.end_time == forward.start_time <= forward.end_time <= server_span.end_time
+    for server_span in propose_server:  # each Propose ran alone: its batch sits under it
+        (batch,) = _batch_spans(exporter, server_span)
+        assert batch.attributes["mtpdraft.batch.requests"] == 1
+        assert batch.attributes["mtpdraft.batch.calls"] == 1
+        assert batch.attributes["mtpdraft.batch.queued_ms"] >= 0
+        assert [link.context.span_id for link in batch.links] == [server_span.context.span_id]
+        assert server_span.start_time <= batch.start_time <= batch.end_time
+        assert batch.end_time <= server_span.end_time
     prefill_server = one("/mtpdraft.v1.Drafter/Prefill", SpanKind.SERVER)[0]
     kv = [s for s in spans if s.name == "mtpdraft.kv.prefill"]
     assert kv and kv[0].parent.span_id == prefill_server.context.span_id
@@ -137,8 +140,7 @@ def test_streams_work_and_are_traced_with_tracing_on(traced) -> None:
     (stream_span,) = [
         s for s in exporter.get_finished_spans() if s.name == "/mtpdraft.v1.Drafter/ProposeStream"
     ]
-    children = _job_spans(stream_span, exporter)  # a queue and a forward span per message
-    assert len(children["mtpdraft.queue"]) == len(children["mtpdraft.forward"]) == 2
+    assert len(_batch_spans(exporter, stream_span)) == 2  # one batch per message
     methods = {p.attributes["rpc.method"] for p in _metrics(reader)["rpc.server.duration"]}
     assert "ProposeStream" in methods
 
@@ -186,8 +188,8 @@ def test_kv_gauges_follow_the_states_and_kv_calls_have_spans(traced) -> None:
         assert parents and {s.parent.span_id for s in kv} == parents, method
 
 
-def test_queue_depth_counts_the_calls_waiting_for_a_batch(traced) -> None:
-    server, _, _, reader = traced
+def test_queued_calls_show_in_the_depth_and_run_as_one_batch_span_linking_them(traced) -> None:
+    server, _, exporter, reader = traced
 
     def depth() -> int:
         return _gauges(reader)["queue.depth"]
@@ -215,6 +217,15 @@ def test_queue_depth_counts_the_calls_waiting_for_a_batch(traced) -> None:
         for state in states:
             c.after_verify(state, 0)
             c.free_state(state)
+    # The two queued calls ran together: one span for their batch, linking both RPCs.
+    queued = sorted(_server_span(exporter, "Propose"), key=lambda s: s.start_time)[1:]
+    batches = _batch_spans(exporter)
+    assert len(batches) == 2
+    (together,) = [b for b in batches if b.attributes["mtpdraft.batch.calls"] == 2]
+    linked = {link.context.span_id for link in together.links}
+    assert linked == {s.context.span_id for s in queued}
+    assert together.parent.span_id in linked
+    assert together.attributes["mtpdraft.batch.requests"] == 2
 
 
 # --- the OTEL_* variables ----------------------------------------------------------------

@@ -71,8 +71,6 @@ def test_a_request_becomes_the_engines_arguments() -> None:
     assert torch.equal(args.bitmask, mask)
     assert args.previous.num_accepted == 2
     assert torch.equal(args.previous.refeed_hiddens, refeed)
-    # Not checked for NaN/inf here: the engine checks them itself.
-    assert args.hidden_finite is None and args.previous.refeed_finite is None
     args.hidden += 1  # writable, and a buffer of its own: the engine may use it as it is
     assert torch.equal(again.hidden, hidden)
     assert wire.propose_args(pb.ProposeRequest(hidden=_tensor(hidden))).previous is None

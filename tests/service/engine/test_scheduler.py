@@ -59,13 +59,17 @@ def test_concurrent_calls_merge_and_equal_sequential(head: MTPHead) -> None:
 
     async def concurrently() -> tuple[list, list[int]]:
         engine, runner, sizes = make_engine(head), EngineRunner(), []
-        scheduler = ProposeScheduler(engine, runner, on_batch=lambda n, _: sizes.append(n))
+
+        def on_batch(run) -> None:
+            sizes.append(run.requests)
+
+        scheduler = ProposeScheduler(engine, runner, on_batch=on_batch)
         scheduler.start()
         states = with_prompts(engine, 12)
         got = []
         for step in range(3):
             calls = [scheduler.submit([step_args(s, i, step)]) for i, s in enumerate(states)]
-            got.append([(await call)[0][0] for call in [asyncio.ensure_future(c) for c in calls]])
+            got.append([(await call)[0] for call in [asyncio.ensure_future(c) for c in calls]])
         await scheduler.stop()
         runner.shutdown()
         return got, sizes
@@ -118,11 +122,11 @@ def test_deadline_cancellation_and_queue_limit(head: MTPHead) -> None:
         await busy
         with pytest.raises(DeadlineExceeded):
             await late
-        assert len((await kept)[0][0].tokens) == 2
+        assert len((await kept)[0].tokens) == 2
         # Neither the late nor the cancelled call touched its state: both propose afresh.
         for state, position in ((a, 3), (b, 4)):
             assert engine.states[state].pending is None
-            (p,), _ = await scheduler.submit([ProposeArgs(state, 1, h(1, 4), position, 2)])
+            (p,) = await scheduler.submit([ProposeArgs(state, 1, h(1, 4), position, 2)])
             assert p.first_position == position + 1
         await scheduler.stop()
         runner.shutdown()
@@ -143,7 +147,7 @@ def test_a_bad_call_fails_alone(head: MTPHead) -> None:
         await until(lambda: scheduler.queued == 3, "three queued calls")
         release.set()
         await busy
-        assert len((await good)[0][0].tokens) == 2
+        assert len((await good)[0].tokens) == 2
         with pytest.raises(InvalidArgument):
             await bad
         # `a` again waited for the next batch, where its proposal was pending.
