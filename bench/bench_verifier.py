@@ -14,7 +14,9 @@ is the verifier's round trip. Measured in the same run, as references:
 - the transport floor: a canned-reply grpc.aio server (grpc_floor.py) that answers the
   same request bytes one in-process step late, over TCP and a Unix socket;
 - one verifier of S states over the server's Unix socket (--unix-socket), and with
-  tracing on (an SDK tracer with a no-op exporter in the server).
+  tracing on (an SDK tracer with a no-op exporter in the server);
+- the Go client (client/go's mtpdraft-hotpath -states S, built by make polyglot-go):
+  V goroutines of one process, each a ProposeColumnsStream; skipped where not built.
 Writes verifier.json and verifier.md to --out-dir, with each target's verdict. Only
 ratios within one run count.
 
@@ -32,6 +34,7 @@ import math
 import multiprocessing
 import random
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -257,6 +260,20 @@ def late_floor(size: int, work: Workload, step_s: float, unix: str | None) -> di
 
 SOCKET_MODE = "columns-stream, unix socket"
 TRACED_MODE = "columns-stream, tracing on"
+GO_MODE = "columns-stream, Go client"
+GO_HOTPATH = "client/go/build/bin/mtpdraft-hotpath"
+
+
+def go_served(target: str, verifiers: int, size: int, work: Workload) -> dict[str, Any]:
+    """`verifiers` Go verifiers of `size` states each (one process, a goroutine each)."""
+    cmd = [GO_HOTPATH, "-address", target, "-streams", str(verifiers), "-states", str(size)]
+    cmd += ["-prompt", str(work.prompt), "-num-drafts", str(work.num_drafts)]
+    cmd += ["-warmup", str(work.warmup), "-steps", str(work.steps)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=SERVER_START_TIMEOUT_S)
+    if done.returncode:
+        raise RuntimeError(done.stderr.strip()[-300:])
+    got = json.loads(done.stdout)
+    return {key: got[key] for key in ("p50_us", "p90_us", "p99_us", "drafts", "drafts_per_s")}
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -280,12 +297,15 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         verifiers, size = (int(n) for n in key.split("x"))
         slack = 150.0 if size == 1 else 300.0
         if verifiers == 1:
-            for mode, transport in (("columns-stream", "tcp"), (SOCKET_MODE, "unix")):
+            ways = (("columns-stream", "tcp"), (GO_MODE, "tcp"), (SOCKET_MODE, "unix"))
+            for mode, transport in ways:
+                if mode not in row:
+                    continue
                 got, late = row.get(mode, {}).get("p50_us"), floor.get(transport)
                 bound = late and engine["p50_us"] + late["over_step_us"] + slack
                 add(f"{key} {mode}: p50 us <= in-process + floor + {slack:.0f}", got, bound, True)
         else:
-            best = max((row.get(m, {}).get("drafts_per_s") or 0) for m in MODES)
+            best = max((row.get(m, {}).get("drafts_per_s") or 0) for m in (*MODES, GO_MODE))
             add(f"{key}: drafts/s / in-process at B = {size * verifiers} >= 0.8", best
                 / engine["drafts_per_s"], 0.8, False)  # fmt: skip
         if TRACED_MODE in row:
@@ -328,7 +348,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {shape} | canned-reply floor, {transport}, answered one in-process step "
                 f"late | {_ms(late['p50_us'])} (+{late['over_step_us']:.0f} us) | | |"
             )
-        for mode in (*MODES, SOCKET_MODE, TRACED_MODE):
+        for mode in (*MODES, GO_MODE, SOCKET_MODE, TRACED_MODE):
             got = row.get(mode)
             if got is None:
                 continue
@@ -352,6 +372,8 @@ def markdown(report: dict[str, Any]) -> str:
 def _served(target: str, mode: str, verifiers: int, size: int, work: Workload) -> dict[str, Any]:
     log(f"{verifiers}x{size} {mode}")
     try:
+        if mode == GO_MODE:
+            return go_served(target, verifiers, size, work)
         return served(target, mode, verifiers, size, work)
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -423,7 +445,7 @@ def main() -> int:
     try:
         for verifiers, size in shapes:
             row: dict[str, Any] = {"in_process": engines[verifiers * size]}
-            for mode in MODES:
+            for mode in (*MODES, GO_MODE) if Path(GO_HOTPATH).exists() else MODES:
                 row[mode] = _served(server.target, mode, verifiers, size, work)
             if verifiers == 1:
                 target = f"unix:{served_socket}"

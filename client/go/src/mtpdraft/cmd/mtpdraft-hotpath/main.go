@@ -1,9 +1,11 @@
 // Command mtpdraft-hotpath measures the hot path as a Go verifier sees it: N concurrent
 // verifiers, each with one state and one ProposeStream, each step a Propose that carries the
-// verdict on the step before (0 accepted, so every step drafts from the same context length):
+// verdict on the step before (0 accepted, so every step drafts from the same context length).
+// With -states S, each verifier steps S states together instead: one ProposeColumnsStream
+// message a step, its verdicts fused.
 //
-//	mtpdraft-hotpath -address 127.0.0.1:50051 [-streams 1] [-prompt 2048] [-num-drafts 4]
-//	                 [-warmup 50] [-steps 300] [-seed 0]
+//	mtpdraft-hotpath -address 127.0.0.1:50051 [-streams 1] [-states 0] [-prompt 2048]
+//	                 [-num-drafts 4] [-warmup 50] [-steps 300] [-seed 0]
 //
 // Hiddens are random bfloat16 rows of the server's hidden size. It prints one JSON object: the
 // latency percentiles of the measured steps (microseconds) and drafts per second over the window
@@ -25,14 +27,56 @@ import (
 )
 
 type verifier struct {
-	state  uint64
-	token  int32
-	hidden drafter.Tensor
-	stream *drafter.Stream
+	states  []uint64
+	token   int32
+	hidden  drafter.Tensor // [1, hidden], or [S, hidden] with -states S
+	stream  *drafter.Stream
+	columns *drafter.ColumnsStream
+}
+
+// step sends the verifier's step at `step` (its verdicts on the step before, 0 accepted) and
+// returns the drafts it got.
+func (v *verifier) step(ctx context.Context, step int, prompt int64, numDrafts int32) (int, error) {
+	position := prompt + int64(step) // 0 accepted: the bonus token's row is the next position
+	if v.columns == nil {
+		args := drafter.ProposeArgs{Token: v.token, Hidden: v.hidden, Position: position, NumDrafts: numDrafts}
+		if step > 0 {
+			args.Previous = &drafter.Verdict{NumAccepted: 0}
+		}
+		p, err := v.stream.Propose(ctx, v.states[0], args)
+		if err != nil {
+			return 0, err
+		}
+		return len(p.Tokens), nil
+	}
+	n := len(v.states)
+	cols := drafter.Columns{StateIDs: v.states, Tokens: make([]int32, n), Positions: make([]int64, n),
+		Hiddens: v.hidden, NumDrafts: []int32{numDrafts}}
+	for i := range cols.Tokens {
+		cols.Tokens[i], cols.Positions[i] = v.token, position
+	}
+	if step > 0 {
+		cols.NumAccepted = make([]int32, n)
+	}
+	r, err := v.columns.Step(ctx, cols)
+	if err != nil {
+		return 0, err
+	}
+	if len(r.Errors) > 0 {
+		for _, e := range r.Errors {
+			return 0, e
+		}
+	}
+	drafts := 0
+	for _, c := range r.Counts {
+		drafts += int(c)
+	}
+	return drafts, nil
 }
 
 type report struct {
 	Streams     int     `json:"streams"`
+	States      int     `json:"states"`
 	Steps       int     `json:"steps"`
 	P50us       float64 `json:"p50_us"`
 	P90us       float64 `json:"p90_us"`
@@ -63,6 +107,7 @@ func percentile(sorted []time.Duration, q float64) float64 {
 func run() error {
 	address := flag.String("address", "", "server host:port")
 	streams := flag.Int("streams", 1, "concurrent verifiers, one state and one stream each")
+	states := flag.Int("states", 0, "states per verifier, stepped as one ProposeColumnsStream message (0: one state, ProposeStream)")
 	prompt := flag.Int64("prompt", 2048, "the prompt's length: rows 1..prompt-1 are prefilled")
 	numDrafts := flag.Int("num-drafts", 4, "drafts per step (K)")
 	warmup := flag.Int("warmup", 50, "steps per verifier before the measured ones")
@@ -99,19 +144,37 @@ func run() error {
 			if v.stream != nil {
 				v.stream.Close()
 			}
-			client.FreeState(ctx, v.state)
+			if v.columns != nil {
+				v.columns.Close()
+			}
+			for _, state := range v.states {
+				client.FreeState(ctx, state)
+			}
 		}
 	}()
+	rows := *states
+	if rows < 1 {
+		rows = 1
+	}
 	for i := range verifiers {
-		state, err := client.AllocState(ctx)
+		v := &verifier{token: rng.Int31n(vocab), hidden: randomRows(rng, int64(rows), width)}
+		verifiers[i] = v
+		for j := 0; j < rows; j++ {
+			state, err := client.AllocState(ctx)
+			if err != nil {
+				return err
+			}
+			v.states = append(v.states, state)
+			if _, err := client.Prefill(ctx, state, 1, tokens, prefix, 0); err != nil {
+				return err
+			}
+		}
+		if *states > 0 {
+			v.columns, err = client.ProposeColumnsStream(ctx)
+		} else {
+			v.stream, err = client.OpenStream(ctx)
+		}
 		if err != nil {
-			return err
-		}
-		verifiers[i] = &verifier{state: state, token: rng.Int31n(vocab), hidden: randomRows(rng, 1, width)}
-		if _, err := client.Prefill(ctx, state, 1, tokens, prefix, 0); err != nil {
-			return err
-		}
-		if verifiers[i].stream, err = client.OpenStream(ctx); err != nil {
 			return err
 		}
 	}
@@ -122,13 +185,8 @@ func run() error {
 	drafts := 0
 	loop := func(v *verifier, first, count int, record bool) error {
 		for step := first; step < first+count; step++ {
-			args := drafter.ProposeArgs{Token: v.token, Hidden: v.hidden, Position: *prompt + int64(step),
-				NumDrafts: int32(*numDrafts)}
-			if step > 0 { // 0 accepted: the next row is the bonus token's, at the next position
-				args.Previous = &drafter.Verdict{NumAccepted: 0}
-			}
 			started := time.Now()
-			p, err := v.stream.Propose(ctx, v.state, args)
+			n, err := v.step(ctx, step, *prompt, int32(*numDrafts))
 			if err != nil {
 				return err
 			}
@@ -136,7 +194,7 @@ func run() error {
 				elapsed := time.Since(started)
 				mu.Lock()
 				times = append(times, elapsed)
-				drafts += len(p.Tokens)
+				drafts += n
 				mu.Unlock()
 			}
 		}
@@ -166,7 +224,7 @@ func run() error {
 
 	sort.Slice(times, func(i, j int) bool { return times[i] < times[j] })
 	out := report{
-		Streams: *streams, Steps: len(times),
+		Streams: *streams, States: rows, Steps: len(times),
 		P50us: percentile(times, 0.5), P90us: percentile(times, 0.9), P99us: percentile(times, 0.99),
 		MaxUs: percentile(times, 1), Drafts: drafts, DraftsPerS: float64(drafts) / window,
 		WindowS: window, HiddenSize: width, NumDrafts: int32(*numDrafts), PromptRows: *prompt,
