@@ -1,29 +1,34 @@
 """The engine as the servicer calls it: `LocalBackend` runs each call on the engine's
 worker thread, Propose calls through the batching scheduler, and reaps expired leases.
 
-Requests come in as proto messages and reach the engine as its own types, read and
-checked by `wire` (INVALID_ARGUMENT before anything is queued); results go out as
-the engine's types (a ProposeColumns step's as a StepResult of columns), which the
-servicer turns into responses.
+Calls come in as the engine's types (the servicer reads the wire's messages into them
+with `wire`) and results go out as the engine's types (a ProposeColumns step's as a
+StepResult of columns), which the servicer turns into responses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from mtpdraft.v1 import drafter_pb2 as pb
-
-from . import wire
 from .config import DEFAULTS
 from .engine import columns, errors
+from .engine.columns import Columns
 from .engine.engine import DraftEngine, PrefillSession
 from .engine.runner import EngineRunner
 from .engine.scheduler import ProposeScheduler
 from .engine.step import StepResult
-from .engine.types import Proposal, RowCount, ServerInfo, TakenKV
+from .engine.types import (
+    PrefillChunk,
+    Proposal,
+    ProposeArgs,
+    RowCount,
+    ServerInfo,
+    TakenKV,
+    Verdict,
+)
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -62,35 +67,29 @@ class LocalBackend:
     async def info(self) -> ServerInfo:
         queued, batches = self.scheduler.queued, dict(self.scheduler.batch_sizes)
         engine = await self.runner.call(self.engine.info)
-        return ServerInfo(engine, list(wire.HIDDEN_DTYPES), queued, batches)
+        return ServerInfo(engine, queued, batches)
 
     async def alloc_state(self, owner: str) -> int:
         return await self.runner.call(self.engine.alloc_state, owner)
 
     def propose(
-        self, requests: Sequence[pb.ProposeRequest], timeout: float | None, batch: bool = False
+        self, requests: list[ProposeArgs], timeout: float | None
     ) -> asyncio.Future[list[Proposal]]:
-        """Queues one call's requests (`batch`: a ProposeBatch, whose errors name the
-        request's index); the future holds the proposals once their batch ran, and
-        cancelling it takes the call out of the queue."""
-        return self.scheduler.enqueue(
-            wire.read_proposes(requests, batch), timeout, tag=self.telemetry.span_context()
-        )
+        """Queues one call's requests; the future holds the proposals once their batch
+        ran, and cancelling it takes the call out of the queue."""
+        return self.scheduler.enqueue(requests, timeout, tag=self.telemetry.span_context())
 
     def propose_columns(
-        self, request: pb.ColumnsRequest, timeout: float | None
+        self, request: Columns, timeout: float | None
     ) -> asyncio.Future[StepResult]:
         """Queues a verifier's step (INVALID_ARGUMENT at once when its columns do not fit
         together); the future holds its rows' results, as columns, once their batch ran."""
         c = self.engine.head.config
-        step = columns.step(
-            wire.columns(request), c.hidden_size, c.vocab_size, self.engine.max_batch
-        )
+        step = columns.step(request, c.hidden_size, c.vocab_size, self.engine.max_batch)
         return self.scheduler.enqueue(step, timeout, apart=True, tag=self.telemetry.span_context())
 
-    async def after_verify(self, request: pb.AfterVerifyRequest) -> RowCount:
-        given = wire.verdict(request.verdict, "verdict")
-        return await self.runner.call(self.engine.after_verify, request.state_id, given)
+    async def after_verify(self, state_id: int, verdict: Verdict) -> RowCount:
+        return await self.runner.call(self.engine.after_verify, state_id, verdict)
 
     async def take_kv(self, state_id: int) -> TakenKV:
         return await self.runner.call(self.engine.take_kv, state_id)
@@ -101,7 +100,7 @@ class LocalBackend:
     async def free_state(self, state_id: int) -> bool:
         return await self.runner.call(self.engine.free_state, state_id)
 
-    async def prefill(self, chunks: AsyncIterator[pb.PrefillChunk]) -> RowCount:
+    async def prefill(self, chunks: AsyncIterator[PrefillChunk]) -> RowCount:
         session: PrefillSession | None = None
         try:
             state_id = start = total = received = 0
@@ -116,9 +115,8 @@ class LocalBackend:
                         reason="CHUNK_MISMATCH",
                         field="state_id",
                     )
-                if chunk.HasField("hiddens") or chunk.tokens:
-                    hiddens = wire.decode_hiddens(chunk.hiddens, "hiddens")
-                    await self.runner.call(session.append, list(chunk.tokens), hiddens)
+                if chunk.hiddens is not None:
+                    await self.runner.call(session.append, chunk.tokens, chunk.hiddens)
                     received += len(chunk.tokens)
             if session is None:
                 raise errors.InvalidArgument(

@@ -1,8 +1,10 @@
 """The gRPC servicer: translates proto <-> backend calls and engine errors <-> status codes.
 
 The backend (backend.py) runs the engine's calls; Propose calls of every kind
-(unary, batch, stream) are batched across clients there. Requests go to it as
-they came; responses are made from its results by `wire`. Each handler raises
+(unary, batch, stream, columns) are batched across clients there. `wire` reads
+each request into the engine's types before the backend sees it (INVALID_ARGUMENT
+for a malformed one) and makes the responses from its results: no protobuf below
+this module. Each handler raises
 engine errors; the `rpc` wrapper turns them into status codes (with ErrorInfo /
 BadRequest details) and records the RPC's duration.
 
@@ -209,14 +211,15 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         context: grpc.aio.ServicerContext,
         batch: bool = False,
     ) -> list[Proposal]:
-        return await self.backend.propose(requests, context.time_remaining(), batch)
+        args = wire.read_proposes(requests, batch)
+        return await self.backend.propose(args, context.time_remaining())
 
     @rpc
     async def GetInfo(self, request, context):
         info = await self.backend.info()
         return pb.GetInfoResponse(
             **vars(info.engine),
-            hidden_dtypes=info.hidden_dtypes,
+            hidden_dtypes=wire.HIDDEN_DTYPES,
             max_message_bytes=self.max_message_bytes,
             batch_size_counts=info.batch_size_counts,
             queued_calls=info.queued_calls,
@@ -230,7 +233,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     @rpc
     async def Prefill(self, request_iterator: AsyncIterator[pb.PrefillChunk], context):
         with self.telemetry.kv_span("prefill"):
-            rows = await self.backend.prefill(_parsed(request_iterator, context.peer()))
+            chunks = _parsed(request_iterator, context.peer())
+            rows = await self.backend.prefill(wire.prefill_chunk(c) async for c in chunks)
         return pb.PrefillResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
     @rpc
@@ -248,7 +252,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         the error (see _answer_stream)."""
 
         def submit(msg: pb.ProposeRequest):
-            return self.backend.propose([msg], context.time_remaining())
+            return self.backend.propose(wire.read_proposes([msg], False), context.time_remaining())
 
         def reply(msg, proposals: list[Proposal]):
             return pb.ProposeStreamResponse(
@@ -265,7 +269,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def ProposeColumns(self, request, context):
-        result = await self.backend.propose_columns(request, context.time_remaining())
+        step = wire.columns(request)
+        result = await self.backend.propose_columns(step, context.time_remaining())
         return self._columns_answer(request, result)
 
     async def ProposeColumnsStream(self, request_iterator: AsyncIterator, context):
@@ -273,7 +278,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         fails as a whole is answered with its error (see _answer_stream)."""
 
         def submit(msg: pb.ColumnsRequest):
-            return self.backend.propose_columns(msg, context.time_remaining())
+            return self.backend.propose_columns(wire.columns(msg), context.time_remaining())
 
         def refuse(request_id: int, error: pb.Error):
             return pb.ColumnsResponse(request_id=request_id, error=error)
@@ -348,7 +353,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     @rpc
     async def AfterVerify(self, request, context):
         with self.telemetry.kv_span("after_verify"):
-            rows = await self.backend.after_verify(request)
+            verdict = wire.verdict(request.verdict, "verdict")
+            rows = await self.backend.after_verify(request.state_id, verdict)
         return pb.AfterVerifyResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
     @rpc

@@ -1,8 +1,9 @@
 """Between the wire's protobuf messages and the engine's types, both ways.
 
-In (the backend): a request's tensors are read and checked (dtype, shape, byte
-count; INVALID_ARGUMENT naming the field) into CPU tensors over a copy of the
-message's bytes, and its fields into the engine's ProposeArgs, Verdict and Columns.
+In (the servicer, before the backend sees a request): a request's tensors are read
+and checked (dtype, shape, byte count; INVALID_ARGUMENT naming the field) into CPU
+tensors over a copy of the message's bytes, and its fields into the engine's
+ProposeArgs, Verdict, Columns and PrefillChunk.
 A hidden's NaN/inf check is left to the engine, which checks a whole batch's at
 once: here, on the event loop, numpy would let go of the GIL for every row past
 500 elements and win it back from the busy engine thread (in one H200 run, 64 Go
@@ -25,7 +26,7 @@ from mtpdraft.v1 import drafter_pb2 as pb
 from .engine.columns import Columns
 from .engine.errors import InvalidArgument
 from .engine.step import StepResult
-from .engine.types import Proposal, ProposeArgs, Verdict
+from .engine.types import PrefillChunk, Proposal, ProposeArgs, Verdict
 
 DTYPES: dict[int, torch.dtype] = {
     pb.DTYPE_BF16: torch.bfloat16,
@@ -83,6 +84,17 @@ def decode_hiddens(msg: pb.Tensor, field: str) -> torch.Tensor:
     """A Prefill chunk's hiddens, their NaN/inf check left to the engine: torch's threads
     take 177 us for 2047 rows of 4096 where one numpy thread takes 2.8 ms (H200 host)."""
     return read_tensor(msg, field, HIDDEN_DTYPES)
+
+
+def prefill_chunk(msg: pb.PrefillChunk) -> PrefillChunk:
+    has_rows = msg.HasField("hiddens") or bool(msg.tokens)
+    return PrefillChunk(
+        state_id=msg.state_id,
+        start_position=msg.start_position,
+        total_rows=msg.total_rows,
+        tokens=list(msg.tokens),
+        hiddens=decode_hiddens(msg.hiddens, "hiddens") if has_rows else None,
+    )
 
 
 def verdict(msg: pb.Verdict, field: str) -> Verdict:

@@ -30,6 +30,17 @@ class ProposeArgs:
 
 
 @dataclass
+class PrefillChunk:
+    """One message of a Prefill stream: its rows, and (first chunk) where they go."""
+
+    state_id: int  # 0 on a later chunk: the first chunk's
+    start_position: int  # 0 on a later chunk: the first chunk's
+    total_rows: int  # 0: not announced
+    tokens: list[int]
+    hiddens: torch.Tensor | None  # [len(tokens), H]; None for a chunk without rows
+
+
+@dataclass
 class Proposal:
     state_id: int
     tokens: list[int]
@@ -92,6 +103,5 @@ class ServerInfo:
     """GetInfo's answer, less what the gRPC front end adds."""
 
     engine: EngineInfo
-    hidden_dtypes: list[int]  # the wire's DType values accepted for hiddens
     queued_calls: int
     batch_size_counts: dict[int, int]  # requests per batch -> batches run
