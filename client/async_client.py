@@ -49,8 +49,10 @@ class AsyncDrafterClient:
     TLS that is possible only to a loopback address or Unix socket (see
     ``mtpdraft.client.security``). ``options`` may carry e.g.
     ``("grpc.ssl_target_name_override", "localhost")``. ``timeout`` is the default
-    deadline in seconds of every call (None: none); each method's ``timeout=``
-    overrides it, None included. Create and use it inside one running event loop.
+    deadline in seconds of every unary call and Prefill (None: none); each method's
+    ``timeout=`` overrides it, None included. Streams (``stream``, ``columns_stream``)
+    have no deadline unless their own ``timeout=`` asks for one: a verifier keeps its
+    stream open for its whole life. Create and use it inside one running event loop.
     """
 
     def __init__(
@@ -212,10 +214,11 @@ class AsyncDrafterClient:
         )
         return await self._unary(self._stub.ProposeColumns, req, m.parse_columns, timeout)
 
-    def columns_stream(self, *, timeout: Timeout = DEFAULT) -> AsyncColumnsStream:
+    def columns_stream(self, *, timeout: float | None = None) -> AsyncColumnsStream:
         """A ProposeColumnsStream: one message per verifier step (``step`` takes the
-        arguments of ``propose_columns``)."""
-        return AsyncColumnsStream(self._stub, m.resolve_timeout(timeout, self.timeout))
+        arguments of ``propose_columns``). No deadline unless ``timeout`` (seconds, for
+        the whole stream) is given: the client's default timeout is not applied."""
+        return AsyncColumnsStream(self._stub, timeout)
 
     async def after_verify(
         self,
@@ -241,9 +244,11 @@ class AsyncDrafterClient:
         req = m.install_kv_request(state, handle)
         return await self._unary(self._stub.InstallKV, req, m.parse_install_kv, timeout)
 
-    def stream(self, *, timeout: Timeout = DEFAULT) -> AsyncProposeStream:
-        """The hot path: a ProposeStream, one message and one answer per verify step."""
-        return AsyncProposeStream(self._stub, m.resolve_timeout(timeout, self.timeout))
+    def stream(self, *, timeout: float | None = None) -> AsyncProposeStream:
+        """The hot path: a ProposeStream, one message and one answer per verify step.
+        No deadline unless ``timeout`` (seconds, for the whole stream) is given: the
+        client's default timeout is not applied."""
+        return AsyncProposeStream(self._stub, timeout)
 
     async def free_state(self, state: int, *, timeout: Timeout = DEFAULT) -> bool:
         """Releases the state; returns whether it existed. Idempotent."""

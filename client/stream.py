@@ -7,7 +7,9 @@ Each `propose` sends one ProposeRequest (usually carrying `previous`, the verdic
 on the state's last proposal) and returns its answer: one round trip per verify
 step. Many states can share one stream and have requests in flight at once
 (`submit` returns a future); answers are matched by request id. A bad request
-raises its typed error and leaves the stream open.
+raises its typed error and leaves the stream open. A stream has no deadline unless
+opened with one (``client.stream(timeout=...)``, for the whole stream); the client's
+default timeout is for its unary calls.
 """
 
 from __future__ import annotations

@@ -49,8 +49,10 @@ class DrafterClient:
     TLS that is possible only to a loopback address or Unix socket (see
     ``mtpdraft.client.security``). ``options`` may carry e.g.
     ``("grpc.ssl_target_name_override", "localhost")``. ``timeout`` is the default
-    deadline in seconds of every call (None: none); each method's ``timeout=``
-    overrides it, None included.
+    deadline in seconds of every unary call and Prefill (None: none); each method's
+    ``timeout=`` overrides it, None included. Streams (``stream``, ``columns_stream``)
+    have no deadline unless their own ``timeout=`` asks for one: a verifier keeps its
+    stream open for its whole life.
     """
 
     def __init__(
@@ -212,10 +214,11 @@ class DrafterClient:
         )
         return self._unary(self._stub.ProposeColumns, req, m.parse_columns, timeout)
 
-    def columns_stream(self, *, timeout: Timeout = DEFAULT) -> ColumnsStream:
+    def columns_stream(self, *, timeout: float | None = None) -> ColumnsStream:
         """A ProposeColumnsStream: one message per verifier step (``step`` takes the
-        arguments of ``propose_columns``)."""
-        return ColumnsStream(self._stub, m.resolve_timeout(timeout, self.timeout))
+        arguments of ``propose_columns``). No deadline unless ``timeout`` (seconds, for
+        the whole stream) is given: the client's default timeout is not applied."""
+        return ColumnsStream(self._stub, timeout)
 
     def after_verify(
         self,
@@ -241,9 +244,11 @@ class DrafterClient:
         req = m.install_kv_request(state, handle)
         return self._unary(self._stub.InstallKV, req, m.parse_install_kv, timeout)
 
-    def stream(self, *, timeout: Timeout = DEFAULT) -> ProposeStream:
-        """The hot path: a ProposeStream, one message and one answer per verify step."""
-        return ProposeStream(self._stub, m.resolve_timeout(timeout, self.timeout))
+    def stream(self, *, timeout: float | None = None) -> ProposeStream:
+        """The hot path: a ProposeStream, one message and one answer per verify step.
+        No deadline unless ``timeout`` (seconds, for the whole stream) is given: the
+        client's default timeout is not applied."""
+        return ProposeStream(self._stub, timeout)
 
     def free_state(self, state: int, *, timeout: Timeout = DEFAULT) -> bool:
         """Releases the state; returns whether it existed. Idempotent."""

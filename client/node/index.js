@@ -13,7 +13,7 @@
 // verdict on the state's last proposal (`previous`) and the next proposal's inputs. One stream
 // serves many states, with many requests in flight; each answer settles its own promise.
 //
-//   const stream = drafter.stream({ timeoutMs: 0 }); // lives as long as the verifier
+//   const stream = drafter.stream(); // no deadline: lives as long as the verifier
 //   let proposal = await stream.propose(state, { token, hidden, position, numDrafts: 3 });
 //   // The target accepted `a` of proposal.tokens and sampled `bonus`; h is its hidden at
 //   // proposal.firstPosition + a - 1.
@@ -36,13 +36,16 @@
 //   });
 //   // step.drafts: Int32Array [B * step.width], row i's step.counts[i] drafts then -1;
 //   // step.errors: Map row -> DrafterError (that state is unchanged).
-//   const columns = drafter.columnsStream({ timeoutMs: 0 }); // the same, one message a step
+//   const columns = drafter.columnsStream(); // the same, one message a step
 //   const next = await columns.step({ stateIds, tokens, positions, hiddens, numDrafts: 3 });
 //
 // State and handle ids are uint64: they travel as decimal strings. Tensors are
 // { dtype: 'DTYPE_FP32' | 'DTYPE_BF16' | 'DTYPE_FP16' | 'DTYPE_INT32', shape, data: Buffer }
 // with data the raw little-endian bytes. A failed call rejects with a DrafterError; so does a
 // stream message that the server refused (the stream stays open).
+//
+// Deadlines: the client's timeoutMs (default 30 s) bounds each unary call and each prefill. A
+// stream (stream(), columnsStream()) has no deadline unless its own { timeoutMs } asks for one.
 
 const os = require('node:os');
 const path = require('node:path');
@@ -482,7 +485,8 @@ class ColumnsStream extends AnswerStream {
 class DrafterClient {
   /**
    * @param {string} address host:port of the server
-   * @param {object} [options] timeoutMs: default deadline of every call (0: none);
+   * @param {object} [options] timeoutMs: deadline of every unary call and prefill (default
+   *   30000; 0: none), never of a stream (see stream());
    *   credentials (default insecure); channelOptions; protoRoot (folder holding mtpdraft/v1/).
    */
   constructor(address, options = {}) {
@@ -570,10 +574,11 @@ class DrafterClient {
 
   /**
    * The hot path: a ProposeStream (see the class) for proposals with `previous` set, one round
-   * trip per verify step. Options: timeoutMs, the deadline of the whole stream (default the
-   * client's; 0: none, as a stream kept for a verifier's lifetime wants). Close it when done.
+   * trip per verify step. Options: timeoutMs, the deadline of the whole stream (default 0:
+   * none, as a stream kept for a verifier's lifetime wants; the client's timeoutMs is not
+   * applied). Close it when done.
    */
-  stream({ timeoutMs = this.timeoutMs } = {}) {
+  stream({ timeoutMs = 0 } = {}) {
     return new ProposeStream(this.stub, deadlineOptions(timeoutMs));
   }
 
@@ -609,11 +614,11 @@ class DrafterClient {
 
   /**
    * ProposeColumns on a stream (see ColumnsStream), one message per verifier step. Options:
-   * timeoutMs, the deadline of the whole stream (default the client's; 0: none). Close it when
-   * done.
+   * timeoutMs, the deadline of the whole stream (default 0: none; the client's timeoutMs is not
+   * applied). Close it when done.
    * @returns {ColumnsStream}
    */
-  columnsStream({ timeoutMs = this.timeoutMs } = {}) {
+  columnsStream({ timeoutMs = 0 } = {}) {
     return new ColumnsStream(this.stub, deadlineOptions(timeoutMs));
   }
 

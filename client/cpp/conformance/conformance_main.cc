@@ -4,10 +4,12 @@
 // ProposeColumns sends one ColumnsRequest of its columns ("states" names the rows' states),
 // unary or, with "stream" true, as the one message of a ProposeColumnsStream of its own.
 // One line per operation, then "cpp: N passed, M failed"; exits 1 on any failure, 2 on a
-// vector no runner may replay (checked before any call).
+// vector no runner may replay (checked before any call). Then one more line: a stream has no
+// deadline unless it asks for one (StreamDeadlines).
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/reflection.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +22,9 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "mtpdraft/drafter_client.h"
 
@@ -468,6 +473,40 @@ std::string Label(const json& op) {
   return label;
 }
 
+// A client whose calls time out after 300 ms keeps a stream open past that: the stream
+// still answers (a Propose for a state that does not exist: NOT_FOUND, from the server). A
+// stream opened with its own 300 ms timeout has ended by then (DEADLINE_EXCEEDED).
+std::pair<bool, std::string> StreamDeadlines(const std::string& address) {
+  using std::chrono::milliseconds;
+  const milliseconds timeout(300), past(800);
+  mtpdraft::DrafterClient quick(address, timeout);
+  mtpdraft::ProposeArgs args;
+  try {
+    args.hidden = mtpdraft::Tensor::FP32(std::vector<float>(quick.GetInfo().hidden_size(), 0.5f));
+  } catch (const std::exception& e) {
+    return {false, std::string("GetInfo: ") + e.what()};
+  }
+  args.token = 1, args.position = 1, args.num_drafts = 1;
+  const uint64_t unknown = (uint64_t{1} << 63) + 12345;
+  auto outcome = [&](mtpdraft::ProposeStream& stream) -> std::string {
+    try {
+      stream.Propose(unknown, args);
+      return "OK";
+    } catch (const mtpdraft::DrafterError& e) {
+      return e.code_name();
+    }
+  };
+  std::unique_ptr<mtpdraft::ProposeStream> open = quick.OpenStream();
+  std::unique_ptr<mtpdraft::ProposeStream> bounded = quick.OpenStream(timeout);
+  std::this_thread::sleep_for(past);
+  const std::string kept = outcome(*open), expired = outcome(*bounded);
+  open->Close();
+  bounded->Close();
+  const std::string text = "a stream without a timeout answered " + kept +
+                           " past the client's timeout, one with a timeout " + expired;
+  return {kept == "NOT_FOUND" && expired == "DEADLINE_EXCEEDED", text};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -513,5 +552,9 @@ int main(int argc, char** argv) {
   }
   replayer.FreeAll();
   std::printf("cpp: %d passed, %d failed\n", passed, failed);
-  return failed == 0 && passed == static_cast<int>(vector.at("operations").size()) ? 0 : 1;
+  const auto [deadlines_ok, deadlines] = StreamDeadlines(address);
+  std::printf("%s stream deadlines: %s\n", deadlines_ok ? "ok  " : "FAIL", deadlines.c_str());
+  return failed == 0 && passed == static_cast<int>(vector.at("operations").size()) && deadlines_ok
+             ? 0
+             : 1;
 }

@@ -38,6 +38,9 @@
 // Tensors are raw little-endian bytes with a dtype and a shape. A failed RPC throws
 // mtpdraft::DrafterError, whose code() is the grpc::StatusCode and reason() and field()
 // say why; so does a stream's error answer, which leaves the stream open.
+//
+// Deadlines: the client's `timeout` bounds each unary call and each Prefill. A stream
+// (OpenStream, OpenColumnsStream) has no deadline unless its own `timeout` asks for one.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -327,7 +330,8 @@ class ColumnsStream {
 
 class DrafterClient {
  public:
-  // An insecure channel to `address` ("host:port"); `timeout` is every call's deadline.
+  // An insecure channel to `address` ("host:port"); `timeout` is the deadline of every unary
+  // call and Prefill (zero: none), never of a stream (see OpenStream).
   explicit DrafterClient(const std::string& address,
                          std::chrono::milliseconds timeout = std::chrono::seconds(30));
   explicit DrafterClient(std::shared_ptr<grpc::Channel> channel,
@@ -350,7 +354,8 @@ class DrafterClient {
   // fail the call.
   ColumnsResult ProposeColumns(const Columns& step);
   // The hot path: a ProposeStream. `timeout` is the whole stream's deadline; zero (the
-  // default) sets none, since a stream lives as long as its verifier, not one call.
+  // default) sets none, since a stream lives as long as its verifier, not one call (the
+  // client's own timeout is not applied).
   std::unique_ptr<ProposeStream> OpenStream(
       std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
   // The columnar hot path: a ProposeColumnsStream, one message per verifier step. `timeout`

@@ -123,9 +123,9 @@ func columnsResult(resp *pb.ColumnsResponse) (*ColumnsResult, error) {
 
 // ColumnsStream is ProposeColumns on one stream: one message per verifier step.
 //
-//	s, err := c.ProposeColumnsStream(ctx)
+//	s, err := c.ProposeColumnsStream(context.Background()) // no deadline
 //	defer s.Close()
-//	r, err := s.Step(ctx, cols) // once per verifier step
+//	r, err := s.Step(ctx, cols) // once per verifier step; ctx bounds this step only
 //
 // A ColumnsStream is safe for concurrent use; answers are matched by request id. A step that
 // fails as a whole returns its status error (as a unary ProposeColumns would) and leaves the
@@ -136,7 +136,7 @@ type ColumnsStream struct {
 }
 
 // ProposeColumnsStream opens a ProposeColumnsStream. Cancelling ctx ends it (and fails what is
-// in flight).
+// in flight); as for OpenStream, ctx's deadline is the whole stream's (none unless ctx has one).
 func (c *Client) ProposeColumnsStream(ctx context.Context) (*ColumnsStream, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	call, err := c.stub.ProposeColumnsStream(ctx)

@@ -14,6 +14,10 @@
 // (ProposeColumns, or Step on a ColumnsStream): one row per state, the hiddens as one [B, hidden]
 // tensor, and the drafts back as a [B, width] slice, with an error per failed row.
 //
+// Deadlines are the contexts': each call's ctx bounds that call, and the ctx a stream is opened
+// with bounds the whole stream. The client sets none of its own, so a stream opened with
+// context.Background() has no deadline.
+//
 // Tensors are raw little-endian bytes with a dtype and a shape. Errors are gRPC status errors:
 // status.Code(err) is codes.NotFound, codes.InvalidArgument, codes.FailedPrecondition, ...
 package drafter

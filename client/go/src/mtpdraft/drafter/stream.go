@@ -21,7 +21,7 @@ const errorDomain = "mtpdraft.v1"
 // Propose usually carries args.Previous, the verdict on the state's last proposal, so a verify
 // step costs one round trip:
 //
-//	s, err := c.OpenStream(ctx)
+//	s, err := c.OpenStream(context.Background()) // no deadline: the stream is the verifier's
 //	defer s.Close()
 //	p, err := s.Propose(ctx, state, drafter.ProposeArgs{..., Previous: &drafter.Verdict{NumAccepted: a}})
 //
@@ -33,7 +33,10 @@ type Stream struct {
 	x    *exchange
 }
 
-// OpenStream opens a ProposeStream. Cancelling ctx ends it (and fails what is in flight).
+// OpenStream opens a ProposeStream. Cancelling ctx ends it (and fails what is in flight), and
+// ctx's deadline is the whole stream's: a stream has none unless ctx has one. Open a stream kept
+// for a verifier's life with context.Background() (or a context.WithCancel of it) and bound each
+// Propose by its own ctx instead, which ends that request's wait only.
 func (c *Client) OpenStream(ctx context.Context) (*Stream, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	call, err := c.stub.ProposeStream(ctx)
@@ -56,7 +59,8 @@ func (c *Client) OpenStream(ctx context.Context) (*Stream, error) {
 }
 
 // Propose sends one request and waits for its answer: the drafts, or the request's error. If ctx
-// ends first, Propose returns its error; the server may still make the proposal.
+// ends first, Propose returns its error (the stream stays open); the server may still make the
+// proposal.
 func (s *Stream) Propose(ctx context.Context, state uint64, args ProposeArgs) (*pb.Proposal, error) {
 	v, err := s.x.roundTrip(ctx, func(id uint64) error {
 		req := proposeRequest(state, args)

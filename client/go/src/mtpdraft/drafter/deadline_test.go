@@ -1,0 +1,147 @@
+package drafter
+
+import (
+	"context"
+	"net"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/test/bufconn"
+
+	pb "mtpdraft/gen/mtpdraftv1"
+)
+
+const (
+	short = 200 * time.Millisecond // a Propose's own timeout, and an explicit stream's deadline
+	past  = 500 * time.Millisecond // how long each stream is kept open before its next message
+)
+
+// echoDrafter answers every stream message at once: one draft, the token + 1.
+type echoDrafter struct {
+	pb.UnimplementedDrafterServer
+}
+
+func (echoDrafter) ProposeStream(s pb.Drafter_ProposeStreamServer) error {
+	for {
+		req, err := s.Recv()
+		if err != nil {
+			return nil
+		}
+		if err := s.Send(&pb.ProposeStreamResponse{RequestId: req.RequestId,
+			Result: &pb.ProposeStreamResponse_Proposal{Proposal: &pb.Proposal{
+				StateId: req.StateId, Tokens: []int32{req.Token + 1}}}}); err != nil {
+			return err
+		}
+	}
+}
+
+func (echoDrafter) ProposeColumnsStream(s pb.Drafter_ProposeColumnsStreamServer) error {
+	for {
+		req, err := s.Recv()
+		if err != nil {
+			return nil
+		}
+		if err := s.Send(&pb.ColumnsResponse{RequestId: req.RequestId, Width: 1, Drafts: []int32{1},
+			Probs: []float32{1}, DraftCounts: []int32{1}, Confidences: []float32{1},
+			FirstPositions: []int64{2}}); err != nil {
+			return err
+		}
+	}
+}
+
+func echoClient(t *testing.T) *Client {
+	listener := bufconn.Listen(1 << 20)
+	server := grpc.NewServer()
+	pb.RegisterDrafterServer(server, echoDrafter{})
+	go server.Serve(listener)
+	t.Cleanup(server.Stop)
+	conn, err := grpc.Dial("bufnet", grpc.WithInsecure(),
+		grpc.WithContextDialer(func(context.Context, string) (net.Conn, error) { return listener.Dial() }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := New(conn)
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// propose is one stream round trip bounded by its own short timeout.
+func propose(s *Stream) error {
+	ctx, cancel := context.WithTimeout(context.Background(), short)
+	defer cancel()
+	p, err := s.Propose(ctx, 7, ProposeArgs{Token: 1, Hidden: FP32([]float32{1, 2}), Position: 1, NumDrafts: 1})
+	if err == nil && (len(p.Tokens) != 1 || p.Tokens[0] != 2) {
+		return status.Errorf(codes.Internal, "answer %v", p)
+	}
+	return err
+}
+
+func step(s *ColumnsStream) error {
+	ctx, cancel := context.WithTimeout(context.Background(), short)
+	defer cancel()
+	_, err := s.Step(ctx, Columns{StateIDs: []uint64{7}, Tokens: []int32{1}, Positions: []int64{1},
+		Hiddens: FP32([]float32{1, 2}, 1, 2), NumDrafts: []int32{1}})
+	return err
+}
+
+// A stream opened with a context without a deadline has none: each request's own ctx bounds
+// that request only, and the stream serves on past it.
+func TestStreamsHaveNoDeadlineUnlessAsked(t *testing.T) {
+	c := echoClient(t)
+	s, err := c.OpenStream(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs, err := c.ProposeColumnsStream(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := propose(s); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(past)
+	if err := propose(s); err != nil {
+		t.Fatalf("the stream ended: %v", err)
+	}
+	if err := step(cs); err != nil {
+		t.Fatalf("the columns stream ended: %v", err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := cs.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A stream opened with a deadline ends with DEADLINE_EXCEEDED once it has passed.
+func TestStreamWithDeadlineExpires(t *testing.T) {
+	c := echoClient(t)
+	ctx, cancel := context.WithTimeout(context.Background(), short)
+	defer cancel()
+	s, err := c.OpenStream(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs, err := c.ProposeColumnsStream(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := propose(s); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(past)
+	if err := propose(s); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("propose past the stream's deadline: %v", err)
+	}
+	if err := step(cs); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("step past the stream's deadline: %v", err)
+	}
+	if err := s.Close(); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("close: %v", err)
+	}
+	cs.Close()
+}
