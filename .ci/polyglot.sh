@@ -76,6 +76,8 @@ run cpp 120 client/cpp/build/mtpdraft-conformance --address "$MTPDRAFT_CONFORMAN
 # The Node and Go clients' own unit tests (a fake server in the test process).
 run node-unit 120 npm --prefix client/node test
 run go-unit 300 make -s -f client/polyglot.mk polyglot-go-test
+# Each client used from a program of its own (examples/clients, client/cpp/examples).
+run go-example 60 client/go/build/bin/drafter-example -address "$MTPDRAFT_CONFORMANCE_ADDRESS"
 
 stop_server
 trap - EXIT

@@ -11,16 +11,28 @@ PG_PROTO_DIR := protos
 PG_PROTO := $(PG_PROTO_DIR)/mtpdraft/v1/drafter.proto
 PG_VECTOR := tests/conformance/vector.json
 
-# Go, offline: GOPATH mode over Debian's sources in /usr/share/gocode (no module proxy).
+# Go: the module mtpdraft (client/go/src/mtpdraft, its go.mod), with its protobuf package
+# gen/mtpdraftv1 committed (`make -f client/polyglot.mk polyglot-go-gen` after changing the
+# proto; every build checks that it is current). Built offline from Debian's sources in
+# /usr/share/gocode (no module proxy): the runners in GOPATH mode, the module itself and the
+# example (examples/clients/go, a module of its own that requires it by a replace directive) in
+# module mode, through client/go/gomod-debian.sh.
 PG_GO_DIR := client/go
+PG_GO_MODULE := $(PG_GO_DIR)/src/mtpdraft
 PG_GO_BUILD := $(PG_GO_DIR)/build
-PG_GO_GEN := $(PG_GO_BUILD)/gopath/src/mtpdraft/gen/mtpdraftv1
+PG_GO_GEN := $(PG_GO_MODULE)/gen/mtpdraftv1
 PG_GO_BIN := $(PG_GO_BUILD)/bin/mtpdraft-conformance
 # A Go verifier's view of the hot path (bench/bench_service.py --go-hotpath runs it).
 PG_GO_HOTPATH := $(PG_GO_BUILD)/bin/mtpdraft-hotpath
-PG_GO_SRCS := $(wildcard $(PG_GO_DIR)/src/mtpdraft/*/*.go $(PG_GO_DIR)/src/mtpdraft/cmd/*/*.go)
+PG_GO_EXAMPLE_DIR := examples/clients/go
+PG_GO_EXAMPLE := $(PG_GO_BUILD)/bin/drafter-example
+PG_GO_SRCS := $(wildcard $(PG_GO_MODULE)/go.mod $(PG_GO_MODULE)/*/*.go $(PG_GO_MODULE)/cmd/*/*.go \
+	$(PG_GO_GEN)/*.go)
 PG_GO_ENV = GO111MODULE=off GOFLAGS= GOCACHE=$(abspath $(PG_GO_BUILD)/cache) \
-	GOPATH=$(abspath $(PG_GO_BUILD)/gopath):$(abspath $(PG_GO_DIR)):/usr/share/gocode
+	GOPATH=$(abspath $(PG_GO_DIR)):/usr/share/gocode
+PG_GO_MOD_ENV = GO111MODULE=on GOFLAGS=-mod=readonly GOPROXY=off GOSUMDB=off \
+	GOCACHE=$(abspath $(PG_GO_BUILD)/cache) GOPATH=$(abspath $(PG_GO_BUILD)/modpath)
+PG_GO_PROTOC = protoc -I$(PG_PROTO_DIR) --go_out=$(1) --go-grpc_out=$(1) $(PG_PROTO)
 
 # C++: Debian's libgrpc++ and protobuf through pkg-config.
 PG_CPP_DIR := client/cpp
@@ -43,7 +55,7 @@ PG_CXXFLAGS ?= -std=c++17 -O1 -g0 -Wall
 PG_CPP_CFLAGS = $(shell pkg-config --cflags grpc++ protobuf) -I$(PG_CPP_GEN) -I$(PG_CPP_DIR)/include
 PG_CPP_LIBS = $(shell pkg-config --libs grpc++ protobuf)
 
-.PHONY: polyglot polyglot-node polyglot-go polyglot-go-test polyglot-cpp polyglot-conformance polyglot-clean
+.PHONY: polyglot polyglot-node polyglot-go polyglot-go-test polyglot-go-gen polyglot-cpp polyglot-conformance polyglot-clean
 
 polyglot: polyglot-node polyglot-go polyglot-cpp
 
@@ -52,18 +64,33 @@ polyglot-node: client/node/node_modules/.package-lock.json
 client/node/node_modules/.package-lock.json: client/node/package.json client/node/package-lock.json
 	cd client/node && npm ci --no-audit --no-fund
 
-polyglot-go: $(PG_GO_BIN) $(PG_GO_HOTPATH)
+polyglot-go: $(PG_GO_BIN) $(PG_GO_HOTPATH) $(PG_GO_EXAMPLE)
 
 # The Go client's unit tests (a fake server in the test process).
 polyglot-go-test: $(PG_GO_BUILD)/gen.stamp
 	$(PG_GO_ENV) go test mtpdraft/drafter
 
-$(PG_GO_BUILD)/gen.stamp: $(PG_PROTO)
-	mkdir -p $(PG_GO_BUILD)/gopath/src
-	rm -rf $(PG_GO_GEN)
-	protoc -I$(PG_PROTO_DIR) --go_out=$(PG_GO_BUILD)/gopath/src \
-		--go-grpc_out=$(PG_GO_BUILD)/gopath/src $(PG_PROTO)
+# Regenerates the committed protobuf package from the proto.
+polyglot-go-gen:
+	$(call PG_GO_PROTOC,$(PG_GO_DIR)/src)
+
+# The committed protobuf package must be what the proto generates.
+$(PG_GO_BUILD)/gen.stamp: $(PG_PROTO) $(wildcard $(PG_GO_GEN)/*.go)
+	rm -rf $(PG_GO_BUILD)/gen && mkdir -p $(PG_GO_BUILD)/gen
+	$(call PG_GO_PROTOC,$(PG_GO_BUILD)/gen)
+	@diff -r $(PG_GO_BUILD)/gen/mtpdraft/gen/mtpdraftv1 $(PG_GO_GEN) >/dev/null || { \
+		echo "$(PG_GO_GEN) is not what $(PG_PROTO) generates:" \
+			"run make -f client/polyglot.mk polyglot-go-gen and commit it"; exit 1; }
 	touch $@
+
+# Module mode, offline: the module mtpdraft vetted (tests included), then the example built.
+$(PG_GO_EXAMPLE): $(PG_GO_BUILD)/gen.stamp $(PG_GO_SRCS) $(PG_GO_DIR)/gomod-debian.sh \
+		$(PG_GO_EXAMPLE_DIR)/go.mod $(wildcard $(PG_GO_EXAMPLE_DIR)/*.go)
+	$(PG_GO_MOD_ENV) bash $(PG_GO_DIR)/gomod-debian.sh $(PG_GO_MODULE) $(PG_GO_BUILD)/gomod/mtpdraft.mod
+	cd $(PG_GO_MODULE) && $(PG_GO_MOD_ENV) go vet -modfile=$(abspath $(PG_GO_BUILD)/gomod/mtpdraft.mod) ./...
+	$(PG_GO_MOD_ENV) bash $(PG_GO_DIR)/gomod-debian.sh $(PG_GO_EXAMPLE_DIR) $(PG_GO_BUILD)/gomod/example.mod
+	cd $(PG_GO_EXAMPLE_DIR) && $(PG_GO_MOD_ENV) go vet -modfile=$(abspath $(PG_GO_BUILD)/gomod/example.mod) . && \
+		$(PG_GO_MOD_ENV) go build -modfile=$(abspath $(PG_GO_BUILD)/gomod/example.mod) -o $(abspath $@) .
 
 $(PG_GO_BIN): $(PG_GO_BUILD)/gen.stamp $(PG_GO_SRCS)
 	$(PG_GO_ENV) go vet mtpdraft/drafter mtpdraft/cmd/mtpdraft-conformance

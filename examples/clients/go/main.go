@@ -1,0 +1,78 @@
+// Command drafter-example is a verifier's decode loop in a module of its own, using the
+// mtpdraft Go client (module mtpdraft, client/go/src/mtpdraft) through a replace directive:
+//
+//	go run . -address 127.0.0.1:50051
+//
+// It prefills a state with a 4-token prompt, then runs 3 verify steps on one stream, each
+// accepting the first draft. Hiddens are random: a real verifier passes its target's.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log"
+	"math/rand"
+	"time"
+
+	"mtpdraft/drafter"
+)
+
+func main() {
+	address := flag.String("address", "localhost:50051", "the server's host:port")
+	flag.Parse()
+	c, err := drafter.Dial(*address)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer c.Close()
+
+	// Unary calls: each bounded by its own context.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	info, err := c.GetInfo(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	hiddenSize := int64(info.HiddenSize)
+	rng := rand.New(rand.NewSource(1))
+	hiddens := func(rows int64) drafter.Tensor {
+		values := make([]float32, rows*hiddenSize)
+		for i := range values {
+			values[i] = float32(rng.NormFloat64())
+		}
+		return drafter.FP32(values, rows, hiddenSize)
+	}
+	state, err := c.AllocState(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer c.FreeState(context.Background(), state)
+	// Rows (x1, h0) .. (x3, h2) from position 1; x4 is the last prompt token.
+	if _, err := c.Prefill(ctx, state, 1, []int32{11, 12, 13}, hiddens(3), 0); err != nil {
+		log.Fatal(err)
+	}
+
+	// The stream has no deadline (context.Background()): it lives as long as the verifier.
+	s, err := c.OpenStream(context.Background())
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer s.Close()
+	args := drafter.ProposeArgs{Token: 14, Hidden: hiddens(1), Position: 4, NumDrafts: 3}
+	for step := 0; step < 3; step++ {
+		p, err := s.Propose(ctx, state, args)
+		if err != nil {
+			log.Fatal(err)
+		}
+		fmt.Printf("step %d: drafts %v from position %d\n", step, p.Tokens, p.FirstPosition)
+		accepted := int32(0)
+		if len(p.Tokens) > 0 {
+			accepted = 1 // the target agreed with the first draft and sampled a bonus token
+		}
+		args = drafter.ProposeArgs{Token: 20 + int32(step), Hidden: hiddens(1),
+			Position: args.Position + int64(accepted) + 1, NumDrafts: 3,
+			Previous: &drafter.Verdict{NumAccepted: accepted}}
+	}
+	fmt.Println("go example: ok")
+}
