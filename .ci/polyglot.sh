@@ -77,6 +77,7 @@ run cpp 120 client/cpp/build/mtpdraft-conformance --address "$MTPDRAFT_CONFORMAN
 run node-unit 120 npm --prefix client/node test
 run go-unit 300 make -s -f client/polyglot.mk polyglot-go-test
 # Each client used from a program of its own (examples/clients, client/cpp/examples).
+run node-example 60 node examples/clients/node/main.js --address "$MTPDRAFT_CONFORMANCE_ADDRESS"
 run go-example 60 client/go/build/bin/drafter-example -address "$MTPDRAFT_CONFORMANCE_ADDRESS"
 
 stop_server

@@ -11,6 +11,10 @@ PG_PROTO_DIR := protos
 PG_PROTO := $(PG_PROTO_DIR)/mtpdraft/v1/drafter.proto
 PG_VECTOR := tests/conformance/vector.json
 
+# Node.js: the package mtpdraft-client (client/node/package.json), and a program of its own
+# that installs it (examples/clients/node).
+PG_NODE_EXAMPLE_DIR := examples/clients/node
+
 # Go: the module mtpdraft (client/go/src/mtpdraft, its go.mod), with its protobuf package
 # gen/mtpdraftv1 committed (`make -f client/polyglot.mk polyglot-go-gen` after changing the
 # proto; every build checks that it is current). Built offline from Debian's sources in
@@ -59,10 +63,18 @@ PG_CPP_LIBS = $(shell pkg-config --libs grpc++ protobuf)
 
 polyglot: polyglot-node polyglot-go polyglot-cpp
 
-polyglot-node: client/node/node_modules/.package-lock.json
+polyglot-node: client/node/node_modules/.package-lock.json $(PG_NODE_EXAMPLE_DIR)/node_modules/.package-lock.json
 
 client/node/node_modules/.package-lock.json: client/node/package.json client/node/package-lock.json
 	cd client/node && npm ci --no-audit --no-fund
+
+# The example installs the client as a package from its folder (a copy: the files package.json
+# lists, the proto included) and is type-checked against the package's index.d.ts. After the
+# client's own install: both run the client's prepare script.
+$(PG_NODE_EXAMPLE_DIR)/node_modules/.package-lock.json: $(PG_NODE_EXAMPLE_DIR)/package.json \
+		$(PG_NODE_EXAMPLE_DIR)/package-lock.json $(PG_NODE_EXAMPLE_DIR)/main.js \
+		client/node/node_modules/.package-lock.json client/node/index.js client/node/index.d.ts $(PG_PROTO)
+	cd $(PG_NODE_EXAMPLE_DIR) && npm ci --no-audit --no-fund && npm run -s typecheck
 
 polyglot-go: $(PG_GO_BIN) $(PG_GO_HOTPATH) $(PG_GO_EXAMPLE)
 
@@ -142,4 +154,5 @@ polyglot-conformance: polyglot
 	$(PG_CPP_BIN) --address $(ADDRESS) --vector $(PG_VECTOR)
 
 polyglot-clean:
-	rm -rf $(PG_GO_BUILD) $(PG_CPP_BUILD) client/node/node_modules
+	rm -rf $(PG_GO_BUILD) $(PG_CPP_BUILD) client/node/node_modules client/node/proto \
+		$(PG_NODE_EXAMPLE_DIR)/node_modules

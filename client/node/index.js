@@ -47,14 +47,21 @@
 // Deadlines: the client's timeoutMs (default 30 s) bounds each unary call and each prefill. A
 // stream (stream(), columnsStream()) has no deadline unless its own { timeoutMs } asks for one.
 
+const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protobuf = require('protobufjs');
 const protoLoader = require('@grpc/proto-loader');
 
-const PROTO_ROOT = path.resolve(__dirname, '..', '..', 'protos');
 const PROTO_FILE = 'mtpdraft/v1/drafter.proto';
+// The repository's proto when this is client/node of a checkout, else the package's own copy
+// (proto/, written by the prepare script when npm packs or installs the folder).
+const REPO_PROTOS = path.resolve(__dirname, '..', '..', 'protos');
+const PROTO_ROOT =
+  path.basename(path.dirname(__dirname)) === 'client' && fs.existsSync(path.join(REPO_PROTOS, PROTO_FILE))
+    ? REPO_PROTOS
+    : path.join(__dirname, 'proto');
 const DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024;
 const ITEMSIZE = { DTYPE_BF16: 2, DTYPE_FP16: 2, DTYPE_FP32: 4, DTYPE_INT32: 4 };
 const STATUS_NAMES = Object.fromEntries(Object.entries(grpc.status).map(([k, v]) => [v, k]));

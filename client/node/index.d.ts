@@ -1,0 +1,211 @@
+// Types of the Node.js client of the mtpdraft.v1.Drafter service (index.js).
+
+import type { ChannelCredentials, ChannelOptions, Metadata, ServiceClientConstructor } from '@grpc/grpc-js';
+
+export type DType = 'DTYPE_FP32' | 'DTYPE_BF16' | 'DTYPE_FP16' | 'DTYPE_INT32';
+
+/** A tensor on the wire: raw little-endian bytes with a dtype and a shape. */
+export interface TensorMessage {
+  dtype: DType;
+  shape: number[];
+  data: Buffer;
+}
+
+export declare const Tensor: {
+  /** An fp32 tensor from numbers (array or Float32Array); shape defaults to [values.length]. */
+  fp32(values: ArrayLike<number>, shape?: number[]): TensorMessage;
+  /** An int32 tensor (e.g. an xgrammar bitmask, shape [words] or [rows, words]). */
+  int32(values: ArrayLike<number>, shape?: number[]): TensorMessage;
+  /** A tensor from raw little-endian bytes, checked against its dtype and shape. */
+  raw(dtype: DType, shape: number[], data: Uint8Array): TensorMessage;
+};
+
+/** A uint64 id: allocState returns decimal strings; BigInts and safe integers are taken too. */
+export type Id = string | bigint | number;
+
+/** The verdict on a state's pending proposal: how many drafts the target accepted. */
+export interface Verdict {
+  numAccepted: number;
+  /** [numAccepted, hiddenSize]: the target's hiddens of the accepted drafts, refed. */
+  refeedHiddens?: TensorMessage | null;
+}
+
+export interface ProposeArgs {
+  token: number;
+  /** The target hidden at position - 1. */
+  hidden: TensorMessage;
+  position: number | bigint;
+  numDrafts: number;
+  /** xgrammar's packed int32 bitmask, [words] or [numDrafts, words]. */
+  bitmask?: TensorMessage | null;
+  minConfidence?: number;
+  /** The fused verdict on the pending proposal (its AfterVerify). */
+  previous?: Verdict | null;
+}
+
+export interface BatchRequest extends ProposeArgs {
+  stateId: Id;
+}
+
+export interface Proposal {
+  stateId: string;
+  tokens: number[];
+  probs: number[];
+  confidence: number;
+  firstPosition: number;
+}
+
+export interface Rows {
+  numRows: number;
+  nextPosition: number;
+}
+
+export interface PrefillResult extends Rows {
+  chunks: number;
+}
+
+export interface KVHandle {
+  handleId: string;
+  numRows: number;
+  ttlSeconds: number;
+}
+
+/** GetInfo: the model shape, limits and live counters (int64 map values as decimal strings). */
+export interface ServerInfo {
+  modelFamily: string;
+  hiddenSize: number;
+  vocabSize: number;
+  numAttentionHeads: number;
+  numKeyValueHeads: number;
+  headDim: number;
+  computeDtype: string;
+  hiddenDtypes: DType[];
+  device: string;
+  maxDrafts: number;
+  maxBatch: number;
+  maxStates: number;
+  liveStates: number;
+  kvBlockSize: number;
+  kvBlocksTotal: number;
+  kvBlocksFree: number;
+  kvHandles: number;
+  stateTtlSeconds: number;
+  maxMessageBytes: number;
+  bitmaskWords: number;
+  draining: boolean;
+  batchSizeCounts: Record<string, string>;
+  queuedCalls: number;
+}
+
+/** A verifier's step for B states, as columns: row i of every column is stateIds[i]'s. */
+export interface ColumnsStep {
+  stateIds: BigUint64Array | Iterable<bigint | number | string>;
+  tokens: Int32Array | Iterable<number>;
+  positions: BigInt64Array | Float64Array | Iterable<number | bigint>;
+  /** [B, hiddenSize]: the target hidden of each last token. */
+  hiddens: TensorMessage;
+  /** B values of K, or one for all. */
+  numDrafts: Int32Array | Iterable<number> | number;
+  /** B verdicts on the pending proposals, -1 where a state has none. */
+  numAccepted?: Int32Array | Iterable<number> | null;
+  refeedRows?: Int32Array | Iterable<number> | null;
+  refeedHiddens?: TensorMessage | null;
+  bitmaskRows?: Int32Array | Iterable<number> | null;
+  bitmasks?: TensorMessage | null;
+  minConfidence?: Float32Array | Iterable<number> | number | null;
+}
+
+/** A ProposeColumns answer as typed arrays: row i is stateIds[i]'s. */
+export interface ColumnsResult {
+  width: number;
+  /** [B * width] row-major: row i's counts[i] drafts, then -1. */
+  drafts: Int32Array;
+  probs: Float32Array;
+  counts: Int32Array;
+  confidences: Float32Array;
+  firstPositions: Float64Array;
+  /** The failed rows: row -> its error (that state is unchanged). */
+  errors: Map<number, DrafterError>;
+}
+
+/** A failed call, or a stream message the server refused. */
+export declare class DrafterError extends Error {
+  constructor(
+    err: { code: number; details?: string; message?: string; metadata?: Metadata },
+    detail?: { reason: string | null; field: string | null },
+  );
+  /** The gRPC status number. */
+  code: number;
+  /** Its name, e.g. "NOT_FOUND". */
+  codeName: string;
+  details: string | undefined;
+  /** google.rpc.ErrorInfo's reason, e.g. "STATE_NOT_FOUND" (null if none). */
+  reason: string | null;
+  /** google.rpc.BadRequest's field at fault (null if none). */
+  field: string | null;
+  /** A failed call's trailers (undefined for a stream message's error). */
+  metadata: Metadata | undefined;
+}
+
+export interface StreamOptions {
+  /** The whole stream's deadline in ms; 0 (the default): none. The client's timeoutMs is not applied. */
+  timeoutMs?: number;
+}
+
+/** One ProposeStream call: one message and one answer per verify step; many in flight. */
+export declare class ProposeStream {
+  private constructor();
+  propose(stateId: Id, args: ProposeArgs): Promise<Proposal>;
+  /** Ends the writing side; resolves once the answers in flight have arrived. Never rejects. */
+  close(): Promise<void>;
+}
+
+/** One ProposeColumnsStream call: one message per verifier step for many states. */
+export declare class ColumnsStream {
+  private constructor();
+  step(columns: ColumnsStep): Promise<ColumnsResult>;
+  close(): Promise<void>;
+}
+
+export interface DrafterClientOptions {
+  /** The deadline in ms of every unary call and prefill (default 30000; 0: none), never of a stream. */
+  timeoutMs?: number;
+  /** Default: insecure. */
+  credentials?: ChannelCredentials;
+  channelOptions?: ChannelOptions;
+  /** The folder holding mtpdraft/v1/drafter.proto (default: the package's own copy). */
+  protoRoot?: string;
+}
+
+export declare class DrafterClient {
+  /** @param address host:port of the server */
+  constructor(address: string, options?: DrafterClientOptions);
+  timeoutMs: number;
+  close(): void;
+  getInfo(): Promise<ServerInfo>;
+  /** A new, empty state; resolves to its id (a decimal string). */
+  allocState(): Promise<string>;
+  /** Appends committed rows (tokens[i], hiddens[i]) at startPosition + i. All or nothing. */
+  prefill(
+    stateId: Id,
+    startPosition: number | bigint,
+    tokens: ArrayLike<number>,
+    hiddens: TensorMessage,
+    options?: { chunkRows?: number },
+  ): Promise<PrefillResult>;
+  propose(stateId: Id, args: ProposeArgs): Promise<Proposal>;
+  /** The hot path: a ProposeStream, with no deadline unless options.timeoutMs asks. */
+  stream(options?: StreamOptions): ProposeStream;
+  proposeBatch(requests: BatchRequest[]): Promise<Proposal[]>;
+  proposeColumns(columns: ColumnsStep): Promise<ColumnsResult>;
+  /** ProposeColumns on a stream, with no deadline unless options.timeoutMs asks. */
+  columnsStream(options?: StreamOptions): ColumnsStream;
+  afterVerify(stateId: Id, numAccepted: number, refeedHiddens?: TensorMessage | null): Promise<Rows>;
+  takeKV(stateId: Id): Promise<KVHandle>;
+  installKV(stateId: Id, handleId: Id): Promise<Rows>;
+  /** Releases the state; resolves to whether it existed. Idempotent. */
+  freeState(stateId: Id): Promise<boolean>;
+}
+
+/** The generated service client class of mtpdraft.v1.Drafter (the proto loaded at run time). */
+export declare function loadService(protoRoot?: string): ServiceClientConstructor;
