@@ -2,18 +2,19 @@
 # Polyglot conformance: the Python, Node.js, Go and C++ clients replay one vector
 # (tests/conformance/vector.json) against ONE live server of the embedded default model.
 # For a fresh Debian machine, as root, after `pip install -e '.[dev]'`: installs the
-# Debian packages it needs, builds client/{node,go,cpp} (make -f client/polyglot.mk),
-# starts `python3 -m mtpdraft serve --port 0 --device cpu`, runs the four runners, stops
-# the server. Exits non-zero if any runner failed. The Python run (tests/conformance) also
-# replays the vector on servers of its own (float32; other CPUs' kernels), checks its drafts
-# against the float64 oracle, and checks that all four built runners refuse malformed vectors.
+# Debian packages it needs, builds client/{node,go,cpp} and their examples (make -f
+# client/polyglot.mk), starts `python3 -m mtpdraft serve --port 0 --device cpu`, runs the four
+# runners, the Node and Go unit tests and each client's example program, stops the server.
+# Exits non-zero if any of them failed. The Python run (tests/conformance) also replays the
+# vector on servers of its own (float32; other CPUs' kernels), checks its drafts against the
+# float64 oracle, and checks that all four built runners refuse malformed vectors.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 start=$SECONDS
 
 packages=(
-    g++ make pkg-config protobuf-compiler
+    g++ make cmake pkg-config protobuf-compiler
     golang-go golang-google-grpc-dev golang-google-protobuf-dev
     golang-github-golang-protobuf-1-5-dev protoc-gen-go protoc-gen-go-grpc
     libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc nlohmann-json3-dev
@@ -79,6 +80,8 @@ run go-unit 300 make -s -f client/polyglot.mk polyglot-go-test
 # Each client used from a program of its own (examples/clients, client/cpp/examples).
 run node-example 60 node examples/clients/node/main.js --address "$MTPDRAFT_CONFORMANCE_ADDRESS"
 run go-example 60 client/go/build/bin/drafter-example -address "$MTPDRAFT_CONFORMANCE_ADDRESS"
+run cpp-example 60 client/cpp/build/example/drafter-example "$MTPDRAFT_CONFORMANCE_ADDRESS"
+run cpp-example-subdir 60 client/cpp/build/example-subdir/drafter-example "$MTPDRAFT_CONFORMANCE_ADDRESS"
 
 stop_server
 trap - EXIT

@@ -1,9 +1,10 @@
 # The Node.js, Go and C++ clients and their conformance runners (client/node, client/go,
 # client/cpp). Included by the Makefile; also works alone: `make -f client/polyglot.mk`.
-# Run from the repository root. Needs Debian's Go and gRPC packages (.ci/polyglot.sh
-# installs them) and Node.js 20. Generated code goes to client/{go,cpp}/build (ignored).
+# Run from the repository root. Needs Debian's Go, gRPC and cmake packages (.ci/polyglot.sh
+# installs them) and Node.js 20. Builds go to client/{go,cpp}/build (ignored). Each client is
+# also used from a program of its own: examples/clients/{go,node}, client/cpp/examples.
 #
-#   make polyglot                          build all three clients and runners
+#   make polyglot                          build all three clients, runners and examples
 #   make polyglot-conformance ADDRESS=h:p  replay tests/conformance/vector.json with each
 #   make polyglot-clean
 
@@ -38,26 +39,27 @@ PG_GO_MOD_ENV = GO111MODULE=on GOFLAGS=-mod=readonly GOPROXY=off GOSUMDB=off \
 	GOCACHE=$(abspath $(PG_GO_BUILD)/cache) GOPATH=$(abspath $(PG_GO_BUILD)/modpath)
 PG_GO_PROTOC = protoc -I$(PG_PROTO_DIR) --go_out=$(1) --go-grpc_out=$(1) $(PG_PROTO)
 
-# C++: Debian's libgrpc++ and protobuf through pkg-config.
+# C++: client/cpp/CMakeLists.txt, the CMake package mtpdraft_client (the library
+# mtpdraft::client), built with the conformance runner and installed into
+# client/cpp/build/install; the example (client/cpp/examples, a project of its own) built twice:
+# finding the installed package, and with the client's source folder (add_subdirectory).
+# Debian's cmake, libgrpc++-dev (gRPC's CMake package) and protobuf.
 PG_CPP_DIR := client/cpp
 PG_CPP_BUILD := $(PG_CPP_DIR)/build
-PG_CPP_GEN := $(PG_CPP_BUILD)/gen
 PG_CPP_BIN := $(PG_CPP_BUILD)/mtpdraft-conformance
-PG_CPP_GEN_SRCS := $(PG_CPP_GEN)/mtpdraft/v1/drafter.pb.cc $(PG_CPP_GEN)/mtpdraft/v1/drafter.grpc.pb.cc \
-	$(PG_CPP_GEN)/google/rpc/status.pb.cc $(PG_CPP_GEN)/google/rpc/error_details.pb.cc
-PG_CPP_OBJS := $(PG_CPP_BUILD)/obj/drafter.pb.o $(PG_CPP_BUILD)/obj/drafter.grpc.pb.o \
-	$(PG_CPP_BUILD)/obj/status.pb.o $(PG_CPP_BUILD)/obj/error_details.pb.o \
-	$(PG_CPP_BUILD)/obj/drafter_client.o $(PG_CPP_BUILD)/obj/conformance_main.o
+PG_CPP_PREFIX := $(abspath $(PG_CPP_BUILD)/install)
+PG_CPP_EXAMPLES := $(PG_CPP_BUILD)/example/drafter-example $(PG_CPP_BUILD)/example-subdir/drafter-example
+PG_CPP_SRCS := $(PG_PROTO) $(wildcard $(PG_CPP_DIR)/CMakeLists.txt $(PG_CPP_DIR)/cmake/* \
+	$(PG_CPP_DIR)/include/mtpdraft/*.h $(PG_CPP_DIR)/src/*.cc $(PG_CPP_DIR)/conformance/*.cc)
+PG_CPP_EXAMPLE_SRCS := $(wildcard $(PG_CPP_DIR)/examples/CMakeLists.txt $(PG_CPP_DIR)/examples/*.cc)
 # google/rpc/{status,error_details}.proto (an error's reason and field), as the Python
 # package googleapis-common-protos ships them (a dependency of the service's own).
 PYTHON ?= python3
 PG_RPC_PROTO_DIR = $(shell $(PYTHON) -c 'import pathlib, google.rpc.status_pb2 as m; \
 	print(pathlib.Path(m.__file__).parents[2])')
-PG_CXX ?= g++
-PG_CXXFLAGS ?= -std=c++17 -O1 -g0 -Wall
-# Recursive (=): pkg-config runs only when a C++ recipe does.
-PG_CPP_CFLAGS = $(shell pkg-config --cflags grpc++ protobuf) -I$(PG_CPP_GEN) -I$(PG_CPP_DIR)/include
-PG_CPP_LIBS = $(shell pkg-config --libs grpc++ protobuf)
+PG_CXXFLAGS ?= -O1 -g0 -Wall
+PG_CMAKE = cmake --log-level=WARNING -DCMAKE_BUILD_TYPE= "-DCMAKE_CXX_FLAGS=$(PG_CXXFLAGS)"
+PG_CMAKE_CLIENT = $(PG_CMAKE) -DMTPDRAFT_GOOGLEAPIS_PROTO_DIR=$(PG_RPC_PROTO_DIR)
 
 .PHONY: polyglot polyglot-node polyglot-go polyglot-go-test polyglot-go-gen polyglot-cpp polyglot-conformance polyglot-clean
 
@@ -113,38 +115,25 @@ $(PG_GO_HOTPATH): $(PG_GO_BUILD)/gen.stamp $(PG_GO_SRCS)
 	$(PG_GO_ENV) go vet mtpdraft/cmd/mtpdraft-hotpath
 	$(PG_GO_ENV) CGO_ENABLED=0 go build -o $@ mtpdraft/cmd/mtpdraft-hotpath
 
-polyglot-cpp: $(PG_CPP_BIN)
+polyglot-cpp: $(PG_CPP_BIN) $(PG_CPP_EXAMPLES)
 
-$(PG_CPP_BUILD)/gen.stamp: $(PG_PROTO)
-	mkdir -p $(PG_CPP_GEN)
-	protoc -I$(PG_PROTO_DIR) --cpp_out=$(PG_CPP_GEN) --grpc_out=$(PG_CPP_GEN) \
-		--plugin=protoc-gen-grpc=$$(command -v grpc_cpp_plugin) $(PG_PROTO)
-	protoc -I$(PG_RPC_PROTO_DIR) --cpp_out=$(PG_CPP_GEN) \
-		$(PG_RPC_PROTO_DIR)/google/rpc/status.proto $(PG_RPC_PROTO_DIR)/google/rpc/error_details.proto
+# (A recipe line starting with + shares make's job slots with the build that cmake runs.)
+$(PG_CPP_BIN): $(PG_CPP_SRCS)
+	$(PG_CMAKE_CLIENT) -S $(PG_CPP_DIR) -B $(PG_CPP_BUILD)/cmake -DMTPDRAFT_CLIENT_CONFORMANCE=ON
+	+cmake --build $(PG_CPP_BUILD)/cmake
+	cmake --install $(PG_CPP_BUILD)/cmake --prefix $(PG_CPP_PREFIX) >/dev/null
+	cp $(PG_CPP_BUILD)/cmake/mtpdraft-conformance $@
+
+$(PG_CPP_BUILD)/example/drafter-example: $(PG_CPP_BIN) $(PG_CPP_EXAMPLE_SRCS)
+	$(PG_CMAKE) -S $(PG_CPP_DIR)/examples -B $(PG_CPP_BUILD)/example -DCMAKE_PREFIX_PATH=$(PG_CPP_PREFIX)
+	+cmake --build $(PG_CPP_BUILD)/example
 	touch $@
 
-$(PG_CPP_GEN_SRCS): $(PG_CPP_BUILD)/gen.stamp
-
-$(PG_CPP_BUILD)/obj/%.o: $(PG_CPP_GEN)/mtpdraft/v1/%.cc $(PG_CPP_BUILD)/gen.stamp
-	@mkdir -p $(dir $@)
-	$(PG_CXX) $(PG_CXXFLAGS) $(PG_CPP_CFLAGS) -c $< -o $@
-
-$(PG_CPP_BUILD)/obj/%.o: $(PG_CPP_GEN)/google/rpc/%.cc $(PG_CPP_BUILD)/gen.stamp
-	@mkdir -p $(dir $@)
-	$(PG_CXX) $(PG_CXXFLAGS) $(PG_CPP_CFLAGS) -c $< -o $@
-
-$(PG_CPP_BUILD)/obj/drafter_client.o: $(PG_CPP_DIR)/src/drafter_client.cc \
-		$(PG_CPP_DIR)/include/mtpdraft/drafter_client.h $(PG_CPP_BUILD)/gen.stamp
-	@mkdir -p $(dir $@)
-	$(PG_CXX) $(PG_CXXFLAGS) $(PG_CPP_CFLAGS) -c $< -o $@
-
-$(PG_CPP_BUILD)/obj/conformance_main.o: $(PG_CPP_DIR)/conformance/conformance_main.cc \
-		$(PG_CPP_DIR)/include/mtpdraft/drafter_client.h $(PG_CPP_BUILD)/gen.stamp
-	@mkdir -p $(dir $@)
-	$(PG_CXX) $(PG_CXXFLAGS) $(PG_CPP_CFLAGS) -c $< -o $@
-
-$(PG_CPP_BIN): $(PG_CPP_OBJS)
-	$(PG_CXX) -o $@ $^ $(PG_CPP_LIBS)
+$(PG_CPP_BUILD)/example-subdir/drafter-example: $(PG_CPP_SRCS) $(PG_CPP_EXAMPLE_SRCS)
+	$(PG_CMAKE_CLIENT) -S $(PG_CPP_DIR)/examples -B $(PG_CPP_BUILD)/example-subdir \
+		-DMTPDRAFT_CLIENT_SOURCE_DIR=$(abspath $(PG_CPP_DIR))
+	+cmake --build $(PG_CPP_BUILD)/example-subdir
+	touch $@
 
 # Replays the vector with the three runners against a live server (ADDRESS=host:port).
 polyglot-conformance: polyglot
