@@ -12,24 +12,49 @@ import sys
 import typing
 from collections.abc import Sequence
 
-import torch
-
-from mtpdraft.client.loadtest import add_loadtest_parser, run_loadtest
-
 from .config import ServeConfig
-from .engine.engine import DraftEngine
-from .engine.runner import GIL_SWITCH_INTERVAL_S
-from .model.checkpoint import load_mtp_weights
-from .model.errors import CheckpointError
-from .model.kv_cache import KVCache
-from .model.mtp_head import MTPHead
-from .security import TokenSource, server_credentials
-from .server import DrafterServer, create_server
-from .telemetry import Telemetry, providers_from_env
 
 # Without --kv-blocks: a quarter of free GPU memory, or 1 GiB of host memory.
 _GPU_KV_FRACTION = 0.25
 _CPU_KV_BYTES = 1 << 30
+
+_LOADTEST_HELP = "load a drafter on this host with simulated verifiers"
+
+
+def _load_serving() -> None:
+    """Imports the serving stack (torch, grpc, the engine) into this module, once: the
+    parser needs none of it, so `--help` and `--version` answer without a second of imports."""
+    global torch, DraftEngine, GIL_SWITCH_INTERVAL_S, load_mtp_weights, CheckpointError
+    global KVCache, MTPHead, TokenSource, server_credentials, DrafterServer, create_server
+    global Telemetry, providers_from_env
+    if "torch" in globals():
+        return
+    import torch
+
+    from .engine.engine import DraftEngine
+    from .engine.runner import GIL_SWITCH_INTERVAL_S
+    from .model.checkpoint import load_mtp_weights
+    from .model.errors import CheckpointError
+    from .model.kv_cache import KVCache
+    from .model.mtp_head import MTPHead
+    from .security import TokenSource, server_credentials
+    from .server import DrafterServer, create_server
+    from .telemetry import Telemetry, providers_from_env
+
+
+def __getattr__(name: str) -> typing.Any:
+    """The serving stack's names (`cli.DraftEngine`, ...) reached from outside, loaded."""
+    if not name.startswith("__"):
+        _load_serving()
+        if name in globals():
+            return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return f"mtpdraft {version('mtpdraft')}"
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -39,12 +64,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="serve drafts from an MTP checkpoint over gRPC",
         description="Serve drafts from an MTP checkpoint over gRPC. SIGTERM or Ctrl-C drains.",
     )
+    p.add_argument("--version", action="version", version=_version())
     groups = {"security": p.add_argument_group("security")}
     hints = typing.get_type_hints(ServeConfig)
     for f in dataclasses.fields(ServeConfig):
         options = dict(f.metadata)
         group = groups.get(options.pop("group", None), p)
         flag = f.name.replace("_", "-")
+        options["help"] += f" (default: {options.pop('shown_default', f.default)})"
         if hints[f.name] is bool:  # a flag that turns the default over
             action = "store_false" if f.default else "store_true"
             flag = f"no-{flag}" if f.default else flag
@@ -54,9 +81,6 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         kind = next(t for t in typing.get_args(kind) or [kind] if t is not type(None))
         if kind is int:
             options.setdefault("metavar", "N")
-        shown = options.pop("shown_default", f.default)
-        if shown is not None:
-            options["help"] += f" (default: {shown})"
         group.add_argument(f"--{flag}", type=kind, default=f.default, **options)
     return p
 
@@ -68,9 +92,23 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 def parse_serve(argv: Sequence[str]) -> ServeConfig:
     """`mtpdraft serve ARGV`'s ServeConfig, parsed by the command's own parser."""
-    parser = argparse.ArgumentParser(prog="mtpdraft")
-    _serve_parser(parser.add_subparsers(dest="command"))
+    parser, _ = _parser(["serve"])
     return serve_config(parser.parse_args(["serve", *argv]))
+
+
+def _parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The command's parser and its `serve` parser, for ARGV."""
+    parser = argparse.ArgumentParser(prog="mtpdraft", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser = _serve_parser(sub)
+    if "loadtest" in argv:  # its parser's module imports grpc: only when it may run
+        from mtpdraft.client.loadtest import add_loadtest_parser
+
+        add_loadtest_parser(sub)
+    else:
+        sub.add_parser("loadtest", help=_LOADTEST_HELP, add_help=False)
+    return parser, serve_parser
 
 
 def _security(parser: argparse.ArgumentParser, config: ServeConfig) -> dict:
@@ -123,6 +161,7 @@ def _kv_blocks(config: ServeConfig, head: MTPHead) -> int:
 
 def build_engine(config: ServeConfig) -> DraftEngine:
     """The engine `mtpdraft serve` runs, every limit from `config`."""
+    _load_serving()
     weights = load_mtp_weights(config.model)
     dtype = None if config.dtype is None else getattr(torch, config.dtype)
     head = MTPHead(weights, _device(config.device), dtype, ops=config.ops)
@@ -149,6 +188,7 @@ def build_server(
     """The server `mtpdraft serve` runs on `engine`, not yet started; `security`:
     create_server's credentials / tokens (`_security`). Sets the process's GIL switch
     interval (see GIL_SWITCH_INTERVAL_S): the event loop and the engine thread share it."""
+    _load_serving()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     server, _ = create_server(
         engine,
@@ -189,18 +229,28 @@ async def _serve(config: ServeConfig, security: dict) -> int:
     return 0
 
 
+def _configure_logging(level: str) -> None:
+    """`level` for the service's loggers (`mtpdraft.*`); others at info or above."""
+    number = getattr(logging, level.upper())
+    logging.basicConfig(
+        level=max(number, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("mtpdraft").setLevel(number)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mtpdraft", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve_parser = _serve_parser(sub)
-    add_loadtest_parser(sub)
+    argv = sys.argv[1:] if argv is None else argv
+    parser, serve_parser = _parser(argv)
     args = parser.parse_args(argv)
     if args.command == "loadtest":
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        from mtpdraft.client.loadtest import run_loadtest
+
+        _configure_logging("info")
         return run_loadtest(args)
     config = serve_config(args)
+    _load_serving()
     security = _security(serve_parser, config)  # bad flags or files end here, before loading
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _configure_logging(config.log_level)
     try:
         return asyncio.run(_serve(config, security))
     except CheckpointError as exc:

@@ -33,24 +33,31 @@ class ServeConfig:
     device: str = _option("auto", "auto: cuda where there is one", choices=("auto", "cpu", "cuda"))
     dtype: str | None = _option(
         None,
-        "compute dtype (default: the checkpoint's)",
+        "compute dtype",
         choices=("bfloat16", "float16", "float32"),
+        shown_default="the checkpoint's",
     )
     ops: str = _option(
         "auto",
         "forward ops (auto: Triton kernels on CUDA, torch elsewhere)",
         choices=("auto", "torch", "triton"),
     )
-    cuda_graphs: bool = _option(True, "run the draft step eagerly, without CUDA graphs")
+    cuda_graphs: bool = _option(
+        True, "run the draft step eagerly, without CUDA graphs", shown_default="graphs on CUDA"
+    )
 
     # --- the engine's limits
     max_states: int = _option(1024, "live states, at most")
-    max_states_per_client: int | None = _option(None, "live states one client host may hold")
-    max_rows_per_state: int | None = _option(None, "rows (prompt + drafts) one state may hold")
+    max_states_per_client: int | None = _option(
+        None, "live states one client host may hold", shown_default="no limit"
+    )
+    max_rows_per_state: int | None = _option(
+        None, "rows (prompt + drafts) one state may hold", shown_default="no limit"
+    )
     kv_blocks: int | None = _option(
         None,
-        "KV pool size in blocks (default: a quarter of the free GPU memory, or 1 GiB of "
-        "host memory)",
+        "KV pool size in blocks",
+        shown_default="a quarter of the free GPU memory, or 1 GiB of host memory",
     )
     block_size: int = _option(16, "rows per KV block")
     state_ttl: float = _option(
@@ -75,29 +82,44 @@ class ServeConfig:
         "also serve on this Unix domain socket (verifiers on the same host: a shorter round "
         "trip than TCP loopback)",
         metavar="PATH",
+        shown_default="none",
     )
     # 16 MiB: room for a ProposeBatch of 64 states with bf16 hiddens of 4096 and a bitmask
     # row each (64 x (8 KB + 19 KB) = 1.7 MB) and for Prefill chunks of a few MB, while
     # one message can never take a large share of memory.
     max_message_bytes: int = _option(16 << 20, "largest message, either way", metavar="B")
-    max_inflight: int | None = _option(None, "concurrent RPCs; streams count as one")
-    reflection: bool = _option(True, "turn server reflection off")
+    max_inflight: int | None = _option(
+        None, "concurrent RPCs; streams count as one", shown_default="no limit"
+    )
+    reflection: bool = _option(True, "turn server reflection off", shown_default="served")
     grace_period: float = _option(
         10.0, "seconds live states may go on after SIGTERM", metavar="SECONDS"
+    )
+    log_level: str = _option(
+        "info", "the service's log level", choices=("debug", "info", "warning", "error")
     )
 
     # --- security
     tls_cert: str | None = _option(
-        None, "serve TLS: the server's PEM certificate", metavar="FILE", group="security"
+        None,
+        "serve TLS: the server's PEM certificate",
+        metavar="FILE",
+        group="security",
+        shown_default="plaintext",
     )
     tls_key: str | None = _option(
-        None, "the PEM private key of --tls-cert", metavar="FILE", group="security"
+        None,
+        "the PEM private key of --tls-cert",
+        metavar="FILE",
+        group="security",
+        shown_default="none",
     )
     tls_client_ca: str | None = _option(
         None,
         "mutual TLS: require client certificates signed by this PEM CA",
         metavar="FILE",
         group="security",
+        shown_default="no client certificates",
     )
     auth_token_file: str | None = _option(
         None,
@@ -106,6 +128,7 @@ class ServeConfig:
         "accepts no token",
         metavar="FILE",
         group="security",
+        shown_default="no authentication",
     )
 
     @property

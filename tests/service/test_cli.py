@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import inspect
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from servers import PATIENCE, SERVER_ARGS, start_server
 
 from mtpdraft.client import DrafterClient
 from mtpdraft.service import cli
@@ -72,6 +75,65 @@ def test_help_shows_the_defaults() -> None:
     ]:
         assert flag in shown
         assert default in shown.split(flag, 1)[1].split(" --", 1)[0], flag
+
+
+def test_every_serve_option_shows_its_default() -> None:
+    _, serve_parser = cli._parser(["serve"])
+    for action in serve_parser._actions:
+        if action.dest not in ("help", "version"):
+            assert "(default: " in action.help, action.option_strings
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["serve", "--version"]])
+def test_version_prints_the_packages(argv: list[str]) -> None:
+    cmd = [sys.executable, "-m", "mtpdraft", *argv]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=PATIENCE)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"mtpdraft {importlib.metadata.version('mtpdraft')}\n"
+
+
+def test_help_and_version_import_no_torch_grpc_or_triton() -> None:
+    """The parser runs before the serving stack is imported (a second and more)."""
+    script = (
+        "import sys\n"
+        "from mtpdraft.service.cli import main\n"
+        "for argv in (['--help'], ['serve', '--help'], ['--version'], ['serve', '--version']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as exit_:\n"
+        "        assert exit_.code == 0, argv\n"
+        "heavy = {'torch', 'triton', 'grpc', 'numpy'}\n"
+        "print('imported:', sorted(heavy & {name.split('.')[0] for name in sys.modules}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=PATIENCE
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "imported: []"
+
+
+def test_loadtest_is_still_a_subcommand() -> None:
+    cmd = [sys.executable, "-m", "mtpdraft", "loadtest", "--help"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=PATIENCE)
+    assert done.returncode == 0, done.stderr
+    assert "--verifiers" in done.stdout
+
+
+@pytest.mark.parametrize(("level", "shown"), [("info", True), ("warning", False)])
+def test_log_level_applies_to_the_services_loggers(mimo_checkpoint, level, shown) -> None:
+    """The lease reaper logs its frees at info: shown at info, not at warning."""
+    server = start_server(mimo_checkpoint, *SERVER_ARGS, "--state-ttl", "1", "--log-level", level)
+    try:
+        with DrafterClient(server.address, timeout=PATIENCE) as c:
+            c.alloc_state()
+            deadline = time.monotonic() + PATIENCE
+            while c.info().live_states:
+                assert time.monotonic() < deadline, "the state was not reaped"
+                time.sleep(0.1)
+    finally:
+        assert server.stop() == 0
+    output = "".join(server.lines) + server.process.stdout.read()
+    assert ("lease expired: freed 1 states" in output) == shown, output
 
 
 def test_the_servers_keyword_defaults_are_the_commands() -> None:
