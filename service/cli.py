@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import typing
@@ -223,10 +224,17 @@ async def _serve(config: ServeConfig, security: dict) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    loop.add_signal_handler(signal.SIGINT, _exit_now)
     print(f"mtpdraft: draining (grace period {config.grace_period:g} s)", flush=True)
     freed = await server.drain(config.grace_period)
     print(f"mtpdraft: stopped; freed {freed} live states", flush=True)
     return 0
+
+
+def _exit_now() -> None:
+    """A second Ctrl-C while draining: exit at once, as vLLM and SGLang do (130: by SIGINT)."""
+    print("mtpdraft: interrupted again while draining; exiting now", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def _configure_logging(level: str) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import importlib.metadata
 import inspect
+import signal
 import subprocess
 import sys
 import time
@@ -134,6 +135,27 @@ def test_log_level_applies_to_the_services_loggers(mimo_checkpoint, level, shown
         assert server.stop() == 0
     output = "".join(server.lines) + server.process.stdout.read()
     assert ("lease expired: freed 1 states" in output) == shown, output
+
+
+def test_a_second_ctrl_c_while_draining_exits_at_once(mimo_checkpoint) -> None:
+    """A live state holds the drain for its 600 s grace; a second SIGINT ends it."""
+    server = start_server(mimo_checkpoint, *SERVER_ARGS, "--grace-period", "600")
+    try:
+        with DrafterClient(server.address, timeout=PATIENCE) as c:
+            c.alloc_state()
+            server.process.send_signal(signal.SIGINT)
+            for line in server.process.stdout:  # blocks until the drain has begun
+                if "draining" in line:
+                    break
+            started = time.monotonic()
+            server.process.send_signal(signal.SIGINT)
+            assert server.process.wait(PATIENCE) == 130
+            assert time.monotonic() - started < PATIENCE / 2
+    finally:
+        server.stop()
+    rest = server.process.stdout.read()
+    assert rest.count("interrupted again while draining; exiting now") == 1, rest
+    assert "stopped" not in rest and "Traceback" not in rest
 
 
 def test_the_servers_keyword_defaults_are_the_commands() -> None:
