@@ -261,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(config.log_level)
     try:
         return asyncio.run(_serve(config, security))
-    except CheckpointError as exc:
-        print(f"mtpdraft: cannot load the model: {exc}", file=sys.stderr)
+    except CheckpointError as exc:  # its message begins with the file at fault
+        print(f"mtpdraft: cannot load {exc}", file=sys.stderr)
         return 2
 
 

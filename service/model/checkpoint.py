@@ -12,17 +12,20 @@ full target checkpoint can be pointed at directly. Two namings are understood:
   applied for the logits only; head ``shared_head.head`` or ``lm_head``.
 
 With several MTP layers the first is used and chained K times, as vLLM's MTP
-proposer does.
+proposer does. Every CheckpointError raised here begins with the path of the file
+(or folder) at fault: `mtpdraft serve` prints it as one line.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .config import MTPConfig, read_config_json
 from .errors import CheckpointError
@@ -99,6 +102,16 @@ def _expected_shapes(c: MTPConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+@contextmanager
+def _open(file: Path) -> Iterator:
+    """safe_open, its errors (a truncated or corrupt file, an unreadable one) named by file."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{file}: {exc}") from exc
+
+
 class _TensorIndex:
     """Maps tensor names to the safetensors file that holds them."""
 
@@ -106,15 +119,18 @@ class _TensorIndex:
         self.folder = folder
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
-            self.where = {name: folder / file for name, file in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self.where = {name: folder / file for name, file in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointError(f"{index}: not a weight map ({exc!r})") from exc
         else:
             files = sorted(folder.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{folder}: no *.safetensors files")
             self.where = {}
             for file in files:
-                with safe_open(file, framework="pt") as f:
+                with _open(file) as f:
                     self.where.update(dict.fromkeys(f.keys(), file))
 
     def __contains__(self, name: str) -> bool:
@@ -129,10 +145,10 @@ class _TensorIndex:
     def read(self, name: str) -> torch.Tensor:
         file = self.where[name]
         if not file.is_file():
-            raise CheckpointError(f"{name}: its shard {file.name} is missing")
-        with safe_open(file, framework="pt") as f:
+            raise CheckpointError(f"{file}: missing (the index puts {name} in this shard)")
+        with _open(file) as f:
             if name not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                raise CheckpointError(f"{name}: not in {file.name} as the index says")
+                raise CheckpointError(f"{file}: no {name}, which the index puts there")
             return f.get_tensor(name)
 
 
@@ -144,7 +160,9 @@ def _detect_family(raw: dict, index: _TensorIndex) -> tuple[str, str]:
     if layers is not None and f"model.layers.{layers}.eh_proj.weight" in index:
         return "deepseek", f"model.layers.{layers}."
     if "mtp.fc.weight" in index:
-        raise CheckpointError("Qwen3-Next MTP checkpoints (mtp.*) are not supported yet")
+        raise CheckpointError(
+            f"{index.folder}: Qwen3-Next MTP checkpoints (mtp.*) are not supported yet"
+        )
     raise CheckpointError(
         f"{index.folder}: no MTP layer found (looked for model.mtp_layers.0.* and "
         f"model.layers.{layers}.eh_proj.weight)"
@@ -153,12 +171,35 @@ def _detect_family(raw: dict, index: _TensorIndex) -> tuple[str, str]:
 
 def _refuse_unsupported(prefix: str, raw: dict, index: _TensorIndex) -> None:
     mla = (f"{prefix}self_attn.q_a_proj.weight", f"{prefix}self_attn.kv_a_proj_with_mqa.weight")
-    if index.first_present(*mla):
-        raise CheckpointError(f"{prefix}self_attn: MLA attention is not supported (GQA only)")
+    if name := index.first_present(*mla):
+        raise CheckpointError(
+            f"{index.where[name]}: {prefix}self_attn: MLA attention is not supported (GQA only)"
+        )
     if index.has_prefix(f"{prefix}mlp.experts.") or f"{prefix}mlp.gate.weight" in index:
-        raise CheckpointError(f"{prefix}mlp: MoE MLPs are not supported (dense MLP only)")
+        raise CheckpointError(
+            f"{index.folder}: {prefix}mlp: MoE MLPs are not supported (dense MLP only)"
+        )
     if raw.get("use_qk_norm"):
-        raise CheckpointError("config.json: use_qk_norm is not supported")
+        raise CheckpointError(f"{index.folder / 'config.json'}: use_qk_norm is not supported")
+
+
+def _read_config(folder: Path) -> dict:
+    """config.json as a dict, every error naming the file."""
+    raw = read_config_json(folder)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{folder / 'config.json'}: not a JSON object")
+    return raw
+
+
+def _config(folder: Path, raw: dict, family: str) -> MTPConfig:
+    """The MTP shape of config.json; a missing key or a value of the wrong type names it."""
+    path = folder / "config.json"
+    try:
+        return MTPConfig.from_dict(raw, family=family)
+    except CheckpointError as exc:  # its messages begin "config.json: "
+        raise CheckpointError(f"{path}: {str(exc).removeprefix('config.json: ')}") from exc
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: a value of the wrong type ({exc})") from exc
 
 
 def load_mtp_weights(folder: str | Path) -> MTPWeights:
@@ -166,10 +207,10 @@ def load_mtp_weights(folder: str | Path) -> MTPWeights:
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a directory")
-    raw = read_config_json(folder)
+    raw = _read_config(folder)
     index = _TensorIndex(folder)
     family, prefix = _detect_family(raw, index)
-    config = MTPConfig.from_dict(raw, family=family)
+    config = _config(folder, raw, family)
     _refuse_unsupported(prefix, raw, index)
 
     names = _mimo_names(prefix) if family == "mimo" else _deepseek_names(prefix)
@@ -186,14 +227,16 @@ def load_mtp_weights(folder: str | Path) -> MTPWeights:
     for key, name in names.items():
         if name not in index:
             raise CheckpointError(f"{folder}: missing tensor {name}")
-        tensor = index.read(name)
+        tensor, file = index.read(name), index.where[name]
         if tuple(tensor.shape) != shapes[key]:
             raise CheckpointError(
-                f"{name}: expected shape {shapes[key]} from config.json, "
+                f"{file}: {name}: expected shape {shapes[key]} from config.json, "
                 f"found {tuple(tensor.shape)}"
             )
         if not tensor.is_floating_point():
-            raise CheckpointError(f"{name}: expected a floating-point tensor, found {tensor.dtype}")
+            raise CheckpointError(
+                f"{file}: {name}: expected a floating-point tensor, found {tensor.dtype}"
+            )
         tensors[key] = tensor
     return MTPWeights(
         family=family,

@@ -67,7 +67,7 @@ def test_misshapen_tensor_is_named_with_both_shapes(tmp_path) -> None:
 def test_shard_named_by_the_index_must_exist(tmp_path) -> None:
     write_random_checkpoint(tmp_path, "mimo", shards=2)
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"its shard model-00002-of-00002\.safetensors"):
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors: missing"):
         load_mtp_weights(tmp_path)
 
 
