@@ -1,9 +1,10 @@
-"""README.md's Python examples, run as written against a server on loopback.
+"""README.md's Python examples, run as written against servers on loopback.
 
-Each example is read from README.md itself (the first Python block under its
-heading), so an edit that breaks one fails here. The names an example leaves to
-the reader (the prompt, the verifier's `verify`) are given by the test, which
-checks the drafts it gets against the float64 oracle.
+Each example is read from README.md itself, so an edit that breaks one fails here.
+The first-drafts example is checked against the float64 oracle: its random stand-ins
+for the target's tokens and hiddens are recorded as it draws them and replayed to the
+oracle. The TLS example runs against a server with mutual TLS and tokens whose files
+are made here; the tracing example in a process of its own.
 """
 
 from __future__ import annotations
@@ -14,26 +15,67 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
-from drafting import Expected, hiddens, tokens
+import torch
+from certificates import cert, new_key, pem
+from drafting import Expected
 from mtp_reference import Reference
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from servers import InProcessServer, small_engine
+from servers import InProcessServer, small_engine, start_server
 
 from mtpdraft.client import DrafterClient
 from mtpdraft.service.telemetry import Telemetry
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+TOKEN = "readme-token-0123456789"
 
 
-def example(heading: str) -> str:
-    """The first ```python block of README.md's section `heading`."""
+def example(heading: str, index: int = 0) -> str:
+    """The `index`th ```python block of README.md's section `heading`."""
     text = README.read_text()
-    section = text[text.index(f"\n## {heading}\n") :]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    section = text[text.index(f"\n## {heading}\n") + 1 :]
+    section = section[: section.find("\n## ")]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[index]
+
+
+def test_every_python_block_is_one_run_here() -> None:
+    blocks = re.findall(r"```python\n", README.read_text())
+    run = [("First drafts", 0), ("Many sequences per step", 0), ("Operations", 0)]
+    run += [("Operations", 1)]
+    assert len(blocks) == len(run)
+    assert {example(h, i) for h, i in run} == set(
+        re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    )
+
+
+class RecordingRng:
+    """A numpy Generator that keeps what it drew, in order."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng, self.drawn = np.random.default_rng(seed), []
+
+    def integers(self, *args, **kwargs):
+        self.drawn.append(self.rng.integers(*args, **kwargs))
+        return self.drawn[-1]
+
+    def standard_normal(self, *args, **kwargs):
+        self.drawn.append(self.rng.standard_normal(*args, **kwargs))
+        return self.drawn[-1]
+
+
+def _exec(code: str, where: str, **names) -> dict:
+    namespace: dict = {"__name__": "readme", **names}
+    exec(compile(code, f"README.md: {where}", "exec"), namespace)
+    return namespace
+
+
+def _live_states(address: str) -> int:
+    with DrafterClient(address, timeout=30) as c:
+        return c.info().live_states
 
 
 @pytest.fixture(scope="module")
@@ -46,32 +88,79 @@ def served(mimo_checkpoint):
     server.stop()
 
 
-def test_the_client_example_drafts_what_the_oracle_does(served, mimo_checkpoint) -> None:
+def test_the_first_drafts_example_drafts_what_the_oracle_does(
+    served, mimo_checkpoint, capsys
+) -> None:
     server, _ = served
-    code = example("Client example").replace("localhost:50051", server.address)
-    prompt, prompt_hiddens, sampled = tokens(9, 1), hiddens(9, 1), 17
+    code = example("First drafts").replace("localhost:50051", server.address)
+    assert "rng = np.random.default_rng(0)" in code
+    rng = RecordingRng(0)
+    namespace = _exec(
+        code.replace("np.random.default_rng(0)", "recording_rng"), "First drafts", recording_rng=rng
+    )
+    printed = [line for line in capsys.readouterr().out.splitlines() if line]
+    # The oracle, fed what the example drew: the prompt, its hiddens, then per step the
+    # bonus token and the target's hiddens.
+    prompt, prompt_hiddens, *steps = rng.drawn
     exp = Expected(Reference(mimo_checkpoint))
-    exp.add(prompt[1:], prompt_hiddens[:-1])
-    expected = [exp.propose(sampled, prompt_hiddens[-1], 3)[0]]
-    verdicts = [0, 3, 1, 2]  # one step per verdict, then done
-    namespace: dict = dict(prompt=prompt, prompt_hiddens=prompt_hiddens, sampled=sampled)
+    exp.add(prompt.tolist()[1:], torch.from_numpy(prompt_hiddens[:-1]))
+    drafts, _ = exp.propose(namespace["sampled"], torch.from_numpy(prompt_hiddens[-1]), 3)
+    expected = []
+    for bonus, target_hiddens in zip(steps[::2], steps[1::2], strict=True):
+        accepted = min(1, len(drafts))
+        refeed = torch.from_numpy(target_hiddens[:accepted])
+        exp.verdict(accepted, refeed)
+        drafts, _ = exp.propose(int(bonus), torch.from_numpy(target_hiddens[accepted]), 3)
+        expected.append(drafts)
+    got = [
+        [int(t) for t in re.match(r"\[(.*?)\]", line).group(1).split(",") if t.strip()]
+        for line in printed
+    ]
+    assert len(expected) == 5 and got == expected
+    assert _live_states(server.address) == 0  # the example freed its state
 
-    def verify(drafts: list[int]):
-        """The target: accepts the next verdict's count of drafts, checked first."""
-        assert drafts == expected[-1]
-        step = len(expected) - 1
-        accepted, bonus = verdicts[step], tokens(1, 100 + step)[0]
-        target_hiddens = hiddens(4, 100 + step)
-        exp.verdict(accepted, target_hiddens[:accepted])
-        expected.append(exp.propose(bonus, target_hiddens[accepted], 3)[0])
-        namespace["done"] = len(expected) > len(verdicts)
-        return accepted, bonus, target_hiddens
 
-    namespace |= dict(verify=verify, done=False)
-    exec(compile(code, "README.md: Client example", "exec"), namespace)
-    assert namespace["done"] and namespace["proposal"].tokens == expected[-1]
-    with DrafterClient(server.address, timeout=30) as c:
-        assert c.info().live_states == 0  # the example freed its state
+def test_the_columns_example_runs(served, capsys) -> None:
+    server, _ = served
+    code = example("Many sequences per step").replace("localhost:50051", server.address)
+    namespace = _exec(code, "Many sequences per step")
+    assert len(capsys.readouterr().out.splitlines()) == 3  # three steps
+    assert namespace["drafts"].shape == (8, 4) and namespace["counts"].shape == (8,)
+    assert (namespace["counts"] >= 1).all()
+    assert _live_states(server.address) == 0  # the example freed its states
+
+
+def test_the_tls_example_runs_against_mtls_and_a_token(
+    mimo_checkpoint, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    ca_key, server_key, client_key = new_key(), new_key(), new_key()
+    ca = cert("readme CA", ca_key, ca=True)
+    files = {
+        "ca.pem": pem(ca),
+        "server.pem": pem(cert("localhost", server_key, ca, ca_key, server=True)),
+        "server.key": pem(server_key),
+        "client.pem": pem(cert("verifier", client_key, ca, ca_key)),
+        "client.key": pem(client_key),
+        "tokens": TOKEN.encode(),
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    secure = start_server(
+        mimo_checkpoint,
+        *("--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key")),
+        *("--tls-client-ca", str(tmp_path / "ca.pem")),
+        *("--auth-token-file", str(tmp_path / "tokens")),
+    )
+    try:
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setenv("MTPDRAFT_TOKEN", TOKEN)
+        port = secure.address.rsplit(":", 1)[1]
+        code = example("Operations", 0).replace("drafter.internal:50051", f"localhost:{port}")
+        namespace = _exec(code, "Operations (TLS)")
+        namespace["drafter"].close()
+        assert capsys.readouterr().out.split() == ["mimo"]
+    finally:
+        assert secure.stop() == 0
 
 
 TRACED = """
@@ -87,7 +176,6 @@ provider = TracerProvider()
 provider.add_span_processor(SimpleSpanProcessor(exporter))
 trace.set_tracer_provider(provider)
 {example}
-drafter.info()
 (span,) = exporter.get_finished_spans()
 print(json.dumps([span.name, span.context.trace_id, span.context.span_id]))
 """
@@ -97,7 +185,7 @@ def test_the_traced_client_example_parents_the_server_span(served) -> None:
     """In a process of its own: the example uses the global tracer provider."""
     server, exporter = served
     code = TRACED.format(
-        example=example("Observability").replace("localhost:50051", server.address)
+        example=example("Operations", 1).replace("localhost:50051", server.address)
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
