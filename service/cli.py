@@ -206,9 +206,9 @@ def build_server(
     return server
 
 
-async def _serve(config: ServeConfig, security: dict) -> int:
+async def _serve(config: ServeConfig, security: dict, telemetry: Telemetry) -> int:
     engine = build_engine(config)
-    server = build_server(config, engine, Telemetry(*providers_from_env()), security)
+    server = build_server(config, engine, telemetry, security)
     await server.start()
     info = engine.info()
     print(
@@ -260,8 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     security = _security(serve_parser, config)  # bad flags or files end here, before loading
     _configure_logging(config.log_level)
     try:
-        return asyncio.run(_serve(config, security))
+        telemetry = Telemetry(*providers_from_env())
+    except ValueError as exc:  # a bad OTEL_* value, named
+        print(f"mtpdraft: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(config, security, telemetry))
     except CheckpointError as exc:  # its message begins with the file at fault
+        telemetry.shutdown()
         print(f"mtpdraft: cannot load {exc}", file=sys.stderr)
         return 2
 

@@ -3,9 +3,15 @@
 Off unless asked for: with OTEL_TRACES_EXPORTER / OTEL_METRICS_EXPORTER unset (or
 "none", or OTEL_SDK_DISABLED=true) the tracer and meter are the API's no-ops and
 no gRPC interceptor is installed, so tracing costs nothing. Set to "otlp" (the
-OTLP/gRPC exporter, configured by the standard OTEL_EXPORTER_OTLP_* variables)
-or "console". OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES name the resource;
-OTEL_PROPAGATORS picks the propagation format (W3C trace context by default).
+OTLP/gRPC exporter, configured by the standard OTEL_EXPORTER_OTLP_* variables),
+"console", or a comma-separated list of them (each gets its own exporter). A value
+that is none of these is refused when the server starts. OTEL_SERVICE_NAME and
+OTEL_RESOURCE_ATTRIBUTES name the resource; OTEL_PROPAGATORS picks the propagation
+format (W3C trace context by default).
+
+An unreachable OTLP collector costs little: the exporter's errors are logged once a
+minute at most (not once per export attempt), and at shutdown the last export has
+half a second (SHUTDOWN_S), not the exporter's 10 s of retries.
 
 Spans: one server span per RPC (opentelemetry-instrumentation-grpc, parented by
 the client's span through the W3C `traceparent` metadata, with the RPC semantic
@@ -18,7 +24,10 @@ recorded per batch, so that their cost does not grow with the rows.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -38,56 +47,121 @@ _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 _MS_BUCKETS = [0.1, 0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 250, 1000, 5000]
 
 
-def _exporter_choice(variable: str) -> str:
-    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
-        return "none"
-    return os.environ.get(variable, "none").strip().lower() or "none"
+# At shutdown, the most the last export of each signal may take.
+SHUTDOWN_S = 0.5
+# An unreachable collector: one line of the OTLP exporter's errors this often, at most.
+_OTLP_LOG_PERIOD_S = 60.0
+_EXPORTERS = ("otlp", "console")
+
+
+def _exporters(variable: str) -> list[str]:
+    """The exporters `variable` names (a comma-separated list; "none" names none), the
+    console's first: the OTLP exporter is the one that may be slow to shut down."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    value = os.environ.get(variable, "")
+    names = {name.strip().lower() for name in value.split(",")} - {"", "none"}
+    unknown = sorted(names - set(_EXPORTERS))
+    if unknown:
+        raise ValueError(
+            f"{variable}={value!r}: unknown exporter {unknown[0]!r} (use otlp, console or "
+            "none, comma-separated)"
+        )
+    return sorted(names, key=lambda name: name != "console")
+
+
+class _OncePer(logging.Filter):
+    """Lets one record through per `period` seconds."""
+
+    def __init__(self, period: float) -> None:
+        super().__init__()
+        self.period, self.next = period, 0.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        if now < self.next:
+            return False
+        self.next = now + self.period
+        return True
+
+
+def _quiet_otlp_errors() -> None:
+    """Without a collector the OTLP exporter logs every attempt of every export (a line a
+    second or more while serving): one a minute says as much."""
+    logger = logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter")
+    if not any(isinstance(f, _OncePer) for f in logger.filters):
+        logger.addFilter(_OncePer(_OTLP_LOG_PERIOD_S))
 
 
 def providers_from_env() -> tuple[object | None, object | None]:
-    """(TracerProvider, MeterProvider) as the OTEL_* variables ask, None where off."""
-    traces, metric = (
-        _exporter_choice("OTEL_TRACES_EXPORTER"),
-        _exporter_choice("OTEL_METRICS_EXPORTER"),
-    )
-    if traces == "none" and metric == "none":
+    """(TracerProvider, MeterProvider) as the OTEL_* variables ask, None where off; a bad
+    value raises ValueError naming it."""
+    traces, metric = _exporters("OTEL_TRACES_EXPORTER"), _exporters("OTEL_METRICS_EXPORTER")
+    if not traces and not metric:
         return None, None
-    from opentelemetry.sdk.resources import Resource
+    if "otlp" in traces + metric:
+        _quiet_otlp_errors()
+    try:
+        if traces:
+            import opentelemetry.propagate  # noqa: F401 (it reads OTEL_PROPAGATORS)
+        from opentelemetry.sdk.resources import Resource
 
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "mtpdraft")})
-    tracer_provider = meter_provider = None
-    if traces != "none":
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+        name = os.environ.get("OTEL_SERVICE_NAME", "mtpdraft")
+        resource = Resource.create({"service.name": name})
+        return _tracer_provider(traces, resource), _meter_provider(metric, resource)
+    except Exception as exc:  # the SDK's: ValueErrors, and a bare Exception for compression
+        raise ValueError(f"an OTEL_* variable is refused: {exc}") from exc
 
-        if traces == "otlp":
+
+def _tracer_provider(exporters: list[str], resource):
+    if not exporters:
+        return None
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    class BoundedBatchSpanProcessor(BatchSpanProcessor):
+        """Its shutdown gives the last export SHUTDOWN_S: past it the exporter is shut down,
+        which ends its retries (the SDK would wait them out, 10 s without a collector)."""
+
+        def shutdown(self) -> None:
+            flushing = threading.Thread(target=super().shutdown, daemon=True)
+            flushing.start()
+            flushing.join(SHUTDOWN_S)
+            if flushing.is_alive():
+                self.span_exporter.shutdown()
+                flushing.join()
+
+    provider = TracerProvider(resource=resource)
+    for name in exporters:
+        if name == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-            span_exporter = OTLPSpanExporter()
-        elif traces == "console":
-            span_exporter = ConsoleSpanExporter()
+            exporter = OTLPSpanExporter()
         else:
-            raise ValueError(f"OTEL_TRACES_EXPORTER={traces!r}: use otlp, console or none")
-        tracer_provider = TracerProvider(resource=resource)
-        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
-    if metric != "none":
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import (
-            ConsoleMetricExporter,
-            PeriodicExportingMetricReader,
-        )
+            exporter = ConsoleSpanExporter()
+        provider.add_span_processor(BoundedBatchSpanProcessor(exporter))
+    return provider
 
-        if metric == "otlp":
+
+def _meter_provider(exporters: list[str], resource):
+    if not exporters:
+        return None
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        ConsoleMetricExporter,
+        PeriodicExportingMetricReader,
+    )
+
+    readers = []
+    for name in exporters:
+        if name == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
-            metric_exporter = OTLPMetricExporter()
-        elif metric == "console":
-            metric_exporter = ConsoleMetricExporter()
+            exporter = OTLPMetricExporter()
         else:
-            raise ValueError(f"OTEL_METRICS_EXPORTER={metric!r}: use otlp, console or none")
-        reader = PeriodicExportingMetricReader(metric_exporter)
-        meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
-    return tracer_provider, meter_provider
+            exporter = ConsoleMetricExporter()
+        readers.append(PeriodicExportingMetricReader(exporter))
+    return MeterProvider(resource=resource, metric_readers=readers)
 
 
 class Telemetry:
@@ -236,6 +310,15 @@ class Telemetry:
         return [aio_server_interceptor(tracer_provider=self.tracer_provider)]
 
     def shutdown(self) -> None:
-        for provider in (self.tracer_provider, self.meter_provider):
-            if provider is not None:
-                provider.shutdown()
+        """Flushes and stops both providers at once, each in about SHUTDOWN_S at most (the
+        metric readers share it: the OTLP one, the slow one, comes last)."""
+        stopping = []
+        if self.tracer_provider is not None:
+            stopping.append(threading.Thread(target=self.tracer_provider.shutdown))
+        if self.meter_provider is not None:
+            stop = self.meter_provider.shutdown
+            stopping.append(threading.Thread(target=stop, args=(SHUTDOWN_S * 1e3,)))
+        for thread in stopping:
+            thread.start()
+        for thread in stopping:
+            thread.join()

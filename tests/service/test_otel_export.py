@@ -8,7 +8,13 @@ the checks run on what arrived by then.
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -22,7 +28,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from servers import SERVER_ARGS, ServerProcess, start_server
+from servers import PATIENCE, SERVER_ARGS, ServerProcess, start_server
 
 from mtpdraft.client import DrafterClient, Verdict
 
@@ -232,3 +238,76 @@ def test_console_exporters_print_spans_and_metrics(mimo_checkpoint, monkeypatch)
         assert f'"name": "{name}"' in out
     for name in ("mtpdraft.states.live", "rpc.server.duration"):
         assert f'"name": "{name}"' in out
+
+
+def test_comma_separated_exporters_each_get_everything(mimo_checkpoint, monkeypatch) -> None:
+    """`otlp,console`: both exporters, as the OpenTelemetry specification says."""
+    collector = Collector()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp, console")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "console,OTLP")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.start())
+    server = start_server(mimo_checkpoint, *SERVER_ARGS)
+    try:
+        with DrafterClient(server.address, timeout=30) as c:
+            c.free_state(c.alloc_state())
+    finally:
+        assert server.stop() == 0
+        collector.server.stop(0)
+    out = "".join(server.lines) + server.process.stdout.read()
+    assert f'"name": "{SERVICE}AllocState"' in out  # the console's spans
+    assert '"name": "mtpdraft.states.live"' in out  # and metrics
+    assert collector.named(SERVICE + "AllocState")  # the collector's
+    assert collector.metric_names >= {"mtpdraft.states.live", "rpc.server.duration"}
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("OTEL_TRACES_EXPORTER", "bogus", "OTEL_TRACES_EXPORTER='bogus': unknown exporter"),
+        ("OTEL_METRICS_EXPORTER", "otlp,zipkin", "unknown exporter 'zipkin'"),
+        ("OTEL_EXPORTER_OTLP_TIMEOUT", "soon", "could not convert string to float: 'soon'"),
+        ("OTEL_PROPAGATORS", "bogus", "Propagator bogus not found"),
+    ],
+)
+def test_a_bad_otel_value_is_one_line_at_start(variable, value, message) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env |= {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "otlp", variable: value}
+    cmd = [sys.executable, "-m", "mtpdraft", "serve", "--port", "0", "--device", "cpu"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=PATIENCE)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+    assert "serving" not in done.stdout  # refused before the model loads
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_no_collector_neither_floods_the_log_nor_holds_the_shutdown(
+    mimo_checkpoint, monkeypatch
+) -> None:
+    """Exports every 0.1 s to a port nobody listens on: the exporter retries each for its
+    10 s timeout, logging every attempt, and the SDK's shutdown would wait the retries out."""
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "100")
+    server = start_server(mimo_checkpoint, *SERVER_ARGS, "--grace-period", "0")
+    try:
+        with DrafterClient(server.address, timeout=30) as c:
+            for _ in range(40):  # 4 s of calls, of exports, of failures
+                c.free_state(c.alloc_state())
+                time.sleep(0.1)
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(PATIENCE) == 0
+        shutdown = time.monotonic() - started
+    finally:
+        server.stop()
+    out = "".join(server.lines) + server.process.stdout.read()
+    logged = [line for line in out.splitlines() if "opentelemetry" in line]
+    assert len(logged) <= 1, "\n".join(logged)
+    assert shutdown < 3.0  # 0.5 s of the drain, 0.5 s for the last exports; 14 s before

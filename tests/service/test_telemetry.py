@@ -273,10 +273,46 @@ def test_each_exporter_variable_switches_on_its_own_signal(otel_env) -> None:
 
 
 @pytest.mark.parametrize("variable", ["OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER"])
-def test_an_unknown_exporter_is_refused_by_name(otel_env, variable: str) -> None:
-    otel_env.setenv(variable, "zipkin")
-    with pytest.raises(ValueError, match=f"{variable}='zipkin': use otlp, console or none"):
+@pytest.mark.parametrize("value", ["zipkin", "otlp,zipkin", "console, zipkin"])
+def test_an_unknown_exporter_is_refused_by_name(otel_env, variable: str, value: str) -> None:
+    otel_env.setenv(variable, value)
+    message = f"{variable}='{value}': unknown exporter 'zipkin' \\(use otlp, console or none"
+    with pytest.raises(ValueError, match=message):
         providers_from_env()
+
+
+@pytest.mark.parametrize(
+    ("value", "exporters"),
+    [
+        ("otlp,console", ["ConsoleSpanExporter", "OTLPSpanExporter"]),
+        (" Console , otlp,none", ["ConsoleSpanExporter", "OTLPSpanExporter"]),
+        ("console,console", ["ConsoleSpanExporter"]),
+        ("none,console", ["ConsoleSpanExporter"]),
+    ],
+)
+def test_an_exporter_list_names_each_exporter_once(otel_env, value, exporters) -> None:
+    otel_env.setenv("OTEL_TRACES_EXPORTER", value)
+    otel_env.setenv("OTEL_METRICS_EXPORTER", value)
+    tracer_provider, meter_provider = providers_from_env()
+    processors = tracer_provider._active_span_processor._span_processors
+    assert [type(p.span_exporter).__name__ for p in processors] == exporters
+    readers = meter_provider._metric_readers
+    assert [type(r._exporter).__name__ for r in readers] == [
+        name.replace("Span", "Metric") for name in exporters
+    ]
+    Telemetry(tracer_provider, meter_provider).shutdown()
+
+
+def test_shutdown_without_a_collector_takes_half_a_second(otel_env) -> None:
+    otel_env.setenv("OTEL_TRACES_EXPORTER", "otlp,console")
+    otel_env.setenv("OTEL_METRICS_EXPORTER", "otlp")
+    otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")  # refused
+    telemetry = Telemetry(*providers_from_env())
+    with telemetry.tracer.start_as_current_span("pending"):
+        telemetry.rpc_duration.record(1.0)
+    started = time.monotonic()
+    telemetry.shutdown()
+    assert time.monotonic() - started < 2.0  # 0.5 s each, at once; 14 s of retries before
 
 
 def test_the_resource_is_named_by_the_otel_variables(otel_env) -> None:
