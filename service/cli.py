@@ -27,7 +27,7 @@ def _load_serving() -> None:
     parser needs none of it, so `--help` and `--version` answer without a second of imports."""
     global torch, DraftEngine, GIL_SWITCH_INTERVAL_S, load_mtp_weights, CheckpointError
     global KVCache, MTPHead, TokenSource, server_credentials, DrafterServer, create_server
-    global Telemetry, providers_from_env
+    global Telemetry, providers_from_env, serve_metrics
     if "torch" in globals():
         return
     import torch
@@ -40,7 +40,7 @@ def _load_serving() -> None:
     from .model.mtp_head import MTPHead
     from .security import TokenSource, server_credentials
     from .server import DrafterServer, create_server
-    from .telemetry import Telemetry, providers_from_env
+    from .telemetry import Telemetry, providers_from_env, serve_metrics
 
 
 def __getattr__(name: str) -> typing.Any:
@@ -260,10 +260,21 @@ def main(argv: list[str] | None = None) -> int:
     security = _security(serve_parser, config)  # bad flags or files end here, before loading
     _configure_logging(config.log_level)
     try:
-        telemetry = Telemetry(*providers_from_env())
+        telemetry = Telemetry(*providers_from_env(prometheus=config.metrics_port is not None))
     except ValueError as exc:  # a bad OTEL_* value, named
         print(f"mtpdraft: {exc}", file=sys.stderr)
         return 2
+    if config.metrics_port is not None:
+        try:
+            metrics = serve_metrics(config.host, config.metrics_port)
+        except OSError as exc:
+            print(
+                f"mtpdraft: cannot serve metrics on port {config.metrics_port}: {exc}",
+                file=sys.stderr,
+            )
+            return 2
+        url = f"http://{config.host}:{metrics.server_port}/metrics"
+        print(f"mtpdraft: metrics for Prometheus at {url}", flush=True)
     try:
         return asyncio.run(_serve(config, security, telemetry))
     except CheckpointError as exc:  # its message begins with the file at fault

@@ -95,6 +95,13 @@ class ServeConfig:
     grace_period: float = _option(
         10.0, "seconds live states may go on after SIGTERM", metavar="SECONDS"
     )
+    metrics_port: int | None = _option(
+        None,
+        "serve the metrics for Prometheus at http://HOST:PORT/metrics (0 picks a free port, "
+        "printed)",
+        metavar="PORT",
+        shown_default="off",
+    )
     log_level: str = _option(
         "info", "the service's log level", choices=("debug", "info", "warning", "error")
     )

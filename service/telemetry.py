@@ -7,7 +7,9 @@ OTLP/gRPC exporter, configured by the standard OTEL_EXPORTER_OTLP_* variables),
 "console", or a comma-separated list of them (each gets its own exporter). A value
 that is none of these is refused when the server starts. OTEL_SERVICE_NAME and
 OTEL_RESOURCE_ATTRIBUTES name the resource; OTEL_PROPAGATORS picks the propagation
-format (W3C trace context by default).
+format (W3C trace context by default). `mtpdraft serve --metrics-port` adds a
+Prometheus reader of the same metrics (`providers_from_env(prometheus=True)`,
+`serve_metrics`), beside any exporter.
 
 An unreachable OTLP collector costs little: the exporter's errors are logged once a
 minute at most (not once per export attempt), and at shutdown the last export has
@@ -93,10 +95,13 @@ def _quiet_otlp_errors() -> None:
         logger.addFilter(_OncePer(_OTLP_LOG_PERIOD_S))
 
 
-def providers_from_env() -> tuple[object | None, object | None]:
+def providers_from_env(prometheus: bool = False) -> tuple[object | None, object | None]:
     """(TracerProvider, MeterProvider) as the OTEL_* variables ask, None where off; a bad
-    value raises ValueError naming it."""
+    value raises ValueError naming it. `prometheus`: the meter provider has a Prometheus
+    reader too (served by `serve_metrics`)."""
     traces, metric = _exporters("OTEL_TRACES_EXPORTER"), _exporters("OTEL_METRICS_EXPORTER")
+    if prometheus:
+        metric.insert(metric.count("console"), "prometheus")  # otlp stays last
     if not traces and not metric:
         return None, None
     if "otlp" in traces + metric:
@@ -154,6 +159,11 @@ def _meter_provider(exporters: list[str], resource):
 
     readers = []
     for name in exporters:
+        if name == "prometheus":
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+            readers.append(PrometheusMetricReader())
+            continue
         if name == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
@@ -162,6 +172,15 @@ def _meter_provider(exporters: list[str], resource):
             exporter = ConsoleMetricExporter()
         readers.append(PeriodicExportingMetricReader(exporter))
     return MeterProvider(resource=resource, metric_readers=readers)
+
+
+def serve_metrics(host: str, port: int):
+    """Serves the Prometheus reader's metrics at http://HOST:PORT/metrics from a daemon
+    thread (port 0: a free one); returns the HTTP server (`server_port`, `shutdown()`)."""
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(port, addr=host)
+    return server
 
 
 class Telemetry:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from prometheus_client.parser import text_string_to_metric_families
 from servers import PATIENCE, SERVER_ARGS, ServerProcess, start_server
 
 from mtpdraft.client import DrafterClient, Verdict
@@ -311,3 +313,42 @@ def test_no_collector_neither_floods_the_log_nor_holds_the_shutdown(
     logged = [line for line in out.splitlines() if "opentelemetry" in line]
     assert len(logged) <= 1, "\n".join(logged)
     assert shutdown < 3.0  # 0.5 s of the drain, 0.5 s for the last exports; 14 s before
+
+
+def _scrape(url: str) -> dict[str, list]:
+    """The samples of a Prometheus scrape, by metric family."""
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+def test_metrics_port_serves_the_metrics_for_prometheus(mimo_checkpoint, monkeypatch) -> None:
+    """--metrics-port: the service's metrics at /metrics, with no OTEL_* variable set."""
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    server = start_server(mimo_checkpoint, *SERVER_ARGS, "--metrics-port", "0")
+    try:
+        (url,) = [line.split(" at ")[1].strip() for line in server.lines if "Prometheus" in line]
+        with DrafterClient(server.address, timeout=30) as c:
+            state = c.alloc_state()
+            c.prefill(state, tokens(5, 1), hiddens(5, 1), 1)
+            c.propose(state, 1, hiddens(1, 2)[0], 6, 3)
+            held = _scrape(url)
+            c.free_state(state)
+        freed = _scrape(url)
+    finally:
+        assert server.stop() == 0
+    duration = held["rpc_server_duration_milliseconds"]
+    (count,) = [
+        s.value
+        for s in duration
+        if s.name.endswith("_count") and s.labels["rpc_method"] == "AllocState"
+    ]
+    assert count == 1
+    assert [s.value for s in held["mtpdraft_states_live"]] == [1]
+    assert [s.value for s in freed["mtpdraft_states_live"]] == [0]
+    free = held["mtpdraft_kv_blocks_free"][0].value
+    used = held["mtpdraft_kv_blocks_used"][0].value
+    assert used == 2 and free == 256 - used  # 6 rows in blocks of 4, of 256 blocks
+    assert sum(s.value for s in held["mtpdraft_drafts_proposed"]) == 3
