@@ -15,8 +15,7 @@ from collections.abc import Sequence
 
 from .config import ServeConfig
 
-# Without --kv-blocks: a quarter of free GPU memory, or 1 GiB of host memory.
-_GPU_KV_FRACTION = 0.25
+# Without --kv-blocks on the CPU: 1 GiB of host memory (on a GPU, --kv-memory-fraction).
 _CPU_KV_BYTES = 1 << 30
 
 _LOADTEST_HELP = "load a drafter on this host with simulated verifiers"
@@ -93,8 +92,21 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 def parse_serve(argv: Sequence[str]) -> ServeConfig:
     """`mtpdraft serve ARGV`'s ServeConfig, parsed by the command's own parser."""
-    parser, _ = _parser(["serve"])
-    return serve_config(parser.parse_args(["serve", *argv]))
+    parser, serve_parser = _parser(["serve"])
+    config = serve_config(parser.parse_args(["serve", *argv]))
+    _check_kv(serve_parser, config)
+    return config
+
+
+def _check_kv(parser: argparse.ArgumentParser, config: ServeConfig) -> None:
+    """--kv-memory-fraction in (0, 1], and not with --kv-blocks: one or the other sizes the pool."""
+    fraction = config.kv_memory_fraction
+    if fraction is None:
+        return
+    if not 0 < fraction <= 1:
+        parser.error(f"--kv-memory-fraction {fraction:g}: must be in (0, 1]")
+    if config.kv_blocks is not None:
+        parser.error("--kv-memory-fraction and --kv-blocks: give one (both size the KV pool)")
 
 
 def _parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -147,6 +159,11 @@ def _device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
+def kv_pool_blocks(memory_bytes: int, fraction: float, bytes_per_block: int) -> int:
+    """The KV blocks that fit in `fraction` of `memory_bytes`, one at least."""
+    return max(1, int(memory_bytes * fraction) // bytes_per_block)
+
+
 def _kv_blocks(config: ServeConfig, head: MTPHead) -> int:
     if config.kv_blocks:
         return config.kv_blocks
@@ -156,8 +173,8 @@ def _kv_blocks(config: ServeConfig, head: MTPHead) -> int:
     )
     if head.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(head.device)
-        return max(1, int(free * _GPU_KV_FRACTION) // per_block)
-    return max(1, _CPU_KV_BYTES // per_block)
+        return kv_pool_blocks(free, config.kv_fraction, per_block)
+    return kv_pool_blocks(_CPU_KV_BYTES, 1.0, per_block)
 
 
 def build_engine(config: ServeConfig) -> DraftEngine:
@@ -256,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         _configure_logging("info")
         return run_loadtest(args)
     config = serve_config(args)
+    _check_kv(serve_parser, config)
     _load_serving()
     security = _security(serve_parser, config)  # bad flags or files end here, before loading
     _configure_logging(config.log_level)

@@ -16,6 +16,9 @@ from typing import Any
 
 from .model.default_model import DEFAULT_CHECKPOINT
 
+# Without --kv-blocks, the share of the free GPU memory the KV pool takes.
+KV_MEMORY_FRACTION = 0.25
+
 
 def _option(default: Any, help: str, **flag: Any) -> Any:
     return field(default=default, metadata={"help": help, **flag})
@@ -57,7 +60,14 @@ class ServeConfig:
     kv_blocks: int | None = _option(
         None,
         "KV pool size in blocks",
-        shown_default="a quarter of the free GPU memory, or 1 GiB of host memory",
+        shown_default="--kv-memory-fraction of the free GPU memory, or 1 GiB of host memory",
+    )
+    kv_memory_fraction: float | None = _option(
+        None,
+        "without --kv-blocks: the fraction of the free GPU memory (once the weights are "
+        "loaded) given to the KV pool, 0 < F <= 1",
+        metavar="F",
+        shown_default=KV_MEMORY_FRACTION,
     )
     block_size: int = _option(16, "rows per KV block")
     state_ttl: float = _option(
@@ -141,6 +151,12 @@ class ServeConfig:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def kv_fraction(self) -> float:
+        """--kv-memory-fraction, or its default where not given."""
+        given = self.kv_memory_fraction
+        return KV_MEMORY_FRACTION if given is None else given
 
     @property
     def batch_wait(self) -> float:

@@ -12,8 +12,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from servers import PATIENCE, SERVER_ARGS, start_server
 
 from mtpdraft.client import DrafterClient
@@ -156,6 +158,46 @@ def test_a_second_ctrl_c_while_draining_exits_at_once(mimo_checkpoint) -> None:
     rest = server.process.stdout.read()
     assert rest.count("interrupted again while draining; exiting now") == 1, rest
     assert "stopped" not in rest and "Traceback" not in rest
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--kv-memory-fraction", "0"], "--kv-memory-fraction 0: must be in (0, 1]"),
+        (["--kv-memory-fraction", "1.5"], "--kv-memory-fraction 1.5: must be in (0, 1]"),
+        (["--kv-memory-fraction", "-0.2"], "--kv-memory-fraction -0.2: must be in (0, 1]"),
+        (["--kv-memory-fraction", "0.5", "--kv-blocks", "64"], "give one"),
+        (["--kv-memory-fraction", "0.25", "--kv-blocks", "64"], "give one"),
+    ],
+)
+def test_kv_memory_fraction_is_refused_by_name(flags, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_serve(flags)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_kv_memory_fraction_sizes_the_pool_from_the_free_gpu_memory(monkeypatch) -> None:
+    """The GPU path on any machine: a head on "cuda" and a fake free-memory figure. A block
+    of 16 rows, 8 KV heads of 128 in bfloat16: 2 x 16 x 8 x 128 x 2 B = 64 KiB."""
+    head = SimpleNamespace(
+        config=SimpleNamespace(num_key_value_heads=8, head_dim=128),
+        dtype=torch.bfloat16,
+        device=torch.device("cuda"),
+    )
+    free = 40 << 30
+    monkeypatch.setattr(cli.torch.cuda, "mem_get_info", lambda device: (free, 80 << 30))
+    assert cli._kv_blocks(cli.parse_serve([]), head) == (10 << 30) // (64 << 10)  # a quarter
+    given = cli.parse_serve(["--kv-memory-fraction", "0.9"])
+    assert cli._kv_blocks(given, head) == int(free * 0.9) // (64 << 10)
+    assert cli._kv_blocks(cli.parse_serve(["--kv-blocks", "7"]), head) == 7
+    cpu = SimpleNamespace(**{**vars(head), "device": torch.device("cpu")})
+    assert cli._kv_blocks(given, cpu) == (1 << 30) // (64 << 10)  # 1 GiB of host memory
+
+
+def test_kv_pool_blocks_is_at_least_one() -> None:
+    assert cli.kv_pool_blocks(10 << 20, 0.5, 1 << 20) == 5
+    assert cli.kv_pool_blocks(100, 0.5, 1 << 20) == 1
 
 
 def test_the_servers_keyword_defaults_are_the_commands() -> None:
