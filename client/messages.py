@@ -133,14 +133,15 @@ def prefill_chunks(
     def chunks() -> Iterator[pb.PrefillChunk]:
         for lo in range(0, max(n, 1), rows_per_chunk):
             hi = min(lo + rows_per_chunk, n)
-            yield pb.PrefillChunk(
+            chunk = pb.PrefillChunk(
                 state_id=state_id,
                 start_position=start,
                 tokens=toks[lo:hi],
-                hiddens=wire.tensor_from_raw(raw[lo:hi], dtype),
                 # Lets the server tell a stream cut short from a finished one.
                 total_rows=n if lo == 0 else 0,
             )
+            wire.tensor_from_raw(raw[lo:hi], dtype, into=chunk.hiddens)
+            yield chunk
 
     return chunks()
 
@@ -151,9 +152,8 @@ def verdict_message(previous: Verdict | int) -> pb.Verdict:
         previous = Verdict(num_accepted=previous)
     msg = pb.Verdict(num_accepted=_int(previous.num_accepted, "num_accepted", 0, _INT32_MAX))
     if previous.refeed_hiddens is not None:
-        msg.refeed_hiddens.CopyFrom(
-            wire.encode_hidden(previous.refeed_hiddens, ndims=(2,), name="refeed_hiddens")
-        )
+        refeed = previous.refeed_hiddens
+        wire.encode_hidden(refeed, ndims=(2,), name="refeed_hiddens", into=msg.refeed_hiddens)
     return msg
 
 
@@ -172,13 +172,13 @@ def propose_request(
     req = pb.ProposeRequest(
         state_id=_uint64(state, "state"),
         token=_int(token, "token", _INT32_MIN, _INT32_MAX),
-        hidden=wire.encode_hidden(hidden, ndims=(1, 2), name="hidden"),
         position=_int(position, "position", -(2**63), 2**63 - 1),
         num_drafts=_int(num_drafts, "num_drafts", _INT32_MIN, _INT32_MAX),
         min_confidence=float(min_confidence),
     )
+    wire.encode_hidden(hidden, ndims=(1, 2), name="hidden", into=req.hidden)
     if bitmask is not None:
-        req.bitmask.CopyFrom(wire.encode_bitmask(bitmask))
+        wire.encode_bitmask(bitmask, into=req.bitmask)
     if previous is not None:
         req.previous.CopyFrom(verdict_message(previous))
     return req
@@ -242,9 +242,9 @@ def columns_request(
         state_ids=_column(ids, "state_ids", np.uint64, size, one_for_all=False),
         tokens=_column(tokens, "tokens", np.int32, size, one_for_all=False),
         positions=_column(positions, "positions", np.int64, size, one_for_all=False),
-        hiddens=wire.encode_hidden(hiddens, ndims=(2,), name="hiddens"),
         num_drafts=_column(num_drafts, "num_drafts", np.int32, size, one_for_all=True),
     )
+    wire.encode_hidden(hiddens, ndims=(2,), name="hiddens", into=req.hiddens)
     if num_accepted is not None:
         req.num_accepted.extend(
             _column(num_accepted, "num_accepted", np.int32, size, one_for_all=False)
@@ -255,16 +255,15 @@ def columns_request(
             _column(refeed_rows, "refeed_rows", np.int32, size, one_for_all=False)
         )
     if refeed_hiddens is not None:
-        req.refeed_hiddens.CopyFrom(
-            wire.encode_hidden(refeed_hiddens, ndims=(2,), name="refeed_hiddens")
+        wire.encode_hidden(
+            refeed_hiddens, ndims=(2,), name="refeed_hiddens", into=req.refeed_hiddens
         )
     if bitmask_rows is not None:
         rows = _column(bitmask_rows, "bitmask_rows", np.int32, size, one_for_all=False)
         req.bitmask_rows.extend(rows)
     if bitmasks is not None:
-        req.bitmasks.CopyFrom(
-            wire.encode(bitmasks, allowed=wire.BITMASK_DTYPES, ndims=(2,), name="bitmasks")
-        )
+        allowed = wire.BITMASK_DTYPES
+        wire.encode(bitmasks, allowed=allowed, ndims=(2,), name="bitmasks", into=req.bitmasks)
     if min_confidence is not None:
         req.min_confidence.extend(
             _column(min_confidence, "min_confidence", np.float32, size, one_for_all=True)

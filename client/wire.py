@@ -135,9 +135,19 @@ def as_raw(
     return arr, dtype
 
 
-def tensor_from_raw(arr: np.ndarray, dtype: int) -> pb.Tensor:
-    """A ``Tensor`` message from an array returned by :func:`as_raw` (or a slice of one)."""
-    return pb.Tensor(dtype=dtype, shape=arr.shape, data=np.ascontiguousarray(arr).tobytes())
+def tensor_from_raw(arr: np.ndarray, dtype: int, into: pb.Tensor | None = None) -> pb.Tensor:
+    """A ``Tensor`` message from an array returned by :func:`as_raw` (or a slice of one).
+
+    ``into``: a request's Tensor field, filled in place and returned. A large Tensor handed
+    to a message's constructor or CopyFrom is copied again, slowly; set in place, its
+    bytes are copied once.
+    """
+    msg = pb.Tensor() if into is None else into
+    msg.dtype = dtype
+    del msg.shape[:]
+    msg.shape.extend(arr.shape)
+    msg.data = np.ascontiguousarray(arr).tobytes()
+    return msg
 
 
 def encode(
@@ -146,20 +156,28 @@ def encode(
     allowed: Collection[int] = HIDDEN_DTYPES,
     ndims: Collection[int] = (1, 2),
     name: str = "tensor",
+    into: pb.Tensor | None = None,
 ) -> pb.Tensor:
-    """Encodes ``x`` as a ``Tensor`` message (see :func:`as_raw` for the checks)."""
+    """Encodes ``x`` as a ``Tensor`` message, or ``into`` one (see :func:`as_raw` for the
+    checks, :func:`tensor_from_raw` for ``into``)."""
     arr, dtype = as_raw(x, allowed=allowed, ndims=ndims, name=name)
-    return tensor_from_raw(arr, dtype)
+    return tensor_from_raw(arr, dtype, into)
 
 
-def encode_hidden(x: Array, *, ndims: Collection[int] = (1, 2), name: str = "hidden") -> pb.Tensor:
-    """A hidden state (bf16 / fp16 / fp32) as a ``Tensor``."""
-    return encode(x, allowed=HIDDEN_DTYPES, ndims=ndims, name=name)
+def encode_hidden(
+    x: Array,
+    *,
+    ndims: Collection[int] = (1, 2),
+    name: str = "hidden",
+    into: pb.Tensor | None = None,
+) -> pb.Tensor:
+    """A hidden state (bf16 / fp16 / fp32) as a ``Tensor`` (or ``into`` one)."""
+    return encode(x, allowed=HIDDEN_DTYPES, ndims=ndims, name=name, into=into)
 
 
-def encode_bitmask(x: Array) -> pb.Tensor:
-    """An xgrammar packed int32 bitmask, shape [W] or [n, W], as a ``Tensor``."""
-    return encode(x, allowed=BITMASK_DTYPES, ndims=(1, 2), name="bitmask")
+def encode_bitmask(x: Array, into: pb.Tensor | None = None) -> pb.Tensor:
+    """An xgrammar packed int32 bitmask, shape [W] or [n, W], as a ``Tensor`` (or ``into`` one)."""
+    return encode(x, allowed=BITMASK_DTYPES, ndims=(1, 2), name="bitmask", into=into)
 
 
 def _raw_view(t: pb.Tensor) -> np.ndarray:
