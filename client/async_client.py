@@ -19,6 +19,7 @@ from .errors import from_rpc_error
 from .messages import DEFAULT, Timeout
 from .security import PemSource, asks_for_security, open_channel
 from .stream import AsyncColumnsStream, AsyncProposeStream
+from .tracing import aio_interceptors as tracing_interceptors
 from .types import (
     ColumnsResult,
     InstallResult,
@@ -53,6 +54,11 @@ class AsyncDrafterClient:
     ``timeout=`` overrides it, None included. Streams (``stream``, ``columns_stream``)
     have no deadline unless their own ``timeout=`` asks for one: a verifier keeps its
     stream open for its whole life. Create and use it inside one running event loop.
+
+    ``tracing=True`` traces every call: a client span per call, parented by the
+    caller's current span, whose context the server's span joins (see
+    ``mtpdraft.client.tracing``: where the application set no tracer provider, one is
+    made from the standard OTEL_* variables).
     """
 
     def __init__(
@@ -67,6 +73,7 @@ class AsyncDrafterClient:
         private_key: PemSource | None = None,
         certificate_chain: PemSource | None = None,
         token: str | None = None,
+        tracing: bool = False,
     ) -> None:
         security = dict(
             tls=tls,
@@ -78,10 +85,14 @@ class AsyncDrafterClient:
         if channel is None:
             if target is None:
                 raise ValueError("give a target or a channel")
-            channel = open_channel(grpc.aio, target, options, **security)
+            interceptors = tracing_interceptors() if tracing else None
+            channel = open_channel(grpc.aio, target, options, interceptors, **security)
             self._owns_channel = True
-        elif asks_for_security(**security):
-            raise ValueError("with channel=, put the credentials and token in the channel")
+        elif asks_for_security(**security) or tracing:
+            raise ValueError(
+                "with channel=, put the credentials, token and tracing interceptors in the "
+                "channel (mtpdraft.client.tracing.aio_interceptors)"
+            )
         else:
             self._owns_channel = False
         self.target = target

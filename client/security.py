@@ -78,14 +78,17 @@ def open_channel(
     grpc_module: Any,
     target: str,
     options: Sequence[tuple[str, Any]] | None,
+    interceptors: Sequence[Any] | None = None,
     **security: Any,
 ) -> Any:
     """A channel of `grpc_module` (``grpc`` or ``grpc.aio``) to `target`: secure when
-    `security` (the keywords of `channel_credentials`) asks for TLS or a token."""
+    `security` (the keywords of `channel_credentials`) asks for TLS or a token.
+    `interceptors`: an asyncio channel's, given at its creation."""
     credentials = channel_credentials(target, **security)
+    extra = {"interceptors": list(interceptors)} if interceptors else {}
     if credentials is None:
-        return grpc_module.insecure_channel(target, options=list(options or ()))
-    return grpc_module.secure_channel(target, credentials, options=list(options or ()))
+        return grpc_module.insecure_channel(target, options=list(options or ()), **extra)
+    return grpc_module.secure_channel(target, credentials, options=list(options or ()), **extra)
 
 
 def asks_for_security(*, tls: bool = False, **sources: Any) -> bool:

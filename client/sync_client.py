@@ -19,6 +19,7 @@ from .errors import from_rpc_error
 from .messages import DEFAULT, Timeout
 from .security import PemSource, asks_for_security, open_channel
 from .stream import ColumnsStream, ProposeStream
+from .tracing import traced_channel
 from .types import (
     ColumnsResult,
     InstallResult,
@@ -53,6 +54,11 @@ class DrafterClient:
     ``timeout=`` overrides it, None included. Streams (``stream``, ``columns_stream``)
     have no deadline unless their own ``timeout=`` asks for one: a verifier keeps its
     stream open for its whole life.
+
+    ``tracing=True`` traces every call: a client span per call, parented by the
+    caller's current span, whose context the server's span joins (see
+    ``mtpdraft.client.tracing``: where the application set no tracer provider, one is
+    made from the standard OTEL_* variables).
     """
 
     def __init__(
@@ -67,6 +73,7 @@ class DrafterClient:
         private_key: PemSource | None = None,
         certificate_chain: PemSource | None = None,
         token: str | None = None,
+        tracing: bool = False,
     ) -> None:
         security = dict(
             tls=tls,
@@ -84,6 +91,8 @@ class DrafterClient:
             raise ValueError("with channel=, put the credentials and token in the channel")
         else:
             self._owns_channel = False
+        if tracing:
+            channel = traced_channel(channel)  # closing it closes the channel under it
         self.target = target
         self.timeout = timeout
         self._channel = channel
