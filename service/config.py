@@ -60,7 +60,7 @@ class ServeConfig:
     kv_blocks: int | None = _option(
         None,
         "KV pool size in blocks",
-        shown_default="--kv-memory-fraction of the free GPU memory, or 1 GiB of host memory",
+        shown_default="--kv-memory-fraction of the free GPU memory, or 256 MiB of host memory",
     )
     kv_memory_fraction: float | None = _option(
         None,

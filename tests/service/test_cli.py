@@ -192,7 +192,7 @@ def test_kv_memory_fraction_sizes_the_pool_from_the_free_gpu_memory(monkeypatch)
     assert cli._kv_blocks(given, head) == int(free * 0.9) // (64 << 10)
     assert cli._kv_blocks(cli.parse_serve(["--kv-blocks", "7"]), head) == 7
     cpu = SimpleNamespace(**{**vars(head), "device": torch.device("cpu")})
-    assert cli._kv_blocks(given, cpu) == (1 << 30) // (64 << 10)  # 1 GiB of host memory
+    assert cli._kv_blocks(given, cpu) == (256 << 20) // (64 << 10)  # 256 MiB of host memory
 
 
 def test_kv_pool_blocks_is_at_least_one() -> None:
