@@ -146,11 +146,13 @@ def prefill_chunks(
     return chunks()
 
 
-def verdict_message(previous: Verdict | int) -> pb.Verdict:
-    """A Verdict message from a :class:`Verdict` (or a bare accepted count)."""
+def verdict_message(previous: Verdict | int, into: pb.Verdict | None = None) -> pb.Verdict:
+    """A Verdict message from a :class:`Verdict` (or a bare accepted count); ``into``: a
+    request's Verdict field, filled in place (see ``wire.tensor_from_raw``)."""
     if not isinstance(previous, Verdict):
         previous = Verdict(num_accepted=previous)
-    msg = pb.Verdict(num_accepted=_int(previous.num_accepted, "num_accepted", 0, _INT32_MAX))
+    msg = pb.Verdict() if into is None else into
+    msg.num_accepted = _int(previous.num_accepted, "num_accepted", 0, _INT32_MAX)
     if previous.refeed_hiddens is not None:
         refeed = previous.refeed_hiddens
         wire.encode_hidden(refeed, ndims=(2,), name="refeed_hiddens", into=msg.refeed_hiddens)
@@ -167,42 +169,42 @@ def propose_request(
     bitmask: wire.Array | None = None,
     min_confidence: float = 0.0,
     previous: Verdict | int | None = None,
+    into: pb.ProposeRequest | None = None,
 ) -> pb.ProposeRequest:
-    """A ProposeRequest; ``previous`` fuses the pending proposal's AfterVerify into it."""
-    req = pb.ProposeRequest(
-        state_id=_uint64(state, "state"),
-        token=_int(token, "token", _INT32_MIN, _INT32_MAX),
-        position=_int(position, "position", -(2**63), 2**63 - 1),
-        num_drafts=_int(num_drafts, "num_drafts", _INT32_MIN, _INT32_MAX),
-        min_confidence=float(min_confidence),
-    )
+    """A ProposeRequest; ``previous`` fuses the pending proposal's AfterVerify into it.
+    ``into``: a ProposeBatchRequest's new request, filled in place."""
+    req = pb.ProposeRequest() if into is None else into
+    req.state_id = _uint64(state, "state")
+    req.token = _int(token, "token", _INT32_MIN, _INT32_MAX)
     wire.encode_hidden(hidden, ndims=(1, 2), name="hidden", into=req.hidden)
+    req.position = _int(position, "position", -(2**63), 2**63 - 1)
+    req.num_drafts = _int(num_drafts, "num_drafts", _INT32_MIN, _INT32_MAX)
+    req.min_confidence = float(min_confidence)
     if bitmask is not None:
         wire.encode_bitmask(bitmask, into=req.bitmask)
     if previous is not None:
-        req.previous.CopyFrom(verdict_message(previous))
+        verdict_message(previous, into=req.previous)
     return req
 
 
 def propose_batch_request(requests: Sequence[ProposeArgs]) -> pb.ProposeBatchRequest:
     """A ProposeBatchRequest from :class:`ProposeArgs`, in order."""
-    msgs = []
+    batch = pb.ProposeBatchRequest()
     for i, a in enumerate(requests):
         if not isinstance(a, ProposeArgs):
             raise TypeError(f"requests[{i}]: expected ProposeArgs, got {type(a).__name__}")
-        msgs.append(
-            propose_request(
-                a.state,
-                a.token,
-                a.hidden,
-                a.position,
-                a.num_drafts,
-                bitmask=a.bitmask,
-                min_confidence=a.min_confidence,
-                previous=a.previous,
-            )
+        propose_request(
+            a.state,
+            a.token,
+            a.hidden,
+            a.position,
+            a.num_drafts,
+            bitmask=a.bitmask,
+            min_confidence=a.min_confidence,
+            previous=a.previous,
+            into=batch.requests.add(),
         )
-    return pb.ProposeBatchRequest(requests=msgs)
+    return batch
 
 
 def _column(values: Any, name: str, dtype: type, size: int, *, one_for_all: bool) -> list:
