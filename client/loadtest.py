@@ -9,12 +9,20 @@ own state: ``--mode stream`` (one ProposeStream per verifier, the hot path),
 ``unary`` (Propose carrying the previous verdict: one round trip per step) or
 ``split`` (AfterVerify then Propose: two). Closed loop by default (each
 verifier's next step starts when the last is answered, after ``--verify-ms``);
-``--rate R`` makes it open loop: Poisson arrivals at R steps/s in all. The run
-lasts ``--duration`` seconds or ``--requests`` steps, whichever comes first.
+``--rate R`` makes it open loop: Poisson arrivals at R steps/s in all. After
+``--warmup`` seconds, whose steps are counted apart, the run lasts
+``--duration`` seconds or ``--requests`` steps, whichever comes first.
 
-The report gives propose latency percentiles, drafts and steps per second,
-errors by status code name (reported, not fatal unless ``--fail-on-error``),
-and the server's batch-size histogram and queue depth over the run.
+The report gives propose latency percentiles (from the send and, in open loop,
+from the scheduled arrival), drafts and steps per second, errors by status code
+name (reported, not fatal unless ``--fail-on-error``), and the server's
+batch-size histogram and queue depth over the run. A line of progress goes to
+stderr every second.
+
+A server that drains (a call refused for it, or GetInfo, polled all along,
+says so) or stops answering (GetInfo failing for ``LOST_AFTER_S``) ends the run
+early, as does Ctrl-C: the report then holds what was measured, says why it
+ended, and the command exits 3 (130 for Ctrl-C).
 
 Tracing: with OTEL_TRACES_EXPORTER set (e.g. otlp, console), every sequence and
 verify step gets a span ("loadtest.sequence", "loadtest.step") and the channel
@@ -39,19 +47,24 @@ import ipaddress
 import multiprocessing
 import os
 import queue
+import signal
 import sys
 import threading
 import time
 import traceback
+from array import array
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 
 from .async_client import AsyncDrafterClient
 from .errors import DrafterError
 from .loadtest_report import build_report, summary, write_json, write_plot
 from .loadtest_verifier import (
+    DRAINING,
     HIDDEN_POOL_ROWS,
     MODES,
     Acceptance,
@@ -69,7 +82,18 @@ MAX_VERIFIERS = 1024
 MAX_PROCESSES = 64
 MAX_PROMPT_LEN = 131_072
 DEFAULT_DURATION_S = 10.0
+# Long enough for connections, first batches and lazy allocations; short next to a run.
+DEFAULT_WARMUP_S = 1.0
+MAX_WARMUP_S = 60.0
 DEFAULT_TARGET = "127.0.0.1:50051"
+# GetInfo failing this long means the server is gone: the run ends instead of
+# counting a refused connection every ERROR_BACKOFF_S per verifier.
+LOST_AFTER_S = 1.0
+PROGRESS_S = 1.0
+# Exit statuses of the command (see add_loadtest_parser's epilog).
+EXIT_CUT_SHORT = 3
+EXIT_INTERRUPTED = 130
+INTERRUPTED = "interrupted (Ctrl-C)"
 # Time the worker processes get to start (spawn imports numpy and grpc) and to
 # hand back their samples after the run.
 PROCESS_START_TIMEOUT_S = 120.0
@@ -115,7 +139,8 @@ def check_loopback(target: str) -> str:
 
 @dataclass
 class LoadTestConfig:
-    """One load test. ``duration`` None: 10 s, or up to 600 s when ``requests`` is set."""
+    """One load test. ``duration`` None: 10 s, or up to 600 s when ``requests`` is set;
+    it and ``requests`` count after ``warmup`` seconds."""
 
     target: str = DEFAULT_TARGET
     mode: str = "stream"
@@ -123,6 +148,7 @@ class LoadTestConfig:
     rate: float | None = None
     duration: float | None = None
     requests: int | None = None
+    warmup: float = DEFAULT_WARMUP_S
     accept: Acceptance = field(default_factory=lambda: Acceptance("geometric", 0.7))
     prompt_len: IntRange = field(default_factory=lambda: IntRange(128, 128))
     num_drafts: int = 4
@@ -154,6 +180,10 @@ class LoadTestConfig:
                 f"--duration {self.run_seconds:g}: more than 0 and at most {MAX_DURATION_S:g} s",
             ),
             (self.requests is None or self.requests >= 1, "--requests: at least 1"),
+            (
+                0 <= self.warmup <= MAX_WARMUP_S,
+                f"--warmup {self.warmup:g}: 0 to {MAX_WARMUP_S:g} s",
+            ),
             (self.rate is None or self.rate > 0, "--rate: more than 0 steps/s"),
             (self.num_drafts >= 1, "--num-drafts: at least 1"),
             (self.seq_len >= 1, "--seq-len: at least 1 step"),
@@ -253,13 +283,23 @@ def _traced_channel(target: str, tracer_provider: Any) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target, interceptors=interceptors)
 
 
-async def _drive(config: LoadTestConfig, info: ServerInfo, tracer_provider: Any) -> Samples:
-    """Runs this process's verifiers to the end; returns what they measured."""
+async def _drive(
+    config: LoadTestConfig,
+    info: ServerInfo,
+    tracer_provider: Any,
+    samples: Samples,
+    stop: Any,
+    begin: Callable[[], Awaitable[float]],
+) -> None:
+    """Runs this process's verifiers to the end, or until ``stop`` (an Event) is set.
+
+    ``begin`` returns the run's start (time.monotonic()) once connected: the
+    warm-up ends ``config.warmup`` seconds later and the run ``run_seconds`` after.
+    """
     channel = None
     if tracer_provider is not None:
         channel = _traced_channel(config.target, tracer_provider)
     tracer = tracer_provider.get_tracer("mtpdraft.loadtest") if tracer_provider else None
-    samples = Samples()
     rows = min(config.prompt_len.hi, HIDDEN_POOL_ROWS) + config.num_drafts
     hiddens = HiddenPool(info.hidden_size, rows, config.dtype, config.seed)
     settings = VerifierSettings(
@@ -279,8 +319,10 @@ async def _drive(config: LoadTestConfig, info: ServerInfo, tracer_provider: Any)
     try:
         # Connected before the clock starts (no RPC: no stray span in the traces).
         await asyncio.wait_for(client.channel.channel_ready(), config.timeout)
+        samples.warmup_until = await begin() + config.warmup
         pacer = Pacer(
-            deadline=time.monotonic() + config.run_seconds,
+            deadline=samples.warmup_until + config.run_seconds,
+            warmup_until=samples.warmup_until,
             requests=config.requests,
             rate=config.rate,
             verify_s=config.verify_ms / 1e3,
@@ -293,38 +335,136 @@ async def _drive(config: LoadTestConfig, info: ServerInfo, tracer_provider: Any)
             for i in range(config.verifiers)
         ]
         pacer.start()
+        ender = asyncio.create_task(_end_when_set(stop, pacer))
         try:
             await asyncio.gather(*(v.run() for v in verifiers))
         finally:
+            ender.cancel()
             await pacer.stop()
     finally:
         await client.close()
         if channel is not None:
             await channel.close()
-    return samples
 
 
-def _worker(config: LoadTestConfig, info: ServerInfo, start: Any, results: Any) -> None:
-    """A ``--processes`` worker: waits for the others, runs its share, sends its samples."""
+async def _end_when_set(stop: Any, pacer: Pacer) -> None:
+    # Polled: ``stop`` may be a multiprocessing Event, which has no awaitable wait.
+    while not stop.is_set():
+        await asyncio.sleep(0.05)
+    pacer.end()
+
+
+@dataclass
+class Tally:
+    """One process's progress, for the live line: totals, and the Propose round trips
+    (seconds) since its last tally."""
+
+    steps: int
+    drafts: int
+    errors: int
+    warmup_steps: int
+    recent: array
+
+
+class _Tallier:
+    def __init__(self, samples: Samples) -> None:
+        self.samples, self.seen = samples, 0
+
+    def take(self) -> Tally:
+        s = self.samples
+        recent, self.seen = s.propose[self.seen :], len(s.propose)
+        return Tally(len(s.sent), s.drafts, sum(s.errors.values()), s.warmup_steps, recent)
+
+
+class Progress:
+    """The live progress line, from every process's latest tally."""
+
+    def __init__(self, warmup: float) -> None:
+        self.warmup = warmup
+        self.warmup_until: float | None = None  # set when the run begins
+        self.tallies: dict[int, Tally] = {}
+        self.recent = array("f")
+        self._last_time, self._last_drafts = 0.0, 0
+
+    def add(self, source: int, tally: Tally) -> None:
+        self.tallies[source] = tally
+        self.recent.extend(tally.recent)
+
+    def line(self, now: float) -> str | None:
+        if self.warmup_until is None:
+            return None
+
+        def total(name: str) -> int:
+            return sum(getattr(t, name) for t in self.tallies.values())
+
+        errors = total("errors")
+        if now < self.warmup_until:
+            return (
+                f"mtpdraft loadtest: warm-up {self.warmup - (self.warmup_until - now):.1f} of "
+                f"{self.warmup:g} s: {total('warmup_steps')} steps, errors {errors}"
+            )
+        drafts, since = total("drafts"), max(self._last_time, self.warmup_until)
+        rate = (drafts - self._last_drafts) / (now - since) if now > since else 0.0
+        p50 = f"{np.median(self.recent) * 1e3:.3f} ms" if len(self.recent) else "-"
+        self._last_time, self._last_drafts, self.recent = now, drafts, array("f")
+        return (
+            f"mtpdraft loadtest: {now - self.warmup_until:5.1f} s: steps {total('steps')}, "
+            f"drafts/s {rate:.0f}, p50 {p50}, errors {errors}"
+        )
+
+
+def _worker(
+    index: int,
+    config: LoadTestConfig,
+    info: ServerInfo,
+    start: Any,
+    stop: Any,
+    results: Any,
+) -> None:
+    """A ``--processes`` worker: runs its share once all are connected, sends tallies
+    while it runs and its samples at the end."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's (via ``stop``)
     try:
         tracer_provider = _env_tracer_provider()
-        start.wait(PROCESS_START_TIMEOUT_S)
+        samples = Samples()
+
+        async def work() -> None:
+            async def begin() -> float:
+                await asyncio.to_thread(start.wait, PROCESS_START_TIMEOUT_S)
+                return time.monotonic()
+
+            async def send_tallies() -> None:
+                tallier = _Tallier(samples)
+                while True:
+                    await asyncio.sleep(PROGRESS_S / 2)
+                    results.put(("tally", index, tallier.take()))
+
+            sender = asyncio.create_task(send_tallies())
+            try:
+                await _drive(config, info, tracer_provider, samples, stop, begin)
+            finally:
+                sender.cancel()
+
         try:
-            samples = asyncio.run(_drive(config, info, tracer_provider))
+            asyncio.run(work())
         finally:
             if tracer_provider is not None:
                 tracer_provider.shutdown()
-        results.put(samples)
+        results.put(("samples", index, samples))
     except BaseException:
-        results.put(traceback.format_exc())
+        results.put(("failed", index, traceback.format_exc()))
         raise
 
 
-async def _run_processes(config: LoadTestConfig, info: ServerInfo) -> Samples:
+async def _run_processes(config: LoadTestConfig, info: ServerInfo, run: _Run) -> Samples:
     ctx = multiprocessing.get_context("spawn")  # no fork of a process holding gRPC threads
     start, results = ctx.Barrier(config.processes + 1), ctx.Queue()
     workers = [
-        ctx.Process(target=_worker, args=(config.share(i), info, start, results), daemon=True)
+        ctx.Process(
+            target=_worker,
+            args=(i, config.share(i), info, start, run.stop_event, results),
+            daemon=True,
+        )
         for i in range(config.processes)
     ]
     for w in workers:
@@ -334,17 +474,27 @@ async def _run_processes(config: LoadTestConfig, info: ServerInfo) -> Samples:
             await asyncio.to_thread(start.wait, PROCESS_START_TIMEOUT_S)
         except threading.BrokenBarrierError:
             try:
-                failure = results.get(True, 5)
+                failure = results.get(True, 5)[2]
             except queue.Empty:
                 failure = "(no traceback)"
             raise LoadTestError(f"a load test process did not start:\n{failure}") from None
-        timeout = config.run_seconds + PROCESS_RESULT_GRACE_S
-        samples = Samples()
-        for _ in workers:
-            got = await asyncio.to_thread(results.get, True, timeout)
-            if isinstance(got, str):
+        await run.begin()
+        deadline = time.monotonic() + config.warmup + config.run_seconds + PROCESS_RESULT_GRACE_S
+        samples, pending = Samples(), set(range(config.processes))
+        while pending:
+            try:
+                kind, index, got = await asyncio.to_thread(results.get, True, 0.2)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise LoadTestError("a load test process did not finish") from None
+                continue
+            if kind == "failed":
                 raise LoadTestError(f"a load test process failed:\n{got}")
-            samples.merge(got)
+            if kind == "tally":
+                run.progress.add(index, got)
+            else:
+                samples.merge(got)
+                pending.discard(index)
         return samples
     finally:
         for w in workers:
@@ -353,21 +503,119 @@ async def _run_processes(config: LoadTestConfig, info: ServerInfo) -> Samples:
                 w.terminate()
 
 
-async def _watch_queue(client: AsyncDrafterClient, every: float, out: list) -> None:
-    """Samples the server's queue depth (GetInfo.queued_calls) during the run."""
-    while True:
+class _Run:
+    """One run's coordination: the end signal, the monitor of the server (GetInfo: queue
+    depth, its state at the warm-up's end and last seen, draining or gone) and progress."""
+
+    def __init__(self, config: LoadTestConfig, client: AsyncDrafterClient) -> None:
+        self.config, self.client = config, client
+        self.stop_event: Any = (
+            threading.Event()
+            if config.processes == 1
+            else multiprocessing.get_context("spawn").Event()
+        )
+        self.cut_short: str | None = None
+        self.depth: list[tuple[float, int]] = []
+        self.baseline: ServerInfo | None = None  # GetInfo at the warm-up's end
+        self.last: ServerInfo | None = None  # the last GetInfo answered
+        self.progress = Progress(config.warmup)
+        self._tasks: list[asyncio.Task] = []
+
+    def stop(self, reason: str) -> None:
+        """Ends the run early (the first reason given is the one reported)."""
+        if self.cut_short is None:
+            self.cut_short = reason
+            self.stop_event.set()
+
+    async def begin(self) -> float:
+        t0 = time.monotonic()
+        self.progress.warmup_until = t0 + self.config.warmup
+        if self.config.warmup > 0:
+            self._tasks.append(asyncio.create_task(self._take_baseline(t0 + self.config.warmup)))
+        return t0
+
+    async def _take_baseline(self, at: float) -> None:
+        await asyncio.sleep(at - time.monotonic())
         with contextlib.suppress(DrafterError):
-            info = await client.info()
-            out.append((time.monotonic(), info.queued_calls))
-        await asyncio.sleep(every)
+            self.baseline = await self.client.info()
+
+    async def _monitor(self) -> None:
+        answered = time.monotonic()
+        while True:
+            try:
+                info = await self.client.info()
+            except DrafterError as err:
+                if time.monotonic() - answered >= LOST_AFTER_S:
+                    self.stop(f"the server stopped answering ({err.code.name})")
+            else:
+                answered = time.monotonic()
+                self.last = info
+                self.depth.append((answered, info.queued_calls))
+                if info.draining:
+                    self.stop(DRAINING)
+            await asyncio.sleep(self.config.info_interval)
+
+    async def _print_progress(self, write: Callable[[str], None], pull: Any) -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_S)
+            if pull is not None:
+                self.progress.add(0, pull.take())
+            line = self.progress.line(time.monotonic())
+            if line is not None:
+                write(line)
+
+    @contextlib.asynccontextmanager
+    async def watching(
+        self, write: Callable[[str], None] | None, samples: Samples | None
+    ) -> AsyncIterator[None]:
+        """The monitor, the progress lines (from ``samples`` when in this process) and
+        Ctrl-C's handler, for the time of the run."""
+        self._tasks.append(asyncio.create_task(self._monitor()))
+        if write is not None:
+            pull = _Tallier(samples) if samples is not None else None
+            self._tasks.append(asyncio.create_task(self._print_progress(write, pull)))
+        restore = self._catch_sigint()
+        try:
+            yield
+        finally:
+            restore()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _catch_sigint(self) -> Callable[[], None]:
+        """The first Ctrl-C ends the run as a lost server would; a second interrupts."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        loop, previous = asyncio.get_running_loop(), signal.getsignal(signal.SIGINT)
+
+        def first() -> None:
+            self.stop(INTERRUPTED)
+            loop.remove_signal_handler(signal.SIGINT)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        loop.add_signal_handler(signal.SIGINT, first)
+
+        def restore() -> None:
+            loop.remove_signal_handler(signal.SIGINT)
+            signal.signal(signal.SIGINT, previous)
+
+        return restore
 
 
-async def run_load_async(config: LoadTestConfig, *, tracer_provider: Any = None) -> LoadTestResult:
+async def run_load_async(
+    config: LoadTestConfig,
+    *,
+    tracer_provider: Any = None,
+    progress: Callable[[str], None] | None = None,
+) -> LoadTestResult:
     """Runs one load test. ``tracer_provider``: use this provider (not the env's) and leave
     it open; single-process runs only (``--processes`` workers build theirs from the env).
+    ``progress``: called with a line of progress about every second.
 
     Raises LoadTestError for a configuration or server it refuses, and DrafterError
-    when the server cannot be reached at all; errors during the run are counted.
+    when the server cannot be reached at the start; errors during the run are counted,
+    and a server that drains or stops answering ends it early (``report["cut_short"]``).
     """
     config.validate()
     owned = None
@@ -375,34 +623,50 @@ async def run_load_async(config: LoadTestConfig, *, tracer_provider: Any = None)
         tracer_provider = owned = _env_tracer_provider()
     # GetInfo travels on its own, untraced channel: the monitor's calls are not load.
     info_client = AsyncDrafterClient(config.target, timeout=config.timeout)
+    run = _Run(config, info_client)
     try:
         before = await info_client.info()
         warnings = _check_server(config, before)
-        depth: list[tuple[float, int]] = []
-        watcher = asyncio.create_task(_watch_queue(info_client, config.info_interval, depth))
+        if config.processes == 1:
+            samples = Samples()
+            async with run.watching(progress, samples):
+                await _drive(config, before, tracer_provider, samples, run.stop_event, run.begin)
+        else:
+            async with run.watching(progress, None):
+                samples = await _run_processes(config, before, run)
         try:
-            if config.processes == 1:
-                samples = await _drive(config, before, tracer_provider)
-            else:
-                samples = await _run_processes(config, before)
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-        after = await info_client.info()
+            after, answered = await info_client.info(), True
+        except DrafterError:
+            # Gone: the batches are counted up to the last GetInfo it answered.
+            after, answered = run.last or before, False
     finally:
         await info_client.close()
         if owned is not None:
             owned.shutdown()  # flushes the spans
         elif tracer_provider is not None:
             tracer_provider.force_flush()
-    report = build_report(config.as_dict(), before, after, samples, depth, warnings)
+    report = build_report(
+        config.as_dict(),
+        run.baseline or before,
+        after,
+        samples,
+        run.depth,
+        warnings,
+        # A refusal for draining explains more than the silence that may follow it.
+        cut_short=samples.cut_short or run.cut_short,
+        answered_after=answered,
+    )
     return LoadTestResult(report, samples)
 
 
-def run_load(config: LoadTestConfig, *, tracer_provider: Any = None) -> LoadTestResult:
+def run_load(
+    config: LoadTestConfig,
+    *,
+    tracer_provider: Any = None,
+    progress: Callable[[str], None] | None = None,
+) -> LoadTestResult:
     """`run_load_async` in a new event loop."""
-    return asyncio.run(run_load_async(config, tracer_provider=tracer_provider))
+    return asyncio.run(run_load_async(config, tracer_provider=tracer_provider, progress=progress))
 
 
 # --- the command line --------------------------------------------------------------------------
@@ -426,6 +690,12 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
         help="load a drafter on this host with simulated verifiers",
         description="Simulated verifiers against a drafter on this host: propose latency, "
         "drafts/s, errors and the server's batch sizes.",
+        epilog="Exit status: 0 the run ended as planned (failed calls are counted, not fatal); "
+        "1 a call failed and --fail-on-error, or no server at the start; 2 a refused "
+        f"configuration; {EXIT_CUT_SHORT} the run was cut short because the server drained "
+        f"or stopped answering; {EXIT_INTERRUPTED} interrupted (Ctrl-C; a second one exits "
+        "at once). Cut short or interrupted, the report and plot hold what was measured "
+        "up to then.",
     )
     p.add_argument("--target", default=DEFAULT_TARGET, help="loopback host:port")
     p.add_argument(
@@ -440,6 +710,13 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
         "--duration", type=float, help=f"seconds (default {DEFAULT_DURATION_S:g}, at most 600)"
     )
     p.add_argument("--requests", type=int, help="stop after this many steps")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=DEFAULT_WARMUP_S,
+        help=f"seconds of load before measuring, left out of the figures (default "
+        f"{DEFAULT_WARMUP_S:g}; not part of --duration or --requests)",
+    )
     p.add_argument(
         "--accept",
         type=_arg(Acceptance.parse),
@@ -463,7 +740,9 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="write the JSON report here")
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--fail-on-error", action="store_true", help="exit 1 if any call failed")
-    p.add_argument("--quiet", action="store_true", help="no summary on stdout")
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress on stderr, no summary on stdout"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
@@ -474,6 +753,7 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         rate=args.rate,
         duration=args.duration,
         requests=args.requests,
+        warmup=args.warmup,
         accept=args.accept,
         prompt_len=args.prompt_len,
         num_drafts=args.num_drafts,
@@ -487,28 +767,45 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
     )
 
 
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_loadtest(args: argparse.Namespace) -> int:
-    """The ``loadtest`` command: 0 when it ran, 1 on errors with --fail-on-error or no
-    server, 2 for a refused configuration."""
+    """The ``loadtest`` command; its exit statuses are in its parser's epilog."""
     try:
         config = config_from_args(args)
         config.validate()
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise LoadTestError("--plot needs matplotlib: pip install 'mtpdraft[loadtest]'")
-        result = run_load(config)
+        result = run_load(config, progress=None if args.quiet else _stderr)
     except LoadTestError as err:
-        print(f"mtpdraft loadtest: {err}", file=sys.stderr)
+        _stderr(f"mtpdraft loadtest: {err}")
         return 2
     except DrafterError as err:
-        print(f"mtpdraft loadtest: cannot use the server at {args.target}: {err}", file=sys.stderr)
+        _stderr(f"mtpdraft loadtest: cannot use the server at {args.target}: {err}")
         return 1
+    except KeyboardInterrupt:  # the second Ctrl-C
+        _stderr("mtpdraft loadtest: interrupted again; exiting now, no report")
+        return EXIT_INTERRUPTED
+    report = result.report
     if args.out:
-        write_json(result.report, args.out)
+        write_json(report, args.out)
     if args.plot:
-        write_plot(result.report, result.samples, args.plot)
+        write_plot(report, result.samples, args.plot)
     if not args.quiet:
-        print(summary(result.report))
-    return 1 if args.fail_on_error and result.report["error_count"] else 0
+        print(summary(report))
+    cut_short = report["cut_short"]
+    if cut_short is not None:
+        # Said even with --quiet: the figures cover less than was asked for.
+        files = ", ".join(f for f in (args.out, args.plot) if f)
+        written = f"; written to {files}" if files else ""
+        _stderr(
+            f"mtpdraft loadtest: cut short, {cut_short}: {report['steps']} steps measured in "
+            f"{report['elapsed_s']:.1f} s, {report['error_count']} errors{written}"
+        )
+        return EXIT_INTERRUPTED if cut_short == INTERRUPTED else EXIT_CUT_SHORT
+    return 1 if args.fail_on_error and report["error_count"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,9 @@ prefill are part of the load but not of the latency percentiles.
 Steps are paced by a `Pacer`: closed loop (the next step starts when the last
 one is answered, after an optional simulated verify time) or open loop
 (Poisson arrivals shared by all verifiers of the process: an arrival is served
-by whichever verifier is idle, so overload shows as queueing time).
+by whichever verifier is idle, so overload shows as queueing time). Steps
+scheduled before the warm-up's end are counted apart and left out of the
+figures; `Pacer.end` ends a run early (the server went away, or Ctrl-C).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ MODES = ("stream", "unary", "split")
 # refusing server is not hammered in a tight loop (and the error count stays
 # meaningful).
 ERROR_BACKOFF_S = 0.01
+# Why a run ended early when the server refused a call because it is draining.
+DRAINING = "the server is draining"
 # Hidden rows generated once per process and sliced for every request: the
 # client's own CPU time must stay small next to the round trip it measures.
 HIDDEN_POOL_ROWS = 4096
@@ -120,16 +124,28 @@ class IntRange:
         return str(self.lo) if self.lo == self.hi else f"{self.lo}:{self.hi}"
 
 
+def error_code(err: BaseException) -> str:
+    """The gRPC status code name of a failed call (else the exception's type name)."""
+    if isinstance(err, DrafterError):
+        return err.code.name
+    if isinstance(err, grpc.RpcError) and callable(getattr(err, "code", None)):
+        return err.code().name
+    return type(err).__name__
+
+
 @dataclass
 class Samples:
     """One process's raw measurements; `merge` adds another process's.
 
-    Per successful propose round trip: ``sent`` (time.monotonic() when the step
+    Per successful measured step: ``sent`` (time.monotonic() when the step
     started; CLOCK_MONOTONIC is shared by all processes of the host), and three
-    latencies in seconds: ``propose`` (the Propose round trip), ``step`` (the
-    step's round trips: AfterVerify + Propose in split mode, else = propose) and
-    ``waited`` (from the step's scheduled arrival to its answer: open loop
-    queueing included; closed loop = step); and ``drafts_per_step``.
+    latencies in seconds: ``propose`` (the Propose round trip, from the send),
+    ``step`` (the step's round trips: AfterVerify + Propose in split mode, else =
+    propose) and ``waited`` (from the step's scheduled arrival to its answer:
+    open loop queueing included, so coordinated omission is corrected; closed
+    loop = step); and ``drafts_per_step``. Steps scheduled before
+    ``warmup_until`` only count in ``warmup_steps``; errors count all along
+    (``error_times``: when each happened).
     """
 
     sent: array = field(default_factory=lambda: array("d"))
@@ -137,6 +153,7 @@ class Samples:
     step: array = field(default_factory=lambda: array("f"))
     waited: array = field(default_factory=lambda: array("f"))
     drafts_per_step: array = field(default_factory=lambda: array("H"))
+    error_times: array = field(default_factory=lambda: array("d"))
     drafts: int = 0
     accepted: int = 0
     verdicts: int = 0
@@ -145,34 +162,56 @@ class Samples:
     errors_by_rpc: Counter = field(default_factory=Counter)  # "Rpc CODE" -> count
     arrivals_dropped: int = 0  # open loop: arrivals refused because the backlog was full
     arrivals_unserved: int = 0  # open loop: arrivals still queued when the time was up
+    cut_short: str | None = None  # why the verifiers ended the run early, if they did
+    warmup_until: float = -math.inf
+    warmup_steps: int = 0
     started: float = math.inf
     finished: float = -math.inf
 
-    def record(self, sent: float, propose: float, step: float, waited: float, drafts: int) -> None:
-        self.sent.append(sent)
+    def record(
+        self,
+        *,
+        scheduled: float,
+        started: float,
+        sent: float,
+        done: float,
+        drafts: int,
+        accepted: int,
+        verdict: bool,
+        first: bool,
+    ) -> None:
+        """One answered step: its scheduled arrival, start, Propose send and answer times."""
+        if scheduled < self.warmup_until:
+            self.warmup_steps += 1
+            return
+        self.sent.append(started)
         self.drafts_per_step.append(drafts)
-        self.propose.append(propose)
-        self.step.append(step)
-        self.waited.append(waited)
-        self.finished = max(self.finished, sent + step)
+        self.propose.append(done - sent)
+        self.step.append(done - started)
+        self.waited.append(done - min(scheduled, started))
+        self.drafts += drafts
+        self.accepted += accepted
+        self.verdicts += verdict
+        self.sequences += first  # sequences that ran at least one measured step
+        self.started = min(self.started, started)
+        self.finished = max(self.finished, done)
 
     def error(self, rpc: str, err: BaseException) -> None:
-        if isinstance(err, DrafterError):
-            code = err.code.name
-        elif isinstance(err, grpc.RpcError):
-            code = err.code().name
-        else:
-            code = type(err).__name__
+        code = error_code(err)
         self.errors[code] += 1
         self.errors_by_rpc[f"{rpc} {code}"] += 1
+        self.error_times.append(time.monotonic())
 
     def merge(self, other: Samples) -> None:
-        for name in ("sent", "propose", "step", "waited", "drafts_per_step"):
+        for name in ("sent", "propose", "step", "waited", "drafts_per_step", "error_times"):
             getattr(self, name).extend(getattr(other, name))
         for name in ("drafts", "accepted", "verdicts", "sequences"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.arrivals_dropped += other.arrivals_dropped
         self.arrivals_unserved += other.arrivals_unserved
+        self.warmup_steps += other.warmup_steps
+        self.warmup_until = max(self.warmup_until, other.warmup_until)
+        self.cut_short = self.cut_short or other.cut_short
         self.errors.update(other.errors)
         self.errors_by_rpc.update(other.errors_by_rpc)
         self.started = min(self.started, other.started)
@@ -187,12 +226,14 @@ class Pacer:
     taken. Open loop: Poisson arrivals at ``rate`` per second for the whole
     process, handed to idle verifiers in order; the step's scheduled time is
     returned so that queueing behind busy verifiers counts in its latency.
+    Steps scheduled before ``warmup_until`` take no ticket of ``requests``.
     """
 
     def __init__(
         self,
         *,
         deadline: float,
+        warmup_until: float = -math.inf,
         requests: int | None,
         rate: float | None,
         verify_s: float,
@@ -201,6 +242,7 @@ class Pacer:
         seed: int,
     ) -> None:
         self.deadline = deadline
+        self.warmup_until = warmup_until
         self.remaining = requests
         self.rate = rate
         self.verify_s = verify_s
@@ -216,6 +258,12 @@ class Pacer:
     def start(self) -> None:
         if self.rate is not None:
             self._generator = asyncio.create_task(self._generate())
+
+    def end(self) -> None:
+        """Ends the run now: no step starts after this; queued arrivals go unserved."""
+        self.deadline = min(self.deadline, time.monotonic())
+        if self._generator is not None:
+            self._generator.cancel()  # its finally wakes the waiting verifiers
 
     async def stop(self) -> None:
         if self._generator is not None:
@@ -234,7 +282,7 @@ class Pacer:
                 delay = next_at - time.monotonic()
                 if delay > 0:  # late arrivals go out at once, keeping their scheduled time
                     await asyncio.sleep(delay)
-                if self.remaining is not None:
+                if self.remaining is not None and next_at >= self.warmup_until:
                     self.remaining -= 1
                 if self._arrivals.qsize() >= self._max_backlog:
                     self.samples.arrivals_dropped += 1
@@ -254,15 +302,16 @@ class Pacer:
 
     async def next_step(self, first_in_sequence: bool) -> float | None:
         if self.rate is None:
-            if time.monotonic() >= self.deadline:
+            if self.verify_s > 0 and not first_in_sequence:
+                await asyncio.sleep(self.verify_s)
+            now = time.monotonic()
+            if now >= self.deadline:
                 return None
-            if self.remaining is not None:
+            if self.remaining is not None and now >= self.warmup_until:
                 if self.remaining <= 0:
                     return None
                 self.remaining -= 1
-            if self.verify_s > 0 and not first_in_sequence:
-                await asyncio.sleep(self.verify_s)
-            return time.monotonic()
+            return now
         scheduled = await self._arrivals.get()
         if scheduled is not None and time.monotonic() >= self.deadline:
             # The time is up: what is still queued is counted, not served, so
@@ -374,7 +423,9 @@ class Verifier:
     async def _close_stream(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None:
-            with contextlib.suppress(DrafterError, grpc.RpcError):
+            # A stream the server dropped fails its close with grpc's internal
+            # errors (ExecuteBatchError): its failure was counted when it broke.
+            with contextlib.suppress(Exception):
                 await stream.close()
 
     async def _call(self, rpc: str, coro: Any) -> Any:
@@ -382,6 +433,10 @@ class Verifier:
             return await coro
         except (DrafterError, grpc.RpcError) as err:
             self.samples.error(rpc, err)
+            if isinstance(err, DrafterError) and err.reason == "DRAINING":
+                # The server is going away: end here rather than count its refusals.
+                self.samples.cut_short = self.samples.cut_short or DRAINING
+                self.pacer.end()
             raise
 
     async def _sequence(self) -> None:
@@ -409,31 +464,37 @@ class Verifier:
                 self._done = True
                 return
             with self._span("loadtest.step", **{"mtpdraft.loadtest.position": position}) as span:
-                proposal = await self._step(state, position, verdict, scheduled)
+                proposal, started, sent, done = await self._step(state, position, verdict)
                 accepted = s.accept.draw(rng, len(proposal.tokens))
                 if span is not None:
                     span.set_attribute("mtpdraft.loadtest.drafts", len(proposal.tokens))
                     span.set_attribute("mtpdraft.loadtest.accepted", accepted)
-            self.samples.sequences += step == 0  # sequences that ran at least one step
-            self.samples.drafts += len(proposal.tokens)
-            self.samples.accepted += accepted
+            self.samples.record(
+                scheduled=scheduled,
+                started=started,
+                sent=sent,
+                done=done,
+                drafts=len(proposal.tokens),
+                accepted=accepted,
+                verdict=verdict is not None,
+                first=step == 0,
+            )
             refeed = self.hiddens.block(rng, accepted) if s.refeed and accepted else None
             verdict = Verdict(accepted, refeed_hiddens=refeed)
             position += accepted + 1  # the bonus token's position
 
     async def _step(
-        self, state: int, position: int, verdict: Verdict | None, scheduled: float
-    ) -> Proposal:
+        self, state: int, position: int, verdict: Verdict | None
+    ) -> tuple[Proposal, float, float, float]:
+        """One step's round trips: its proposal, and when it started, sent Propose, was answered."""
         s = self.s
         token, hidden = self.rng.randrange(s.vocab_size), self.hiddens.row(self.rng)
         started = time.monotonic()
-        self.samples.started = min(self.samples.started, started)
         if s.mode == "split" and verdict is not None:
             verify = self.client.after_verify(
                 state, verdict.num_accepted, refeed_hiddens=verdict.refeed_hiddens
             )
             await self._call("AfterVerify", verify)
-            self.samples.verdicts += 1
             verdict = None
         sent = time.monotonic()
         if self._stream is not None:
@@ -445,12 +506,7 @@ class Verifier:
                 state, token, hidden, position, s.num_drafts, previous=verdict
             )
         proposal: Proposal = await self._call("Propose", call)
-        done = time.monotonic()
-        if verdict is not None:
-            self.samples.verdicts += 1
-        waited = done - min(scheduled, started)
-        self.samples.record(started, done - sent, done - started, waited, len(proposal.tokens))
-        return proposal
+        return proposal, started, sent, time.monotonic()
 
     async def _stream_propose(
         self, state: int, token: int, hidden: Any, position: int, verdict: Verdict | None

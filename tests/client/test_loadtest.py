@@ -57,6 +57,7 @@ def _config(server: ServerProcess, **options) -> LoadTestConfig:
 
 def _check_report(report: dict, *, k: int = 3) -> None:
     """What every clean run must report."""
+    assert report["cut_short"] is None and report["server_answered_at_end"]
     assert report["errors"] == {} and report["error_count"] == 0
     assert report["steps"] > 0 and report["drafts"] > 0
     assert report["drafts_per_s"] > 0 and report["steps_per_s"] > 0
@@ -65,9 +66,15 @@ def _check_report(report: dict, *, k: int = 3) -> None:
     for stats in report["latency_ms"].values():
         assert stats["count"] == report["steps"]
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"]
+    warmup = report["warmup"]
+    assert warmup["seconds"] == report["config"]["warmup"]
+    assert (warmup["steps"] > 0) == (warmup["seconds"] > 0)
     batches = report["server_batches"]
-    # Every Propose (unary or stream message) runs in exactly one batched forward.
-    assert batches["requests"] == report["steps"]
+    # Every Propose (unary or stream message) runs in exactly one batched forward. After a
+    # warm-up the server's count starts at a GetInfo at its end: the steps in flight
+    # around it may fall on either side.
+    slack = 4 * report["config"]["verifiers"] if warmup["seconds"] else 0
+    assert abs(batches["requests"] - report["steps"]) <= slack
     assert sum(batches["counts"].values()) == batches["batches"] > 0
     assert max(int(size) for size in batches["counts"]) <= report["config"]["verifiers"]
     assert report["live_states_after"] == 0, "a state leaked"
@@ -75,22 +82,31 @@ def _check_report(report: dict, *, k: int = 3) -> None:
 
 
 def _check_plot(fig, report: dict, plot: Path) -> None:
-    """The figure shows the report's run: every step's latency, the timeline's p50 and
-    p99, the server's batch sizes; the PNG is that figure, read back."""
+    """The figure shows the report's run in four titled panels: every step's latency with
+    the timeline's p50 and p99, the latency histogram, throughput over time and the
+    server's batch sizes; the PNG is that figure, read back."""
     import matplotlib.image
     import numpy as np
     from matplotlib.colors import to_rgb
 
-    ax_lat, ax_batch = fig.axes
+    ax_lat, ax_hist, ax_rate, ax_batch = fig.axes
     c = report["config"]
-    assert ax_lat.get_title() == (
-        f"{c['verifiers']} verifiers, stream, closed loop, K={c['num_drafts']}: "
-        f"{report['drafts_per_s']:.0f} drafts/s"
+    assert fig.get_suptitle().startswith(
+        f"mtpdraft loadtest: {c['verifiers']} verifiers, stream, closed loop, "
+        f"K={c['num_drafts']}: {report['drafts_per_s']:.0f} drafts/s"
     )
-    assert (ax_lat.get_xlabel(), ax_lat.get_ylabel()) == (
-        "seconds since the first step",
-        "latency (ms)",
-    )
+    seconds = "seconds since the first measured step"
+    labels = [(ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) for ax in fig.axes]
+    assert labels == [
+        ("propose latency over time", seconds, "latency (ms)"),
+        ("propose latency histogram", "latency (ms)", "steps"),
+        ("throughput over time", seconds, "per second"),
+        (
+            f"server batch sizes (mean {report['server_batches']['mean_batch']:.2f})",
+            "requests per batched forward",
+            "batches",
+        ),
+    ]
     (scatter,) = ax_lat.collections
     sent, latency = np.asarray(scatter.get_offsets()).T
     stats = report["latency_ms"]["propose"]
@@ -101,22 +117,22 @@ def _check_plot(fig, report: dict, plot: Path) -> None:
         assert np.percentile(latency, 50) == pytest.approx(stats["p50"])
     assert sent.min() >= 0 and sent.max() <= report["elapsed_s"]
     bins = [b for b in report["timeline"] if b["steps"]]
+    middles = [b["t"] + report["timeline_bin_s"] / 2 for b in bins]
     lines = {line.get_label(): line for line in ax_lat.get_lines()}
     assert set(lines) == {"p50", "p99"}
     for name, line in lines.items():
         assert list(line.get_ydata()) == pytest.approx([b[f"{name}_ms"] for b in bins])
-        middles = [b["t"] + report["timeline_bin_s"] / 2 for b in bins]
         assert list(line.get_xdata()) == pytest.approx(middles)
     legend = [t.get_text() for t in ax_lat.get_legend().get_texts()]
     assert legend == ["propose round trip", "p50", "p99"]
+    # The histogram holds every step once.
+    assert sum(bar.get_height() for bar in ax_hist.patches) == report["steps"]
+    # Throughput per bin; no errors line on a clean run.
+    rate = {line.get_label(): list(line.get_ydata()) for line in ax_rate.get_lines()}
+    assert set(rate) == {"drafts/s", "steps/s"}
+    assert rate["drafts/s"] == pytest.approx([b["drafts_per_s"] for b in report["timeline"]])
+    assert sum(rate["steps/s"]) * report["timeline_bin_s"] == pytest.approx(report["steps"])
     counts = report["server_batches"]["counts"]
-    assert ax_batch.get_title() == (
-        f"server batch sizes (mean {report['server_batches']['mean_batch']:.2f})"
-    )
-    assert (ax_batch.get_xlabel(), ax_batch.get_ylabel()) == (
-        "requests per batched forward",
-        "batches",
-    )
     bars = {round(bar.get_x() + bar.get_width() / 2): bar.get_height() for bar in ax_batch.patches}
     assert bars == {int(size): n for size, n in counts.items()}
     # The file is this figure: its size at 100 dpi, with the bars' and the p99 line's colours.
@@ -172,7 +188,7 @@ def test_unary_open_loop_with_refeed(server: ServerProcess) -> None:
 def test_split_mode_counts_requests_over_two_processes(server: ServerProcess) -> None:
     config = _config(
         server, mode="split", requests=60, duration=None, accept=Acceptance("fixed", 2),
-        processes=2,
+        processes=2, warmup=0.0,
     )  # fmt: skip
     report = run_load(config).report
     _check_report(report)
@@ -218,7 +234,7 @@ def test_step_spans_are_ancestors_of_server_spans(mimo_checkpoint: Path) -> None
     try:
         config = LoadTestConfig(
             target=server.address, mode="unary", verifiers=2, requests=8, seq_len=4,
-            prompt_len=IntRange(6, 6), num_drafts=2,
+            prompt_len=IntRange(6, 6), num_drafts=2, warmup=0.0,
         )  # fmt: skip
         report = run_load(config, tracer_provider=tracer_provider).report
     finally:
@@ -278,6 +294,8 @@ def test_bounds_and_arguments_are_checked(capsys: pytest.CaptureFixture) -> None
         {"processes": 5, "verifiers": 4},
         {"rate": 0.0},
         {"mode": "batch"},
+        {"warmup": -1.0},
+        {"warmup": 61.0},
     ):
         with pytest.raises(LoadTestError):
             LoadTestConfig(**options).validate()
