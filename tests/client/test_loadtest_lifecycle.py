@@ -158,11 +158,14 @@ def test_ctrl_c_ends_the_run_with_a_report(server: ServerProcess, tmp_path: Path
 def test_progress_lines_go_to_stderr_unless_quiet(
     server: ServerProcess, capsys: pytest.CaptureFixture
 ) -> None:
-    common = ("--target", server.address, *SHORT, "--warmup", "0.3", "--duration", "2.4")
+    common = ("--target", server.address, *SHORT, "--warmup", "0.3", "--duration", "3.2")
     assert _cli(*common) == 0
     captured = capsys.readouterr()
-    progress = [PROGRESS.match(line) for line in captured.err.splitlines()]
-    assert len(progress) >= 2 and all(progress), captured.err
+    lines = captured.err.splitlines()
+    # A slow start may show the warm-up; every other line is measured progress.
+    warmup = [line for line in lines if line.startswith("mtpdraft loadtest: warm-up ")]
+    progress = [PROGRESS.match(line) for line in lines if line not in warmup]
+    assert len(progress) >= 2 and all(progress) and len(warmup) <= 1, captured.err
     seconds = [float(m[1]) for m in progress]
     steps = [int(m[2]) for m in progress]
     assert seconds == sorted(seconds) and steps == sorted(steps) and steps[-1] > 0
@@ -219,7 +222,7 @@ def test_open_loop_latency_counts_from_the_scheduled_arrival() -> None:
         start = time.monotonic()
         samples.warmup_until = start + 0.2
         pacer = Pacer(
-            deadline=start + 1.2, warmup_until=samples.warmup_until, requests=None,
+            deadline=start + 2.0, warmup_until=samples.warmup_until, requests=None,
             rate=4 / _SlowServer.SERVICE_S, verify_s=0.0, verifiers=1, samples=samples, seed=0,
         )  # fmt: skip
         hiddens = HiddenPool(8, 64, "fp32", 0)
