@@ -1,0 +1,82 @@
+"""Where the engine's host time goes in one ProposeColumns step, beside its chain.
+
+Builds the engine as `mtpdraft serve` does on a small random MiMo checkpoint, prefills
+B states, then profiles (cProfile) --steps steps of B rows, each checked into a Step
+and drafted by engine.propose_step, and prints the engine's and the chain's functions
+by cumulative time: propose_step's time less decode_chain's is the host work around
+the kernels (the checks, the state table, the verdicts, the answer). On the CPU the
+chain is torch's and slow, but the host work is the same code as on a GPU.
+
+    python bench/profile_engine_host.py [--batch 64] [--steps 40] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_service import Workload, _hiddens, build_engine, serve_argv
+from shapes import SMALL
+
+from mtpdraft.service.engine.columns import Columns
+from mtpdraft.service.engine.columns import step as columns_step
+from mtpdraft.service.model.synthetic import write_random_checkpoint
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    b, prompt = args.batch, args.prompt
+    folder = tempfile.mkdtemp(prefix="profile-engine-")
+    write_random_checkpoint(
+        folder, "mimo", **SMALL, dtype=torch.bfloat16, seed=0,
+        extra_config={"max_position_embeddings": 8192},
+    )  # fmt: skip
+    blocks = b * ((prompt + args.steps + 8) // 16 + 2)
+    engine, _ = build_engine(serve_argv(Path(folder), args.device, blocks, 4))
+    work = Workload(prompt, 4, 3, args.steps, SMALL["hidden_size"], SMALL["vocab_size"], "bfloat16")
+    states = [engine.alloc_state() for _ in range(b)]
+    prompt_hiddens = _hiddens(prompt - 1, work, 1)
+    for state in states:
+        session = engine.begin_prefill(state, 1)
+        session.append(list(range(1, prompt)), prompt_hiddens)
+        session.finish()
+    rows, c = _hiddens(b, work, 2), engine.head.config
+
+    def step(index: int) -> None:
+        columns = Columns(
+            states, [5] * b, [prompt + index] * b, rows, [4], [0] * b if index else [],
+            [], None, [], None, [],
+        )  # fmt: skip
+        engine.propose_step(columns_step(columns, c.hidden_size, c.vocab_size, b))
+
+    for index in range(3):
+        step(index)
+    profile = cProfile.Profile()
+    started = time.perf_counter()
+    profile.enable()
+    for index in range(3, 3 + args.steps):
+        step(index)
+    profile.disable()
+    per_step = (time.perf_counter() - started) / args.steps
+    out = io.StringIO()
+    stats = pstats.Stats(profile, stream=out).sort_stats("cumtime")
+    stats.print_stats(r"service/(engine|model/(decode_chain|mtp_head))", 30)
+    print(f"`python {' '.join(sys.argv)}`: B = {b}, {args.device}, {per_step * 1e3:.2f} ms a step")
+    print(out.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
