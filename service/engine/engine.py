@@ -377,7 +377,9 @@ class DraftEngine:
         known = slots[slots >= 0]
         self.table.last_used[known] = self.clock()
         admitted = admit(step, slots, self.table, self.limits)
-        width = max(0, int(step.num_drafts.max())) if b else 0  # a refused K may be negative
+        # The largest K asked, a refused one (negative, or past max_drafts) within bounds:
+        # a row asking K = 2**31 - 1 must not size the answer.
+        width = int(np.clip(step.num_drafts, 0, self.max_drafts).max()) if b else 0
         result = StepResult(
             drafts=np.full((b, width), -1, np.int64),
             probs=np.zeros((b, width), np.float32),

@@ -192,6 +192,19 @@ def test_a_bad_row_fails_alone_and_changes_nothing(client, ref) -> None:
         v.free()
 
 
+def test_a_row_asking_an_absurd_k_fails_alone_and_sizes_nothing(client, ref) -> None:
+    v = Verifier(client, ref, [3, 3], seed=23)
+    try:
+        toks, hid, pos = v.inputs(0)
+        got = client.propose_columns(v.states, toks, pos, hid, [2, 2**31 - 1])
+        assert got.counts.tolist() == [2, 0] and got.drafts.shape[1] <= client.info().max_drafts
+        assert got.errors[1].reason == "NUM_DRAFTS_OUT_OF_RANGE"
+        assert got.drafts[0, :2].tolist() == v.expected[0].propose(toks[0], hid[0], 2)[0]
+        client.after_verify(v.states[0], 0)
+    finally:
+        v.free()
+
+
 @pytest.mark.parametrize(
     "change, reason, field",
     [

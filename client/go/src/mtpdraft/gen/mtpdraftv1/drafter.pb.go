@@ -1363,7 +1363,8 @@ type ColumnsResponse struct {
 	unknownFields protoimpl.UnknownFields
 
 	RequestId uint64 `protobuf:"varint,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	// The number of columns of `drafts` and `probs`: the largest K asked.
+	// The number of columns of `drafts` and `probs`: the largest K asked (a refused K counts
+	// as at most GetInfo.max_drafts).
 	Width int32 `protobuf:"varint,2,opt,name=width,proto3" json:"width,omitempty"`
 	// [B, width] row-major: row i's draft_counts[i] drafts, then -1.
 	Drafts []int32 `protobuf:"varint,3,rep,packed,name=drafts,proto3" json:"drafts,omitempty"`
