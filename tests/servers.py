@@ -98,6 +98,17 @@ class InProcessServer:
         self._thread.join(PATIENCE)
 
 
+def recording_tracer():
+    """(a TracerProvider, the in-memory exporter that holds its finished spans at once)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
 def small_engine(checkpoint: Path, **options):
     """An in-process engine on the test checkpoint, with the shared server's limits."""
     from mtpdraft.service.engine.engine import DraftEngine

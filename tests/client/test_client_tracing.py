@@ -10,11 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from servers import InProcessServer, small_engine
+from servers import InProcessServer, recording_tracer, small_engine
 
 from mtpdraft.service.telemetry import Telemetry
 
@@ -39,9 +36,7 @@ trace.get_tracer_provider().force_flush()
 
 @pytest.fixture(scope="module")
 def served(mimo_checkpoint):
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider, exporter = recording_tracer()
     server = InProcessServer(small_engine(mimo_checkpoint), telemetry=Telemetry(provider))
     yield server, exporter
     server.stop()

@@ -12,11 +12,9 @@ import json
 from pathlib import Path
 
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind
-from servers import InProcessServer, ServerProcess, small_engine
+from servers import InProcessServer, ServerProcess, recording_tracer, small_engine
 
 from mtpdraft.client import DrafterClient
 from mtpdraft.client.loadtest import (
@@ -225,9 +223,7 @@ def test_errors_are_counted_and_fail_only_when_asked(server: ServerProcess) -> N
 
 
 def test_step_spans_are_ancestors_of_server_spans(mimo_checkpoint: Path) -> None:
-    exporter = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer_provider, exporter = recording_tracer()
     server = InProcessServer(
         small_engine(mimo_checkpoint), telemetry=Telemetry(tracer_provider, None)
     )

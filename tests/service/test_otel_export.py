@@ -25,12 +25,9 @@ from drafting import hiddens, tokens
 from opentelemetry.instrumentation.grpc import client_interceptor, intercept_channel
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
-from servers import PATIENCE, SERVER_ARGS, ServerProcess, start_server
+from servers import PATIENCE, SERVER_ARGS, ServerProcess, recording_tracer, start_server
 
 from mtpdraft.client import DrafterClient, Verdict
 
@@ -128,9 +125,7 @@ def _start(mimo_checkpoint, collector: Collector) -> ServerProcess:
 
 def _traced_calls(address: str) -> list:
     """Every call kind from a traced client; returns the client's finished spans."""
-    exporter = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer_provider, exporter = recording_tracer()
     channel = intercept_channel(
         grpc.insecure_channel(address), client_interceptor(tracer_provider=tracer_provider)
     )
@@ -226,16 +221,21 @@ def test_the_rpc_metrics_and_the_engines_share_one_meter(exported) -> None:
     )
 
 
-def test_console_exporters_print_spans_and_metrics(mimo_checkpoint, monkeypatch) -> None:
-    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
-    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "console")
-    server = start_server(mimo_checkpoint, *SERVER_ARGS)
+def _output_of_one_call(checkpoint) -> str:
+    """A server started in this environment, one AllocState and FreeState: all it printed."""
+    server = start_server(checkpoint, *SERVER_ARGS)
     try:
         with DrafterClient(server.address, timeout=30) as c:
             c.free_state(c.alloc_state())
     finally:
         assert server.stop() == 0
-    out = "".join(server.lines) + server.process.stdout.read()
+    return "".join(server.lines) + server.process.stdout.read()
+
+
+def test_console_exporters_print_spans_and_metrics(mimo_checkpoint, monkeypatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "console")
+    out = _output_of_one_call(mimo_checkpoint)
     for name in (SERVICE + "AllocState", SERVICE + "FreeState", "mtpdraft.kv.free"):
         assert f'"name": "{name}"' in out
     for name in ("mtpdraft.states.live", "rpc.server.duration"):
@@ -248,14 +248,10 @@ def test_comma_separated_exporters_each_get_everything(mimo_checkpoint, monkeypa
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp, console")
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "console,OTLP")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.start())
-    server = start_server(mimo_checkpoint, *SERVER_ARGS)
     try:
-        with DrafterClient(server.address, timeout=30) as c:
-            c.free_state(c.alloc_state())
+        out = _output_of_one_call(mimo_checkpoint)
     finally:
-        assert server.stop() == 0
         collector.server.stop(0)
-    out = "".join(server.lines) + server.process.stdout.read()
     assert f'"name": "{SERVICE}AllocState"' in out  # the console's spans
     assert '"name": "mtpdraft.states.live"' in out  # and metrics
     assert collector.named(SERVICE + "AllocState")  # the collector's

@@ -21,11 +21,8 @@ import torch
 from certificates import cert, new_key, pem
 from drafting import Expected
 from mtp_reference import Reference
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from servers import InProcessServer, small_engine, start_server
+from servers import InProcessServer, recording_tracer, small_engine, start_server
 
 from mtpdraft.client import DrafterClient
 from mtpdraft.service.telemetry import Telemetry
@@ -80,9 +77,7 @@ def _live_states(address: str) -> int:
 
 @pytest.fixture(scope="module")
 def served(mimo_checkpoint):
-    exporter = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer_provider, exporter = recording_tracer()
     server = InProcessServer(small_engine(mimo_checkpoint), telemetry=Telemetry(tracer_provider))
     yield server, exporter
     server.stop()

@@ -24,10 +24,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from servers import SERVER_ARGS, InProcessServer, ServerProcess, small_engine, start_server
+from servers import (
+    SERVER_ARGS,
+    InProcessServer,
+    ServerProcess,
+    recording_tracer,
+    small_engine,
+    start_server,
+)
 
 from mtpdraft.client import AsyncDrafterClient, DrafterClient, DrafterError, Unavailable
 from mtpdraft.service import cli
@@ -441,9 +445,7 @@ def test_a_file_that_cannot_be_read_keeps_the_tokens_read_before(
 
 def test_unauthenticated_calls_are_refused_before_telemetry_sees_them(mimo_checkpoint) -> None:
     """In process, plaintext: the client's token rides on local credentials (loopback)."""
-    exporter = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer_provider, exporter = recording_tracer()
     server = InProcessServer(
         small_engine(mimo_checkpoint), telemetry=Telemetry(tracer_provider), tokens=[TOKEN_A]
     )

@@ -14,11 +14,9 @@ from drafting import hiddens, tokens
 from opentelemetry.instrumentation.grpc import client_interceptor, intercept_channel
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from servers import InProcessServer, small_engine
+from servers import InProcessServer, recording_tracer, small_engine
 
 from mtpdraft.client import DrafterClient, Verdict
 from mtpdraft.service.telemetry import Telemetry, providers_from_env
@@ -26,9 +24,7 @@ from mtpdraft.service.telemetry import Telemetry, providers_from_env
 
 @pytest.fixture
 def traced(mimo_checkpoint):
-    exporter, reader = InMemorySpanExporter(), InMemoryMetricReader()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    (tracer_provider, exporter), reader = recording_tracer(), InMemoryMetricReader()
     meter_provider = MeterProvider(metric_readers=[reader])
     server = InProcessServer(
         small_engine(mimo_checkpoint), telemetry=Telemetry(tracer_provider, meter_provider)

@@ -6,7 +6,8 @@
 const assert = require('node:assert/strict');
 const { after, before, test } = require('node:test');
 const grpc = require('@grpc/grpc-js');
-const { DrafterClient, DrafterError, Tensor, loadService } = require('../index.js');
+const { DrafterClient, DrafterError, Tensor } = require('../index.js');
+const { startFake } = require('./fake_server.js');
 
 const HIDDEN = 4;
 const requests = []; // every ColumnsRequest and ProposeBatchRequest the fake received
@@ -94,12 +95,9 @@ let server;
 let drafter;
 
 before(async () => {
-  server = new grpc.Server();
-  server.addService(loadService().service, fake);
-  const port = await new Promise((resolve, reject) =>
-    server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p))),
-  );
-  drafter = new DrafterClient(`127.0.0.1:${port}`, { timeoutMs: 10000 });
+  let address;
+  ({ server, address } = await startFake(fake));
+  drafter = new DrafterClient(address, { timeoutMs: 10000 });
 });
 
 after(() => {

@@ -5,8 +5,8 @@
 const assert = require('node:assert/strict');
 const { after, before, test } = require('node:test');
 const { setTimeout: sleep } = require('node:timers/promises');
-const grpc = require('@grpc/grpc-js');
-const { DrafterClient, DrafterError, Tensor, loadService } = require('../index.js');
+const { DrafterClient, DrafterError, Tensor } = require('../index.js');
+const { startFake } = require('./fake_server.js');
 
 const SHORT_MS = 300; // the client's default timeout, and an explicit stream's deadline
 const PAST_MS = 700; // how long each stream is kept open before its next message
@@ -40,12 +40,9 @@ let server;
 let drafter;
 
 before(async () => {
-  server = new grpc.Server();
-  server.addService(loadService().service, fake);
-  const port = await new Promise((resolve, reject) =>
-    server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p))),
-  );
-  drafter = new DrafterClient(`127.0.0.1:${port}`, { timeoutMs: SHORT_MS });
+  let address;
+  ({ server, address } = await startFake(fake));
+  drafter = new DrafterClient(address, { timeoutMs: SHORT_MS });
 });
 
 after(() => {
