@@ -3,7 +3,8 @@
 ``out = cat[norm_e(embeds), norm_h(hiddens)]`` when ``embed_first`` (DeepSeek-V3, GLM-4.5,
 Qwen3-Next), else ``cat[norm_h(hiddens), norm_e(embeds)]`` (MiMo). The embedding row is
 zeroed where ``positions == 0`` (before its norm, so that half of the output is 0), as vLLM
-does for the first row of a sequence. One program handles one row, both halves.
+does for the first row of a sequence in MiMo, DeepSeek-V3 and GLM (``mask_first``; Qwen3-Next
+keeps it). One program handles one row, both halves.
 """
 
 from __future__ import annotations
@@ -24,21 +25,22 @@ def _mtp_input_norms_kernel(
     h_ptr,  # [N, H] hidden states
     ew_ptr,  # [H] embedding norm scale
     hw_ptr,  # [H] hidden norm scale
-    pos_ptr,  # [N] int64 positions; the embedding is zeroed where 0
+    pos_ptr,  # [N] int64 positions; the embedding is zeroed where 0 (MASK_FIRST)
     out_ptr,  # [N, 2H] output, dtype of embeds
     H,  # hidden size
     eps,  # variance epsilon
     EMBED_FIRST: tl.constexpr,  # embedding half first (else hidden half first)
     UNIT_OFFSET: tl.constexpr,  # scale by (1 + w) instead of w
+    MASK_FIRST: tl.constexpr,  # zero the embedding at position 0
     BLOCK_H: tl.constexpr,  # next power of two >= H
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    keep = tl.load(pos_ptr + row) != 0
 
     e = tl.load(e_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-    e = tl.where(keep, e, 0.0)
+    if MASK_FIRST:
+        e = tl.where(tl.load(pos_ptr + row) != 0, e, 0.0)
     e = _rms_norm_row(e, ew_ptr, cols, mask, H, eps, UNIT_OFFSET)
     h = tl.load(h_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
     h = _rms_norm_row(h, hw_ptr, cols, mask, H, eps, UNIT_OFFSET)
@@ -62,6 +64,7 @@ def mtp_input_norms(
     *,
     embed_first: bool,
     unit_offset: bool = False,
+    mask_first: bool = True,
 ) -> torch.Tensor:
     """Normalize ``embeds`` and ``hiddens`` ([N, H] each) into one [N, 2H] tensor."""
     check_tensor("embeds", embeds, 2, FLOAT_DTYPES)
@@ -97,6 +100,7 @@ def mtp_input_norms(
         float(eps),
         EMBED_FIRST=embed_first,
         UNIT_OFFSET=unit_offset,
+        MASK_FIRST=mask_first,
         BLOCK_H=block_h,
         num_warps=row_warps(block_h),
     )

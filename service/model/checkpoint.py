@@ -1,24 +1,20 @@
-"""Reads an MTP head out of a checkpoint folder, in either published naming.
+"""Reads an MTP layer out of a checkpoint folder, in each published family's naming.
 
 A folder holds config.json and safetensors files (one file, or shards listed by
-model.safetensors.index.json). Only the tensors the MTP head needs are read, so a
-full target checkpoint can be pointed at directly. Two namings are understood:
+model.safetensors.index.json). Only the tensors the MTP layer needs are read, so a
+full target checkpoint can be pointed at directly; tensors under the MTP layer's
+prefix that the computation would not use are refused, as are config keys it
+would not honour (families.py says what each family computes). With several MTP
+layers the first is used and chained K times, as vLLM's MTP proposer does.
 
-- MiMo-7B: ``model.mtp_layers.0.*``; input norms ``token_layernorm`` /
-  ``hidden_layernorm``; ``input_proj`` over cat[hidden, embedding];
-  ``final_layernorm`` output is both the logits' input and the hidden passed on.
-- DeepSeek-V3 / GLM-4.5: ``model.layers.{num_hidden_layers}.*``; ``enorm`` /
-  ``hnorm``; ``eh_proj`` over cat[embedding, hidden]; ``shared_head.norm`` is
-  applied for the logits only; head ``shared_head.head`` or ``lm_head``.
-
-With several MTP layers the first is used and chained K times, as vLLM's MTP
-proposer does. Every CheckpointError raised here begins with the path of the file
-(or folder) at fault: `mtpdraft serve` prints it as one line.
+Every CheckpointError raised here begins with the path of the file (or folder)
+at fault: `mtpdraft serve` prints it as one line.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,79 +23,25 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import MTPConfig, read_config_json
+from .config import ConfigReader, MTPConfig, read_config_json
 from .errors import CheckpointError
+from .families import Layout, layout_of, read_config
 
 
 @dataclass
 class MTPWeights:
-    """One MTP layer's tensors under family-neutral names, in the checkpoint's layout."""
+    """One MTP layer's tensors under family-neutral names, in the checkpoint's layout.
+
+    A MoE layer's experts are stacked: ``experts_gate_up`` [E, 2I, H] (each expert's
+    gate rows, then its up rows) and ``experts_down`` [E, H, I].
+    """
 
     family: str
     config: MTPConfig
     embed_first: bool  # order of the concat feeding input_proj
-    pass_normed_hidden: bool  # MiMo passes the final-norm output on; DeepSeek the pre-norm
+    pass_normed_hidden: bool  # the final norm's output is passed on (else the pre-norm)
     tensors: dict[str, torch.Tensor]
-
-
-def _mimo_names(prefix: str) -> dict[str, str]:
-    return {
-        "norm_embed": f"{prefix}token_layernorm.weight",
-        "norm_hidden": f"{prefix}hidden_layernorm.weight",
-        "input_proj": f"{prefix}input_proj.weight",
-        "final_norm": f"{prefix}final_layernorm.weight",
-    }
-
-
-def _deepseek_names(prefix: str) -> dict[str, str]:
-    return {
-        "norm_embed": f"{prefix}enorm.weight",
-        "norm_hidden": f"{prefix}hnorm.weight",
-        "input_proj": f"{prefix}eh_proj.weight",
-        "final_norm": f"{prefix}shared_head.norm.weight",
-    }
-
-
-def _block_names(prefix: str, bias: bool) -> dict[str, str]:
-    names = {
-        "input_layernorm": f"{prefix}input_layernorm.weight",
-        "q_proj": f"{prefix}self_attn.q_proj.weight",
-        "k_proj": f"{prefix}self_attn.k_proj.weight",
-        "v_proj": f"{prefix}self_attn.v_proj.weight",
-        "o_proj": f"{prefix}self_attn.o_proj.weight",
-        "post_attention_layernorm": f"{prefix}post_attention_layernorm.weight",
-        "gate_proj": f"{prefix}mlp.gate_proj.weight",
-        "up_proj": f"{prefix}mlp.up_proj.weight",
-        "down_proj": f"{prefix}mlp.down_proj.weight",
-    }
-    if bias:
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            names[f"{proj}_bias"] = f"{prefix}self_attn.{proj}.bias"
-    return names
-
-
-def _expected_shapes(c: MTPConfig) -> dict[str, tuple[int, ...]]:
-    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
-    return {
-        "embed": (v, h),
-        "lm_head": (v, h),
-        "norm_embed": (h,),
-        "norm_hidden": (h,),
-        "input_proj": (h, 2 * h),
-        "final_norm": (h,),
-        "input_layernorm": (h,),
-        "q_proj": (c.q_size, h),
-        "k_proj": (c.kv_size, h),
-        "v_proj": (c.kv_size, h),
-        "q_proj_bias": (c.q_size,),
-        "k_proj_bias": (c.kv_size,),
-        "v_proj_bias": (c.kv_size,),
-        "o_proj": (h, c.q_size),
-        "post_attention_layernorm": (h,),
-        "gate_proj": (i, h),
-        "up_proj": (i, h),
-        "down_proj": (h, i),
-    }
+    mask_first_embedding: bool = True  # the embedding is zeroed at position 0
 
 
 @contextmanager
@@ -112,8 +54,8 @@ def _open(file: Path) -> Iterator:
         raise CheckpointError(f"{file}: {exc}") from exc
 
 
-class _TensorIndex:
-    """Maps tensor names to the safetensors file that holds them."""
+class TensorFiles:
+    """Maps tensor names to the safetensors file that holds them, and reads them."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -133,15 +75,6 @@ class _TensorIndex:
                 with _open(file) as f:
                     self.where.update(dict.fromkeys(f.keys(), file))
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.where
-
-    def first_present(self, *names: str) -> str | None:
-        return next((n for n in names if n in self), None)
-
-    def has_prefix(self, prefix: str) -> bool:
-        return any(name.startswith(prefix) for name in self.where)
-
     def read(self, name: str) -> torch.Tensor:
         file = self.where[name]
         if not file.is_file():
@@ -152,96 +85,217 @@ class _TensorIndex:
             return f.get_tensor(name)
 
 
-def _detect_family(raw: dict, index: _TensorIndex) -> tuple[str, str]:
-    """Returns (family, prefix of the first MTP layer's tensors)."""
-    if index.has_prefix("model.mtp_layers."):
-        return "mimo", "model.mtp_layers.0."
-    layers = raw.get("num_hidden_layers")
-    if layers is not None and f"model.layers.{layers}.eh_proj.weight" in index:
-        return "deepseek", f"model.layers.{layers}."
-    if "mtp.fc.weight" in index:
-        raise CheckpointError(
-            f"{index.folder}: Qwen3-Next MTP checkpoints (mtp.*) are not supported yet"
-        )
-    raise CheckpointError(
-        f"{index.folder}: no MTP layer found (looked for model.mtp_layers.0.* and "
-        f"model.layers.{layers}.eh_proj.weight)"
-    )
+class TensorDict:
+    """Tensors already in memory under their published names (benchmarks build these)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], label: str = "memory") -> None:
+        self.folder = Path(label)
+        self.tensors = tensors
+        self.where = dict.fromkeys(tensors, self.folder)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
 
 
-def _refuse_unsupported(prefix: str, raw: dict, index: _TensorIndex) -> None:
-    mla = (f"{prefix}self_attn.q_a_proj.weight", f"{prefix}self_attn.kv_a_proj_with_mqa.weight")
-    if name := index.first_present(*mla):
-        raise CheckpointError(
-            f"{index.where[name]}: {prefix}self_attn: MLA attention is not supported (GQA only)"
-        )
-    if index.has_prefix(f"{prefix}mlp.experts.") or f"{prefix}mlp.gate.weight" in index:
-        raise CheckpointError(
-            f"{index.folder}: {prefix}mlp: MoE MLPs are not supported (dense MLP only)"
-        )
-    if raw.get("use_qk_norm"):
-        raise CheckpointError(f"{index.folder / 'config.json'}: use_qk_norm is not supported")
+def _block_names(layout: Layout, c: MTPConfig) -> dict[str, str]:
+    """Family-neutral name -> published name of every non-expert tensor of the block."""
+    b = layout.block
+    names = {
+        "input_layernorm": f"{b}input_layernorm.weight",
+        "q_proj": f"{b}self_attn.q_proj.weight",
+        "k_proj": f"{b}self_attn.k_proj.weight",
+        "v_proj": f"{b}self_attn.v_proj.weight",
+        "o_proj": f"{b}self_attn.o_proj.weight",
+        "post_attention_layernorm": f"{b}post_attention_layernorm.weight",
+    }
+    if c.attention_bias:
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            names[f"{proj}_bias"] = f"{b}self_attn.{proj}.bias"
+    if c.qk_norm:
+        names |= {"q_norm": f"{b}self_attn.q_norm.weight", "k_norm": f"{b}self_attn.k_norm.weight"}
+    mlp = f"{b}mlp."
+    if c.moe is None:
+        return names | {p: f"{mlp}{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    names["router"] = f"{mlp}gate.weight"
+    if c.moe.scoring == "sigmoid":
+        names["router_bias"] = f"{mlp}gate.e_score_correction_bias"
+    if c.moe.shared_intermediate_size:
+        shared = f"{mlp}{layout.shared_expert}."
+        names |= {
+            f"shared_{p}": f"{shared}{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")
+        }
+    if c.moe.shared_expert_gate:
+        names["shared_expert_gate"] = f"{mlp}shared_expert_gate.weight"
+    return names
 
 
-def _read_config(folder: Path) -> dict:
-    """config.json as a dict, every error naming the file."""
-    raw = read_config_json(folder)
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{folder / 'config.json'}: not a JSON object")
-    return raw
+def _expected_shapes(c: MTPConfig) -> dict[str, tuple[int, ...]]:
+    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    q_rows = 2 * c.q_size if c.attn_output_gate else c.q_size
+    shapes = {
+        "embed": (v, h),
+        "lm_head": (v, h),
+        "norm_embed": (h,),
+        "norm_hidden": (h,),
+        "input_proj": (h, 2 * h),
+        "final_norm": (h,),
+        "input_layernorm": (h,),
+        "q_proj": (q_rows, h),
+        "k_proj": (c.kv_size, h),
+        "v_proj": (c.kv_size, h),
+        "q_proj_bias": (q_rows,),
+        "k_proj_bias": (c.kv_size,),
+        "v_proj_bias": (c.kv_size,),
+        "q_norm": (c.head_dim,),
+        "k_norm": (c.head_dim,),
+        "o_proj": (h, c.q_size),
+        "post_attention_layernorm": (h,),
+        "gate_proj": (i, h),
+        "up_proj": (i, h),
+        "down_proj": (h, i),
+    }
+    if c.moe is not None:
+        e, mi, si = c.moe.num_experts, c.moe.intermediate_size, c.moe.shared_intermediate_size
+        shapes |= {
+            "router": (e, h),
+            "router_bias": (e,),
+            "expert_gate_proj": (mi, h),
+            "expert_up_proj": (mi, h),
+            "expert_down_proj": (h, mi),
+            "experts_gate_up": (e, 2 * mi, h),
+            "experts_down": (e, h, mi),
+            "shared_gate_proj": (si, h),
+            "shared_up_proj": (si, h),
+            "shared_down_proj": (h, si),
+            "shared_expert_gate": (1, h),
+        }
+    return shapes
 
 
-def _config(folder: Path, raw: dict, family: str) -> MTPConfig:
-    """The MTP shape of config.json; a missing key or a value of the wrong type names it."""
-    path = folder / "config.json"
-    try:
-        return MTPConfig.from_dict(raw, family=family)
-    except CheckpointError as exc:  # its messages begin "config.json: "
-        raise CheckpointError(f"{path}: {str(exc).removeprefix('config.json: ')}") from exc
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{path}: a value of the wrong type ({exc})") from exc
+class _Reader:
+    """Reads tensors by published name, checking each against the shape config.json implies."""
 
+    def __init__(self, source: TensorFiles | TensorDict, shapes: dict) -> None:
+        self.source, self.shapes, self.used = source, shapes, set()
 
-def load_mtp_weights(folder: str | Path) -> MTPWeights:
-    """Reads and checks the first MTP layer, its embedding and its head."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: not a directory")
-    raw = _read_config(folder)
-    index = _TensorIndex(folder)
-    family, prefix = _detect_family(raw, index)
-    config = _config(folder, raw, family)
-    _refuse_unsupported(prefix, raw, index)
-
-    names = _mimo_names(prefix) if family == "mimo" else _deepseek_names(prefix)
-    names |= _block_names(prefix, config.attention_bias)
-    embed = index.first_present(f"{prefix}embed_tokens.weight", "model.embed_tokens.weight")
-    head = index.first_present(f"{prefix}shared_head.head.weight", "lm_head.weight")
-    if head is None and raw.get("tie_word_embeddings"):
-        head = embed
-    names["embed"] = embed or "model.embed_tokens.weight"
-    names["lm_head"] = head or "lm_head.weight"
-
-    shapes = _expected_shapes(config)
-    tensors = {}
-    for key, name in names.items():
-        if name not in index:
-            raise CheckpointError(f"{folder}: missing tensor {name}")
-        tensor, file = index.read(name), index.where[name]
-        if tuple(tensor.shape) != shapes[key]:
+    def __call__(self, key: str, name: str) -> torch.Tensor:
+        source = self.source
+        if name not in source.where:
+            raise CheckpointError(f"{source.folder}: missing tensor {name}")
+        tensor, file = source.read(name), source.where[name]
+        if tuple(tensor.shape) != self.shapes[key]:
             raise CheckpointError(
-                f"{file}: {name}: expected shape {shapes[key]} from config.json, "
+                f"{file}: {name}: expected shape {self.shapes[key]} from config.json, "
                 f"found {tuple(tensor.shape)}"
             )
         if not tensor.is_floating_point():
             raise CheckpointError(
                 f"{file}: {name}: expected a floating-point tensor, found {tensor.dtype}"
             )
-        tensors[key] = tensor
-    return MTPWeights(
-        family=family,
-        config=config,
-        embed_first=family != "mimo",
-        pass_normed_hidden=family == "mimo",
-        tensors=tensors,
+        self.used.add(name)
+        return tensor
+
+
+def _experts(read: _Reader, layout: Layout, c: MTPConfig) -> dict[str, torch.Tensor]:
+    """The routed experts stacked: [E, 2I, H] gate then up rows, and [E, H, I].
+
+    Stored one tensor per expert and projection, or already stacked (Qwen3.5:
+    ``experts.gate_up_proj`` [E, 2I, H] gate first, ``experts.down_proj`` [E, H, I]).
+    """
+    fused = f"{layout.block}mlp.experts."
+    if f"{fused}gate_up_proj" in read.source.where:
+        return {
+            "experts_gate_up": read("experts_gate_up", f"{fused}gate_up_proj"),
+            "experts_down": read("experts_down", f"{fused}down_proj"),
+        }
+    gate_up, down = [], []
+    for e in range(c.moe.num_experts):
+        p = f"{layout.block}mlp.experts.{e}."
+        gate_up.append(
+            torch.cat(
+                [
+                    read("expert_gate_proj", f"{p}gate_proj.weight"),
+                    read("expert_up_proj", f"{p}up_proj.weight"),
+                ]
+            )
+        )
+        down.append(read("expert_down_proj", f"{p}down_proj.weight"))
+    return {"experts_gate_up": torch.stack(gate_up), "experts_down": torch.stack(down)}
+
+
+def _refuse_unknown_tensors(source, layout: Layout, c: MTPConfig, used: set[str]) -> None:
+    """A tensor of the MTP layer that nothing reads means a computation not implemented."""
+    later_layers = re.compile(rf"^{re.escape(layout.prefix)}(layers\.)?[1-9]\d*\.")
+    if layout.family == "mimo":
+        later_layers = re.compile(r"^model\.mtp_layers\.[1-9]\d*\.")
+    unused = sorted(
+        n
+        for n in source.where
+        if n.startswith(layout.prefix) and n not in used and not later_layers.match(n)
     )
+    if not unused:
+        return
+    mla = [n for n in unused if ".q_a_proj." in n or ".kv_a_proj_with_mqa." in n]
+    if mla:
+        raise CheckpointError(
+            f"{source.where[mla[0]]}: {layout.block}self_attn: MLA attention is not supported "
+            "(GQA only)"
+        )
+    if c.moe is None and any(".mlp.experts." in n or n.endswith("mlp.gate.weight") for n in unused):
+        raise CheckpointError(
+            f"{source.folder}: {layout.block}mlp has experts but config.json describes a dense MLP"
+        )
+    shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+    raise CheckpointError(
+        f"{source.where[unused[0]]}: tensors the {layout.family} MTP layer would not use "
+        f"(a computation not implemented, or a config.json that does not match): {shown}"
+    )
+
+
+def _config(path: Path, raw: dict, family: str) -> MTPConfig:
+    """The family's config; a missing key or a value of the wrong type names it and the file."""
+    try:
+        return read_config(raw, family)
+    except CheckpointError as exc:  # its messages begin "config.json: "
+        raise CheckpointError(f"{path}: {str(exc).removeprefix('config.json: ')}") from exc
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: a value of the wrong type ({exc})") from exc
+
+
+def mtp_weights_from(raw: dict, source: TensorFiles | TensorDict) -> MTPWeights:
+    """Reads and checks the first MTP layer, its embedding and its head from `source`."""
+    config_path = source.folder / "config.json"
+    try:
+        layout = layout_of(raw, source.where)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{source.folder}: {exc}") from exc
+    config = _config(config_path, raw, layout.family)
+    read = _Reader(source, _expected_shapes(config))
+
+    names = dict(layout.inputs) | _block_names(layout, config)
+    embed = next((n for n in layout.embed if n in source.where), layout.embed[-1])
+    head = next((n for n in layout.head if n in source.where), None)
+    if head is None and ConfigReader(raw).get("tie_word_embeddings"):
+        head = embed
+    names |= {"embed": embed, "lm_head": head or layout.head[-1]}
+    tensors = {key: read(key, name) for key, name in names.items()}
+    if config.moe is not None:
+        tensors |= _experts(read, layout, config)
+    _refuse_unknown_tensors(source, layout, config, read.used)
+    return MTPWeights(
+        family=layout.family,
+        config=config,
+        embed_first=layout.embed_first,
+        pass_normed_hidden=layout.pass_normed_hidden,
+        tensors=tensors,
+        mask_first_embedding=layout.mask_first_embedding,
+    )
+
+
+def load_mtp_weights(folder: str | Path) -> MTPWeights:
+    """Reads and checks the first MTP layer, its embedding and its head from a folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a directory")
+    raw = read_config_json(folder)
+    return mtp_weights_from(raw, TensorFiles(folder))

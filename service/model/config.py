@@ -1,4 +1,12 @@
-"""The MTP head's shape, read from a checkpoint's config.json."""
+"""The MTP layer's shape and arithmetic, read from a checkpoint's config.json.
+
+Every key that changes the computation is either honoured or refused by name:
+a checkpoint is never read silently wrong. Both spellings transformers has
+written are read: ``rope_theta`` / ``rope_scaling`` / ``torch_dtype`` (4.x) and
+``rope_parameters`` / ``dtype`` (5.x); a multimodal config's ``text_config`` is
+the language model's. Which keys a family reads is its business (families.py);
+this module holds the result and the checks every family shares.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +22,22 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: a router picks top_k of num_experts per row."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one routed expert
+    scoring: str  # "softmax" (Qwen) or "sigmoid" (GLM / DeepSeek, with a correction bias)
+    norm_topk_prob: bool  # renormalize the top-k weights to sum to one
+    routed_scaling_factor: float
+    n_group: int  # experts fall in n_group groups; only topk_group groups may be picked
+    topk_group: int
+    shared_intermediate_size: int  # 0: no shared expert
+    shared_expert_gate: bool  # Qwen: the shared expert is scaled by sigmoid(x @ w)
+
+
+@dataclass(frozen=True)
 class MTPConfig:
     """What the forward needs to know about one MTP layer and its vocabulary."""
 
@@ -21,7 +45,7 @@ class MTPConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    intermediate_size: int
+    intermediate_size: int  # of the dense MLP; 0 when the layer's MLP is a MoE
     vocab_size: int
     rms_norm_eps: float
     rope_theta: float
@@ -31,42 +55,10 @@ class MTPConfig:
     num_hidden_layers: int
     num_mtp_layers: int
     dtype: torch.dtype
-
-    @classmethod
-    def from_dict(cls, raw: dict, *, family: str) -> MTPConfig:
-        def need(key: str):
-            if key not in raw:
-                raise CheckpointError(f"config.json: missing required key {key!r}")
-            return raw[key]
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        head_dim = int(raw.get("head_dim") or hidden // heads)
-        scaling = raw.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise CheckpointError(f"config.json: rope_scaling {scaling!r} is not supported")
-        rotary_dim = int(head_dim * float(raw.get("partial_rotary_factor", 1.0)))
-        dtype_name = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
-        if dtype_name not in _DTYPES:
-            raise CheckpointError(f"config.json: torch_dtype {dtype_name!r} is not supported")
-        # Qwen2 (MiMo's block) always has q/k/v biases; DeepSeek/GLM say so in the config.
-        bias = True if family == "mimo" else bool(raw.get("attention_bias", False))
-        return cls(
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
-            intermediate_size=int(need("intermediate_size")),
-            vocab_size=int(need("vocab_size")),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rotary_dim=rotary_dim,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-            attention_bias=bias,
-            num_hidden_layers=int(need("num_hidden_layers")),
-            num_mtp_layers=int(raw.get("num_nextn_predict_layers", 1)),
-            dtype=_DTYPES[dtype_name],
-        )
+    qk_norm: bool = False  # RMSNorm of each head of q and k before RoPE
+    attn_output_gate: bool = False  # Qwen3-Next: q_proj also yields a sigmoid gate per head
+    norm_unit_offset: bool = False  # every RMSNorm scales by (1 + w): zero-centred weights
+    moe: MoEConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -77,11 +69,90 @@ class MTPConfig:
         return self.num_key_value_heads * self.head_dim
 
 
+class ConfigReader:
+    """config.json's keys, each read by name so that an error names the key."""
+
+    def __init__(self, raw: dict) -> None:
+        if isinstance(raw.get("text_config"), dict):
+            raw = raw | raw["text_config"]  # a multimodal model: its language model's keys
+        self.raw = raw
+
+    def __contains__(self, key: str) -> bool:
+        return self.raw.get(key) is not None
+
+    def need(self, key: str):
+        if key not in self:
+            raise CheckpointError(f"config.json: missing required key {key!r}")
+        return self.raw[key]
+
+    def get(self, key: str, default=None):
+        value = self.raw.get(key)
+        return default if value is None else value
+
+    def int(self, key: str, default: int | None = None) -> int:
+        return int(self.need(key) if default is None else self.get(key, default))
+
+    def refuse_unless(self, key: str, allowed: tuple, why: str) -> None:
+        """A key whose other values change the computation in ways not implemented."""
+        if key in self and self.raw[key] not in allowed:
+            raise CheckpointError(f"config.json: {key}={self.raw[key]!r} is not supported ({why})")
+
+    def rope(self, head_dim: int) -> tuple[float, int]:
+        """(theta, rotary dims), from either spelling; only plain RoPE is implemented.
+
+        Qwen3.5's multimodal RoPE (mrope_section) rotates text tokens, whose three
+        position streams are equal, exactly as plain RoPE does: a verifier sends
+        text positions, so it is read as plain RoPE.
+        """
+        params = self.get("rope_parameters") or {}
+        scaling = self.get("rope_scaling") or {}
+        for name, table in (("rope_parameters", params), ("rope_scaling", scaling)):
+            kind = table.get("rope_type", table.get("type", "default"))
+            if kind not in ("default", None):
+                raise CheckpointError(
+                    f"config.json: {name} type {kind!r} is not supported (plain RoPE only)"
+                )
+        thetas = {v for v in (self.get("rope_theta"), params.get("rope_theta")) if v is not None}
+        if len(thetas) != 1:
+            raise CheckpointError(
+                "config.json: missing required key 'rope_theta' (or rope_parameters.rope_theta)"
+                if not thetas
+                else f"config.json: rope_theta and rope_parameters.rope_theta disagree {thetas}"
+            )
+        factor = float(params.get("partial_rotary_factor", self.get("partial_rotary_factor", 1)))
+        rotary = int(head_dim * factor)
+        if not 0 < rotary <= head_dim or rotary % 2:
+            raise CheckpointError(f"config.json: partial_rotary_factor {factor} is not usable")
+        return float(thetas.pop()), rotary
+
+    def dtype(self) -> torch.dtype:
+        name = str(self.get("torch_dtype") or self.get("dtype") or "bfloat16")
+        if name not in _DTYPES:
+            raise CheckpointError(f"config.json: dtype {name!r} is not supported")
+        return _DTYPES[name]
+
+    def refuse_common(self) -> None:
+        """Keys that no family here honours other than at their plain value."""
+        if "quantization_config" in self:
+            method = self.raw["quantization_config"]
+            method = method.get("quant_method", method) if isinstance(method, dict) else method
+            raise CheckpointError(
+                f"config.json: quantization_config ({method!r}) is not supported: "
+                "weights are read as stored, never without their scales"
+            )
+        self.refuse_unless("hidden_act", ("silu",), "the MLP is SwiGLU")
+        if self.get("use_sliding_window"):
+            raise CheckpointError("config.json: use_sliding_window is not supported")
+
+
 def read_config_json(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder}: no config.json")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return raw

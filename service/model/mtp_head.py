@@ -19,7 +19,14 @@ from .checkpoint import MTPWeights
 from .config import MTPConfig
 from .decode_chain import ChainInputs, ChainOutputs
 from .kv_cache import KVCache
+from .moe import MoEMLP
 from .ops import ops_for
+
+
+def _queries_then_gates(w: torch.Tensor, c: MTPConfig) -> torch.Tensor:
+    """Rows [head0 q, head0 gate, head1 q, ...] (Qwen3-Next's q_proj) -> [all q, all gates]."""
+    per_head = w.view(c.num_attention_heads, 2, c.head_dim, *w.shape[1:])
+    return per_head.transpose(0, 1).reshape(w.shape)
 
 
 class MTPHead:
@@ -38,27 +45,40 @@ class MTPHead:
         self.dtype = dtype or weights.config.dtype
         self._embed_first = weights.embed_first
         self._pass_normed = weights.pass_normed_hidden
-        t = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.tensors.items()}
+        self._mask_first = weights.mask_first_embedding
+        t = {k: self._place(k, v) for k, v in weights.tensors.items()}
+        c = self.config
         self.embed = t["embed"]
         self.lm_head = t["lm_head"]
         self.norm_embed, self.norm_hidden = t["norm_embed"], t["norm_hidden"]
         self.input_proj = t["input_proj"]
         self.input_layernorm = t["input_layernorm"]
-        # One GEMM for q, k, v and one for gate, up: fewer launches, same math.
-        self.qkv = torch.cat([t["q_proj"], t["k_proj"], t["v_proj"]])
+        # One GEMM for q (and its gate), k, v and one for gate, up: fewer launches, same math.
+        q, q_bias = t["q_proj"], t.get("q_proj_bias")
+        if c.attn_output_gate:  # per head [q, gate] rows -> all q rows, then all gate rows
+            q, q_bias = (None if w is None else _queries_then_gates(w, c) for w in (q, q_bias))
+        self.qkv = torch.cat([q, t["k_proj"], t["v_proj"]])
         self.qkv_bias = (
-            torch.cat([t["q_proj_bias"], t["k_proj_bias"], t["v_proj_bias"]])
-            if "q_proj_bias" in t
-            else None
+            torch.cat([q_bias, t["k_proj_bias"], t["v_proj_bias"]]) if q_bias is not None else None
         )
+        self.q_norm, self.k_norm = t.get("q_norm"), t.get("k_norm")
         self.o_proj = t["o_proj"]
         self.post_attention_layernorm = t["post_attention_layernorm"]
-        self.gate_up = torch.cat([t["gate_proj"], t["up_proj"]])
-        self.down_proj = t["down_proj"]
         self.final_norm = t["final_norm"]
-        self.cos_sin = self._rope_table()
         self.ops = ops_for(self.device, ops)
+        if c.moe is None:
+            self.gate_up = torch.cat([t["gate_proj"], t["up_proj"]])
+            self.down_proj = t["down_proj"]
+            self.moe = None
+        else:
+            self.moe = MoEMLP(c.moe, t, self.ops)
+        self.cos_sin = self._rope_table()
         self._graphs = None
+
+    def _place(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """On the device, in the compute dtype; the sigmoid router stays fp32 as in vLLM."""
+        fp32 = name in ("router", "router_bias") and self.config.moe.scoring == "sigmoid"
+        return tensor.to(device=self.device, dtype=torch.float32 if fp32 else self.dtype)
 
     def _rope_table(self) -> torch.Tensor:
         """[max_pos, rotary_dim]: cos columns then sin columns, fp32.
@@ -81,38 +101,54 @@ class MTPHead:
 
     def forward(self, batch: RowBatch, kv: KVCache) -> torch.Tensor:
         """Computes the rows, writes their K/V, returns the hiddens they pass on [N, H]."""
-        c, ops, eps = self.config, self.ops, self.config.rms_norm_eps
-        n = len(batch)
+        ops, eps, unit = self.ops, self.config.rms_norm_eps, self.config.norm_unit_offset
         embeds = F.embedding(batch.tokens, self.embed)
         hiddens = batch.hiddens.to(self.dtype)
         x = ops.input_norms(
             embeds, hiddens, self.norm_embed, self.norm_hidden, batch.positions, eps,
-            self._embed_first,
+            self._embed_first, unit, self._mask_first,
         )  # fmt: skip
         x = ops.linear(x, self.input_proj)
+        y = ops.rms_norm(x, self.input_layernorm, eps, unit)
+        x, y = ops.add_rms_norm(
+            x, self._attention(y, batch, kv), self.post_attention_layernorm, eps, unit
+        )
+        if self.moe is not None:
+            mlp_out = self.moe(y)
+        else:
+            mlp_out = ops.linear(ops.swiglu(ops.linear(y, self.gate_up)), self.down_proj)
+        if self._pass_normed:
+            return ops.add_rms_norm(x, mlp_out, self.final_norm, eps, unit)[1]
+        return x + mlp_out
 
-        y = ops.rms_norm(x, self.input_layernorm, eps)
+    def _attention(self, y: torch.Tensor, batch: RowBatch, kv: KVCache) -> torch.Tensor:
+        """Self-attention of the normed rows y over their sequences' KV (which it extends)."""
+        c, ops, n = self.config, self.ops, len(batch)
         qkv = ops.linear(y, self.qkv, self.qkv_bias)
+        gate_size = c.q_size if c.attn_output_gate else 0
+        q, gate, k, v = qkv.split([c.q_size, gate_size, c.kv_size, c.kv_size], -1)
         # Views of the fused projection: the kernels read (and rotate) them in place.
-        q, k, v = (
-            t.view(n, -1, c.head_dim) for t in qkv.split([c.q_size, c.kv_size, c.kv_size], -1)
-        )  # fmt: skip
+        q, k, v = (t.view(n, -1, c.head_dim) for t in (q, k, v))
+        if c.qk_norm:
+            eps, unit = c.rms_norm_eps, c.norm_unit_offset
+            q, k = (
+                ops.head_norm(q, self.q_norm, eps, unit),
+                ops.head_norm(k, self.k_norm, eps, unit),
+            )
         q = ops.rope_write_kv(q, k, v, batch.positions, self.cos_sin, kv, batch.slot_mapping)
         attn = ops.paged_attention(
             q, kv, batch.block_tables, batch.seq_ids, batch.context_lens, c.head_dim**-0.5
-        )
-        attn_out = ops.linear(attn.reshape(n, c.q_size), self.o_proj)
-        x, y = ops.add_rms_norm(x, attn_out, self.post_attention_layernorm, eps)
-        mlp_out = ops.linear(ops.swiglu(ops.linear(y, self.gate_up)), self.down_proj)
-        if self._pass_normed:
-            return ops.add_rms_norm(x, mlp_out, self.final_norm, eps)[1]
-        return x + mlp_out
+        ).reshape(n, c.q_size)
+        if gate_size:
+            attn = attn * torch.sigmoid(gate)
+        return ops.linear(attn, self.o_proj)
 
     def _head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the LM head multiplies: the hidden after final_norm."""
         if self._pass_normed:
             return hidden
-        return self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        c = self.config
+        return self.ops.rms_norm(hidden, self.final_norm, c.rms_norm_eps, c.norm_unit_offset)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V] logits of the hiddens forward() returned."""

@@ -26,19 +26,27 @@ class TorchOps:
         """Drafts of the normalized hiddens: select_drafts of the LM head's logits."""
         return torch_ops.select_drafts(F.linear(hidden, lm_head), bitmask)
 
-    def input_norms(self, embeds, hiddens, w_embed, w_hidden, positions, eps, embed_first):
-        embeds = embeds.masked_fill((positions == 0)[:, None], 0)
-        e = torch_ops.rms_norm(embeds, w_embed, eps)
-        h = torch_ops.rms_norm(hiddens, w_hidden, eps)
+    def input_norms(
+        self, embeds, hiddens, w_embed, w_hidden, positions, eps, embed_first, unit, mask_first
+    ):
+        if mask_first:
+            embeds = embeds.masked_fill((positions == 0)[:, None], 0)
+        e = torch_ops.rms_norm(embeds, w_embed, eps, unit)
+        h = torch_ops.rms_norm(hiddens, w_hidden, eps, unit)
         return torch.cat([e, h] if embed_first else [h, e], dim=-1)
 
-    def rms_norm(self, x, weight, eps):
-        return torch_ops.rms_norm(x, weight, eps)
+    def rms_norm(self, x, weight, eps, unit=False):
+        """RMSNorm over the last dim (`unit`: scaled by 1 + weight)."""
+        return torch_ops.rms_norm(x, weight, eps, unit)
 
-    def add_rms_norm(self, x, delta, weight, eps):
+    def head_norm(self, x, weight, eps, unit):
+        """RMSNorm of each head of x [N, heads, D] (a strided view); a new tensor."""
+        return torch_ops.rms_norm(x, weight, eps, unit)
+
+    def add_rms_norm(self, x, delta, weight, eps, unit=False):
         """(x + delta, its RMSNorm): the residual add and the next norm."""
         x = x + delta
-        return x, torch_ops.rms_norm(x, weight, eps)
+        return x, torch_ops.rms_norm(x, weight, eps, unit)
 
     def rope_write_kv(self, q, k, v, positions, cos_sin, kv: KVCache, slots) -> torch.Tensor:
         """Rotates q and k, writes k and v at the slots; returns the rotated q."""
@@ -52,6 +60,9 @@ class TorchOps:
 
     def swiglu(self, gate_up):
         return torch_ops.swiglu(gate_up)
+
+    def moe_experts(self, x, gate_up, down, ids, weights):
+        return torch_ops.moe_experts(x, gate_up, down, ids, weights)
 
 
 class TritonOps:
@@ -80,17 +91,25 @@ class TritonOps:
             return self.k.lm_head_drafts(hidden, lm_head, bitmask)
         return self.k.select_drafts(F.linear(hidden, lm_head), bitmask)
 
-    def input_norms(self, embeds, hiddens, w_embed, w_hidden, positions, eps, embed_first):
+    def input_norms(
+        self, embeds, hiddens, w_embed, w_hidden, positions, eps, embed_first, unit, mask_first
+    ):
         return self.k.mtp_input_norms(
-            embeds, hiddens, w_embed, w_hidden, positions, eps, embed_first=embed_first
-        )
+            embeds, hiddens, w_embed, w_hidden, positions, eps, embed_first=embed_first,
+            unit_offset=unit, mask_first=mask_first,
+        )  # fmt: skip
 
-    def rms_norm(self, x, weight, eps):
-        return self.k.rms_norm(x, weight, eps)
+    def rms_norm(self, x, weight, eps, unit=False):
+        return self.k.rms_norm(x, weight, eps, unit_offset=unit)
 
-    def add_rms_norm(self, x, delta, weight, eps):
+    def head_norm(self, x, weight, eps, unit):
+        n, heads, dim = x.shape
+        rows = x.reshape(n * heads, dim)  # one copy when x is a view of the fused projection
+        return self.k.rms_norm(rows, weight, eps, unit_offset=unit).view(n, heads, dim)
+
+    def add_rms_norm(self, x, delta, weight, eps, unit=False):
         """One kernel; x is updated in place (it is the forward's own residual stream)."""
-        return x, self.k.add_rms_norm(x, delta, weight, eps)
+        return x, self.k.add_rms_norm(x, delta, weight, eps, unit_offset=unit)
 
     def rope_write_kv(self, q, k, v, positions, cos_sin, kv: KVCache, slots) -> torch.Tensor:
         """q, k, v may be strided views of the fused projection: rotated where they are."""
@@ -102,6 +121,10 @@ class TritonOps:
 
     def swiglu(self, gate_up):
         return self.k.swiglu(gate_up)
+
+    def moe_experts(self, x, gate_up, down, ids, weights):
+        """Only the routed experts' weights are read, on the device: capturable in a graph."""
+        return self.k.fused_moe(x, gate_up, down, ids, weights)
 
 
 def ops_for(device: torch.device, choice: str = "auto") -> TorchOps | TritonOps:

@@ -1,9 +1,9 @@
-"""Writes MTP checkpoints with random weights in the published namings.
+"""Random-weight MTP checkpoints in the published namings of every family served.
 
-Used to build the embedded default model and the test checkpoints: the files
-are what a real MiMo or DeepSeek/GLM checkpoint holds for its MTP layer
-(config.json, safetensors, optionally sharded with an index), so the real
-loader reads them.
+Used to build the embedded default model, benchmark models at real shapes (in
+memory: `random_tensors`), and test checkpoints (`write_random_checkpoint`): the
+tensors are what a real checkpoint of the family holds for its MTP layer, so the
+real loader reads them.
 """
 
 from __future__ import annotations
@@ -16,44 +16,114 @@ import torch
 from safetensors.torch import save_file
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_ARCHITECTURES = {
+    "mimo": ("MiMoForCausalLM", "mimo"),
+    "deepseek": ("DeepseekV3ForCausalLM", "deepseek_v3"),
+    "glm4_moe": ("Glm4MoeForCausalLM", "glm4_moe"),
+    "qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next"),
+}
+# A small MoE for each MoE family's default test checkpoint (published key names).
+_SMALL_MOE = {
+    "glm4_moe": dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        n_group=1, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+        first_k_dense_replace=1, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+        head_dim=32,
+    ),
+    "qwen3_next": dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], partial_rotary_factor=0.25, head_dim=32,
+    ),
+}  # fmt: skip
 
 
-def _layer_tensors(
-    family: str, prefix: str, cfg: dict, gen: torch.Generator
-) -> dict[str, torch.Tensor]:
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    head_dim = h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+class _Random:
+    """Draws the weights: scaled so that activations stay O(1) and logits spread."""
 
-    def matrix(rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
+    def __init__(self, seed: int, device: str | torch.device) -> None:
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        self.device = device
 
-    def norm() -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(h, generator=gen)
+    def normal(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen, device=self.device)
 
-    if family == "mimo":
-        first = {"token_layernorm": norm(), "hidden_layernorm": norm()}
-        first["input_proj"] = matrix(h, 2 * h)
-        last = {"final_layernorm": norm()}
-    else:
-        first = {"enorm": norm(), "hnorm": norm(), "eh_proj": matrix(h, 2 * h)}
-        last = {"shared_head.norm": norm()}
-    block = {
-        "input_layernorm": norm(),
-        "self_attn.q_proj": matrix(q, h),
-        "self_attn.k_proj": matrix(kv, h),
-        "self_attn.v_proj": matrix(kv, h),
-        "self_attn.o_proj": matrix(h, q),
-        "post_attention_layernorm": norm(),
-        "mlp.gate_proj": matrix(inter, h),
-        "mlp.up_proj": matrix(inter, h),
-        "mlp.down_proj": matrix(h, inter),
+    def matrix(self, *shape: int) -> torch.Tensor:
+        return self.normal(*shape) / math.sqrt(shape[-1])
+
+    def norm(self, size: int, zero_centred: bool = False) -> torch.Tensor:
+        return (0.0 if zero_centred else 1.0) + 0.1 * self.normal(size)
+
+
+def _mlp(r: _Random, prefix: str, h: int, inter: int) -> dict[str, torch.Tensor]:
+    return {
+        f"{prefix}gate_proj.weight": r.matrix(inter, h),
+        f"{prefix}up_proj.weight": r.matrix(inter, h),
+        f"{prefix}down_proj.weight": r.matrix(h, inter),
     }
-    tensors = {f"{prefix}{k}.weight": v for k, v in (first | block | last).items()}
+
+
+def random_tensors(
+    cfg: dict,
+    family: str,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """The embedding, LM head and first MTP layer of `family`, shaped by config.json `cfg`."""
+    r = _Random(seed, device)
+    h, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or h // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    qwen = family == "qwen3_next"
+    if family == "mimo":
+        p = block = "model.mtp_layers.0."
+        inputs = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")
+    elif qwen:
+        p, block = "mtp.", "mtp.layers.0."
+        inputs = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")
+    else:
+        p = block = f"model.layers.{cfg['num_hidden_layers']}."
+        inputs = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
+    t = {
+        "model.embed_tokens.weight": r.normal(cfg["vocab_size"], h),
+        # A head scaled so that logits spread over a few units: peaked, tie-free drafts.
+        "lm_head.weight": 3.0 * r.matrix(cfg["vocab_size"], h),
+        f"{p}{inputs[0]}.weight": r.norm(h, qwen),
+        f"{p}{inputs[1]}.weight": r.norm(h, qwen),
+        f"{p}{inputs[2]}.weight": r.matrix(h, 2 * h),
+        f"{p}{inputs[3]}.weight": r.norm(h, qwen),
+        f"{block}input_layernorm.weight": r.norm(h, qwen),
+        f"{block}self_attn.q_proj.weight": r.matrix(2 * q if qwen else q, h),
+        f"{block}self_attn.k_proj.weight": r.matrix(kv, h),
+        f"{block}self_attn.v_proj.weight": r.matrix(kv, h),
+        f"{block}self_attn.o_proj.weight": r.matrix(h, q),
+        f"{block}post_attention_layernorm.weight": r.norm(h, qwen),
+    }
     if family == "mimo" or cfg.get("attention_bias"):
         for proj, size in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            tensors[f"{prefix}self_attn.{proj}.bias"] = 0.1 * torch.randn(size, generator=gen)
-    return tensors
+            t[f"{block}self_attn.{proj}.bias"] = 0.1 * r.normal(size)
+    if qwen or cfg.get("use_qk_norm"):
+        t[f"{block}self_attn.q_norm.weight"] = r.norm(head_dim, qwen)
+        t[f"{block}self_attn.k_norm.weight"] = r.norm(head_dim, qwen)
+    mlp = f"{block}mlp."
+    experts = cfg.get("num_experts") if qwen else cfg.get("n_routed_experts")
+    if not experts:
+        return t | _mlp(r, mlp, h, cfg["intermediate_size"])
+    inter = cfg["moe_intermediate_size"]
+    t[f"{mlp}gate.weight"] = r.matrix(experts, h)
+    for e in range(experts):
+        t |= _mlp(r, f"{mlp}experts.{e}.", h, inter)
+    if qwen:
+        if shared := cfg.get("shared_expert_intermediate_size"):
+            t |= _mlp(r, f"{mlp}shared_expert.", h, shared)
+            t[f"{mlp}shared_expert_gate.weight"] = r.matrix(1, h)
+    else:
+        t[f"{mlp}gate.e_score_correction_bias"] = 0.1 * r.normal(experts).abs()
+        if shared := cfg.get("n_shared_experts"):
+            t |= _mlp(r, f"{mlp}shared_experts.", h, inter * shared)
+    return {k: v.to(dtype) for k, v in t.items()}
 
 
 def write_random_checkpoint(
@@ -71,14 +141,18 @@ def write_random_checkpoint(
     shards: int = 1,
     extra_config: dict | None = None,
 ) -> Path:
-    """Writes config.json and safetensors for one MTP layer with random weights."""
-    if family not in ("mimo", "deepseek"):
+    """Writes config.json and safetensors for one MTP layer with random weights.
+
+    A MoE family gets a small MoE (8 experts, top 2) unless `extra_config` says otherwise.
+    """
+    if family not in _ARCHITECTURES:
         raise ValueError(f"unknown family {family!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    architecture, model_type = _ARCHITECTURES[family]
     cfg = {
-        "architectures": ["MiMoForCausalLM" if family == "mimo" else "DeepseekV3ForCausalLM"],
-        "model_type": "mimo" if family == "mimo" else "deepseek_v3",
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": hidden_size,
         "num_attention_heads": num_attention_heads,
         "num_key_value_heads": num_key_value_heads,
@@ -86,22 +160,16 @@ def write_random_checkpoint(
         "vocab_size": vocab_size,
         "num_hidden_layers": num_hidden_layers,
         "num_nextn_predict_layers": 1,
+        "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
         "torch_dtype": _DTYPE_NAMES[dtype],
-    } | (extra_config or {})
-    gen = torch.Generator().manual_seed(seed)
-    prefix = "model.mtp_layers.0." if family == "mimo" else f"model.layers.{num_hidden_layers}."
-    tensors = {
-        "model.embed_tokens.weight": torch.randn(vocab_size, hidden_size, generator=gen),
-        # A head scaled so that logits spread over a few units: peaked, tie-free drafts.
-        "lm_head.weight": 3.0
-        * torch.randn(vocab_size, hidden_size, generator=gen)
-        / math.sqrt(hidden_size),
-    } | _layer_tensors(family, prefix, cfg, gen)
-    tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+    }
+    cfg = cfg | _SMALL_MOE.get(family, {}) | (extra_config or {})
+    tensors = random_tensors(cfg, family, seed=seed, dtype=dtype)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
 
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if shards == 1:

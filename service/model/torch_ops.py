@@ -9,10 +9,14 @@ import torch
 _MAX_SCORE_ELEMENTS = 1 << 26
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+) -> torch.Tensor:
+    """RMSNorm over the last dim, scaled by w (or by 1 + w: zero-centred weights)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+    scale = 1.0 + weight.float() if unit_offset else weight.float()
+    return (xf * scale).to(x.dtype)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -66,6 +70,28 @@ def paged_attention(
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts' SwiGLU MLPs [E, 2I, H] / [E, H, I], summed by the routing weights.
+
+    Each expert runs on the rows routed to it (the host looks at the routing: this
+    path is not for CUDA graphs); its activation is rounded to x's dtype, the
+    weighted sum is kept in fp32 and rounded once.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        rows, slots = (ids == e).nonzero(as_tuple=True)
+        act = swiglu(torch.nn.functional.linear(x[rows], gate_up[e]))
+        routed = torch.nn.functional.linear(act, down[e]).float()
+        out.index_add_(0, rows, weights[rows, slots, None].float() * routed)
+    return out.to(x.dtype)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -22,8 +22,9 @@ def mtp_input_norms_ref(
     eps: float,
     embed_first: bool,
     unit_offset: bool,
+    mask_first: bool = True,
 ) -> torch.Tensor:
-    e = embeds.float().masked_fill((positions == 0)[:, None], 0.0)
+    e = embeds.float().masked_fill(((positions == 0) & mask_first)[:, None], 0.0)
     e = _norm(e, embed_weight, eps, unit_offset)
     h = _norm(hiddens.float(), hidden_weight, eps, unit_offset)
     parts = [e, h] if embed_first else [h, e]
@@ -58,6 +59,19 @@ def test_matches_reference(
     e_half = out[:, :h] if embed_first else out[:, h:]
     assert torch.all(e_half[positions == 0] == 0)
     assert torch.all(e_half[positions != 0] != 0)
+
+
+def test_position_0_keeps_its_embedding_unless_masked(device: torch.device) -> None:
+    """Qwen3-Next's MTP layer does not zero the first row's embedding (mask_first=False)."""
+    gen = torch.Generator().manual_seed(3)
+    embeds, hiddens = (torch.randn(3, 32, generator=gen).to(device) for _ in range(2))
+    w = torch.full((32,), 0.1, device=device)
+    positions = torch.tensor([0, 1, 0], device=device)
+    args = (embeds, hiddens, w, w, positions, 1e-6)
+    out = mtp_input_norms(*args, embed_first=True, unit_offset=True, mask_first=False)
+    ref = mtp_input_norms_ref(*args, True, True, mask_first=False)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.all(out[:, :32] != 0)
 
 
 def test_rejects_bad_arguments() -> None:
