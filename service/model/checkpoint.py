@@ -241,10 +241,6 @@ def _refuse_unknown_tensors(source, layout: Layout, c: MTPConfig, used: set[str]
             f"{source.where[mla[0]]}: {layout.block}self_attn: MLA attention is not supported "
             "(GQA only)"
         )
-    if c.moe is None and any(".mlp.experts." in n or n.endswith("mlp.gate.weight") for n in unused):
-        raise CheckpointError(
-            f"{source.folder}: {layout.block}mlp has experts but config.json describes a dense MLP"
-        )
     shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
     raise CheckpointError(
         f"{source.where[unused[0]]}: tensors the {layout.family} MTP layer would not use "
@@ -270,6 +266,11 @@ def mtp_weights_from(raw: dict, source: TensorFiles | TensorDict) -> MTPWeights:
     except CheckpointError as exc:
         raise CheckpointError(f"{source.folder}: {exc}") from exc
     config = _config(config_path, raw, layout.family)
+    experts = f"{layout.block}mlp.experts."
+    if config.moe is None and any(n.startswith(experts) for n in source.where):
+        raise CheckpointError(
+            f"{config_path}: describes a dense MLP, but {experts[:-9]} has experts"
+        )
     read = _Reader(source, _expected_shapes(config))
 
     names = dict(layout.inputs) | _block_names(layout, config)

@@ -75,7 +75,10 @@ def test_shard_named_by_the_index_must_exist(tmp_path) -> None:
     ("extra", "message"),
     [
         ("model.layers.2.self_attn.q_a_proj.weight", "MLA attention is not supported"),
-        ("model.layers.2.mlp.experts.0.up_proj.weight", "has experts but config.json describes a dense"),
+        (
+            "model.layers.2.mlp.experts.0.up_proj.weight",
+            "describes a dense MLP, but model.layers.2.mlp has experts",
+        ),
     ],
 )
 def test_unsupported_deepseek_variants_are_refused(tmp_path, extra: str, message: str) -> None:
