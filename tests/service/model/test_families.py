@@ -153,3 +153,29 @@ def test_a_transformers5_rope_theta_is_read_not_defaulted(tmp_path) -> None:
     _edit_config(tmp_path, lambda c: c.update(rope_theta=10000.0))
     with pytest.raises(CheckpointError, match="disagree"):
         load_mtp_weights(tmp_path)
+
+
+def test_a_mimo_config_in_the_transformers5_spelling(tmp_path) -> None:
+    """MiMo's rope_theta 640000 under rope_parameters is read; a yarn setting there is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from mtpdraft.service.model.synthetic import write_random_checkpoint
+
+    write_random_checkpoint(tmp_path, "mimo")
+
+    def respell(c: dict) -> None:
+        del c["rope_theta"], c["torch_dtype"]
+        c |= {"rope_parameters": {"rope_type": "default", "rope_theta": 640000.0}}
+        c |= {"dtype": "float32"}
+
+    _edit_config(tmp_path, respell)
+    assert load_mtp_weights(tmp_path).config.rope_theta == 640000.0
+    _edit_config(tmp_path, lambda c: c["rope_parameters"].update(rope_type="yarn", factor=2.0))
+    with pytest.raises(CheckpointError, match="rope_parameters type 'yarn' is not supported"):
+        load_mtp_weights(tmp_path)
+    _edit_config(tmp_path, lambda c: c["rope_parameters"].update(rope_type="default"))
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.mtp_layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"mimo MTP layer would not use.*q_norm"):
+        load_mtp_weights(tmp_path)
