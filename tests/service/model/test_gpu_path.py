@@ -91,17 +91,28 @@ def _compare(folder, device: torch.device, lengths: list[int], graphs: bool) -> 
     torch.testing.assert_close(p_fast, p_ref.float(), atol=tol, rtol=tol)
 
 
-def test_triton_ops_match_torch_ops_on_the_cpu(tmp_path) -> None:
-    write_random_checkpoint(tmp_path, "mimo", hidden_size=64, vocab_size=200, seed=7)
+@pytest.mark.parametrize("family", ["mimo", "glm4_moe", "qwen3_next"])
+def test_triton_ops_match_torch_ops_on_the_cpu(tmp_path, family: str) -> None:
+    write_random_checkpoint(tmp_path, family, hidden_size=64, vocab_size=200, seed=7)
     _compare(tmp_path, torch.device("cpu"), [5, 33, 17], graphs=False)
 
 
+# The MoE families at a larger shape: 16 experts of 512, top 4 (GLM: in 2 groups).
+GPU_MOE = {
+    "glm4_moe": {"n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 512,
+                 "n_group": 2, "topk_group": 1, "head_dim": 128},
+    "qwen3_next": {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 512,
+                   "shared_expert_intermediate_size": 512, "head_dim": 128},
+}  # fmt: skip
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["mimo", "deepseek"])
+@pytest.mark.parametrize("family", ["mimo", "deepseek", "glm4_moe", "qwen3_next"])
 def test_graphed_triton_path_matches_torch_on_the_gpu(tmp_path, family: str) -> None:
     write_random_checkpoint(
         tmp_path, family, hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
         intermediate_size=2816, vocab_size=32000, dtype=torch.bfloat16, seed=8,
+        extra_config=GPU_MOE.get(family),
     )  # fmt: skip
     _compare(tmp_path, torch.device("cuda"), [1, 300, 77, 1024, 5], graphs=True)
 
