@@ -10,3 +10,33 @@ SMALL = dict(
     hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
     intermediate_size=512, vocab_size=1024,
 )  # fmt: skip
+
+# The MTP layers of two MoE families at their published shapes (config.json keys as
+# published; the weights are random). MoE decode steps touch only the routed experts.
+GLM_45_AIR = {
+    "model_type": "glm4_moe", "hidden_size": 4096, "num_attention_heads": 96,
+    "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
+    "attention_bias": True, "use_qk_norm": False, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "n_routed_experts": 128, "num_experts_per_tok": 8,
+    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True, "first_k_dense_replace": 1, "num_hidden_layers": 46,
+    "vocab_size": 151552, "rms_norm_eps": 1e-5, "rope_theta": 1000000,
+    "max_position_embeddings": 131072, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}  # fmt: skip
+QWEN3_NEXT_80B = {
+    "model_type": "qwen3_next", "hidden_size": 2048, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
+    "attention_bias": False, "intermediate_size": 5120, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "num_experts": 512, "num_experts_per_tok": 10,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "num_hidden_layers": 48, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000000, "max_position_embeddings": 262144, "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+# Tiny MoE versions of both for CPU smoke runs.
+SMALL_MOE = {
+    "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "moe_intermediate_size": 32, "vocab_size": 256, "max_position_embeddings": 4096,
+    "n_routed_experts": 8, "num_experts": 8, "num_experts_per_tok": 2,
+    "shared_expert_intermediate_size": 32,
+}  # fmt: skip

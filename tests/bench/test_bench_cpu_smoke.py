@@ -42,3 +42,15 @@ def test_bench_verifier_measures_every_way_and_judges_the_targets(tmp_path: Path
         assert row[way].get("drafts_per_s", 0) > 0, (way, row[way])
     assert set(report["floor"]["1x2"]) == {"tcp", "unix"}
     assert report["targets"] and all("met" in t for t in report["targets"])
+
+
+def test_bench_families_reports_every_family_against_its_roofline(tmp_path: Path) -> None:
+    args = ["--small", "--device", "cpu", "--batches", "1,4", "--context", "64", "--iters", "2"]
+    done = _run("bench_families.py", *args, "--no-compile", "--out-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "families.json").read_text())
+    assert set(report["families"]) == {"glm-4.5-air", "qwen3-next-80b"}
+    for family in report["families"].values():
+        assert [r["batch"] for r in family["rows"]] == [1, 4]
+        assert all(r["roofline_ms"] > 0 and 1 <= r["experts_touched"] <= 8 for r in family["rows"])
+    assert "| batch | context | experts touched |" in (tmp_path / "families.md").read_text()
