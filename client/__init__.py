@@ -10,7 +10,9 @@
         c.free_state(s)
 
 Hiddens are numpy (float32/float16) or torch (bfloat16/float16/float32) arrays;
-failures raise ``DrafterError`` subclasses.
+failures raise ``DrafterError`` subclasses. Behind several replicas (deploy/README.md), give
+``affinity_key=``; a state whose replica is gone raises ``StateLost``, and ``reprefill``
+rebuilds it from the verifier's tokens and hiddens (``move_state`` moves a live one).
 """
 
 from .async_client import AsyncDrafterClient
@@ -22,11 +24,13 @@ from .errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    StateLost,
     StateNotFound,
     Unavailable,
     from_rpc_error,
 )
-from .messages import DEFAULT_CHUNK_BYTES
+from .messages import AFFINITY_HEADER, DEFAULT_CHUNK_BYTES
+from .recovery import is_state_lost, move_state, move_state_async, reprefill, reprefill_async
 from .stream import AsyncColumnsStream, AsyncProposeStream, ColumnsStream, ProposeStream
 from .sync_client import DrafterClient
 from .types import (
@@ -42,6 +46,7 @@ from .types import (
 )
 
 __all__ = [
+    "AFFINITY_HEADER",
     "DEFAULT_CHUNK_BYTES",
     "AsyncColumnsStream",
     "AsyncDrafterClient",
@@ -63,9 +68,15 @@ __all__ = [
     "ProposeStream",
     "ResourceExhausted",
     "ServerInfo",
+    "StateLost",
     "StateNotFound",
     "Unavailable",
     "Verdict",
     "VerifyResult",
     "from_rpc_error",
+    "is_state_lost",
+    "move_state",
+    "move_state_async",
+    "reprefill",
+    "reprefill_async",
 ]

@@ -7,11 +7,12 @@ is raised as a typed ``DrafterError``. Use it from one event loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
+from mtpdraft.v1 import drafter_pb2 as pb
 from mtpdraft.v1 import drafter_pb2_grpc
 
 from . import messages as m
@@ -59,6 +60,11 @@ class AsyncDrafterClient:
     caller's current span, whose context the server's span joins (see
     ``mtpdraft.client.tracing``: where the application set no tracer provider, one is
     made from the standard OTEL_* variables).
+
+    ``affinity_key`` (e.g. the verifier's engine id) goes with every call as the
+    ``x-mtpdraft-affinity`` metadata, by which a proxy or gRPC's ring_hash policy sends all
+    of a key's calls to one replica (deploy/README.md); ``keyed`` gives a client of the same
+    channel with another key.
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class AsyncDrafterClient:
         certificate_chain: PemSource | None = None,
         token: str | None = None,
         tracing: bool = False,
+        affinity_key: str | None = None,
     ) -> None:
         security = dict(
             tls=tls,
@@ -97,8 +104,19 @@ class AsyncDrafterClient:
             self._owns_channel = False
         self.target = target
         self.timeout = timeout
+        self.affinity_key = affinity_key
+        self._metadata = m.affinity_metadata(affinity_key)
         self._channel = channel
         self._stub = drafter_pb2_grpc.DrafterStub(channel)
+
+    def keyed(self, affinity_key: str | None) -> AsyncDrafterClient:
+        """A client of this channel whose calls carry ``affinity_key`` (closing it leaves
+        the channel open)."""
+        client = AsyncDrafterClient(
+            channel=self._channel, timeout=self.timeout, affinity_key=affinity_key
+        )
+        client.target = self.target
+        return client
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -119,7 +137,9 @@ class AsyncDrafterClient:
         self, rpc: Callable[..., Any], request: Any, parse: Callable[[Any], _R], timeout: Timeout
     ) -> _R:
         try:
-            resp = await rpc(request, timeout=m.resolve_timeout(timeout, self.timeout))
+            resp = await rpc(
+                request, timeout=m.resolve_timeout(timeout, self.timeout), metadata=self._metadata
+            )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
         return parse(resp)
@@ -229,7 +249,7 @@ class AsyncDrafterClient:
         """A ProposeColumnsStream: one message per verifier step (``step`` takes the
         arguments of ``propose_columns``). No deadline unless ``timeout`` (seconds, for
         the whole stream) is given: the client's default timeout is not applied."""
-        return AsyncColumnsStream(self._stub, timeout)
+        return AsyncColumnsStream(self._stub, timeout, self._metadata)
 
     async def after_verify(
         self,
@@ -255,11 +275,67 @@ class AsyncDrafterClient:
         req = m.install_kv_request(state, handle)
         return await self._unary(self._stub.InstallKV, req, m.parse_install_kv, timeout)
 
+    def export_kv_chunks(
+        self,
+        handle: KVHandle | int,
+        *,
+        max_chunk_bytes: int | None = None,
+        keep_handle: bool = False,
+        timeout: Timeout = DEFAULT,
+    ) -> AsyncIterator[pb.KVChunk]:
+        """ExportKV's chunks as they come: pass them to another server's ``import_kv``
+        without holding them all. The handle is freed once the last chunk is read,
+        unless ``keep_handle``."""
+        req = m.export_kv_request(handle, max_chunk_bytes, keep_handle)
+        call = self._stub.ExportKV(
+            req, timeout=m.resolve_timeout(timeout, self.timeout), metadata=self._metadata
+        )
+
+        async def chunks() -> AsyncIterator[pb.KVChunk]:
+            try:
+                async for chunk in call:
+                    yield chunk
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from e
+
+        return chunks()
+
+    async def export_kv(
+        self,
+        handle: KVHandle | int,
+        *,
+        max_chunk_bytes: int | None = None,
+        keep_handle: bool = False,
+        timeout: Timeout = DEFAULT,
+    ) -> bytes:
+        """A KV handle's rows as bytes (with the model's fingerprint, the dtype and the KV
+        shape), for ``import_kv`` on another server of the same model. The handle is freed
+        once exported, unless ``keep_handle``."""
+        chunks = self.export_kv_chunks(
+            handle, max_chunk_bytes=max_chunk_bytes, keep_handle=keep_handle, timeout=timeout
+        )
+        return m.kv_bytes([chunk async for chunk in chunks])
+
+    async def import_kv(
+        self,
+        state: int,
+        kv: bytes | Iterable[pb.KVChunk] | AsyncIterable[pb.KVChunk],
+        *,
+        timeout: Timeout = DEFAULT,
+    ) -> InstallResult:
+        """Installs exported KV (``export_kv``'s bytes, or ``export_kv_chunks``' chunks) into
+        an empty state: all or nothing."""
+        if isinstance(kv, AsyncIterable):
+            chunks: Any = m.import_kv_chunks_async(state, kv)
+        else:
+            chunks = m.import_kv_chunks(state, kv)
+        return await self._unary(self._stub.ImportKV, chunks, m.parse_import_kv, timeout)
+
     def stream(self, *, timeout: float | None = None) -> AsyncProposeStream:
         """The hot path: a ProposeStream, one message and one answer per verify step.
         No deadline unless ``timeout`` (seconds, for the whole stream) is given: the
         client's default timeout is not applied."""
-        return AsyncProposeStream(self._stub, timeout)
+        return AsyncProposeStream(self._stub, timeout, self._metadata)
 
     async def free_state(self, state: int, *, timeout: Timeout = DEFAULT) -> bool:
         """Releases the state; returns whether it existed. Idempotent."""

@@ -68,6 +68,17 @@ class StateNotFound(DrafterError):
 NotFound = StateNotFound
 
 
+class StateLost(StateNotFound):
+    """NOT_FOUND, reason STATE_LOST: the state's KV is gone (its replica restarted or is
+    gone, the call reached another replica, or its lease expired). Allocate a new state and
+    prefill it again from the verifier's own tokens and hiddens
+    (``mtpdraft.client.recovery.reprefill``), or import its exported KV."""
+
+
+#: The reason of a state whose KV is gone (see StateLost).
+STATE_LOST = "STATE_LOST"
+
+
 class InvalidArgument(DrafterError):
     """INVALID_ARGUMENT: malformed tensor, bad token / position / K; see ``.field``."""
 
@@ -143,7 +154,13 @@ def error_from_status(
             detail.Unpack(bad)
             if bad.field_violations:
                 kwargs["field"] = bad.field_violations[0].field or None
-    return _BY_CODE.get(code, DrafterRpcError)(code, details, **kwargs)
+    return _error_class(code, kwargs.get("reason"))(code, details, **kwargs)
+
+
+def _error_class(code: grpc.StatusCode, reason: str | None) -> type[DrafterError]:
+    if code == grpc.StatusCode.NOT_FOUND and reason == STATE_LOST:
+        return StateLost
+    return _BY_CODE.get(code, DrafterRpcError)
 
 
 def from_rpc_error(err: grpc.RpcError) -> DrafterError:
@@ -160,7 +177,7 @@ def from_rpc_error(err: grpc.RpcError) -> DrafterError:
 def error_from_value(error: pb.Error) -> DrafterError:
     """The typed exception for an error carried as a value (a ProposeStream answer)."""
     code = _CODE_BY_VALUE.get(error.code, grpc.StatusCode.UNKNOWN)
-    return _BY_CODE.get(code, DrafterRpcError)(
+    return _error_class(code, error.reason or None)(
         code,
         error.message,
         reason=error.reason or None,

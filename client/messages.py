@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
@@ -50,6 +50,11 @@ class _Default(enum.Enum):
 DEFAULT = _Default.TOKEN
 Timeout: TypeAlias = "float | Literal[_Default.TOKEN] | None"
 
+#: The request metadata a proxy (or gRPC's ring_hash policy) routes by: every call with one
+#: key reaches one replica (deploy/README.md).
+AFFINITY_HEADER = "x-mtpdraft-affinity"
+Metadata: TypeAlias = "tuple[tuple[str, str], ...] | None"
+
 
 def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
     """The per-call timeout when given, else the client's default."""
@@ -82,6 +87,19 @@ def _tokens(tokens: Any) -> list[int]:
     if out and (min(out) < _INT32_MIN or max(out) > _INT32_MAX):
         raise ValueError("tokens: a token does not fit in int32")
     return out
+
+
+def affinity_metadata(key: str | None) -> Metadata:
+    """The metadata naming an affinity key (None: no key, no metadata)."""
+    if key is None:
+        return None
+    if not isinstance(key, str):
+        raise TypeError(f"affinity_key: expected a str, got {type(key).__name__}")
+    if not key or not key.isascii() or not key.isprintable() or key != key.strip():
+        raise ValueError(
+            f"affinity_key {key!r}: must be non-empty printable ASCII without surrounding spaces"
+        )
+    return ((AFFINITY_HEADER, key),)
 
 
 # --- requests --------------------------------------------------------------------------------
@@ -297,6 +315,93 @@ def free_state_request(state: int) -> pb.FreeStateRequest:
     return pb.FreeStateRequest(state_id=_uint64(state, "state"))
 
 
+def export_kv_request(
+    handle: KVHandle | int, max_chunk_bytes: int | None, keep_handle: bool
+) -> pb.ExportKVRequest:
+    handle_id = handle.handle_id if isinstance(handle, KVHandle) else handle
+    size = 0 if max_chunk_bytes is None else _int(max_chunk_bytes, "max_chunk_bytes", 1, 2**62)
+    return pb.ExportKVRequest(
+        handle_id=_uint64(handle_id, "handle"), max_chunk_bytes=size, keep_handle=bool(keep_handle)
+    )
+
+
+def kv_bytes(chunks: Iterable[pb.KVChunk]) -> bytes:
+    """Exported KV as one self-describing blob: each chunk length-delimited (a varint
+    length, then the message), as protobuf's writeDelimitedTo writes a stream."""
+    out = bytearray()
+    for chunk in chunks:
+        data = chunk.SerializeToString()
+        out += _varint(len(data))
+        out += data
+    return bytes(out)
+
+
+def kv_chunks(kv: bytes | Iterable[pb.KVChunk]) -> Iterator[pb.KVChunk]:
+    """The chunks of exported KV, given as the blob of ``kv_bytes`` (checked whole now:
+    ValueError for one cut inside a chunk) or as ExportKV's chunks (passed on as they come)."""
+    if not isinstance(kv, bytes | bytearray | memoryview):
+        return iter(kv)
+    data, chunks, at = bytes(kv), [], 0
+    while at < len(data):
+        size, at = _read_varint(data, at)
+        if at + size > len(data):
+            raise ValueError(f"exported KV: cut short ({len(data) - at} of a chunk's {size} bytes)")
+        chunks.append(pb.KVChunk.FromString(data[at : at + size]))
+        at += size
+    return iter(chunks)
+
+
+def import_kv_chunks(state: int, kv: bytes | Iterable[pb.KVChunk]) -> Iterator[pb.KVChunk]:
+    """ImportKV's requests: the exported chunks, the first set to name ``state``."""
+    state_id = _uint64(state, "state")
+    chunks = kv_chunks(kv)
+
+    def named() -> Iterator[pb.KVChunk]:
+        for i, chunk in enumerate(chunks):
+            if i == 0:
+                chunk.state_id = state_id
+            yield chunk
+
+    return named()
+
+
+def import_kv_chunks_async(
+    state: int, chunks: AsyncIterable[pb.KVChunk]
+) -> AsyncIterator[pb.KVChunk]:
+    """``import_kv_chunks`` of an asyncio client's ExportKV chunks, as they come."""
+    state_id = _uint64(state, "state")
+
+    async def named() -> AsyncIterator[pb.KVChunk]:
+        first = True
+        async for chunk in chunks:
+            if first:
+                chunk.state_id, first = state_id, False
+            yield chunk
+
+    return named()
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _read_varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise ValueError("exported KV: cut short or corrupt (a chunk's length)")
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at, shift = at + 1, shift + 7
+        if not byte & 0x80:
+            return value, at
+
+
 # --- responses -------------------------------------------------------------------------------
 
 
@@ -355,6 +460,10 @@ def parse_free_state(resp: pb.FreeStateResponse) -> bool:
     return bool(resp.existed)
 
 
+def parse_import_kv(resp: pb.ImportKVResponse) -> InstallResult:
+    return InstallResult(num_rows=int(resp.num_rows), next_position=int(resp.next_position))
+
+
 def parse_info(resp: pb.GetInfoResponse) -> ServerInfo:
     return ServerInfo(
         model_family=resp.model_family,
@@ -380,4 +489,6 @@ def parse_info(resp: pb.GetInfoResponse) -> ServerInfo:
         draining=bool(resp.draining),
         batch_size_counts={int(k): int(v) for k, v in resp.batch_size_counts.items()},
         queued_calls=int(resp.queued_calls),
+        instance_epoch=int(resp.instance_epoch),
+        model_fingerprint=resp.model_fingerprint,
     )

@@ -54,7 +54,7 @@ class ProposeStream:
     _method = "ProposeStream"
     _request, _outcome = staticmethod(m.propose_request), staticmethod(_outcome)
 
-    def __init__(self, stub: Any, timeout: float | None) -> None:
+    def __init__(self, stub: Any, timeout: float | None, metadata: m.Metadata = None) -> None:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._futures: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -62,7 +62,7 @@ class ProposeStream:
         self._closed = False
         self._failure: DrafterError = _closed()  # why the stream ended, once it has
         requests = iter(self._requests.get, _CLOSE)
-        self._call = getattr(stub, self._method)(requests, timeout=timeout)
+        self._call = getattr(stub, self._method)(requests, timeout=timeout, metadata=metadata)
         self._reader = threading.Thread(target=self._read, daemon=True, name="propose-stream")
         self._reader.start()
 
@@ -121,8 +121,8 @@ class AsyncProposeStream:
     _method = "ProposeStream"
     _request, _outcome = staticmethod(m.propose_request), staticmethod(_outcome)
 
-    def __init__(self, stub: Any, timeout: float | None) -> None:
-        self._call = getattr(stub, self._method)(timeout=timeout)
+    def __init__(self, stub: Any, timeout: float | None, metadata: m.Metadata = None) -> None:
+        self._call = getattr(stub, self._method)(timeout=timeout, metadata=metadata)
         self._futures: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._write_lock = asyncio.Lock()

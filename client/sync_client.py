@@ -7,11 +7,12 @@ parses each response, and every ``grpc.RpcError`` is raised as a typed
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
+from mtpdraft.v1 import drafter_pb2 as pb
 from mtpdraft.v1 import drafter_pb2_grpc
 
 from . import messages as m
@@ -59,6 +60,11 @@ class DrafterClient:
     caller's current span, whose context the server's span joins (see
     ``mtpdraft.client.tracing``: where the application set no tracer provider, one is
     made from the standard OTEL_* variables).
+
+    ``affinity_key`` (e.g. the verifier's engine id) goes with every call as the
+    ``x-mtpdraft-affinity`` metadata, by which a proxy or gRPC's ring_hash policy sends all
+    of a key's calls to one replica (deploy/README.md); ``keyed`` gives a client of the same
+    channel with another key.
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class DrafterClient:
         certificate_chain: PemSource | None = None,
         token: str | None = None,
         tracing: bool = False,
+        affinity_key: str | None = None,
     ) -> None:
         security = dict(
             tls=tls,
@@ -95,8 +102,19 @@ class DrafterClient:
             channel = traced_channel(channel)  # closing it closes the channel under it
         self.target = target
         self.timeout = timeout
+        self.affinity_key = affinity_key
+        self._metadata = m.affinity_metadata(affinity_key)
         self._channel = channel
         self._stub = drafter_pb2_grpc.DrafterStub(channel)
+
+    def keyed(self, affinity_key: str | None) -> DrafterClient:
+        """A client of this channel whose calls carry ``affinity_key`` (closing it leaves
+        the channel open)."""
+        client = DrafterClient(
+            channel=self._channel, timeout=self.timeout, affinity_key=affinity_key
+        )
+        client.target = self.target
+        return client
 
     @property
     def channel(self) -> grpc.Channel:
@@ -117,7 +135,9 @@ class DrafterClient:
         self, rpc: Callable[..., Any], request: Any, parse: Callable[[Any], _R], timeout: Timeout
     ) -> _R:
         try:
-            resp = rpc(request, timeout=m.resolve_timeout(timeout, self.timeout))
+            resp = rpc(
+                request, timeout=m.resolve_timeout(timeout, self.timeout), metadata=self._metadata
+            )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
         return parse(resp)
@@ -227,7 +247,7 @@ class DrafterClient:
         """A ProposeColumnsStream: one message per verifier step (``step`` takes the
         arguments of ``propose_columns``). No deadline unless ``timeout`` (seconds, for
         the whole stream) is given: the client's default timeout is not applied."""
-        return ColumnsStream(self._stub, timeout)
+        return ColumnsStream(self._stub, timeout, self._metadata)
 
     def after_verify(
         self,
@@ -253,11 +273,60 @@ class DrafterClient:
         req = m.install_kv_request(state, handle)
         return self._unary(self._stub.InstallKV, req, m.parse_install_kv, timeout)
 
+    def export_kv_chunks(
+        self,
+        handle: KVHandle | int,
+        *,
+        max_chunk_bytes: int | None = None,
+        keep_handle: bool = False,
+        timeout: Timeout = DEFAULT,
+    ) -> Iterator[pb.KVChunk]:
+        """ExportKV's chunks as they come: pass them to another server's ``import_kv``
+        without holding them all. The handle is freed once the last chunk is read,
+        unless ``keep_handle``."""
+        req = m.export_kv_request(handle, max_chunk_bytes, keep_handle)
+        call = self._stub.ExportKV(
+            req, timeout=m.resolve_timeout(timeout, self.timeout), metadata=self._metadata
+        )
+
+        def chunks() -> Iterator[pb.KVChunk]:
+            try:
+                yield from call
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from e
+
+        return chunks()
+
+    def export_kv(
+        self,
+        handle: KVHandle | int,
+        *,
+        max_chunk_bytes: int | None = None,
+        keep_handle: bool = False,
+        timeout: Timeout = DEFAULT,
+    ) -> bytes:
+        """A KV handle's rows as bytes (with the model's fingerprint, the dtype and the KV
+        shape), for ``import_kv`` on another server of the same model. The handle is freed
+        once exported, unless ``keep_handle``."""
+        return m.kv_bytes(
+            self.export_kv_chunks(
+                handle, max_chunk_bytes=max_chunk_bytes, keep_handle=keep_handle, timeout=timeout
+            )
+        )
+
+    def import_kv(
+        self, state: int, kv: bytes | Iterable[pb.KVChunk], *, timeout: Timeout = DEFAULT
+    ) -> InstallResult:
+        """Installs exported KV (``export_kv``'s bytes, or ``export_kv_chunks``' chunks) into
+        an empty state: all or nothing."""
+        chunks = m.import_kv_chunks(state, kv)
+        return self._unary(self._stub.ImportKV, chunks, m.parse_import_kv, timeout)
+
     def stream(self, *, timeout: float | None = None) -> ProposeStream:
         """The hot path: a ProposeStream, one message and one answer per verify step.
         No deadline unless ``timeout`` (seconds, for the whole stream) is given: the
         client's default timeout is not applied."""
-        return ProposeStream(self._stub, timeout)
+        return ProposeStream(self._stub, timeout, self._metadata)
 
     def free_state(self, state: int, *, timeout: Timeout = DEFAULT) -> bool:
         """Releases the state; returns whether it existed. Idempotent."""

@@ -131,3 +131,5 @@ class ServerInfo:
     draining: bool
     batch_size_counts: dict[int, int] = field(default_factory=dict)  # batch size -> batches
     queued_calls: int = 0
+    instance_epoch: int = 0  # the server instance's: every state id it issues carries it
+    model_fingerprint: str = ""  # names the model's weights: replicas of one report the same

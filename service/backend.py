@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .config import DEFAULTS
 from .engine import columns, errors
 from .engine.columns import Columns
 from .engine.engine import DraftEngine, PrefillSession
+from .engine.kv_transfer import KVChunk, KVHeader, KVImport
 from .engine.runner import EngineRunner
 from .engine.scheduler import ProposeScheduler
 from .engine.step import StepResult
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from .front_end import FrontEnd
 
 log = logging.getLogger("mtpdraft.backend")
+_Session = TypeVar("_Session", PrefillSession, KVImport)
 
 
 class LocalBackend:
@@ -100,6 +102,59 @@ class LocalBackend:
     async def free_state(self, state_id: int) -> bool:
         return await self.runner.call(self.engine.free_state, state_id)
 
+    async def export_kv(
+        self, handle_id: int, chunk_bytes: int, keep_handle: bool
+    ) -> AsyncIterator[KVChunk]:
+        """A handle's KV: the header with the first rows, then the rest, at most
+        `chunk_bytes` of K and V a chunk (one row at least). The handle is freed once
+        the last chunk is taken, unless `keep_handle`."""
+        export = await self.runner.call(self.engine.export_kv, handle_id)
+        h = export.header
+        row_bytes = 2 * h.num_kv_heads * h.head_dim * h.dtype.itemsize
+        step = max(1, chunk_bytes // row_bytes)
+        header: KVHeader | None = h
+        for first in range(0, max(h.num_rows, 1), step):
+            k = v = None
+            if h.num_rows:
+                k, v = await self.runner.call(export.rows, first, step)
+            yield KVChunk(header, first, k, v)
+            header = None
+        await self.runner.call(export.finish, keep_handle)
+
+    async def import_kv(self, chunks: AsyncIterator[KVChunk]) -> RowCount:
+        """Exported KV into the empty state the first chunk names; all or nothing."""
+        session: KVImport | None = None
+        try:
+            state_id = 0
+            async for chunk in chunks:
+                if session is None:
+                    if chunk.header is None:
+                        raise errors.InvalidArgument(
+                            "header: required on the first chunk",
+                            reason="MISSING_FIELD",
+                            field="header",
+                        )
+                    state_id = chunk.state_id
+                    session = await self._opened(self.engine.import_kv, state_id, chunk.header)
+                elif chunk.state_id not in (0, state_id) or chunk.header is not None:
+                    raise errors.InvalidArgument(
+                        "a later chunk names another state, or a header again",
+                        reason="CHUNK_MISMATCH",
+                        field="state_id",
+                    )
+                if chunk.k is not None:
+                    await self.runner.call(session.write, chunk.first_row, chunk.k, chunk.v)
+            if session is None:
+                raise errors.InvalidArgument(
+                    "ImportKV needs at least one chunk", reason="EMPTY_STREAM", field="state_id"
+                )
+            rows = await self.runner.call(session.finish)
+            session = None
+            return rows
+        finally:
+            if session is not None:  # error, cancellation or a broken stream: roll back
+                self.runner.submit(session.abort)
+
     async def prefill(self, chunks: AsyncIterator[PrefillChunk]) -> RowCount:
         session: PrefillSession | None = None
         try:
@@ -108,7 +163,7 @@ class LocalBackend:
                 if session is None:
                     state_id, start = chunk.state_id, chunk.start_position
                     total = chunk.total_rows
-                    session = await self._begin_prefill(state_id, start)
+                    session = await self._opened(self.engine.begin_prefill, state_id, start)
                 elif chunk.state_id not in (0, state_id) or chunk.start_position not in (0, start):
                     raise errors.InvalidArgument(
                         "a later chunk names another state or start_position than the first",
@@ -135,9 +190,10 @@ class LocalBackend:
             if session is not None:  # error, cancellation or a broken stream: roll back
                 self.runner.submit(session.abort)
 
-    async def _begin_prefill(self, state_id: int, start: int) -> PrefillSession:
-        """begin_prefill, aborted once it is done if this call is cancelled meanwhile."""
-        begun = asyncio.ensure_future(self.runner.call(self.engine.begin_prefill, state_id, start))
+    async def _opened(self, begin: Callable[..., _Session], *args: Any) -> _Session:
+        """A session `begin(*args)` opened (a Prefill's or an import's), aborted once it is
+        open if this call is cancelled meanwhile."""
+        begun = asyncio.ensure_future(self.runner.call(begin, *args))
         try:
             return await asyncio.shield(begun)
         except asyncio.CancelledError:

@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("mtpdraft.servicer")
 
 ERROR_DOMAIN = "mtpdraft.v1"
+# ExportKV's chunk when the request names no size, and what a chunk's message holds
+# besides its K and V (header, tags, shapes) at most: a chunk fits max_message_bytes.
+KV_CHUNK_BYTES = 1 << 20
+KV_CHUNK_OVERHEAD = 1024
 # At most one log line this often about requests that do not parse: junk cannot flood it.
 MALFORMED_LOG_PERIOD_S = 10.0
 _CODES: dict[type[errors.DrafterError], grpc.StatusCode] = {
@@ -370,6 +374,34 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         with self.telemetry.kv_span("install"):
             rows = await self.backend.install_kv(request.state_id, request.handle_id)
         return pb.InstallKVResponse(num_rows=rows.num_rows, next_position=rows.next_position)
+
+    async def ExportKV(self, request, context):
+        """A handle's KV as chunks (a server stream, so not under `rpc`: its errors are
+        mapped here)."""
+        started, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            if type(request) is Undecodable:
+                raise _malformed.refused(request, context.peer())
+            asked = request.max_chunk_bytes if request.max_chunk_bytes > 0 else KV_CHUNK_BYTES
+            size = min(asked, self.max_message_bytes - KV_CHUNK_OVERHEAD)
+            chunks = self.backend.export_kv(request.handle_id, size, request.keep_handle)
+            async for chunk in chunks:
+                yield wire.kv_chunk(chunk)
+        except errors.DrafterError as err:
+            code = _CODES[type(err)]
+            await context.abort_with_status(_status_of(err))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self.telemetry.record_rpc("ExportKV", code, time.perf_counter() - started)
+
+    @rpc
+    async def ImportKV(self, request_iterator: AsyncIterator[pb.KVChunk], context):
+        with self.telemetry.kv_span("import"):
+            chunks = _parsed(request_iterator, context.peer())
+            rows = await self.backend.import_kv(wire.read_kv_chunk(c) async for c in chunks)
+        return pb.ImportKVResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
     @rpc
     async def FreeState(self, request, context):

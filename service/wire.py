@@ -12,6 +12,8 @@ streams, checking each request here filled batches of 40 and 54 on average again
 
 Out (the servicer): the engine's proposals as Proposal messages, and a ProposeColumns
 step's rows as one ColumnsResponse.
+
+Both ways: exported KV (ExportKV's answers, ImportKV's requests) as KVChunk messages.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from mtpdraft.v1 import drafter_pb2 as pb
 
 from .engine.columns import Columns
 from .engine.errors import InvalidArgument
+from .engine.kv_transfer import KVChunk, KVHeader
 from .engine.step import StepResult
 from .engine.types import PrefillChunk, Proposal, ProposeArgs, Verdict
 
@@ -36,6 +39,9 @@ DTYPES: dict[int, torch.dtype] = {
 }
 ITEMSIZE = {pb.DTYPE_BF16: 2, pb.DTYPE_FP16: 2, pb.DTYPE_FP32: 4, pb.DTYPE_INT32: 4}
 HIDDEN_DTYPES = (pb.DTYPE_BF16, pb.DTYPE_FP16, pb.DTYPE_FP32)
+DTYPE_ENUM = {dtype: enum for enum, dtype in DTYPES.items()}
+# The integer type of each dtype's size: a tensor's bytes are read through it.
+_BITS = {2: torch.int16, 4: torch.int32}
 # No real tensor here has a dimension past 2**31; an empty tensor's other
 # dimensions could otherwise be anything, up to sizes torch cannot represent.
 _MAX_DIM = 2**31 - 1
@@ -161,7 +167,57 @@ def columns(msg: pb.ColumnsRequest) -> Columns:
     )
 
 
+def kv_header(msg: pb.KVHeader) -> KVHeader:
+    if msg.dtype not in HIDDEN_DTYPES:
+        raise InvalidArgument(
+            f"header.dtype: {msg.dtype} is not a KV dtype", reason="BAD_DTYPE", field="header.dtype"
+        )
+    return KVHeader(
+        model_fingerprint=msg.model_fingerprint,
+        model_family=msg.model_family,
+        dtype=DTYPES[msg.dtype],
+        num_kv_heads=msg.num_key_value_heads,
+        head_dim=msg.head_dim,
+        num_rows=msg.num_rows,
+    )
+
+
+def read_kv_chunk(msg: pb.KVChunk) -> KVChunk:
+    """An ImportKV message: its header (first), its rows' K and V (absent: no rows)."""
+    has_rows = msg.HasField("k") or msg.HasField("v")
+    return KVChunk(
+        header=kv_header(msg.header) if msg.HasField("header") else None,
+        first_row=msg.first_row,
+        k=read_tensor(msg.k, "k", HIDDEN_DTYPES) if has_rows else None,
+        v=read_tensor(msg.v, "v", HIDDEN_DTYPES) if has_rows else None,
+        state_id=msg.state_id,
+    )
+
+
 # --- out: the engine's results as responses -------------------------------------------
+
+
+def tensor(t: torch.Tensor) -> pb.Tensor:
+    """A CPU tensor as a Tensor message: its raw little-endian bytes."""
+    t = t.contiguous()
+    raw = t.view(_BITS[t.element_size()]) if t.is_floating_point() else t
+    return pb.Tensor(dtype=DTYPE_ENUM[t.dtype], shape=t.shape, data=raw.numpy().tobytes())
+
+
+def kv_chunk(chunk: KVChunk) -> pb.KVChunk:
+    """An ExportKV answer."""
+    msg = pb.KVChunk(first_row=chunk.first_row)
+    if (h := chunk.header) is not None:
+        msg.header.model_fingerprint = h.model_fingerprint
+        msg.header.model_family = h.model_family
+        msg.header.dtype = DTYPE_ENUM[h.dtype]
+        msg.header.num_key_value_heads = h.num_kv_heads
+        msg.header.head_dim = h.head_dim
+        msg.header.num_rows = h.num_rows
+    if chunk.k is not None and chunk.v is not None:
+        msg.k.CopyFrom(tensor(chunk.k))
+        msg.v.CopyFrom(tensor(chunk.v))
+    return msg
 
 
 def proposal(p: Proposal) -> pb.Proposal:

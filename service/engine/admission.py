@@ -18,7 +18,6 @@ from .errors import (
     DrafterError,
     FailedPrecondition,
     InvalidArgument,
-    NotFound,
     ResourceExhausted,
 )
 from .state import StateTable
@@ -44,16 +43,12 @@ class Admitted:
     errors: dict[int, DrafterError]  # every other row -> why
 
 
-def _state_not_found(step: Step, i: int) -> DrafterError:
-    return NotFound(
-        f"state {step.state_ids[i]} not found (never allocated, freed, or its lease expired)",
-        reason="STATE_NOT_FOUND",
-        field="state_id",
-    )
+# Why no live state has an id (the engine's Ids.state_not_found): lost or never had.
+NotFoundError = Callable[[int], DrafterError]
 
 
 def _refused_rows(
-    step: Step, slots: np.ndarray, table: StateTable, limits: Limits
+    step: Step, slots: np.ndarray, table: StateTable, limits: Limits, not_found: NotFoundError
 ) -> tuple[np.ndarray, np.ndarray, Callable[[int, int], DrafterError]]:
     """(the first failed check of each row, 0 for none; base rows; the error of check c
     at row i). Rows of unknown states get check 1 and their other checks are moot."""
@@ -97,7 +92,7 @@ def _refused_rows(
         state = step.state_ids[i]
         match c:
             case 1:
-                return _state_not_found(step, i)
+                return not_found(int(state))
             case 2:
                 in_group = i - int(np.searchsorted(step.groups, step.groups[i]))
                 return InvalidArgument(
@@ -107,7 +102,7 @@ def _refused_rows(
                 )
             case 3:
                 return FailedPrecondition(
-                    f"cannot propose: a Prefill stream is open on state {state}",
+                    f"cannot propose: a Prefill or ImportKV stream is open on state {state}",
                     reason="PREFILL_IN_PROGRESS",
                 )
             case 4:
@@ -173,9 +168,12 @@ def _refused_rows(
     return first, base, error
 
 
-def admit(step: Step, slots: np.ndarray, table: StateTable, limits: Limits) -> Admitted:
-    """The rows of the step that run, given their states' slots (-1: no such state)."""
-    first, base, error = _refused_rows(step, slots, table, limits)
+def admit(
+    step: Step, slots: np.ndarray, table: StateTable, limits: Limits, not_found: NotFoundError
+) -> Admitted:
+    """The rows of the step that run, given their states' slots (-1: no such state);
+    `not_found` makes the error of a row whose state is not live."""
+    first, base, error = _refused_rows(step, slots, table, limits, not_found)
     errors: dict[int, DrafterError] = {}
     failed_groups: dict[int, DrafterError] = {}
     for i in np.flatnonzero(first):

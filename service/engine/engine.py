@@ -11,7 +11,7 @@ refeed the rows of d1..d(a) are recomputed with the target's hiddens.
 
 from __future__ import annotations
 
-import secrets
+import functools
 import time
 from collections.abc import Callable
 
@@ -33,10 +33,11 @@ from .drafting import ChainPlan, draft
 from .errors import (
     DrafterError,
     FailedPrecondition,
-    NotFound,
     ResourceExhausted,
     Unavailable,
 )
+from .ids import Ids
+from .kv_transfer import KVExport, KVHeader, KVImport, model_fingerprint
 from .prefill import PrefillSession
 from .rows import Segment, run_segments
 from .state import DrafterState, KVHandle, StateTable
@@ -62,8 +63,11 @@ class DraftEngine:
         prefill_rows_per_forward: int = 1024,
         cuda_graphs: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        epoch: int | None = None,
     ) -> None:
         self.head = head
+        # This instance's ids: a state id names the instance that issued it (ids.py).
+        self.ids = Ids(epoch)
         c = head.config
         self.kv = head.new_kv_cache(kv_blocks, block_size)
         if cuda_graphs and head.device.type == "cuda":
@@ -120,30 +124,30 @@ class DraftEngine:
             state_ttl_seconds=self.state_ttl,
             bitmask_words=(c.vocab_size + 31) // 32,
             draining=self.draining,
+            instance_epoch=self.ids.epoch,
+            model_fingerprint=self.model_fingerprint,
         )
 
-    def _new_id(self, taken: dict) -> int:
-        while True:
-            new = secrets.randbits(63)
-            if new and new not in taken:
-                return new
+    @functools.cached_property
+    def model_fingerprint(self) -> str:
+        """Names the model's weights: replicas of one checkpoint report the same."""
+        return model_fingerprint(self.head)
 
     def state(self, state_id: int) -> DrafterState:
         """The live state, its lease renewed; NOT_FOUND if there is none."""
         state = self.states.get(state_id)
         if state is None:
-            raise NotFound(
-                f"state {state_id} not found (never allocated, freed, or its lease expired)",
-                reason="STATE_NOT_FOUND",
-                field="state_id",
-            )
+            raise self._state_not_found(state_id)
         state.touch(self.clock())
         return state
+
+    def _state_not_found(self, state_id: int) -> DrafterError:
+        return self.ids.state_not_found(state_id, self.state_ttl)
 
     def _check_not_prefilling(self, state: DrafterState, action: str) -> None:
         if state.prefilling:
             raise FailedPrecondition(
-                f"cannot {action}: a Prefill stream is open on state {state.id}",
+                f"cannot {action}: a Prefill or ImportKV stream is open on state {state.id}",
                 reason="PREFILL_IN_PROGRESS",
             )
 
@@ -199,7 +203,7 @@ class DraftEngine:
                 f"{owner or 'this client'} holds {owned} states, the limit per client",
                 reason="STATES_PER_CLIENT_EXCEEDED",
             )
-        state_id = self._new_id(self.states)
+        state_id = self.ids.new(self.states)
         slot = self.table.take_slot(self.clock())
         self.states[state_id] = DrafterState(state_id, owner, slot, self.table)
         self._owned[owner] = owned + 1
@@ -226,6 +230,7 @@ class DraftEngine:
         stale = [s.id for s in self.states.values() if now - used[s.slot] > self.state_ttl]
         for state_id in stale:
             self.free_state(state_id)
+            self.ids.expired(state_id)
         expired = [h.id for h in self.handles.values() if now > h.expires_at]
         for handle_id in expired:
             self.pool.free(self.handles.pop(handle_id).blocks)
@@ -376,7 +381,7 @@ class DraftEngine:
         )
         known = slots[slots >= 0]
         self.table.last_used[known] = self.clock()
-        admitted = admit(step, slots, self.table, self.limits)
+        admitted = admit(step, slots, self.table, self.limits, self._state_not_found)
         # The largest K asked, a refused one (negative, or past max_drafts) within bounds:
         # a row asking K = 2**31 - 1 must not size the answer.
         width = int(np.clip(step.num_drafts, 0, self.max_drafts).max()) if b else 0
@@ -441,7 +446,7 @@ class DraftEngine:
     def take_kv(self, state_id: int) -> TakenKV:
         state = self._idle_state(state_id, "take its KV")
         handle = KVHandle(
-            id=self._new_id(self.handles),
+            id=self.ids.new(self.handles),
             blocks=self.table.detach_blocks(state.slot),
             num_rows=state.num_rows,
             expires_at=self.clock() + self.state_ttl,
@@ -450,15 +455,32 @@ class DraftEngine:
         state.num_rows = 0
         return TakenKV(handle.id, handle.num_rows, self.state_ttl)
 
+    def handle(self, handle_id: int) -> KVHandle:
+        """The live handle, its lease renewed; NOT_FOUND if there is none."""
+        handle = self.handles.get(handle_id)
+        if handle is None:
+            raise self.ids.handle_not_found(handle_id)
+        handle.expires_at = self.clock() + self.state_ttl
+        return handle
+
+    def release_handle(self, handle_id: int) -> None:
+        handle = self.handles.pop(handle_id, None)
+        if handle is not None:
+            self.pool.free(handle.blocks)
+
+    def export_kv(self, handle_id: int) -> KVExport:
+        """Reads a handle's rows out, chunk by chunk (kv_transfer.py)."""
+        return KVExport(self, handle_id)
+
+    def import_kv(self, state_id: int, header: KVHeader) -> KVImport:
+        """Opens an import of exported KV into an empty state (kv_transfer.py)."""
+        return KVImport(self, state_id, header)
+
     def install_kv(self, state_id: int, handle_id: int) -> RowCount:
         state = self.state(state_id)
         handle = self.handles.get(handle_id)
         if handle is None:
-            raise NotFound(
-                f"KV handle {handle_id} not found (never taken, installed, or its lease expired)",
-                reason="HANDLE_NOT_FOUND",
-                field="handle_id",
-            )
+            raise self.ids.handle_not_found(handle_id)
         if state.num_rows or state.pending is not None or state.prefilling:
             raise FailedPrecondition(
                 f"state {state_id} holds {state.num_rows} rows; KV installs only into an "

@@ -83,6 +83,8 @@ class EngineInfo:
     state_ttl_seconds: float
     bitmask_words: int
     draining: bool
+    instance_epoch: int  # carried by every id this instance issues (ids.py)
+    model_fingerprint: str
 
 
 @dataclass

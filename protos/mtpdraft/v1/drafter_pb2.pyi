@@ -35,7 +35,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_family", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "compute_dtype", "hidden_dtypes", "device", "max_drafts", "max_batch", "max_states", "live_states", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "kv_handles", "state_ttl_seconds", "max_message_bytes", "bitmask_words", "draining", "batch_size_counts", "queued_calls")
+    __slots__ = ("model_family", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "compute_dtype", "hidden_dtypes", "device", "max_drafts", "max_batch", "max_states", "live_states", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "kv_handles", "state_ttl_seconds", "max_message_bytes", "bitmask_words", "draining", "batch_size_counts", "queued_calls", "instance_epoch", "model_fingerprint")
     class BatchSizeCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,8 @@ class GetInfoResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_family: str
     hidden_size: int
     vocab_size: int
@@ -89,7 +91,9 @@ class GetInfoResponse(_message.Message):
     draining: bool
     batch_size_counts: _containers.ScalarMap[int, int]
     queued_calls: int
-    def __init__(self, model_family: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., compute_dtype: _Optional[str] = ..., hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., device: _Optional[str] = ..., max_drafts: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_states: _Optional[int] = ..., live_states: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_handles: _Optional[int] = ..., state_ttl_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., bitmask_words: _Optional[int] = ..., draining: bool = ..., batch_size_counts: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ...) -> None: ...
+    instance_epoch: int
+    model_fingerprint: str
+    def __init__(self, model_family: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., compute_dtype: _Optional[str] = ..., hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., device: _Optional[str] = ..., max_drafts: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_states: _Optional[int] = ..., live_states: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_handles: _Optional[int] = ..., state_ttl_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., bitmask_words: _Optional[int] = ..., draining: bool = ..., batch_size_counts: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ..., instance_epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class AllocStateRequest(_message.Message):
     __slots__ = ()
@@ -300,6 +304,54 @@ class InstallKVRequest(_message.Message):
     def __init__(self, state_id: _Optional[int] = ..., handle_id: _Optional[int] = ...) -> None: ...
 
 class InstallKVResponse(_message.Message):
+    __slots__ = ("num_rows", "next_position")
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    num_rows: int
+    next_position: int
+    def __init__(self, num_rows: _Optional[int] = ..., next_position: _Optional[int] = ...) -> None: ...
+
+class ExportKVRequest(_message.Message):
+    __slots__ = ("handle_id", "max_chunk_bytes", "keep_handle")
+    HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEEP_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    handle_id: int
+    max_chunk_bytes: int
+    keep_handle: bool
+    def __init__(self, handle_id: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., keep_handle: bool = ...) -> None: ...
+
+class KVHeader(_message.Message):
+    __slots__ = ("model_fingerprint", "model_family", "dtype", "num_key_value_heads", "head_dim", "num_rows")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FAMILY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEY_VALUE_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    model_family: str
+    dtype: DType
+    num_key_value_heads: int
+    head_dim: int
+    num_rows: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., model_family: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_rows: _Optional[int] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("state_id", "header", "first_row", "k", "v")
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROW_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    state_id: int
+    header: KVHeader
+    first_row: int
+    k: Tensor
+    v: Tensor
+    def __init__(self, state_id: _Optional[int] = ..., header: _Optional[_Union[KVHeader, _Mapping]] = ..., first_row: _Optional[int] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ImportKVResponse(_message.Message):
     __slots__ = ("num_rows", "next_position")
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]

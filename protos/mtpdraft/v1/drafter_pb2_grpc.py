@@ -89,6 +89,16 @@ class DrafterStub(object):
                 request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.InstallKVRequest.SerializeToString,
                 response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.InstallKVResponse.FromString,
                 _registered_method=True)
+        self.ExportKV = channel.unary_stream(
+                '/mtpdraft.v1.Drafter/ExportKV',
+                request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ExportKVRequest.SerializeToString,
+                response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.KVChunk.FromString,
+                _registered_method=True)
+        self.ImportKV = channel.stream_unary(
+                '/mtpdraft.v1.Drafter/ImportKV',
+                request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.KVChunk.SerializeToString,
+                response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ImportKVResponse.FromString,
+                _registered_method=True)
         self.FreeState = channel.unary_unary(
                 '/mtpdraft.v1.Drafter/FreeState',
                 request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.FreeStateRequest.SerializeToString,
@@ -225,6 +235,32 @@ class DrafterServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportKV(self, request, context):
+        """A KV handle's rows as bytes, for another server's ImportKV: the first chunk
+        carries the header (the model's fingerprint, the KV's dtype and shape, the
+        number of rows), then the chunks carry the rows' K and V in order. Once the
+        last chunk is sent the handle is freed, unless keep_handle; a stream cut
+        short leaves it (to export again or install) until its lease ends. A
+        draining replica hands its states to the others so: TakeKV and ExportKV
+        there, AllocState and ImportKV here. NOT_FOUND (handle).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportKV(self, request_iterator, context):
+        """Installs exported KV (ExportKV's chunks, in order) into an empty state:
+        InstallKV from bytes. All or nothing: the state holds the rows only once
+        every row the header announced has arrived; otherwise it stays empty.
+        FAILED_PRECONDITION: KV_DTYPE_MISMATCH, KV_SHAPE_MISMATCH, KV_MODEL_MISMATCH
+        (another dtype, KV shape or model computed it), STATE_NOT_EMPTY;
+        INVALID_ARGUMENT: INCOMPLETE_KV (the stream ended early), CHUNK_MISMATCH,
+        BAD_SHAPE, BAD_DTYPE, NOT_FINITE; NOT_FOUND; RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def FreeState(self, request, context):
         """Releases the state and its KV. Idempotent: freeing an unknown or already
         freed state succeeds with existed = false.
@@ -290,6 +326,16 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.InstallKV,
                     request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.InstallKVRequest.FromString,
                     response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.InstallKVResponse.SerializeToString,
+            ),
+            'ExportKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportKV,
+                    request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ExportKVRequest.FromString,
+                    response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.KVChunk.SerializeToString,
+            ),
+            'ImportKV': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportKV,
+                    request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.KVChunk.FromString,
+                    response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ImportKVResponse.SerializeToString,
             ),
             'FreeState': grpc.unary_unary_rpc_method_handler(
                     servicer.FreeState,
@@ -594,6 +640,60 @@ class Drafter(object):
             '/mtpdraft.v1.Drafter/InstallKV',
             mtpdraft_dot_v1_dot_drafter__pb2.InstallKVRequest.SerializeToString,
             mtpdraft_dot_v1_dot_drafter__pb2.InstallKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mtpdraft.v1.Drafter/ExportKV',
+            mtpdraft_dot_v1_dot_drafter__pb2.ExportKVRequest.SerializeToString,
+            mtpdraft_dot_v1_dot_drafter__pb2.KVChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/mtpdraft.v1.Drafter/ImportKV',
+            mtpdraft_dot_v1_dot_drafter__pb2.KVChunk.SerializeToString,
+            mtpdraft_dot_v1_dot_drafter__pb2.ImportKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

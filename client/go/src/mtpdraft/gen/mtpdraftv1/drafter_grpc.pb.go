@@ -88,6 +88,22 @@ type DrafterClient interface {
 	// Installs a handle's KV into an empty state and consumes the handle.
 	// NOT_FOUND (state or handle), FAILED_PRECONDITION (the state holds rows).
 	InstallKV(ctx context.Context, in *InstallKVRequest, opts ...grpc.CallOption) (*InstallKVResponse, error)
+	// A KV handle's rows as bytes, for another server's ImportKV: the first chunk
+	// carries the header (the model's fingerprint, the KV's dtype and shape, the
+	// number of rows), then the chunks carry the rows' K and V in order. Once the
+	// last chunk is sent the handle is freed, unless keep_handle; a stream cut
+	// short leaves it (to export again or install) until its lease ends. A
+	// draining replica hands its states to the others so: TakeKV and ExportKV
+	// there, AllocState and ImportKV here. NOT_FOUND (handle).
+	ExportKV(ctx context.Context, in *ExportKVRequest, opts ...grpc.CallOption) (Drafter_ExportKVClient, error)
+	// Installs exported KV (ExportKV's chunks, in order) into an empty state:
+	// InstallKV from bytes. All or nothing: the state holds the rows only once
+	// every row the header announced has arrived; otherwise it stays empty.
+	// FAILED_PRECONDITION: KV_DTYPE_MISMATCH, KV_SHAPE_MISMATCH, KV_MODEL_MISMATCH
+	// (another dtype, KV shape or model computed it), STATE_NOT_EMPTY;
+	// INVALID_ARGUMENT: INCOMPLETE_KV (the stream ended early), CHUNK_MISMATCH,
+	// BAD_SHAPE, BAD_DTYPE, NOT_FINITE; NOT_FOUND; RESOURCE_EXHAUSTED.
+	ImportKV(ctx context.Context, opts ...grpc.CallOption) (Drafter_ImportKVClient, error)
 	// Releases the state and its KV. Idempotent: freeing an unknown or already
 	// freed state succeeds with existed = false.
 	FreeState(ctx context.Context, in *FreeStateRequest, opts ...grpc.CallOption) (*FreeStateResponse, error)
@@ -269,6 +285,72 @@ func (c *drafterClient) InstallKV(ctx context.Context, in *InstallKVRequest, opt
 	return out, nil
 }
 
+func (c *drafterClient) ExportKV(ctx context.Context, in *ExportKVRequest, opts ...grpc.CallOption) (Drafter_ExportKVClient, error) {
+	stream, err := c.cc.NewStream(ctx, &_Drafter_serviceDesc.Streams[3], "/mtpdraft.v1.Drafter/ExportKV", opts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &drafterExportKVClient{stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+type Drafter_ExportKVClient interface {
+	Recv() (*KVChunk, error)
+	grpc.ClientStream
+}
+
+type drafterExportKVClient struct {
+	grpc.ClientStream
+}
+
+func (x *drafterExportKVClient) Recv() (*KVChunk, error) {
+	m := new(KVChunk)
+	if err := x.ClientStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+func (c *drafterClient) ImportKV(ctx context.Context, opts ...grpc.CallOption) (Drafter_ImportKVClient, error) {
+	stream, err := c.cc.NewStream(ctx, &_Drafter_serviceDesc.Streams[4], "/mtpdraft.v1.Drafter/ImportKV", opts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &drafterImportKVClient{stream}
+	return x, nil
+}
+
+type Drafter_ImportKVClient interface {
+	Send(*KVChunk) error
+	CloseAndRecv() (*ImportKVResponse, error)
+	grpc.ClientStream
+}
+
+type drafterImportKVClient struct {
+	grpc.ClientStream
+}
+
+func (x *drafterImportKVClient) Send(m *KVChunk) error {
+	return x.ClientStream.SendMsg(m)
+}
+
+func (x *drafterImportKVClient) CloseAndRecv() (*ImportKVResponse, error) {
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	m := new(ImportKVResponse)
+	if err := x.ClientStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
 func (c *drafterClient) FreeState(ctx context.Context, in *FreeStateRequest, opts ...grpc.CallOption) (*FreeStateResponse, error) {
 	out := new(FreeStateResponse)
 	err := c.cc.Invoke(ctx, "/mtpdraft.v1.Drafter/FreeState", in, out, opts...)
@@ -353,6 +435,22 @@ type DrafterServer interface {
 	// Installs a handle's KV into an empty state and consumes the handle.
 	// NOT_FOUND (state or handle), FAILED_PRECONDITION (the state holds rows).
 	InstallKV(context.Context, *InstallKVRequest) (*InstallKVResponse, error)
+	// A KV handle's rows as bytes, for another server's ImportKV: the first chunk
+	// carries the header (the model's fingerprint, the KV's dtype and shape, the
+	// number of rows), then the chunks carry the rows' K and V in order. Once the
+	// last chunk is sent the handle is freed, unless keep_handle; a stream cut
+	// short leaves it (to export again or install) until its lease ends. A
+	// draining replica hands its states to the others so: TakeKV and ExportKV
+	// there, AllocState and ImportKV here. NOT_FOUND (handle).
+	ExportKV(*ExportKVRequest, Drafter_ExportKVServer) error
+	// Installs exported KV (ExportKV's chunks, in order) into an empty state:
+	// InstallKV from bytes. All or nothing: the state holds the rows only once
+	// every row the header announced has arrived; otherwise it stays empty.
+	// FAILED_PRECONDITION: KV_DTYPE_MISMATCH, KV_SHAPE_MISMATCH, KV_MODEL_MISMATCH
+	// (another dtype, KV shape or model computed it), STATE_NOT_EMPTY;
+	// INVALID_ARGUMENT: INCOMPLETE_KV (the stream ended early), CHUNK_MISMATCH,
+	// BAD_SHAPE, BAD_DTYPE, NOT_FINITE; NOT_FOUND; RESOURCE_EXHAUSTED.
+	ImportKV(Drafter_ImportKVServer) error
 	// Releases the state and its KV. Idempotent: freeing an unknown or already
 	// freed state succeeds with existed = false.
 	FreeState(context.Context, *FreeStateRequest) (*FreeStateResponse, error)
@@ -395,6 +493,12 @@ func (UnimplementedDrafterServer) TakeKV(context.Context, *TakeKVRequest) (*Take
 }
 func (UnimplementedDrafterServer) InstallKV(context.Context, *InstallKVRequest) (*InstallKVResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method InstallKV not implemented")
+}
+func (UnimplementedDrafterServer) ExportKV(*ExportKVRequest, Drafter_ExportKVServer) error {
+	return status.Errorf(codes.Unimplemented, "method ExportKV not implemented")
+}
+func (UnimplementedDrafterServer) ImportKV(Drafter_ImportKVServer) error {
+	return status.Errorf(codes.Unimplemented, "method ImportKV not implemented")
 }
 func (UnimplementedDrafterServer) FreeState(context.Context, *FreeStateRequest) (*FreeStateResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method FreeState not implemented")
@@ -634,6 +738,53 @@ func _Drafter_InstallKV_Handler(srv interface{}, ctx context.Context, dec func(i
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Drafter_ExportKV_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(ExportKVRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(DrafterServer).ExportKV(m, &drafterExportKVServer{stream})
+}
+
+type Drafter_ExportKVServer interface {
+	Send(*KVChunk) error
+	grpc.ServerStream
+}
+
+type drafterExportKVServer struct {
+	grpc.ServerStream
+}
+
+func (x *drafterExportKVServer) Send(m *KVChunk) error {
+	return x.ServerStream.SendMsg(m)
+}
+
+func _Drafter_ImportKV_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(DrafterServer).ImportKV(&drafterImportKVServer{stream})
+}
+
+type Drafter_ImportKVServer interface {
+	SendAndClose(*ImportKVResponse) error
+	Recv() (*KVChunk, error)
+	grpc.ServerStream
+}
+
+type drafterImportKVServer struct {
+	grpc.ServerStream
+}
+
+func (x *drafterImportKVServer) SendAndClose(m *ImportKVResponse) error {
+	return x.ServerStream.SendMsg(m)
+}
+
+func (x *drafterImportKVServer) Recv() (*KVChunk, error) {
+	m := new(KVChunk)
+	if err := x.ServerStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
 func _Drafter_FreeState_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(FreeStateRequest)
 	if err := dec(in); err != nil {
@@ -709,6 +860,16 @@ var _Drafter_serviceDesc = grpc.ServiceDesc{
 			StreamName:    "ProposeColumnsStream",
 			Handler:       _Drafter_ProposeColumnsStream_Handler,
 			ServerStreams: true,
+			ClientStreams: true,
+		},
+		{
+			StreamName:    "ExportKV",
+			Handler:       _Drafter_ExportKV_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "ImportKV",
+			Handler:       _Drafter_ImportKV_Handler,
 			ClientStreams: true,
 		},
 	},

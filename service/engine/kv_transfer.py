@@ -1,0 +1,264 @@
+"""A KV handle's rows out of this engine (ExportKV) and into an empty state of another
+(ImportKV): how a draining replica hands its states to the others without a re-prefill.
+
+Exported KV is rows, not blocks: row i's K and V ([kv_heads, head_dim] each) in the
+compute dtype, in order, with a header naming the model (its fingerprint), the dtype
+and the KV shape. The importing engine needs the same three; its block size may
+differ. Nothing past a state's rows leaves the engine (a block's unused tail may hold
+another state's stale KV). An import reserves every announced row's blocks up front,
+writes rows as they come and gives the state its rows only when all have come: a
+refused header or chunk, a stream cut short or a cancelled call leave the state empty
+and its blocks free (`abort`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .errors import FailedPrecondition, InvalidArgument
+from .types import RowCount
+from .validation import is_finite
+
+if TYPE_CHECKING:
+    from ..model.mtp_head import MTPHead
+    from .engine import DraftEngine
+    from .state import KVHandle
+
+# Elements of each weight tensor the fingerprint reads: enough to tell two fine-tunes of
+# one architecture apart, few enough to take milliseconds on a GPU.
+FINGERPRINT_SAMPLES = 4096
+
+
+@dataclass
+class KVHeader:
+    """What exported KV is: the model it was computed by, its dtype, shape and rows."""
+
+    model_fingerprint: str
+    model_family: str
+    dtype: torch.dtype
+    num_kv_heads: int
+    head_dim: int
+    num_rows: int
+
+
+@dataclass
+class KVChunk:
+    """One message of exported KV: the header (first only), then rows in order."""
+
+    header: KVHeader | None
+    first_row: int
+    k: torch.Tensor | None  # [n, kv_heads, head_dim]; None: no rows
+    v: torch.Tensor | None
+    state_id: int = 0  # ImportKV: the state to fill (first chunk; later ones 0 or the same)
+
+
+def model_fingerprint(head: MTPHead) -> str:
+    """Names the head's weights: its family, config and a strided sample of every weight
+    tensor, rounded to bfloat16 so that one checkpoint served in bf16 or fp32 reads the
+    same (the KV's dtype is checked on its own). 32 hex digits."""
+    digest = hashlib.sha256(f"{head.family}\n{head.config!r}\n".encode())
+    tensors = _weight_tensors(head)
+    for name in sorted(tensors):
+        t = tensors[name]
+        flat = t.detach().reshape(-1)
+        picks = torch.linspace(0, max(flat.numel() - 1, 0), min(flat.numel(), FINGERPRINT_SAMPLES))
+        sample = flat[picks.to(torch.long).to(flat.device)].to(torch.bfloat16).cpu()
+        digest.update(f"{name}{list(t.shape)}".encode())
+        digest.update(sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _weight_tensors(head: MTPHead) -> dict[str, torch.Tensor]:
+    """The head's public tensors, and those of the model's objects it holds (a MoE MLP's),
+    by name: not its ops, nor its CUDA graphs' buffers (private)."""
+    model_package = __package__.rsplit(".", 1)[0] + ".model"
+    found: dict[str, torch.Tensor] = {}
+    for name, value in vars(head).items():
+        if name.startswith("_") or name == "ops":
+            continue
+        if isinstance(value, torch.Tensor):
+            found[name] = value
+        elif type(value).__module__.startswith(model_package):
+            for inner, tensor in vars(value).items():
+                if isinstance(tensor, torch.Tensor):
+                    found[f"{name}.{inner}"] = tensor
+    return found
+
+
+def _row_slots(blocks: np.ndarray, rows: np.ndarray, block_size: int) -> np.ndarray:
+    """The flat KV slot of each row of a sequence whose block table is `blocks`."""
+    return blocks[rows // block_size].astype(np.int64) * block_size + rows % block_size
+
+
+class KVExport:
+    """A handle's rows read out chunk by chunk, on the engine thread. Every call looks
+    the handle up again (and renews its lease): it may be installed or expire meanwhile."""
+
+    def __init__(self, engine: DraftEngine, handle_id: int) -> None:
+        self.engine = engine
+        self.handle_id = handle_id
+        handle = self._handle()
+        c = engine.head.config
+        self.header = KVHeader(
+            model_fingerprint=engine.model_fingerprint,
+            model_family=engine.head.family,
+            dtype=engine.kv.k.dtype,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            num_rows=handle.num_rows,
+        )
+
+    def _handle(self) -> KVHandle:
+        return self.engine.handle(self.handle_id)
+
+    def rows(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows first .. first + count - 1 as CPU tensors [count, kv_heads, head_dim]."""
+        handle, kv = self._handle(), self.engine.kv
+        rows = np.arange(first, min(first + count, handle.num_rows))
+        slots = _row_slots(np.asarray(handle.blocks), rows, kv.block_size)
+        index = torch.from_numpy(slots).to(kv.k.device)
+        flat = (-1, *kv.k.shape[2:])
+        return kv.k.view(flat)[index].cpu(), kv.v.view(flat)[index].cpu()
+
+    def finish(self, keep_handle: bool) -> None:
+        """The export is complete: frees the handle unless asked to keep it."""
+        if not keep_handle:
+            self.engine.release_handle(self.handle_id)
+
+
+class KVImport:
+    """An open ImportKV into an empty state: the header checked and every announced row's
+    blocks reserved at the start, rows written as they come, the state's own at finish."""
+
+    def __init__(self, engine: DraftEngine, state_id: int, header: KVHeader) -> None:
+        state = engine.state(state_id)
+        if state.prefilling:
+            raise FailedPrecondition(
+                f"cannot import KV: a Prefill or ImportKV stream is open on state {state_id}",
+                reason="PREFILL_IN_PROGRESS",
+            )
+        if state.num_rows or state.pending is not None:
+            raise FailedPrecondition(
+                f"state {state_id} holds {state.num_rows} rows; KV imports only into an "
+                "empty state",
+                reason="STATE_NOT_EMPTY",
+            )
+        _check_header(engine, header)
+        if header.num_rows < 0:
+            raise InvalidArgument(
+                f"header.num_rows: {header.num_rows} is negative",
+                reason="BAD_SHAPE",
+                field="header.num_rows",
+            )
+        engine.reserve(state, header.num_rows, "header.num_rows")
+        state.prefilling = True  # no other call may touch it until finish or abort
+        self.engine, self.state_id, self.header = engine, state_id, header
+        self.received = 0
+
+    def write(self, first_row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores the next rows; each chunk must continue the one before."""
+        engine, h = self.engine, self.header
+        state = engine.state(self.state_id)
+        if first_row != self.received:
+            raise InvalidArgument(
+                f"first_row: {first_row} does not continue the rows received ({self.received})",
+                reason="CHUNK_MISMATCH",
+                field="first_row",
+            )
+        for name, t in (("k", k), ("v", v)):
+            shape = (k.shape[0], h.num_kv_heads, h.head_dim)
+            if t.dim() != 3 or tuple(t.shape) != shape:
+                raise InvalidArgument(
+                    f"{name}: expected shape [n, {h.num_kv_heads}, {h.head_dim}] with the "
+                    f"same n as k, got {list(t.shape)}",
+                    reason="BAD_SHAPE",
+                    field=name,
+                )
+            if t.dtype != h.dtype:
+                raise InvalidArgument(
+                    f"{name}: dtype {t.dtype} where the header says {h.dtype}",
+                    reason="BAD_DTYPE",
+                    field=name,
+                )
+        count = k.shape[0]
+        if self.received + count > h.num_rows:
+            raise InvalidArgument(
+                f"first_row: rows up to {self.received + count} where the header announced "
+                f"{h.num_rows}",
+                reason="CHUNK_MISMATCH",
+                field="first_row",
+            )
+        for name, t in (("k", k), ("v", v)):
+            if not is_finite(t):
+                raise InvalidArgument(
+                    f"{name}: holds NaN or infinite values", reason="NOT_FINITE", field=name
+                )
+        if not count:
+            return
+        kv, t = engine.kv, engine.table
+        rows = np.arange(self.received, self.received + count)
+        slots = _row_slots(t.blocks[state.slot], rows, kv.block_size)
+        kv.write(k.to(kv.k.device), v.to(kv.v.device), torch.from_numpy(slots).to(kv.k.device))
+        self.received += count
+
+    def finish(self) -> RowCount:
+        """The stream ended: the state holds the rows if every announced one came."""
+        state = self.engine.state(self.state_id)
+        if self.received != self.header.num_rows:
+            raise InvalidArgument(
+                f"the stream ended after {self.received} of the {self.header.num_rows} rows "
+                "its header announced",
+                reason="INCOMPLETE_KV",
+                field="header.num_rows",
+            )
+        state.prefilling = False
+        state.num_rows = self.header.num_rows
+        return RowCount(state.num_rows, state.next_position)
+
+    def abort(self) -> None:
+        """Puts the state back as it was: empty, its reserved blocks free."""
+        state = self.engine.states.get(self.state_id)
+        if state is None:
+            return
+        state.prefilling = False
+        state.num_rows = 0
+        state.trim()
+
+
+def _check_header(engine: DraftEngine, header: KVHeader) -> None:
+    """The KV fits this engine: same dtype, KV shape and model (in that order, so that
+    each error names the first difference)."""
+    c, dtype = engine.head.config, engine.kv.k.dtype
+    if header.dtype != dtype:
+        raise FailedPrecondition(
+            f"the KV was exported in {_name(header.dtype)}; this server computes in "
+            f"{_name(dtype)} (serve both with the same --dtype)",
+            reason="KV_DTYPE_MISMATCH",
+            field="header.dtype",
+        )
+    theirs = (header.num_kv_heads, header.head_dim)
+    ours = (c.num_key_value_heads, c.head_dim)
+    if theirs != ours:
+        raise FailedPrecondition(
+            f"the KV has {theirs[0]} KV heads of {theirs[1]}; this server's model has "
+            f"{ours[0]} of {ours[1]}",
+            reason="KV_SHAPE_MISMATCH",
+            field="header.num_key_value_heads",
+        )
+    if header.model_fingerprint != engine.model_fingerprint:
+        raise FailedPrecondition(
+            f"the KV was computed by another model ({header.model_family or '?'}, fingerprint "
+            f"{header.model_fingerprint or '(none)'}); this server serves {engine.head.family}, "
+            f"fingerprint {engine.model_fingerprint}",
+            reason="KV_MODEL_MISMATCH",
+            field="header.model_fingerprint",
+        )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
