@@ -6,6 +6,7 @@ under ``TRITON_INTERPRET=1`` (set it before ``triton`` is imported).
 """
 
 from .chain_step import record_step, select_step
+from .fused_moe import fused_moe
 from .gemv import gemv
 from .lm_head_drafts import lm_head_drafts
 from .mtp_input_norms import mtp_input_norms
@@ -17,6 +18,7 @@ from .swiglu import swiglu
 
 __all__ = [
     "add_rms_norm",
+    "fused_moe",
     "gemv",
     "lm_head_drafts",
     "mtp_input_norms",
