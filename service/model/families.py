@@ -105,6 +105,10 @@ def _weights(prefix: str, *modules: str) -> dict[str, str]:
 def read_config(raw: dict, family: str) -> MTPConfig:
     """The family's keys as an MTPConfig; a key whose value is not implemented is refused."""
     c = ConfigReader(raw)
+    if "kv_lora_rank" in c:  # said first: it is what stands between DeepSeek-V3 and serving
+        raise CheckpointError(
+            "config.json: kv_lora_rank: DeepSeek-V3's MLA attention is not supported (GQA only)"
+        )
     c.refuse_common()
     hidden, heads = c.int("hidden_size"), c.int("num_attention_heads")
     head_dim = c.int("head_dim", hidden // heads)
