@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -86,12 +87,23 @@ def stop_all(replicas: Sequence[Replica]) -> None:
         r.stop()
 
 
+def _stop_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux), so
+    that a killed test or script leaves no replica behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def start_replicas(count: int, serve_args: Sequence[str] = (), host: str = "127.0.0.1") -> list:
     """`count` replicas on free ports of `host`, started together; returns once all listen."""
     cmd = [sys.executable, "-m", "mtpdraft", "serve", "--host", host, "--port", "0"]
     processes = [
         subprocess.Popen(
-            [*cmd, *serve_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            [*cmd, *serve_args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=_stop_with_parent if sys.platform == "linux" else None,
         )
         for _ in range(count)
     ]

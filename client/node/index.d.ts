@@ -175,12 +175,16 @@ export interface DrafterClientOptions {
   channelOptions?: ChannelOptions;
   /** The folder holding mtpdraft/v1/drafter.proto (default: the package's own copy). */
   protoRoot?: string;
+  /** Sent with every call as the x-mtpdraft-affinity metadata: a proxy in front of several
+   * replicas sends all of a key's calls to one of them (deploy/README.md). */
+  affinityKey?: string;
 }
 
 export declare class DrafterClient {
   /** @param address host:port of the server */
   constructor(address: string, options?: DrafterClientOptions);
   timeoutMs: number;
+  affinityKey: string | null;
   close(): void;
   getInfo(): Promise<ServerInfo>;
   /** A new, empty state; resolves to its id (a decimal string). */

@@ -354,6 +354,9 @@ function parseColumns(resp) {
   };
 }
 
+// The request metadata a proxy routes by (deploy/README.md).
+const AFFINITY_HEADER = 'x-mtpdraft-affinity';
+
 function deadlineOptions(timeoutMs) {
   return timeoutMs ? { deadline: new Date(Date.now() + timeoutMs) } : {};
 }
@@ -362,12 +365,12 @@ function deadlineOptions(timeoutMs) {
 // ProposeColumnsStream): each request settles its own promise, in whatever order the answers
 // come. `_outcome` turns an answer into its result, or the DrafterError to reject with.
 class AnswerStream {
-  constructor(stub, method, callOptions) {
+  constructor(stub, method, callOptions, metadata = new grpc.Metadata()) {
     this._pending = new Map(); // request id (a decimal string, as answers carry it) -> promise settlers
     this._nextId = 1; // not 0: the proto default must not match a request
     this._ended = false; // true once close() ran or the call failed or ended: no more writes
     this._failure = null; // the call's DrafterError, if it failed
-    this._call = stub[method](callOptions);
+    this._call = stub[method](metadata, callOptions);
     // Pending promises are rejected on 'end', not on 'error' or 'status': grpc-js reports the
     // status as soon as it arrives, while answers received before it may still wait in the
     // readable buffer; 'end' comes after the last of them.
@@ -438,8 +441,8 @@ class AnswerStream {
  * later propose rejects.
  */
 class ProposeStream extends AnswerStream {
-  constructor(stub, callOptions) {
-    super(stub, 'ProposeStream', callOptions);
+  constructor(stub, callOptions, metadata) {
+    super(stub, 'ProposeStream', callOptions, metadata);
   }
 
   _outcome(resp) {
@@ -469,8 +472,8 @@ class ProposeStream extends AnswerStream {
  * ends every pending and later step rejects.
  */
 class ColumnsStream extends AnswerStream {
-  constructor(stub, callOptions) {
-    super(stub, 'ProposeColumnsStream', callOptions);
+  constructor(stub, callOptions, metadata) {
+    super(stub, 'ProposeColumnsStream', callOptions, metadata);
   }
 
   _outcome(resp) {
@@ -494,11 +497,14 @@ class DrafterClient {
    * @param {string} address host:port of the server
    * @param {object} [options] timeoutMs: deadline of every unary call and prefill (default
    *   30000; 0: none), never of a stream (see stream());
-   *   credentials (default insecure); channelOptions; protoRoot (folder holding mtpdraft/v1/).
+   *   credentials (default insecure); channelOptions; protoRoot (folder holding mtpdraft/v1/);
+   *   affinityKey: sent with every call as the x-mtpdraft-affinity metadata, by which a proxy
+   *   sends all of a key's calls to one replica (deploy/README.md).
    */
   constructor(address, options = {}) {
     const Service = loadService(options.protoRoot);
     this.timeoutMs = options.timeoutMs ?? 30000;
+    this.affinityKey = options.affinityKey ?? null;
     this.stub = new Service(
       address,
       options.credentials ?? grpc.credentials.createInsecure(),
@@ -510,9 +516,16 @@ class DrafterClient {
     this.stub.close();
   }
 
+  /** Each call's metadata: the affinity key, if any (a fresh object: grpc-js keeps it). */
+  _metadata() {
+    const metadata = new grpc.Metadata();
+    if (this.affinityKey !== null) metadata.set(AFFINITY_HEADER, this.affinityKey);
+    return metadata;
+  }
+
   _unary(method, request) {
     return new Promise((resolve, reject) => {
-      this.stub[method](request, deadlineOptions(this.timeoutMs), (err, resp) =>
+      this.stub[method](request, this._metadata(), deadlineOptions(this.timeoutMs), (err, resp) =>
         err ? reject(new DrafterError(err)) : resolve(resp),
       );
     });
@@ -545,7 +558,7 @@ class DrafterClient {
     const perChunk = chunkRows ?? Math.max(1, Math.floor((DEFAULT_CHUNK_BYTES - 64) / (rowBytes + 5)));
     return await new Promise((resolve, reject) => {
       let chunks = 0;
-      const call = this.stub.Prefill(deadlineOptions(this.timeoutMs), (err, resp) =>
+      const call = this.stub.Prefill(this._metadata(), deadlineOptions(this.timeoutMs), (err, resp) =>
         err ? reject(new DrafterError(err)) : resolve({ ...parseRows(resp), chunks }),
       );
       for (let lo = 0; lo < Math.max(rows, 1); lo += perChunk) {
@@ -586,7 +599,7 @@ class DrafterClient {
    * applied). Close it when done.
    */
   stream({ timeoutMs = 0 } = {}) {
-    return new ProposeStream(this.stub, deadlineOptions(timeoutMs));
+    return new ProposeStream(this.stub, deadlineOptions(timeoutMs), this._metadata());
   }
 
   /**
@@ -626,7 +639,7 @@ class DrafterClient {
    * @returns {ColumnsStream}
    */
   columnsStream({ timeoutMs = 0 } = {}) {
-    return new ColumnsStream(this.stub, deadlineOptions(timeoutMs));
+    return new ColumnsStream(this.stub, deadlineOptions(timeoutMs), this._metadata());
   }
 
   /** The verifier accepted the first numAccepted drafts (refeedHiddens: [a, hidden] or null). */

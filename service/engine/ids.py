@@ -1,11 +1,11 @@
 """State and KV handle ids that say which server instance issued them.
 
-An id is 63 random-looking bits whose top EPOCH_BITS are the issuing engine's epoch,
-drawn at random when the engine starts (never 0: an id of epoch 0 was never issued). A state lives in one process's memory: an id
-of another epoch was issued by another replica, or by this one before it restarted,
-and its KV is not here. Such an id, or one of this instance whose lease ran out, is
-*lost* (NOT_FOUND, reason STATE_LOST: allocate again and re-prefill, or import the
-exported KV), which a verifier must tell from a state it freed or never had
+An id is 63 random-looking bits whose top EPOCH_BITS are the issuing engine's epoch, drawn
+at random when the engine starts (never 0: an id of epoch 0 was never issued). A state lives
+in one process's memory: an id of another epoch was issued by another replica, or by this
+one before it restarted, and its KV is not here. Such an id, or one of this instance whose
+lease ran out, is *lost* (NOT_FOUND, reason STATE_LOST: allocate again and re-prefill, or
+import the exported KV), which a verifier must tell from a state it freed or never had
 (STATE_NOT_FOUND).
 """
 

@@ -10,6 +10,8 @@ namespace mtpdraft {
 namespace {
 
 constexpr int64_t kDefaultChunkBytes = 4 << 20;
+// The request metadata a proxy routes by (deploy/README.md).
+constexpr char kAffinityHeader[] = "x-mtpdraft-affinity";
 
 // Little-endian bytes of 32-bit words, whatever the host's byte order.
 std::string PackLE32(const uint32_t* words, size_t n) {
@@ -125,6 +127,7 @@ DrafterClient::DrafterClient(std::shared_ptr<grpc::Channel> channel,
 
 void DrafterClient::Prepare(grpc::ClientContext* context) const {
   if (timeout_.count() > 0) context->set_deadline(std::chrono::system_clock::now() + timeout_);
+  if (!affinity_key_.empty()) context->AddMetadata(kAffinityHeader, affinity_key_);
 }
 
 pb::GetInfoResponse DrafterClient::GetInfo() {
@@ -342,16 +345,17 @@ ColumnsResult DrafterClient::ProposeColumns(const Columns& step) {
 }
 
 std::unique_ptr<ProposeStream> DrafterClient::OpenStream(std::chrono::milliseconds timeout) {
-  return std::unique_ptr<ProposeStream>(new ProposeStream(*stub_, timeout));
+  return std::unique_ptr<ProposeStream>(new ProposeStream(*stub_, timeout, affinity_key_));
 }
 
 std::unique_ptr<ColumnsStream> DrafterClient::OpenColumnsStream(
     std::chrono::milliseconds timeout) {
-  return std::unique_ptr<ColumnsStream>(new ColumnsStream(*stub_, timeout));
+  return std::unique_ptr<ColumnsStream>(new ColumnsStream(*stub_, timeout, affinity_key_));
 }
 
-ProposeStream::ProposeStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout)
-    : call_(stub, &pb::Drafter::Stub::ProposeStream, &ProposeOutcome, timeout) {}
+ProposeStream::ProposeStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout,
+                             const std::string& affinity_key)
+    : call_(stub, &pb::Drafter::Stub::ProposeStream, &ProposeOutcome, timeout, affinity_key) {}
 
 std::future<Proposal> ProposeStream::Submit(uint64_t state, const ProposeArgs& args) {
   return call_.Submit(ProposeRequestOf(state, args));
@@ -361,8 +365,10 @@ Proposal ProposeStream::Propose(uint64_t state, const ProposeArgs& args) {
   return Submit(state, args).get();
 }
 
-ColumnsStream::ColumnsStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout)
-    : call_(stub, &pb::Drafter::Stub::ProposeColumnsStream, &ColumnsOutcome, timeout) {}
+ColumnsStream::ColumnsStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout,
+                             const std::string& affinity_key)
+    : call_(stub, &pb::Drafter::Stub::ProposeColumnsStream, &ColumnsOutcome, timeout,
+            affinity_key) {}
 
 std::future<ColumnsResult> ColumnsStream::Submit(const Columns& step) {
   return call_.Submit(ColumnsRequestOf(step));
@@ -375,9 +381,11 @@ namespace internal {
 template <typename Request, typename Response, typename Result>
 StreamCall<Request, Response, Result>::StreamCall(pb::Drafter::Stub& stub, Open open,
                                                   Outcome outcome,
-                                                  std::chrono::milliseconds timeout)
+                                                  std::chrono::milliseconds timeout,
+                                                  const std::string& affinity_key)
     : outcome_(outcome), failure_(StreamClosed()) {
   if (timeout.count() > 0) context_.set_deadline(std::chrono::system_clock::now() + timeout);
+  if (!affinity_key.empty()) context_.AddMetadata(kAffinityHeader, affinity_key);
   call_ = (stub.*open)(&context_);
   reader_ = std::thread(&StreamCall::Read, this);
 }

@@ -56,6 +56,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "mtpdraft/v1/drafter.grpc.pb.h"
@@ -235,7 +236,7 @@ class StreamCall {
   using Outcome = Result (*)(const Response&);
 
   StreamCall(pb::Drafter::Stub& stub, Open open, Outcome outcome,
-             std::chrono::milliseconds timeout);
+             std::chrono::milliseconds timeout, const std::string& affinity_key);
   ~StreamCall();  // Close()
   StreamCall(const StreamCall&) = delete;
   StreamCall& operator=(const StreamCall&) = delete;
@@ -293,7 +294,8 @@ class ProposeStream {
 
  private:
   friend class DrafterClient;
-  ProposeStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout);
+  ProposeStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout,
+                const std::string& affinity_key);
 
   internal::StreamCall<pb::ProposeRequest, pb::ProposeStreamResponse, Proposal> call_;
 };
@@ -323,7 +325,8 @@ class ColumnsStream {
 
  private:
   friend class DrafterClient;
-  ColumnsStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout);
+  ColumnsStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout,
+                const std::string& affinity_key);
 
   internal::StreamCall<pb::ColumnsRequest, pb::ColumnsResponse, ColumnsResult> call_;
 };
@@ -336,6 +339,12 @@ class DrafterClient {
                          std::chrono::milliseconds timeout = std::chrono::seconds(30));
   explicit DrafterClient(std::shared_ptr<grpc::Channel> channel,
                          std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+  // Sent with every later call (streams opened later included) as the x-mtpdraft-affinity
+  // metadata, by which a proxy in front of several replicas sends all of a key's calls to one
+  // of them (deploy/README.md). Empty: none.
+  void SetAffinityKey(std::string key) { affinity_key_ = std::move(key); }
+  const std::string& affinity_key() const { return affinity_key_; }
 
   pb::GetInfoResponse GetInfo();
   uint64_t AllocState();
@@ -377,6 +386,7 @@ class DrafterClient {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<pb::Drafter::Stub> stub_;
   std::chrono::milliseconds timeout_;
+  std::string affinity_key_;
 };
 
 }  // namespace mtpdraft

@@ -3,11 +3,13 @@ package drafter
 import (
 	"context"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/test/bufconn"
 
@@ -144,4 +146,58 @@ func TestStreamWithDeadlineExpires(t *testing.T) {
 		t.Fatalf("close: %v", err)
 	}
 	cs.Close()
+}
+
+// keyDrafter answers AllocState with the affinity key it was sent, as a state id's digits.
+type keyDrafter struct {
+	echoDrafter
+	keys chan string
+}
+
+func (d keyDrafter) AllocState(ctx context.Context, _ *pb.AllocStateRequest) (*pb.AllocStateResponse, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	d.keys <- strings.Join(md.Get(AffinityHeader), ",")
+	return &pb.AllocStateResponse{StateId: 1}, nil
+}
+
+func (d keyDrafter) ProposeStream(s pb.Drafter_ProposeStreamServer) error {
+	md, _ := metadata.FromIncomingContext(s.Context())
+	d.keys <- strings.Join(md.Get(AffinityHeader), ",")
+	return d.echoDrafter.ProposeStream(s)
+}
+
+func TestAffinityKeyGoesWithCallsAndStreams(t *testing.T) {
+	listener := bufconn.Listen(1 << 20)
+	server := grpc.NewServer()
+	d := keyDrafter{keys: make(chan string, 4)}
+	pb.RegisterDrafterServer(server, d)
+	go server.Serve(listener)
+	t.Cleanup(server.Stop)
+	conn, err := grpc.Dial("bufnet", grpc.WithInsecure(),
+		grpc.WithContextDialer(func(context.Context, string) (net.Conn, error) { return listener.Dial() }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := New(conn)
+	defer c.Close()
+	ctx := WithAffinityKey(context.Background(), "engine-7")
+	if _, err := c.AllocState(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s, err := c.OpenStream(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := propose(s); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	if _, err := c.AllocState(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"engine-7", "engine-7", ""} {
+		if got := <-d.keys; got != want {
+			t.Fatalf("key %q, want %q", got, want)
+		}
+	}
 }

@@ -18,6 +18,12 @@
 // with bounds the whole stream. The client sets none of its own, so a stream opened with
 // context.Background() has no deadline.
 //
+// Behind a proxy in front of several replicas, every call names the verifier's affinity key
+// (WithAffinityKey(ctx, key), a stream's when it is opened): all of a key's calls reach one
+// replica. A state whose replica is gone answers codes.NotFound with ErrorDetails' reason
+// "STATE_LOST": allocate a new state, prefill its committed rows, propose again without a
+// verdict (deploy/README.md).
+//
 // Tensors are raw little-endian bytes with a dtype and a shape. Errors are gRPC status errors:
 // status.Code(err) is codes.NotFound, codes.InvalidArgument, codes.FailedPrecondition, ...
 package drafter
@@ -29,12 +35,21 @@ import (
 	"math"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
 
 	pb "mtpdraft/gen/mtpdraftv1"
 )
 
 // DefaultChunkBytes bounds one PrefillChunk when Prefill is given no chunk size.
 const DefaultChunkBytes = 4 << 20
+
+// AffinityHeader is the request metadata a proxy (or gRPC's ring_hash policy) routes by.
+const AffinityHeader = "x-mtpdraft-affinity"
+
+// WithAffinityKey is ctx carrying key as the affinity metadata of the calls made with it.
+func WithAffinityKey(ctx context.Context, key string) context.Context {
+	return metadata.AppendToOutgoingContext(ctx, AffinityHeader, key)
+}
 
 // Tensor is a dense tensor: raw little-endian bytes in row-major order, a dtype and a shape.
 type Tensor struct {

@@ -1,0 +1,189 @@
+"""deploy/: the Kubernetes manifests against the Kubernetes API's schemas (offline, by
+kubernetes-validate) and against each other (selectors, ports, probes, the proxy's
+upstream servers, the grace periods, the server's own flags), and the nginx configs
+(the local one by nginx itself)."""
+
+from __future__ import annotations
+
+import base64
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from google.rpc import error_details_pb2, status_pb2
+
+from mtpdraft.client.messages import AFFINITY_HEADER
+from mtpdraft.service.cli import parse_serve
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+sys.path.insert(0, str(DEPLOY))
+import local  # noqa: E402  (deploy/local.py)
+
+KUBERNETES_VERSION = "1.30.0"  # the oldest release the manifests are checked against
+# What a drain takes past --grace-period: 5 s answering the queued calls, 1 s stopping
+# (LocalBackend.drain).
+DRAIN_AFTER_GRACE_S = 6
+HEALTH_SERVICE = "mtpdraft.v1.Drafter"
+NGINX_VARIABLE = "$http_" + AFFINITY_HEADER.replace("-", "_")
+
+
+def kustomization() -> dict:
+    return yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+
+
+def documents() -> list[dict]:
+    docs = []
+    for resource in kustomization()["resources"]:
+        docs += [d for d in yaml.safe_load_all((DEPLOY / resource).read_text()) if d]
+    return docs
+
+
+def one(kind: str, name: str | None = None) -> dict:
+    found = [d for d in documents() if d["kind"] == kind]
+    if name is not None:
+        found = [d for d in found if d["metadata"]["name"] == name]
+    assert len(found) == 1, (kind, name, len(found))
+    return found[0]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def container(workload: dict) -> dict:
+    (c,) = workload["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def port_named(c: dict, name_or_number) -> int:
+    for p in c["ports"]:
+        if name_or_number in (p.get("name"), p["containerPort"]):
+            return p["containerPort"]
+    raise AssertionError(f"{c['name']} has no port {name_or_number}")
+
+
+def k8s_conf() -> str:
+    return (DEPLOY / "nginx" / "k8s.conf").read_text()
+
+
+def test_every_manifest_matches_the_kubernetes_schema() -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
+    docs = documents()
+    assert {d["kind"] for d in docs} == {
+        "Namespace",
+        "Service",
+        "StatefulSet",
+        "PodDisruptionBudget",
+        "Deployment",
+    }
+    for doc in docs:
+        kv.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_kustomization_finds_its_files() -> None:
+    k = kustomization()
+    for resource in k["resources"]:
+        assert (DEPLOY / resource).is_file(), resource
+    (generator,) = k["configMapGenerator"]
+    files = dict(f.split("=", 1) for f in generator["files"])
+    assert set(files) == {"nginx.conf", "routes.conf"}
+    for path in files.values():
+        assert (DEPLOY / path).is_file(), path
+    assert one("Namespace")["metadata"]["name"] == k["namespace"]
+
+
+def test_the_replicas_selectors_ports_probes_gpus_and_drain() -> None:
+    sts = one("StatefulSet")
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert selects(sts["spec"]["selector"]["matchLabels"], labels)
+    svc = one("Service", sts["spec"]["serviceName"])
+    assert svc["spec"]["clusterIP"] == "None"  # headless: a DNS name per ready replica
+    assert selects(svc["spec"]["selector"], labels)
+    assert selects(one("PodDisruptionBudget")["spec"]["selector"]["matchLabels"], labels)
+    c = container(sts)
+    command = c["command"]
+    assert command[:2] == ["mtpdraft", "serve"]
+    config = parse_serve(command[2:])  # the flags as `mtpdraft serve` reads them
+    grpc_port = port_named(c, "grpc")
+    assert config.port == grpc_port and config.host == "0.0.0.0"
+    (service_port,) = svc["spec"]["ports"]
+    assert port_named(c, service_port["targetPort"]) == grpc_port
+    for probe in ("startupProbe", "readinessProbe"):
+        grpc = c[probe]["grpc"]
+        assert (grpc["port"], grpc["service"]) == (grpc_port, HEALTH_SERVICE), probe
+    assert "grpc" not in c["livenessProbe"]  # a draining replica is NOT_SERVING, not dead
+    for kind in ("requests", "limits"):
+        assert int(c["resources"][kind]["nvidia.com/gpu"]) == 1
+    grace = sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= config.grace_period + DRAIN_AFTER_GRACE_S
+    pre_stop = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+    assert "kill -TERM 1" in pre_stop
+
+
+def test_the_proxy_routes_to_every_replica_by_its_dns_name() -> None:
+    sts, namespace = one("StatefulSet"), kustomization()["namespace"]
+    svc = one("Service", sts["spec"]["serviceName"])
+    port = svc["spec"]["ports"][0]["port"]
+    conf = k8s_conf()
+    servers = re.findall(r"^\s*server (\S+) resolve", conf, re.M)
+    name, headless = sts["metadata"]["name"], svc["metadata"]["name"]
+    assert servers == [
+        f"{name}-{i}.{headless}.{namespace}.svc.cluster.local:{port}"
+        for i in range(sts["spec"]["replicas"])
+    ]
+    assert f"hash {NGINX_VARIABLE} consistent;" in conf
+    assert re.search(r"^\s*zone \S+ \d+k;", conf, re.M) and "resolver " in conf
+
+
+def test_the_proxy_deployment_mounts_its_config_and_serves_its_ports() -> None:
+    proxy = one("Deployment")
+    labels = proxy["spec"]["template"]["metadata"]["labels"]
+    assert selects(proxy["spec"]["selector"]["matchLabels"], labels)
+    svc = next(
+        d
+        for d in documents()
+        if d["kind"] == "Service" and selects(d["spec"].get("selector", {}), labels)
+    )
+    c = container(proxy)
+    version = tuple(int(x) for x in c["image"].split(":")[1].split("."))
+    assert version >= (1, 27, 3)  # re-resolvable upstream servers
+    conf = k8s_conf()
+    listens = [int(p) for p in re.findall(r"^\s*listen (\d+);", conf, re.M)]
+    assert port_named(c, svc["spec"]["ports"][0]["targetPort"]) == listens[0]
+    assert port_named(c, c["readinessProbe"]["httpGet"]["port"]) == listens[1]
+    (volume,) = proxy["spec"]["template"]["spec"]["volumes"]
+    assert volume["configMap"]["name"] == kustomization()["configMapGenerator"][0]["name"]
+    mounts = {m["subPath"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["nginx.conf"] == "/etc/nginx/nginx.conf"
+    assert f"include {mounts['routes.conf']};" in conf
+
+
+def test_a_call_without_a_key_gets_the_clients_error_details() -> None:
+    routes = (DEPLOY / "nginx" / "routes.conf").read_text()
+    assert f'if ({NGINX_VARIABLE} = "")' in routes
+    message = re.search(r'add_header grpc-message "([^"]+)"', routes).group(1)
+    details = re.search(r'add_header grpc-status-details-bin "([^"]+)"', routes).group(1)
+    status = status_pb2.Status.FromString(base64.b64decode(details + "=" * (-len(details) % 4)))
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    assert (status.code, status.message) == (3, message)
+    assert (info.reason, info.domain) == ("AFFINITY_KEY_MISSING", "mtpdraft.v1")
+
+
+def test_nginx_accepts_the_local_config(tmp_path: Path) -> None:
+    nginx = local.find_nginx()
+    if nginx is None:
+        pytest.skip("nginx is not installed")
+    (tmp_path / "temp").mkdir()
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(local.render_config(["127.0.0.1:1", "127.0.0.1:2"], "127.0.0.1:3", tmp_path))
+    done = subprocess.run(
+        [nginx, "-t", "-p", str(tmp_path), "-c", str(conf), "-e", str(tmp_path / "error.log")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
