@@ -167,3 +167,30 @@ def test_move_state_between_servers_and_its_refusals(client: DrafterClient, mimo
     finally:
         other.stop()
         same.stop()
+
+
+def test_junk_export_and_import_requests_are_refused(client: DrafterClient) -> None:
+    """Bytes that do not parse: INVALID_ARGUMENT (MALFORMED_MESSAGE), nothing changed."""
+    service = "/mtpdraft.v1.Drafter/"
+    export = client.channel.unary_stream(service + "ExportKV")  # no serializers: raw bytes
+    import_ = client.channel.stream_unary(service + "ImportKV")
+    state, info = client.alloc_state(), client.info()
+    header = pb.KVHeader(
+        model_fingerprint=info.model_fingerprint,
+        dtype=pb.DTYPE_FP32,
+        num_key_value_heads=info.num_key_value_heads,
+        head_dim=info.head_dim,
+        num_rows=4,
+    )
+    good = pb.KVChunk(state_id=state, header=header).SerializeToString()
+    for call in (
+        lambda: list(export(b"\xff" * 16, timeout=PATIENCE)),
+        lambda: import_(iter([b"\xff" * 16]), timeout=PATIENCE),
+        lambda: import_(iter([good, b"\x0a\x05ab"]), timeout=PATIENCE),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "parse" in err.value.details()
+    assert client.info().kv_blocks_free == client.info().kv_blocks_total
+    client.free_state(state)
