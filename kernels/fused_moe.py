@@ -101,8 +101,9 @@ def _align_kernel(
     # among one expert's pairs is whatever the atomics gave, which changes no result).
     for p0 in range(0, P, BLOCK_P):
         in_range = p0 + rp < P
-        e = tl.load(ids_ptr + p0 + rp, mask=in_range, other=-1).to(tl.int32)
-        ok = in_range & (e >= 0) & (e < E)
+        e = tl.load(ids_ptr + p0 + rp, mask=in_range, other=-1)
+        ok = in_range & (e >= 0) & (e < E)  # in the ids' own dtype: no int64 id wraps
+        e = e.to(tl.int32)
         rank = tl.atomic_add(
             counts_ptr + e, tl.full([BLOCK_P], 1, tl.int32), mask=ok, sem="relaxed"
         )
@@ -121,8 +122,9 @@ def _align_kernel(
     # 3: place each pair in its expert's blocks; a block's first row names its expert.
     for p0 in range(0, P, BLOCK_P):
         in_range = p0 + rp < P
-        e = tl.load(ids_ptr + p0 + rp, mask=in_range, other=-1).to(tl.int32)
-        ok = in_range & (e >= 0) & (e < E)
+        e = tl.load(ids_ptr + p0 + rp, mask=in_range, other=-1)
+        ok = in_range & (e >= 0) & (e < E)  # in the ids' own dtype: no int64 id wraps
+        e = e.to(tl.int32)
         rank = tl.load(rank_ptr + p0 + rp, mask=ok, other=0, cache_modifier=".cg")
         first = tl.load(first_ptr + e, mask=ok, other=0, cache_modifier=".cg")
         tl.store(block_pairs_ptr + first * BLOCK_M + rank, p0 + rp, mask=ok)

@@ -101,9 +101,10 @@ def test_k1_all_tokens_one_expert_bf16(device: torch.device) -> None:
 
 def test_repeated_expert_in_a_row_and_out_of_range_ids(device: torch.device) -> None:
     """A token may name an expert twice (it counts twice); ids outside [0, E) count zero."""
-    x, w_gate_up, w_down, _, _ = make_inputs(4, 3, torch.float32, device, seed=4)
-    ids = torch.tensor([[2, 2, 6], [-1, 2, 0], [EXPERTS, 3, 3], [-1, -1, -1]], device=device)
-    weights = torch.tensor([[0.5, 0.25, 0.25]] * 4, device=device)
+    x, w_gate_up, w_down, _, _ = make_inputs(5, 3, torch.float32, device, seed=4)
+    rows = [[2, 2, 6], [-1, 2, 0], [EXPERTS, 3, 3], [-1, -1, -1], [2**32 + 3, 1, 4]]
+    ids = torch.tensor(rows, device=device)  # 2**32 + 3 must not pass for expert 3
+    weights = torch.tensor([[0.5, 0.25, 0.25]] * 5, device=device)
     out = fused_moe(x, w_gate_up, w_down, ids, weights)
     torch.testing.assert_close(
         out.double().cpu(), moe_reference(x, w_gate_up, w_down, ids, weights), atol=1e-5, rtol=1e-5
