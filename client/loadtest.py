@@ -330,10 +330,15 @@ async def _drive(
             samples=samples,
             seed=config.seed,
         )
+        # Each verifier its own affinity key: through a proxy in front of replicas
+        # (deploy/), its calls reach one replica and the verifiers spread over them all.
         verifiers = [
-            Verifier(i, client, settings, pacer, hiddens, samples, tracer)
+            Verifier(
+                i, client.keyed(f"loadtest-{os.getpid()}-{i}"), settings, pacer, hiddens,
+                samples, tracer,
+            )
             for i in range(config.verifiers)
-        ]
+        ]  # fmt: skip
         pacer.start()
         ender = asyncio.create_task(_end_when_set(stop, pacer))
         try:
