@@ -54,3 +54,10 @@ def test_bench_families_reports_every_family_against_its_roofline(tmp_path: Path
         assert [r["batch"] for r in family["rows"]] == [1, 4]
         assert all(r["roofline_ms"] > 0 and 1 <= r["experts_touched"] <= 8 for r in family["rows"])
     assert "| batch | context | experts touched |" in (tmp_path / "families.md").read_text()
+
+
+def test_bench_moe_kernel_writes_its_table(tmp_path: Path) -> None:
+    done = _run("bench_moe_kernel.py", "--small", "--out-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "moe_kernel.json").read_text())
+    assert report and "| model | N | distinct experts |" in (tmp_path / "moe_kernel.md").read_text()
