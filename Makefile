@@ -21,10 +21,11 @@ test:
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu
 
-# On a machine with a CUDA GPU: writes bench/results/step.{json,md} (MiMo-7B) and
+# On a machine with a CUDA GPU: writes bench/results/step.{json,md} (MiMo-7B), moe_kernel and
 # families.{json,md} (GLM-4.5-Air, Qwen3-Next-80B).
 bench:
 	$(PYTHON) bench/bench_step.py --out-dir bench/results
+	$(PYTHON) bench/bench_moe_kernel.py --out-dir bench/results
 	$(PYTHON) bench/bench_families.py --out-dir bench/results
 
 # On a machine with a CUDA GPU: a verifier's step served (V verifiers x S states; the
