@@ -169,10 +169,7 @@ def kv_pool_blocks(memory_bytes: int, fraction: float, bytes_per_block: int) -> 
 def _kv_blocks(config: ServeConfig, head: MTPHead) -> int:
     if config.kv_blocks:
         return config.kv_blocks
-    c = head.config
-    per_block = KVCache.bytes_per_block(
-        config.block_size, c.num_key_value_heads, c.head_dim, head.dtype
-    )
+    per_block = KVCache.bytes_per_block(config.block_size, head.kv_row_values, head.dtype)
     if head.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(head.device)
         return kv_pool_blocks(free, config.kv_fraction, per_block)

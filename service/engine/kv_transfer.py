@@ -103,13 +103,12 @@ class KVExport:
         self.engine = engine
         self.handle_id = handle_id
         handle = self._handle()
-        c = engine.head.config
         self.header = KVHeader(
             model_fingerprint=engine.model_fingerprint,
             model_family=engine.head.family,
             dtype=engine.kv.k.dtype,
-            num_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
+            num_kv_heads=engine.kv.k.shape[2],  # K's row shape (MLA: the latent's, [1, R])
+            head_dim=engine.kv.k.shape[3],
             num_rows=handle.num_rows,
         )
 
@@ -121,9 +120,8 @@ class KVExport:
         handle, kv = self._handle(), self.engine.kv
         rows = np.arange(first, min(first + count, handle.num_rows))
         slots = _row_slots(np.asarray(handle.blocks), rows, kv.block_size)
-        index = torch.from_numpy(slots).to(kv.k.device)
-        flat = (-1, *kv.k.shape[2:])
-        return kv.k.view(flat)[index].cpu(), kv.v.view(flat)[index].cpu()
+        k, v = kv.read(torch.from_numpy(slots).to(kv.k.device))
+        return k.cpu(), v.cpu()
 
     def finish(self, keep_handle: bool) -> None:
         """The export is complete: frees the handle unless asked to keep it."""
@@ -170,11 +168,13 @@ class KVImport:
                 reason="CHUNK_MISMATCH",
                 field="first_row",
             )
-        for name, t in (("k", k), ("v", v)):
-            shape = (k.shape[0], h.num_kv_heads, h.head_dim)
+        # V's row is K's (MLA: the rotated k_pe beside the latent, fixed by the model).
+        v_row = tuple(engine.kv.v.shape[2:])
+        for name, t, row in (("k", k, (h.num_kv_heads, h.head_dim)), ("v", v, v_row)):
+            shape = (k.shape[0], *row)
             if t.dim() != 3 or tuple(t.shape) != shape:
                 raise InvalidArgument(
-                    f"{name}: expected shape [n, {h.num_kv_heads}, {h.head_dim}] with the "
+                    f"{name}: expected shape [n, {row[0]}, {row[1]}] with the "
                     f"same n as k, got {list(t.shape)}",
                     reason="BAD_SHAPE",
                     field=name,
@@ -233,7 +233,7 @@ class KVImport:
 def _check_header(engine: DraftEngine, header: KVHeader) -> None:
     """The KV fits this engine: same dtype, KV shape and model (in that order, so that
     each error names the first difference)."""
-    c, dtype = engine.head.config, engine.kv.k.dtype
+    dtype = engine.kv.k.dtype
     if header.dtype != dtype:
         raise FailedPrecondition(
             f"the KV was exported in {_name(header.dtype)}; this server computes in "
@@ -242,7 +242,7 @@ def _check_header(engine: DraftEngine, header: KVHeader) -> None:
             field="header.dtype",
         )
     theirs = (header.num_kv_heads, header.head_dim)
-    ours = (c.num_key_value_heads, c.head_dim)
+    ours = tuple(engine.kv.k.shape[2:])
     if theirs != ours:
         raise FailedPrecondition(
             f"the KV has {theirs[0]} KV heads of {theirs[1]}; this server's model has "

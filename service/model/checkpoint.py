@@ -102,12 +102,15 @@ def _block_names(layout: Layout, c: MTPConfig) -> dict[str, str]:
     b = layout.block
     names = {
         "input_layernorm": f"{b}input_layernorm.weight",
-        "q_proj": f"{b}self_attn.q_proj.weight",
-        "k_proj": f"{b}self_attn.k_proj.weight",
-        "v_proj": f"{b}self_attn.v_proj.weight",
         "o_proj": f"{b}self_attn.o_proj.weight",
         "post_attention_layernorm": f"{b}post_attention_layernorm.weight",
     }
+    if c.mla is not None:
+        attn = ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"]
+        attn += ["q_a_proj", "q_a_layernorm", "q_b_proj"] if c.mla.q_lora_rank else ["q_proj"]
+        names |= {a: f"{b}self_attn.{a}.weight" for a in attn}
+    else:
+        names |= {p: f"{b}self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")}
     if c.attention_bias:
         for proj in ("q_proj", "k_proj", "v_proj"):
             names[f"{proj}_bias"] = f"{b}self_attn.{proj}.bias"
@@ -154,6 +157,18 @@ def _expected_shapes(c: MTPConfig) -> dict[str, tuple[int, ...]]:
         "up_proj": (i, h),
         "down_proj": (h, i),
     }
+    if c.mla is not None:
+        m, heads = c.mla, c.num_attention_heads
+        shapes |= {
+            "q_proj": (heads * m.qk_head_dim, h),
+            "q_a_proj": (m.q_lora_rank, h),
+            "q_a_layernorm": (m.q_lora_rank,),
+            "q_b_proj": (heads * m.qk_head_dim, m.q_lora_rank),
+            "kv_a_proj_with_mqa": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+            "kv_a_layernorm": (m.kv_lora_rank,),
+            "kv_b_proj": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            "o_proj": (h, heads * m.v_head_dim),
+        }
     if c.moe is not None:
         e, mi, si = c.moe.num_experts, c.moe.intermediate_size, c.moe.shared_intermediate_size
         shapes |= {
@@ -173,10 +188,16 @@ def _expected_shapes(c: MTPConfig) -> dict[str, tuple[int, ...]]:
 
 
 class _Reader:
-    """Reads tensors by published name, checking each against the shape config.json implies."""
+    """Reads tensors by published name, checking each against the shape config.json implies.
 
-    def __init__(self, source: TensorFiles | TensorDict, shapes: dict) -> None:
+    An FP8 (e4m3) weight is dequantized with its ``weight_scale_inv`` (one fp32 scale per
+    block of config.json's weight_block_size, as DeepSeek-V3 publishes them); an FP8 weight
+    without its scale, or without a quantization_config saying how, is refused.
+    """
+
+    def __init__(self, source, shapes: dict, fp8_block, dtype: torch.dtype) -> None:
         self.source, self.shapes, self.used = source, shapes, set()
+        self.fp8_block, self.dtype = fp8_block, dtype
 
     def __call__(self, key: str, name: str) -> torch.Tensor:
         source = self.source
@@ -188,12 +209,37 @@ class _Reader:
                 f"{file}: {name}: expected shape {self.shapes[key]} from config.json, "
                 f"found {tuple(tensor.shape)}"
             )
-        if not tensor.is_floating_point():
+        if tensor.dtype == torch.float8_e4m3fn:
+            tensor = self._dequantize(name, tensor, file)
+        if not tensor.is_floating_point() or tensor.dtype.itemsize == 1:
             raise CheckpointError(
                 f"{file}: {name}: expected a floating-point tensor, found {tensor.dtype}"
             )
         self.used.add(name)
         return tensor
+
+    def _dequantize(self, name: str, weight: torch.Tensor, file) -> torch.Tensor:
+        scale_name = f"{name}_scale_inv"
+        if self.fp8_block is None:
+            raise CheckpointError(
+                f"{file}: {name}: an FP8 weight, and config.json has no quantization_config "
+                "saying how to read it"
+            )
+        if scale_name not in self.source.where:
+            raise CheckpointError(
+                f"{file}: {name}: an FP8 weight without its scales ({scale_name})"
+            )
+        (rows, cols), (br, bc) = weight.shape, self.fp8_block
+        scale = self.source.read(scale_name)
+        if tuple(scale.shape) != (-(-rows // br), -(-cols // bc)):
+            raise CheckpointError(
+                f"{self.source.where[scale_name]}: {scale_name}: expected shape "
+                f"{(-(-rows // br), -(-cols // bc))} for blocks of {br} x {bc}, found "
+                f"{tuple(scale.shape)}"
+            )
+        self.used.add(scale_name)
+        scale = scale.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        return (weight.float() * scale).to(self.dtype)
 
 
 def _experts(read: _Reader, layout: Layout, c: MTPConfig) -> dict[str, torch.Tensor]:
@@ -271,7 +317,7 @@ def mtp_weights_from(raw: dict, source: TensorFiles | TensorDict) -> MTPWeights:
         raise CheckpointError(
             f"{config_path}: describes a dense MLP, but {experts[:-9]} has experts"
         )
-    read = _Reader(source, _expected_shapes(config))
+    read = _Reader(source, _expected_shapes(config), ConfigReader(raw).fp8_block(), config.dtype)
 
     names = dict(layout.inputs) | _block_names(layout, config)
     embed = next((n for n in layout.embed if n in source.where), layout.embed[-1])

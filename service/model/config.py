@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
+from .rope import Yarn
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -35,6 +36,21 @@ class MoEConfig:
     topk_group: int
     shared_intermediate_size: int  # 0: no shared expert
     shared_expert_gate: bool  # Qwen: the shared expert is scaled by sigmoid(x @ w)
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention: K and V rebuilt from a cached latent."""
+
+    q_lora_rank: int  # 0: q is projected directly (q_proj), else through q_a / q_b
+    kv_lora_rank: int  # R: the cached latent's width
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # P: the rotated part of q and k, cached beside the latent
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,9 @@ class MTPConfig:
     attn_output_gate: bool = False  # Qwen3-Next: q_proj also yields a sigmoid gate per head
     norm_unit_offset: bool = False  # every RMSNorm scales by (1 + w): zero-centred weights
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None  # then head_dim is the q/k head dim, rotary_dim P
+    yarn: Yarn | None = None
+    rope_interleaved: bool = False  # rotate pairs (x[2i], x[2i+1]) (DeepSeek), else halves
 
     @property
     def q_size(self) -> int:
@@ -97,18 +116,29 @@ class ConfigReader:
         if key in self and self.raw[key] not in allowed:
             raise CheckpointError(f"config.json: {key}={self.raw[key]!r} is not supported ({why})")
 
-    def rope(self, head_dim: int) -> tuple[float, int]:
-        """(theta, rotary dims), from either spelling; only plain RoPE is implemented.
+    def rope(self, head_dim: int, yarn_ok: bool = False) -> tuple[float, int, Yarn | None]:
+        """(theta, rotary dims, YaRN scaling or None), from either spelling.
 
+        Plain RoPE everywhere; YaRN where the family implements it (`yarn_ok`).
         Qwen3.5's multimodal RoPE (mrope_section) rotates text tokens, whose three
         position streams are equal, exactly as plain RoPE does: a verifier sends
         text positions, so it is read as plain RoPE.
         """
         params = self.get("rope_parameters") or {}
         scaling = self.get("rope_scaling") or {}
+        yarn = None
         for name, table in (("rope_parameters", params), ("rope_scaling", scaling)):
             kind = table.get("rope_type", table.get("type", "default"))
-            if kind not in ("default", None):
+            if kind == "yarn" and yarn_ok:
+                yarn = Yarn(
+                    factor=float(table["factor"]),
+                    original_max_position_embeddings=int(table["original_max_position_embeddings"]),
+                    beta_fast=float(table.get("beta_fast", 32)),
+                    beta_slow=float(table.get("beta_slow", 1)),
+                    mscale=float(table.get("mscale", 1)),
+                    mscale_all_dim=float(table.get("mscale_all_dim", 0)),
+                )
+            elif kind not in ("default", None):
                 raise CheckpointError(
                     f"config.json: {name} type {kind!r} is not supported (plain RoPE only)"
                 )
@@ -123,7 +153,7 @@ class ConfigReader:
         rotary = int(head_dim * factor)
         if not 0 < rotary <= head_dim or rotary % 2:
             raise CheckpointError(f"config.json: partial_rotary_factor {factor} is not usable")
-        return float(thetas.pop()), rotary
+        return float(thetas.pop()), rotary, yarn
 
     def dtype(self) -> torch.dtype:
         name = str(self.get("torch_dtype") or self.get("dtype") or "bfloat16")
@@ -131,15 +161,28 @@ class ConfigReader:
             raise CheckpointError(f"config.json: dtype {name!r} is not supported")
         return _DTYPES[name]
 
+    def fp8_block(self) -> tuple[int, int] | None:
+        """The block of DeepSeek's FP8 weights (e4m3, one scale per block), else None.
+
+        Any other quantization is refused: weights are never read without their scales.
+        """
+        q = self.get("quantization_config")
+        if q is None:
+            return None
+        method = q.get("quant_method") if isinstance(q, dict) else q
+        block = q.get("weight_block_size") if isinstance(q, dict) else None
+        fmt = q.get("fmt", "e4m3") if isinstance(q, dict) else None
+        if method != "fp8" or fmt != "e4m3" or not block or len(block) != 2:
+            raise CheckpointError(
+                f"config.json: quantization_config ({method!r}) is not supported: only "
+                "fp8 e4m3 with a weight_block_size; weights are never read without their scales"
+            )
+        return int(block[0]), int(block[1])
+
     def refuse_common(self) -> None:
         """Keys that no family here honours other than at their plain value."""
         if "quantization_config" in self:
-            method = self.raw["quantization_config"]
-            method = method.get("quant_method", method) if isinstance(method, dict) else method
-            raise CheckpointError(
-                f"config.json: quantization_config ({method!r}) is not supported: "
-                "weights are read as stored, never without their scales"
-            )
+            self.fp8_block()
         self.refuse_unless("hidden_act", ("silu",), "the MLP is SwiGLU")
         if self.get("use_sliding_window"):
             raise CheckpointError("config.json: use_sliding_window is not supported")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ConfigReader, MoEConfig, MTPConfig
+from .config import ConfigReader, MLAConfig, MoEConfig, MTPConfig
 from .errors import CheckpointError
 
 
@@ -105,18 +105,15 @@ def _weights(prefix: str, *modules: str) -> dict[str, str]:
 def read_config(raw: dict, family: str) -> MTPConfig:
     """The family's keys as an MTPConfig; a key whose value is not implemented is refused."""
     c = ConfigReader(raw)
-    if "kv_lora_rank" in c:  # said first: it is what stands between DeepSeek-V3 and serving
-        raise CheckpointError(
-            "config.json: kv_lora_rank: DeepSeek-V3's MLA attention is not supported (GQA only)"
-        )
     c.refuse_common()
     hidden, heads = c.int("hidden_size"), c.int("num_attention_heads")
-    head_dim = c.int("head_dim", hidden // heads)
-    theta, rotary = c.rope(head_dim)
+    mla = _mla(c) if family == "deepseek" else None
+    head_dim = mla.qk_head_dim if mla else c.int("head_dim", hidden // heads)
+    theta, rotary, yarn = c.rope(mla.qk_rope_head_dim if mla else head_dim, yarn_ok=bool(mla))
     common = dict(
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_key_value_heads=c.int("num_key_value_heads", heads),
+        num_key_value_heads=heads if mla else c.int("num_key_value_heads", heads),
         head_dim=head_dim,
         vocab_size=c.int("vocab_size"),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
@@ -152,6 +149,22 @@ def read_config(raw: dict, family: str) -> MTPConfig:
         attention_bias=bool(c.get("attention_bias", False)),
         qk_norm=bool(c.get("use_qk_norm", False)),
         moe=moe,
+        mla=mla,
+        yarn=yarn,
+        rope_interleaved=mla is not None,  # vLLM's DeepSeek MLA: is_neox_style=False
+    )
+
+
+def _mla(c: ConfigReader) -> MLAConfig | None:
+    """DeepSeek-V3's attention, when the config describes it (kv_lora_rank)."""
+    if "kv_lora_rank" not in c:
+        return None
+    return MLAConfig(
+        q_lora_rank=c.int("q_lora_rank", 0),
+        kv_lora_rank=c.int("kv_lora_rank"),
+        qk_nope_head_dim=c.int("qk_nope_head_dim"),
+        qk_rope_head_dim=c.int("qk_rope_head_dim"),
+        v_head_dim=c.int("v_head_dim"),
     )
 
 

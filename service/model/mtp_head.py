@@ -19,8 +19,10 @@ from .checkpoint import MTPWeights
 from .config import MTPConfig
 from .decode_chain import ChainInputs, ChainOutputs
 from .kv_cache import KVCache
+from .mla import LatentAttention
 from .moe import MoEMLP
 from .ops import ops_for
+from .rope import rope_table
 
 
 def _queries_then_gates(w: torch.Tensor, c: MTPConfig) -> torch.Tensor:
@@ -53,19 +55,23 @@ class MTPHead:
         self.norm_embed, self.norm_hidden = t["norm_embed"], t["norm_hidden"]
         self.input_proj = t["input_proj"]
         self.input_layernorm = t["input_layernorm"]
-        # One GEMM for q (and its gate), k, v and one for gate, up: fewer launches, same math.
-        q, q_bias = t["q_proj"], t.get("q_proj_bias")
-        if c.attn_output_gate:  # per head [q, gate] rows -> all q rows, then all gate rows
-            q, q_bias = (None if w is None else _queries_then_gates(w, c) for w in (q, q_bias))
-        self.qkv = torch.cat([q, t["k_proj"], t["v_proj"]])
-        self.qkv_bias = (
-            torch.cat([q_bias, t["k_proj_bias"], t["v_proj_bias"]]) if q_bias is not None else None
-        )
-        self.q_norm, self.k_norm = t.get("q_norm"), t.get("k_norm")
+        self.ops = ops_for(self.device, ops)
+        self.mla = None if c.mla is None else LatentAttention(c, t, self.ops)
+        if c.mla is None:
+            # One GEMM for q (and its gate), k, v and one for gate, up: fewer launches.
+            q, q_bias = t["q_proj"], t.get("q_proj_bias")
+            if c.attn_output_gate:  # per head [q, gate] rows -> all q rows, then all gates
+                q, q_bias = (None if w is None else _queries_then_gates(w, c) for w in (q, q_bias))
+            self.qkv = torch.cat([q, t["k_proj"], t["v_proj"]])
+            self.qkv_bias = (
+                torch.cat([q_bias, t["k_proj_bias"], t["v_proj_bias"]])
+                if q_bias is not None
+                else None
+            )
+            self.q_norm, self.k_norm = t.get("q_norm"), t.get("k_norm")
         self.o_proj = t["o_proj"]
         self.post_attention_layernorm = t["post_attention_layernorm"]
         self.final_norm = t["final_norm"]
-        self.ops = ops_for(self.device, ops)
         if c.moe is None:
             self.gate_up = torch.cat([t["gate_proj"], t["up_proj"]])
             self.down_proj = t["down_proj"]
@@ -81,20 +87,28 @@ class MTPHead:
         return tensor.to(device=self.device, dtype=torch.float32 if fp32 else self.dtype)
 
     def _rope_table(self) -> torch.Tensor:
-        """[max_pos, rotary_dim]: cos columns then sin columns, fp32.
-
-        Like vLLM's: computed in fp32 and rounded to the compute dtype (vLLM keeps
-        its table in that dtype), kept in fp32 for the kernels.
-        """
+        """[max_pos, rotary_dim]: cos columns then sin columns (rope.py), on the device."""
         c = self.config
-        exponents = torch.arange(0, c.rotary_dim, 2, dtype=torch.float32) / c.rotary_dim
-        inv_freq = 1.0 / (c.rope_theta**exponents)
-        freqs = torch.outer(torch.arange(c.max_position_embeddings, dtype=torch.float32), inv_freq)
-        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(self.dtype).float()
+        table = rope_table(
+            c.rotary_dim, c.rope_theta, c.max_position_embeddings, self.dtype, c.yarn
+        )
         return table.to(self.device)
+
+    @property
+    def kv_row_values(self) -> int:
+        """Values the KV cache keeps per token: K and V of every KV head, or MLA's latent."""
+        c = self.config
+        if c.mla is not None:
+            return c.mla.kv_lora_rank + c.mla.qk_rope_head_dim
+        return 2 * c.num_key_value_heads * c.head_dim
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config
+        if c.mla is not None:
+            return KVCache.for_latent(
+                num_blocks, block_size, c.mla.kv_lora_rank, c.mla.qk_rope_head_dim, self.dtype,
+                self.device,
+            )  # fmt: skip
         return KVCache(
             num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype, self.device
         )
@@ -110,9 +124,8 @@ class MTPHead:
         )  # fmt: skip
         x = ops.linear(x, self.input_proj)
         y = ops.rms_norm(x, self.input_layernorm, eps, unit)
-        x, y = ops.add_rms_norm(
-            x, self._attention(y, batch, kv), self.post_attention_layernorm, eps, unit
-        )
+        attn = self._attention(y, batch, kv) if self.mla is None else self._mla(y, batch, kv)
+        x, y = ops.add_rms_norm(x, attn, self.post_attention_layernorm, eps, unit)
         if self.moe is not None:
             mlp_out = self.moe(y)
         else:
@@ -120,6 +133,9 @@ class MTPHead:
         if self._pass_normed:
             return ops.add_rms_norm(x, mlp_out, self.final_norm, eps, unit)[1]
         return x + mlp_out
+
+    def _mla(self, y: torch.Tensor, batch: RowBatch, kv: KVCache) -> torch.Tensor:
+        return self.ops.linear(self.mla(y, batch, kv, self.cos_sin), self.o_proj)
 
     def _attention(self, y: torch.Tensor, batch: RowBatch, kv: KVCache) -> torch.Tensor:
         """Self-attention of the normed rows y over their sequences' KV (which it extends)."""

@@ -58,6 +58,26 @@ class TorchOps:
     def paged_attention(self, q, kv: KVCache, block_tables, seq_ids, context_lens, scale):
         return torch_ops.paged_attention(q, kv.k, kv.v, block_tables, seq_ids, context_lens, scale)
 
+    def rope_interleaved(self, x, positions, cos_sin):
+        """x [N, heads, P] (a view) rotated by DeepSeek's interleaved RoPE; a new tensor."""
+        cos, sin = cos_sin[positions].chunk(2, dim=-1)
+        return torch_ops.rope_interleaved(x, cos, sin)
+
+    def mla_write_latent(self, c_kv, k_pe, positions, cos_sin, kv: KVCache, slots):
+        """Rotates k_pe [N, P] and writes [c_kv, k_pe] at the slots of the latent cache."""
+        k_pe = self.rope_interleaved(k_pe[:, None], positions, cos_sin)
+        kv.write(c_kv[:, None], k_pe, slots)
+
+    def mla_attention(
+        self, q_latent, q_pe, kv: KVCache, block_tables, seq_ids, context_lens, scale
+    ):
+        """Absorbed MLA: [q_latent, q_pe] against [c, k_pe], weighting c: [N, heads, R]."""
+        q = torch.cat([q_latent, q_pe], dim=-1)
+        latent = kv.latent[:, :, None]
+        return torch_ops.paged_attention(
+            q, latent, kv.k, block_tables, seq_ids, context_lens, scale
+        )
+
     def swiglu(self, gate_up):
         return torch_ops.swiglu(gate_up)
 
@@ -118,6 +138,20 @@ class TritonOps:
 
     def paged_attention(self, q, kv: KVCache, block_tables, seq_ids, context_lens, scale):
         return self.k.paged_attention(q, kv.k, kv.v, block_tables, seq_ids, context_lens, scale)
+
+    def rope_interleaved(self, x, positions, cos_sin):
+        self.k.rope_interleaved(x, positions, cos_sin)  # in place, x may be a strided view
+        return x
+
+    def mla_write_latent(self, c_kv, k_pe, positions, cos_sin, kv: KVCache, slots):
+        self.k.mla_write_latent(c_kv, k_pe, positions, cos_sin, kv.latent, slots)
+
+    def mla_attention(
+        self, q_latent, q_pe, kv: KVCache, block_tables, seq_ids, context_lens, scale
+    ):
+        return self.k.mla_decode(
+            q_latent, q_pe, kv.latent, block_tables, seq_ids, context_lens, scale
+        )
 
     def swiglu(self, gate_up):
         return self.k.swiglu(gate_up)

@@ -63,6 +63,26 @@ def _mlp(r: _Random, prefix: str, h: int, inter: int) -> dict[str, torch.Tensor]
     }
 
 
+def _mla(r: _Random, p: str, cfg: dict) -> dict[str, torch.Tensor]:
+    h, heads, rank = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"]
+    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    t = {
+        f"{p}kv_a_proj_with_mqa.weight": r.matrix(rank + cfg["qk_rope_head_dim"], h),
+        f"{p}kv_a_layernorm.weight": r.norm(rank),
+        f"{p}kv_b_proj.weight": r.matrix(
+            heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), rank
+        ),
+        f"{p}o_proj.weight": r.matrix(h, heads * cfg["v_head_dim"]),
+    }
+    if q_rank := cfg.get("q_lora_rank"):
+        t[f"{p}q_a_proj.weight"] = r.matrix(q_rank, h)
+        t[f"{p}q_a_layernorm.weight"] = r.norm(q_rank)
+        t[f"{p}q_b_proj.weight"] = r.matrix(heads * qk, q_rank)
+    else:
+        t[f"{p}q_proj.weight"] = r.matrix(heads * qk, h)
+    return t
+
+
 def random_tensors(
     cfg: dict,
     family: str,
@@ -95,12 +115,15 @@ def random_tensors(
         f"{p}{inputs[2]}.weight": r.matrix(h, 2 * h),
         f"{p}{inputs[3]}.weight": r.norm(h, qwen),
         f"{block}input_layernorm.weight": r.norm(h, qwen),
-        f"{block}self_attn.q_proj.weight": r.matrix(2 * q if qwen else q, h),
-        f"{block}self_attn.k_proj.weight": r.matrix(kv, h),
-        f"{block}self_attn.v_proj.weight": r.matrix(kv, h),
-        f"{block}self_attn.o_proj.weight": r.matrix(h, q),
         f"{block}post_attention_layernorm.weight": r.norm(h, qwen),
     }
+    if cfg.get("kv_lora_rank"):  # DeepSeek's MLA
+        t |= _mla(r, f"{block}self_attn.", cfg)
+    else:
+        t[f"{block}self_attn.q_proj.weight"] = r.matrix(2 * q if qwen else q, h)
+        t[f"{block}self_attn.k_proj.weight"] = r.matrix(kv, h)
+        t[f"{block}self_attn.v_proj.weight"] = r.matrix(kv, h)
+        t[f"{block}self_attn.o_proj.weight"] = r.matrix(h, q)
     if family == "mimo" or cfg.get("attention_bias"):
         for proj, size in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             t[f"{block}self_attn.{proj}.bias"] = 0.1 * r.normal(size)

@@ -28,6 +28,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([rotated, x[..., 2 * half :]], dim=-1)
 
 
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rotation of x [N, heads, P]: pair (x[2i], x[2i + 1]) turns by angle i."""
+    cos, sin = cos[:, None, :].float(), sin[:, None, :].float()
+    even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -37,10 +45,13 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Each query row attends the first context_lens[i] KV rows of its sequence (GQA)."""
+    """Each query row attends the first context_lens[i] KV rows of its sequence (GQA).
+
+    V may be narrower than q and K (MLA's latent: K = [c, k_pe], V = c).
+    """
     n, heads, dim = q.shape
-    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    out = torch.empty_like(q)
+    kv_heads, block_size, v_dim = k_cache.shape[2], k_cache.shape[1], v_cache.shape[-1]
+    out = q.new_empty(n, heads, v_dim)
     seq_list = seq_ids.tolist()
     lens = context_lens.tolist()
     start = 0
@@ -51,7 +62,7 @@ def paged_attention(
         ctx = max(lens[start:end])
         blocks = block_tables[seq_list[start], : (ctx + block_size - 1) // block_size].long()
         k = k_cache[blocks].reshape(-1, kv_heads, dim)[:ctx].float()
-        v = v_cache[blocks].reshape(-1, kv_heads, dim)[:ctx].float()
+        v = v_cache[blocks].reshape(-1, kv_heads, v_dim)[:ctx].float()
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
         step = max(1, _MAX_SCORE_ELEMENTS // (ctx * heads))

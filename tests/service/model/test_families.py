@@ -179,18 +179,3 @@ def test_a_mimo_config_in_the_transformers5_spelling(tmp_path) -> None:
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"mimo MTP layer would not use.*q_norm"):
         load_mtp_weights(tmp_path)
-
-
-def test_deepseek_v3_is_refused_for_its_mla_first(tmp_path) -> None:
-    """Its config has yarn RoPE and FP8 too, but MLA is what the error must name."""
-    from mtpdraft.service.model.synthetic import write_random_checkpoint
-
-    extra = {
-        "kv_lora_rank": 512, "q_lora_rank": 1536, "n_routed_experts": 8,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc", "rope_scaling": {"type": "yarn", "factor": 40},
-        "quantization_config": {"quant_method": "fp8"},
-    }  # fmt: skip
-    write_random_checkpoint(tmp_path, "deepseek", extra_config=extra)
-    with pytest.raises(CheckpointError, match="kv_lora_rank: DeepSeek-V3's MLA attention"):
-        load_mtp_weights(tmp_path)
