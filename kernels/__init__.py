@@ -9,6 +9,8 @@ from .chain_step import record_step, select_step
 from .fused_moe import fused_moe
 from .gemv import gemv
 from .lm_head_drafts import lm_head_drafts
+from .mla_decode import mla_decode
+from .mla_write_latent import mla_write_latent, rope_interleaved
 from .mtp_input_norms import mtp_input_norms
 from .paged_attention import paged_attention
 from .rms_norm import add_rms_norm, rms_norm
@@ -21,10 +23,13 @@ __all__ = [
     "fused_moe",
     "gemv",
     "lm_head_drafts",
+    "mla_decode",
+    "mla_write_latent",
     "mtp_input_norms",
     "paged_attention",
     "record_step",
     "rms_norm",
+    "rope_interleaved",
     "rope_write_kv",
     "select_drafts",
     "select_step",
