@@ -1,8 +1,9 @@
-"""The MoE and gated-attention families served over gRPC, drafts equal to the float64 oracle.
+"""The MoE, gated-attention and MLA families served over gRPC, drafts equal to the oracles.
 
 One server per family (fp32, CPU), each going through every AfterVerify case
 (none / some / all accepted, own or refed hiddens, separate or fused with the next
-Propose) and a ProposeBatch, each proposal checked against the oracle.
+Propose), KV taken, installed, exported and imported, and a ProposeBatch, each
+proposal checked against the float64 oracle.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from deepseek_checkpoints import write_deepseek_checkpoint
+from deepseek_reference import DeepseekReference
 from drafting import Expected, hiddens, tokens
 from family_checkpoints import write_family_checkpoint
 from family_reference import FamilyReference
@@ -21,17 +24,23 @@ CHECKPOINTS = {
     "glm-4.5": {"n_group": 2, "topk_group": 1},  # group-limited routing, q/k norms
     "qwen3-next": {},  # gated attention, softmax MoE with a gated shared expert
     "qwen3.6-dense": {},  # the same attention over a dense MLP
+    "deepseek-v3": {"fp8": True},  # MLA over the latent cache, YaRN, FP8 weights
 }
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS)
 def served(request, tmp_path_factory) -> Iterator[tuple[DrafterClient, FamilyReference]]:
-    folder = tmp_path_factory.mktemp(request.param)
-    write_family_checkpoint(folder, request.param, seed=5, shards=2, **CHECKPOINTS[request.param])
+    name, folder = request.param, tmp_path_factory.mktemp(request.param)
+    if name.startswith("deepseek"):
+        write_deepseek_checkpoint(folder, name, seed=5, shards=2, **CHECKPOINTS[name])
+        ref = DeepseekReference(folder)
+    else:
+        write_family_checkpoint(folder, name, seed=5, shards=2, **CHECKPOINTS[name])
+        ref = FamilyReference(folder)
     proc = start_server(folder, *SERVER_ARGS)
     try:
         with DrafterClient(proc.address, timeout=60) as client:
-            yield client, FamilyReference(folder)
+            yield client, ref
             info = client.info()
             assert info.live_states == 0 and info.kv_blocks_free == info.kv_blocks_total
     finally:
@@ -72,6 +81,21 @@ def test_every_after_verify_case(served, accepted: int, refeed: bool, fused: boo
     _assert_proposal(got, *exp.propose(bonus, h_next, 3))
     client.after_verify(state, 0)
     assert client.free_state(state)
+
+
+def test_take_install_and_export_import_keep_the_next_drafts(served) -> None:
+    """KV moved by a handle, or as bytes into a new state: the next drafts are the oracle's."""
+    client, ref = served
+    state, exp = _prefilled(client, ref, 9, seed=50)
+    moved = client.alloc_state()
+    client.install_kv(moved, client.take_kv(state))
+    imported = client.alloc_state()
+    client.import_kv(imported, client.export_kv(client.take_kv(moved)))
+    x, h = tokens(1, 51)[0], hiddens(1, 51)
+    _assert_proposal(client.propose(imported, x, h, exp.next_position, 3), *exp.propose(x, h, 3))
+    client.after_verify(imported, 0)
+    for s in (state, moved, imported):
+        client.free_state(s)
 
 
 def test_a_batch_of_states_drafts_as_each_alone(served) -> None:
