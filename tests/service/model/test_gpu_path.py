@@ -91,9 +91,23 @@ def _compare(folder, device: torch.device, lengths: list[int], graphs: bool) -> 
     torch.testing.assert_close(p_fast, p_ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("family", ["mimo", "glm4_moe", "qwen3_next"])
+# DeepSeek-V3's MLA (YaRN RoPE) over a MoE, small.
+MLA = {
+    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+    "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["mimo", "glm4_moe", "qwen3_next", "deepseek"])
 def test_triton_ops_match_torch_ops_on_the_cpu(tmp_path, family: str) -> None:
-    write_random_checkpoint(tmp_path, family, hidden_size=64, vocab_size=200, seed=7)
+    extra = MLA if family == "deepseek" else None
+    write_random_checkpoint(
+        tmp_path, family, hidden_size=64, vocab_size=200, seed=7, extra_config=extra
+    )
     _compare(tmp_path, torch.device("cpu"), [5, 33, 17], graphs=False)
 
 
@@ -103,11 +117,14 @@ GPU_MOE = {
                  "n_group": 2, "topk_group": 1, "head_dim": 128},
     "qwen3_next": {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 512,
                    "shared_expert_intermediate_size": 512, "head_dim": 128},
+    "deepseek": MLA | {"n_routed_experts": 16, "num_experts_per_tok": 4,
+                       "moe_intermediate_size": 512, "kv_lora_rank": 512, "q_lora_rank": 256,
+                       "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128},
 }  # fmt: skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["mimo", "deepseek", "glm4_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["mimo", "glm4_moe", "qwen3_next", "deepseek"])
 def test_graphed_triton_path_matches_torch_on_the_gpu(tmp_path, family: str) -> None:
     write_random_checkpoint(
         tmp_path, family, hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
