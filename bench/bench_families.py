@@ -35,7 +35,7 @@ from bench_step import (
     timed_chain,
     timed_replay,
 )  # fmt: skip
-from shapes import GLM_45_AIR, QWEN3_NEXT_80B, SMALL_MOE
+from shapes import DEEPSEEK_V3, GLM_45_AIR, QWEN3_NEXT_80B, SMALL_MLA, SMALL_MOE
 
 from mtpdraft.service.model import moe as moe_module
 from mtpdraft.service.model.checkpoint import TensorDict, mtp_weights_from
@@ -46,6 +46,7 @@ from mtpdraft.service.model.synthetic import random_tensors
 FAMILIES = {
     "glm-4.5-air": ("glm4_moe", GLM_45_AIR),
     "qwen3-next-80b": ("qwen3_next", QWEN3_NEXT_80B),
+    "deepseek-v3": ("deepseek", DEEPSEEK_V3),
 }
 DT = torch.bfloat16
 
@@ -56,8 +57,13 @@ def nbytes(*tensors: torch.Tensor | None) -> int:
 
 def step_bytes(head: MTPHead, batch: int, experts_touched: int) -> int:
     """Bytes a draft step reads: dense matrices, the touched experts, B embedding rows."""
-    m = head.moe
-    dense = nbytes(head.input_proj, head.qkv, head.qkv_bias, head.o_proj, head.lm_head, m.router)
+    m, a = head.moe, head.mla
+    attention = (
+        nbytes(head.qkv, head.qkv_bias)
+        if a is None
+        else nbytes(a.q_a, a.q_a_norm, a.q_b, a.kv_a, a.w_uk, a.w_uv_t)
+    )
+    dense = attention + nbytes(head.input_proj, head.o_proj, head.lm_head, m.router)
     dense += nbytes(m.shared_gate_up, m.shared_down, m.shared_gate)
     per_expert = nbytes(m.experts_gate_up[0], m.experts_down[0])
     return dense + experts_touched * per_expert + batch * nbytes(head.embed[0])
@@ -111,14 +117,8 @@ def dense_step(head: MTPHead, form: str):
         out = torch.einsum("bki,bkhi->bkh", act, m.experts_down[ids]).float()
         return (out * w[..., None]).sum(1).to(y.dtype)
 
-    def step(tokens, hiddens, pos, k_cache, v_cache):
-        b, heads, kvh, d = tokens.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        e, h = (
-            norm(F.embedding(tokens, head.embed), head.norm_embed),
-            norm(hiddens, head.norm_hidden),
-        )
-        x = F.linear(torch.cat([e, h], -1), head.input_proj)
-        y = norm(x, head.input_layernorm)
+    def gqa(y, pos, k_cache, v_cache):
+        b, heads, kvh, d = y.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         gate_size = c.q_size if c.attn_output_gate else 0
         q, gate, k, v = F.linear(y, head.qkv, head.qkv_bias).split(
             [c.q_size, gate_size, c.kv_size, c.kv_size], -1
@@ -128,14 +128,44 @@ def dense_step(head: MTPHead, form: str):
             q, k = norm(q, head.q_norm), norm(k, head.k_norm)
         cos, sin = head.cos_sin[pos].chunk(2, -1)
         q, k = rope(q, cos[:, None], sin[:, None]), rope(k, cos[:, None], sin[:, None])
-        rows = torch.arange(b, device=tokens.device)
+        rows = torch.arange(b, device=y.device)
         k_cache[rows, pos] = k
         v_cache[rows, pos] = v.view(b, kvh, d)
         attn = F.scaled_dot_product_attention(
             q[:, :, None], k_cache.transpose(1, 2), v_cache.transpose(1, 2), enable_gqa=True
         ).reshape(b, c.q_size)
-        if gate_size:
-            attn = attn * torch.sigmoid(gate)
+        return attn * torch.sigmoid(gate) if gate_size else attn
+
+    def mla(y, pos, latent):  # absorbed, over a dense [B, L, R + P] latent cache
+        a, m, b = head.mla, c.mla, y.shape[0]
+        x = y if a.q_a is None else norm(F.linear(y, a.q_a), a.q_a_norm)
+        q = F.linear(x, a.q_b).view(b, c.num_attention_heads, m.qk_head_dim)
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+        kv = F.linear(y, a.kv_a)
+        c_kv, k_pe = norm(kv[:, : m.kv_lora_rank], a.kv_a_norm), kv[:, m.kv_lora_rank :]
+        cos, sin = head.cos_sin[pos].chunk(2, -1)
+        q_pe = rope_pairs(q_pe, cos[:, None], sin[:, None])
+        k_pe = rope_pairs(k_pe[:, None], cos[:, None], sin[:, None])[:, 0]
+        latent[torch.arange(b, device=y.device), pos] = torch.cat([c_kv, k_pe], -1)
+        q_latent = torch.einsum("bhd,hdr->bhr", q_nope, a.w_uk)
+        scores = torch.einsum("bhr,blr->bhl", torch.cat([q_latent, q_pe], -1), latent).float()
+        probs = (scores * a.scale).softmax(-1).to(y.dtype)
+        out = torch.einsum("bhl,blr->bhr", probs, latent[..., : m.kv_lora_rank])
+        return torch.einsum("bhr,hrv->bhv", out, a.w_uv_t).reshape(b, -1)
+
+    def rope_pairs(x, cos, sin):
+        even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+        rot = torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1)
+        return rot.flatten(-2).to(x.dtype)
+
+    def step(tokens, hiddens, pos, k_cache, v_cache):
+        e, h = (
+            norm(F.embedding(tokens, head.embed), head.norm_embed),
+            norm(hiddens, head.norm_hidden),
+        )
+        x = F.linear(torch.cat([e, h], -1), head.input_proj)
+        y = norm(x, head.input_layernorm)
+        attn = gqa(y, pos, k_cache, v_cache) if c.mla is None else mla(y, pos, k_cache)
         x = x + F.linear(attn, head.o_proj)
         y = norm(x, head.post_attention_layernorm)
         ids, w = moe_module.route(y, m.router, m.router_bias, m.moe)
@@ -155,7 +185,7 @@ def dense_step(head: MTPHead, form: str):
 def measure_point(fast, eager, compiled, b: int, args, gen, bandwidth: float) -> dict:
     """One batch size: every peer on the same inputs."""
     device, c = fast.device, fast.config
-    kv_per_token = 2 * c.num_key_value_heads * c.head_dim * fast.embed.element_size()
+    kv_per_token = fast.kv_row_values * fast.embed.element_size()
     chain, blocks = make_chain(fast, b, args.context, gen)
     batch = first_step(chain, device)
     kv = fast.new_kv_cache(blocks, BLOCK)
@@ -178,6 +208,8 @@ def measure_point(fast, eager, compiled, b: int, args, gen, bandwidth: float) ->
     )
     for form, fn in compiled.items():
         shape_kv = (b, args.context, c.num_key_value_heads, c.head_dim)
+        if c.mla is not None:  # one dense latent cache; v_cache unused
+            shape_kv = (b, args.context, fast.kv_row_values)
         k_dense = torch.randn(shape_kv, device=device, dtype=DT)
         v_dense = torch.randn(shape_kv, device=device, dtype=DT)
         inputs = (batch.tokens, batch.hiddens, batch.positions, k_dense, v_dense)
@@ -197,15 +229,15 @@ def measure_point(fast, eager, compiled, b: int, args, gen, bandwidth: float) ->
 
 def measure_family(name: str, args, device: torch.device, bandwidth: float) -> dict:
     family, shape = FAMILIES[name]
-    cfg = shape | (SMALL_MOE if args.small else {})
+    small = (SMALL_MOE | (SMALL_MLA if family == "deepseek" else {})) if args.small else {}
+    cfg = shape | small
     torch.cuda.empty_cache() if device.type == "cuda" else None
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     weights = mtp_weights_from(
         cfg, TensorDict(random_tensors(cfg, family, dtype=DT, device=device))
     )
     fast = MTPHead(weights, device, ops="triton" if device.type == "cuda" else "torch")
-    c = fast.config
-    kv_per_token = 2 * c.num_key_value_heads * c.head_dim * fast.embed.element_size()
+    kv_per_token = fast.kv_row_values * fast.embed.element_size()
     report: dict = {"family": family, "shape": cfg, "kv_bytes_per_token": kv_per_token}
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -40,3 +40,24 @@ SMALL_MOE = {
     "n_routed_experts": 8, "num_experts": 8, "num_experts_per_tok": 2,
     "shared_expert_intermediate_size": 32,
 }  # fmt: skip
+# DeepSeek-V3's MTP layer (MLA, 256 experts top 8 in 8 groups, YaRN). Its published
+# weights are FP8 with block scales; they are dequantized at load, so the layer computes
+# (and these random weights are) bf16.
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8,
+    "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "num_hidden_layers": 61, "vocab_size": 129280, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000, "max_position_embeddings": 163840, "hidden_act": "silu",
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+SMALL_MLA = {
+    "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 16, "n_group": 4, "topk_group": 2,
+    "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024},
+}  # fmt: skip

@@ -39,20 +39,25 @@ _SMALL_MOE = {
 
 
 class _Random:
-    """Draws the weights: scaled so that activations stay O(1) and logits spread."""
+    """Draws the weights: scaled so that activations stay O(1) and logits spread. Each
+    tensor is computed in fp32 and rounded once to the dtype (a real-shape model never
+    holds its fp32 draw whole)."""
 
-    def __init__(self, seed: int, device: str | torch.device) -> None:
+    def __init__(self, seed: int, device: str | torch.device, dtype: torch.dtype) -> None:
         self.gen = torch.Generator(device=device).manual_seed(seed)
-        self.device = device
+        self.device, self.dtype = device, dtype
 
-    def normal(self, *shape: int) -> torch.Tensor:
+    def _randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen, device=self.device)
 
-    def matrix(self, *shape: int) -> torch.Tensor:
-        return self.normal(*shape) / math.sqrt(shape[-1])
+    def normal(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * self._randn(*shape)).to(self.dtype)
+
+    def matrix(self, *shape: int, gain: float = 1.0) -> torch.Tensor:
+        return (gain * (self._randn(*shape) / math.sqrt(shape[-1]))).to(self.dtype)
 
     def norm(self, size: int, zero_centred: bool = False) -> torch.Tensor:
-        return (0.0 if zero_centred else 1.0) + 0.1 * self.normal(size)
+        return ((0.0 if zero_centred else 1.0) + 0.1 * self._randn(size)).to(self.dtype)
 
 
 def _mlp(r: _Random, prefix: str, h: int, inter: int) -> dict[str, torch.Tensor]:
@@ -92,7 +97,7 @@ def random_tensors(
     device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
     """The embedding, LM head and first MTP layer of `family`, shaped by config.json `cfg`."""
-    r = _Random(seed, device)
+    r = _Random(seed, device, dtype)
     h, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or h // heads
     q, kv = heads * head_dim, kv_heads * head_dim
@@ -109,7 +114,7 @@ def random_tensors(
     t = {
         "model.embed_tokens.weight": r.normal(cfg["vocab_size"], h),
         # A head scaled so that logits spread over a few units: peaked, tie-free drafts.
-        "lm_head.weight": 3.0 * r.matrix(cfg["vocab_size"], h),
+        "lm_head.weight": r.matrix(cfg["vocab_size"], h, gain=3.0),
         f"{p}{inputs[0]}.weight": r.norm(h, qwen),
         f"{p}{inputs[1]}.weight": r.norm(h, qwen),
         f"{p}{inputs[2]}.weight": r.matrix(h, 2 * h),
@@ -126,7 +131,7 @@ def random_tensors(
         t[f"{block}self_attn.o_proj.weight"] = r.matrix(h, q)
     if family == "mimo" or cfg.get("attention_bias"):
         for proj, size in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            t[f"{block}self_attn.{proj}.bias"] = 0.1 * r.normal(size)
+            t[f"{block}self_attn.{proj}.bias"] = r.normal(size, scale=0.1)
     if qwen or cfg.get("use_qk_norm"):
         t[f"{block}self_attn.q_norm.weight"] = r.norm(head_dim, qwen)
         t[f"{block}self_attn.k_norm.weight"] = r.norm(head_dim, qwen)
@@ -143,10 +148,10 @@ def random_tensors(
             t |= _mlp(r, f"{mlp}shared_expert.", h, shared)
             t[f"{mlp}shared_expert_gate.weight"] = r.matrix(1, h)
     else:
-        t[f"{mlp}gate.e_score_correction_bias"] = 0.1 * r.normal(experts).abs()
+        t[f"{mlp}gate.e_score_correction_bias"] = r.normal(experts, scale=0.1).abs()
         if shared := cfg.get("n_shared_experts"):
             t |= _mlp(r, f"{mlp}shared_experts.", h, inter * shared)
-    return {k: v.to(dtype) for k, v in t.items()}
+    return t
 
 
 def write_random_checkpoint(

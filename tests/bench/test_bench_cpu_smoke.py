@@ -49,7 +49,7 @@ def test_bench_families_reports_every_family_against_its_roofline(tmp_path: Path
     done = _run("bench_families.py", *args, "--no-compile", "--out-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((tmp_path / "families.json").read_text())
-    assert set(report["families"]) == {"glm-4.5-air", "qwen3-next-80b"}
+    assert set(report["families"]) == {"glm-4.5-air", "qwen3-next-80b", "deepseek-v3"}
     for family in report["families"].values():
         assert [r["batch"] for r in family["rows"]] == [1, 4]
         assert all(r["roofline_ms"] > 0 and 1 <= r["experts_touched"] <= 8 for r in family["rows"])
