@@ -284,8 +284,8 @@ def _refuse_unknown_tensors(source, layout: Layout, c: MTPConfig, used: set[str]
     mla = [n for n in unused if ".q_a_proj." in n or ".kv_a_proj_with_mqa." in n]
     if mla:
         raise CheckpointError(
-            f"{source.where[mla[0]]}: {layout.block}self_attn: MLA attention is not supported "
-            "(GQA only)"
+            f"{source.where[mla[0]]}: {layout.block}self_attn holds MLA weights, but "
+            "config.json has no kv_lora_rank (an MLA config) to read them by"
         )
     shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
     raise CheckpointError(

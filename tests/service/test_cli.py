@@ -181,7 +181,7 @@ def test_kv_memory_fraction_sizes_the_pool_from_the_free_gpu_memory(monkeypatch)
     """The GPU path on any machine: a head on "cuda" and a fake free-memory figure. A block
     of 16 rows, 8 KV heads of 128 in bfloat16: 2 x 16 x 8 x 128 x 2 B = 64 KiB."""
     head = SimpleNamespace(
-        config=SimpleNamespace(num_key_value_heads=8, head_dim=128),
+        kv_row_values=2 * 8 * 128,  # K and V of 8 heads of 128
         dtype=torch.bfloat16,
         device=torch.device("cuda"),
     )

@@ -74,7 +74,7 @@ def test_shard_named_by_the_index_must_exist(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ("model.layers.2.self_attn.q_a_proj.weight", "MLA attention is not supported"),
+        ("model.layers.2.self_attn.q_a_proj.weight", "MLA weights, but config.json has no kv_lora"),
         (
             "model.layers.2.mlp.experts.0.up_proj.weight",
             "describes a dense MLP, but model.layers.2.mlp has experts",
