@@ -8,6 +8,8 @@
   ``shared_head.norm`` feeds the logits only, the pre-norm hidden is passed on; GQA
   attention with optional biases, q/k norms and partial rotary; a sigmoid-scored,
   group-limited MoE with a correction bias and shared experts (or a dense MLP).
+  DeepSeek-V3 (``kv_lora_rank`` in its config) attends by MLA over a latent cache,
+  with interleaved YaRN RoPE (mla.py, rope.py).
 - Qwen3-Next / Qwen3.5 / Qwen3.6 (``mtp.*``): ``fc`` over cat[embedding, hidden];
   every RMSNorm zero-centred (scale 1 + w); q/k norms and a sigmoid output gate
   per head from a q_proj twice as wide; a softmax-routed MoE with a gated shared

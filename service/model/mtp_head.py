@@ -3,10 +3,12 @@
 It knows nothing of states: the engine says which rows to compute and where
 their KV goes (a RowBatch); this computes them, writes their K/V and returns the
 hidden each row passes on. Conventions follow vLLM so that one checkpoint gives
-the same drafts here as there: the embedding is zeroed in the row at position 0,
-the RoPE position of a row is its hidden's position, and the hidden passed on is
-what vLLM's MTP layer returns (MiMo: after final_layernorm; DeepSeek/GLM: before
-shared_head.norm, which feeds the logits only).
+the same drafts here as there: the embedding is zeroed in the row at position 0
+(but for Qwen3-Next), the RoPE position of a row is its hidden's position, and the
+hidden passed on is what vLLM's MTP layer returns (MiMo, Qwen3-Next: after the final
+norm; DeepSeek/GLM: before shared_head.norm, which feeds the logits only). What each
+family computes is families.py; the attention is GQA here or MLA (mla.py), the MLP
+dense here or a MoE (moe.py).
 """
 
 from __future__ import annotations
