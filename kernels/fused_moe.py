@@ -41,6 +41,16 @@ of a matrix product does not depend on the other rows of its block, and each pai
 output is summed from its own slot), so it is deterministic although the grouping's order
 within an expert is not.
 
+FP8 weights (``gate_up_scale``, ``down_scale``: DeepSeek-V3's float8_e4m3fn experts, one
+fp32 scale per ``scale_block`` = (bn, bk) block, 128 x 128 there) are read as FP8 bytes,
+half of bf16's, plus the scales. Inside the K loops each weight tile is converted to fp32,
+multiplied by its blocks' scales and rounded once to x.dtype (a no-op for fp32 x); from
+there on everything is as above, so the result is the x.dtype path's on the weights
+dequantized that way, ``(w.float() * scale).to(x.dtype)``. The K tiles are cut to a power
+of two that divides bk, so a tile row needs one scale (its row's block, looked up per row
+since the tile's rows may span two row blocks, as the gate and up rows do where bn does not
+divide I); where bk has no such divisor of 16 or more, each element looks up its own.
+
 An expert id outside [0, E) (say -1 for an expert held by another rank) contributes
 nothing; ids are not otherwise checked, since that would wait for the device.
 """
@@ -132,12 +142,33 @@ def _align_kernel(
 
 
 @triton.jit
+def _dequantize(w, s_ptrs, k, rk, n_ok, k_ok, SCALE_K: tl.constexpr, SCALE_TILE: tl.constexpr):
+    """An FP8 tile [BLOCK_N, BLOCK_K] at columns k + rk, in fp32, times its blocks' scales.
+
+    ``s_ptrs`` [BLOCK_N] points at each tile row's row of scales. Where the K tile lies in
+    one scale block (SCALE_TILE) a row needs one scale; else each column picks its own.
+    """
+    if SCALE_TILE:
+        s = tl.load(s_ptrs + k // SCALE_K, mask=n_ok, other=0.0)
+        w = w.to(tl.float32) * s[:, None]
+    else:
+        s = tl.load(
+            s_ptrs[:, None] + ((k + rk) // SCALE_K)[None, :],
+            mask=n_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w = w.to(tl.float32) * s
+    return w
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [N, H] tokens
     w_ptr,  # [E, 2I, H] gate rows, then up rows, per expert
     block_expert_ptr,  # [BLOCKS]
     block_pairs_ptr,  # [BLOCKS * BLOCK_M]
     inter_ptr,  # [P, I] out: silu(gate) * up of each pair, dtype of x
+    scale_ptr,  # [E, ceil(2I / SCALE_N), ceil(H / SCALE_K)] fp32 where FP8, else unread
     P,
     TOPK,
     H,
@@ -146,6 +177,10 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,  # columns of I (rows of gate and of up) per program
     BLOCK_K: tl.constexpr,  # tile of H
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32" (ignored)
+    FP8: tl.constexpr,  # w is float8_e4m3fn with a scale per SCALE_N x SCALE_K block
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    SCALE_TILE: tl.constexpr,  # SCALE_K % BLOCK_K == 0: one scale column per K tile
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
@@ -162,6 +197,13 @@ def _gate_up_kernel(
         w_ptr + expert.to(tl.int64) * 2 * INTER * H + rn.to(tl.int64)[:, None] * H + rk[None, :]
     )
     u_ptrs = g_ptrs + INTER * H
+    if FP8:  # each weight row's row of scales, for the gate and the up rows
+        scale_cols = tl.cdiv(H, SCALE_K)
+        scale_rows = tl.cdiv(2 * INTER, SCALE_N)
+        sg_ptrs = scale_ptr + (expert.to(tl.int64) * scale_rows + rn // SCALE_N) * scale_cols
+        su_ptrs = (
+            scale_ptr + (expert.to(tl.int64) * scale_rows + (INTER + rn) // SCALE_N) * scale_cols
+        )
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, H, BLOCK_K):
@@ -169,6 +211,9 @@ def _gate_up_kernel(
         xs = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         wg = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         wu = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP8:
+            wg = _dequantize(wg, sg_ptrs, k, rk, n_ok, k_ok, SCALE_K, SCALE_TILE).to(xs.dtype)
+            wu = _dequantize(wu, su_ptrs, k, rk, n_ok, k_ok, SCALE_K, SCALE_TILE).to(xs.dtype)
         gate += tl.dot(xs, tl.trans(wg), input_precision=DOT_PRECISION)
         up += tl.dot(xs, tl.trans(wu), input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
@@ -186,6 +231,7 @@ def _down_kernel(
     block_expert_ptr,  # [BLOCKS]
     block_pairs_ptr,  # [BLOCKS * BLOCK_M]
     part_ptr,  # [P, H] fp32 out: each pair's expert output, not yet weighted
+    scale_ptr,  # [E, ceil(H / SCALE_N), ceil(I / SCALE_K)] fp32 where FP8, else unread
     P,
     H,
     INTER,
@@ -193,6 +239,10 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,  # rows of H per program
     BLOCK_K: tl.constexpr,  # tile of I
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    SCALE_TILE: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
@@ -208,11 +258,17 @@ def _down_kernel(
     w_ptrs = (
         w_ptr + expert.to(tl.int64) * H * INTER + rn.to(tl.int64)[:, None] * INTER + rk[None, :]
     )
+    if FP8:
+        scale_cols = tl.cdiv(INTER, SCALE_K)
+        scale_rows = tl.cdiv(H, SCALE_N)
+        s_ptrs = scale_ptr + (expert.to(tl.int64) * scale_rows + rn // SCALE_N) * scale_cols
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, INTER, BLOCK_K):
         k_ok = (k + rk) < INTER
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP8:
+            w = _dequantize(w, s_ptrs, k, rk, n_ok, k_ok, SCALE_K, SCALE_TILE).to(a.dtype)
         acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -251,9 +307,20 @@ def _weighted_sum_kernel(
 
 
 def fused_moe_config(
-    n: int, topk: int, experts: int, hidden: int, inter: int, dtype: torch.dtype
-) -> dict[str, int | str]:
+    n: int,
+    topk: int,
+    experts: int,
+    hidden: int,
+    inter: int,
+    dtype: torch.dtype,
+    scale_k: int | None = None,
+) -> dict[str, int | str | bool]:
     """Launch constants; BLOCK_M is shared by the alignment and both products.
+
+    dtype is x's. ``scale_k``: the columns of an FP8 scale block, if the weights are FP8;
+    the K tiles are then cut to divide it (SCALE_TILE: one scale a tile row), unless its
+    largest power-of-two divisor is below 16 (tl.dot's least), where each column of a
+    tile looks up its own scale.
 
     Measured on an H200 (bf16, each in a CUDA graph, GLM-4.5-Air's and Qwen3-Next's
     shapes at N = 1 and 64, random routing; bench/bench_moe_kernel.py): BLOCK_M is the
@@ -278,30 +345,53 @@ def fused_moe_config(
 
     block_n1 = min(32, max(16, triton.next_power_of_2(inter)))
     block_n2 = min(64, max(16, triton.next_power_of_2(hidden)))
+    block_k1, block_k2 = k_tile(hidden, 2 * block_n1, 4), k_tile(inter, block_n2, 3)
+    scale_tile = scale_k is not None and (scale_k & -scale_k) >= 16
+    if scale_tile:  # powers of two up to scale_k's largest power-of-two divisor divide it
+        block_k1, block_k2 = min(block_k1, scale_k & -scale_k), min(block_k2, scale_k & -scale_k)
     return {
         "BLOCK_M": block_m,
         "BLOCK_N1": block_n1,
-        "BLOCK_K1": k_tile(hidden, 2 * block_n1, 4),
+        "BLOCK_K1": block_k1,
         "STAGES1": 4,
         "WARPS1": 4,
         "BLOCK_N2": block_n2,
-        "BLOCK_K2": k_tile(inter, block_n2, 3),
+        "BLOCK_K2": block_k2,
         "STAGES2": 3,
         "WARPS2": 4,
         "BLOCK_H": min(256, max(16, triton.next_power_of_2(hidden))),
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "SCALE_TILE": scale_tile,
     }
 
 
 def check_fused_moe_args(
-    x: object, w_gate_up: object, w_down: object, topk_ids: object, topk_weights: object
+    x: object,
+    w_gate_up: object,
+    w_down: object,
+    topk_ids: object,
+    topk_weights: object,
+    gate_up_scale: object = None,
+    down_scale: object = None,
+    scale_block: object = (128, 128),
 ) -> None:
+    fp8 = gate_up_scale is not None or down_scale is not None
+    if fp8 and (gate_up_scale is None or down_scale is None):
+        raise ValueError("gate_up_scale and down_scale must be given together (FP8 weights)")
     check_tensor("x", x, 2, FLOAT_DTYPES)
-    check_tensor("w_gate_up", w_gate_up, 3, FLOAT_DTYPES)
-    check_tensor("w_down", w_down, 3, FLOAT_DTYPES)
+    w_dtypes = (torch.float8_e4m3fn,) if fp8 else FLOAT_DTYPES
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not fp8 and isinstance(w, torch.Tensor) and w.dtype == torch.float8_e4m3fn:
+            raise ValueError(f"{name} is float8_e4m3fn: pass gate_up_scale and down_scale")
+        check_tensor(name, w, 3, w_dtypes)
     check_tensor("topk_ids", topk_ids, 2, (torch.int32, torch.int64))
     check_tensor("topk_weights", topk_weights, 2, (torch.float32,))
-    check_same_dtype(x=x, w_gate_up=w_gate_up, w_down=w_down)
+    if fp8:
+        check_tensor("gate_up_scale", gate_up_scale, 3, (torch.float32,))
+        check_tensor("down_scale", down_scale, 3, (torch.float32,))
+        check_same_device(x=x, gate_up_scale=gate_up_scale, down_scale=down_scale)
+    else:
+        check_same_dtype(x=x, w_gate_up=w_gate_up, w_down=w_down)
     check_same_device(
         x=x, w_gate_up=w_gate_up, w_down=w_down, topk_ids=topk_ids, topk_weights=topk_weights
     )
@@ -322,6 +412,19 @@ def check_fused_moe_args(
             f"topk_ids must have shape [N, k] with N = {n} and k >= 1, got {tuple(topk_ids.shape)}"
         )
     check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
+    if fp8:
+        if (
+            not isinstance(scale_block, tuple | list)
+            or len(scale_block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in scale_block)
+        ):
+            raise ValueError(
+                f"scale_block must be two positive ints (rows, columns), got {scale_block!r}"
+            )
+        bn, bk = scale_block
+        grid = (experts, -(-two_i // bn), -(-hidden // bk))
+        check_shape("gate_up_scale", gate_up_scale, grid)
+        check_shape("down_scale", down_scale, (experts, -(-hidden // bn), -(-(two_i // 2) // bk)))
 
 
 def fused_moe(
@@ -330,6 +433,10 @@ def fused_moe(
     w_down: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    *,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
     """The routed experts' SwiGLU MLPs, weighted and summed per token; returns [N, H].
 
@@ -337,8 +444,17 @@ def fused_moe(
     [E, H, I]; topk_ids [N, k] int32 or int64; topk_weights [N, k] float32. ``out[n] =
     sum_j topk_weights[n, j] * w_down[e] @ (silu(gate_e @ x[n]) * (up_e @ x[n]))`` with
     ``e = topk_ids[n, j]``, in x.dtype (rounding: see the module docstring).
+
+    FP8 weights (DeepSeek-V3's): w_gate_up and w_down float8_e4m3fn with float32
+    ``gate_up_scale`` [E, ceil(2I / bn), ceil(H / bk)] and ``down_scale`` [E, ceil(H / bn),
+    ceil(I / bk)], (bn, bk) = ``scale_block`` (rows, columns); the weight is
+    ``w[e, r, c] * scale[e, r // bn, c // bk]`` (a checkpoint's ``weight_scale_inv``).
+    Both scales or neither; x stays float16, bfloat16 or float32.
     """
-    check_fused_moe_args(x, w_gate_up, w_down, topk_ids, topk_weights)
+    check_fused_moe_args(
+        x, w_gate_up, w_down, topk_ids, topk_weights, gate_up_scale, down_scale, scale_block
+    )
+    fp8 = gate_up_scale is not None
     n, hidden = x.shape
     experts, two_i, _ = w_gate_up.shape
     inter, topk = two_i // 2, topk_ids.shape[1]
@@ -347,7 +463,8 @@ def fused_moe(
         return out
     if inter == 0 or experts == 0:
         return out.zero_()
-    cfg = fused_moe_config(n, topk, experts, hidden, inter, x.dtype)
+    scale_n, scale_k = scale_block if fp8 else (1, 1)
+    cfg = fused_moe_config(n, topk, experts, hidden, inter, x.dtype, scale_k if fp8 else None)
     block_m, precision = cfg["BLOCK_M"], cfg["DOT_PRECISION"]
     pairs = n * topk
     # Used blocks: sum_e ceil(c_e / BLOCK_M) <= sum_e floor(c_e / BLOCK_M) + #{e: c_e > 0}.
@@ -379,6 +496,7 @@ def fused_moe(
         block_expert,
         block_pairs,
         inter_rows,
+        gate_up_scale if fp8 else x,  # unread without FP8
         pairs,
         topk,
         hidden,
@@ -387,6 +505,10 @@ def fused_moe(
         BLOCK_N=cfg["BLOCK_N1"],
         BLOCK_K=cfg["BLOCK_K1"],
         DOT_PRECISION=precision,
+        FP8=fp8,
+        SCALE_N=scale_n,
+        SCALE_K=scale_k,
+        SCALE_TILE=cfg["SCALE_TILE"],
         num_warps=cfg["WARPS1"],
         num_stages=cfg["STAGES1"],
     )
@@ -396,6 +518,7 @@ def fused_moe(
         block_expert,
         block_pairs,
         parts,
+        down_scale if fp8 else x,
         pairs,
         hidden,
         inter,
@@ -403,6 +526,10 @@ def fused_moe(
         BLOCK_N=cfg["BLOCK_N2"],
         BLOCK_K=cfg["BLOCK_K2"],
         DOT_PRECISION=precision,
+        FP8=fp8,
+        SCALE_N=scale_n,
+        SCALE_K=scale_k,
+        SCALE_TILE=cfg["SCALE_TILE"],
         num_warps=cfg["WARPS2"],
         num_stages=cfg["STAGES2"],
     )

@@ -154,6 +154,107 @@ def test_rejects_bad_arguments(args: dict[str, object], match: str) -> None:
         fused_moe(**args)
 
 
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's FP8: float8_e4m3fn values and an fp32 scale per (bn, bk) block of
+    [E, R, C] (the last blocks partial where bn, bk do not divide R, C); the weight is
+    ``q * scale[r // bn, c // bk]``, with scale = amax(|block|) / 448."""
+    bn, bk = block
+    e, rows, cols = w.shape
+    rb, cb = -(-rows // bn), -(-cols // bk)
+    padded = F.pad(w.float().abs(), (0, cb * bk - cols, 0, rb * bn - rows))
+    amax = padded.view(e, rb, bn, cb, bk).amax(dim=(2, 4))
+    scale = amax.clamp_min(1e-12) / 448
+    q = (w.float() / expand_scale(scale, block, rows, cols)).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def expand_scale(scale: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
+    """[E, R / bn, C / bk] scales spread over the [E, R, C] weights they scale."""
+    bn, bk = block
+    return scale.repeat_interleave(bn, 1)[:, :rows].repeat_interleave(bk, 2)[:, :, :cols]
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype):
+    """As the kernel dequantizes a tile: fp8 to fp32, times the fp32 scale, rounded to dtype."""
+    return (q.float() * expand_scale(scale, block, *q.shape[1:])).to(dtype)
+
+
+def make_fp8_inputs(
+    n: int, k: int, dtype: torch.dtype, device: torch.device, block: tuple[int, int], seed: int
+) -> tuple[tuple[torch.Tensor, ...], dict[str, object]]:
+    """make_inputs with its weights quantized per block: (args, fused_moe's FP8 keywords)."""
+    x, w_gate_up, w_down, ids, weights = make_inputs(n, k, torch.float32, device, seed=seed)
+    q_gu, s_gu = quantize_blocks(w_gate_up, block)
+    q_down, s_down = quantize_blocks(w_down, block)
+    scales = dict(gate_up_scale=s_gu, down_scale=s_down, scale_block=block)
+    return (x.to(dtype), q_gu, q_down, ids, weights), scales
+
+
+# (16, 16): K tiles of 16 within the blocks; (48, 48): partial last blocks, a scale row
+# across the gate and up rows, K tiles of 16; (24, 24): 24 has no power-of-two divisor of
+# 16 or more, so each column of a K tile looks up its own scale.
+@pytest.mark.parametrize("block", [(16, 16), (48, 48), (24, 24)], ids=str)
+@pytest.mark.parametrize("n", [1, 5])
+def test_fp8_block_scaled_weights(
+    n: int,
+    block: tuple[int, int],
+    dtype_tol: tuple[torch.dtype, float, float],
+    device: torch.device,
+) -> None:
+    """FP8 weights with block scales against the float64 reference on the dequantized ones."""
+    dtype, atol, rtol = dtype_tol
+    args, scales = make_fp8_inputs(n, 2, dtype, device, block, seed=n + block[0])
+    x, q_gu, q_down, ids, weights = args
+    out = fused_moe(*args, **scales)
+    assert out.dtype == dtype and out.shape == x.shape
+    w_gate_up = dequantize(q_gu, scales["gate_up_scale"], block, dtype)
+    w_down = dequantize(q_down, scales["down_scale"], block, dtype)
+    want = moe_reference(x, w_gate_up, w_down, ids, weights)
+    torch.testing.assert_close(out.double().cpu(), want, atol=atol, rtol=rtol)
+    # The x.dtype path on the same dequantized weights: the same math.
+    same = fused_moe(x, w_gate_up, w_down, ids, weights)
+    torch.testing.assert_close(out, same, atol=atol, rtol=rtol)
+
+
+def _bad_fp8(**changes: object) -> dict[str, object]:
+    args, scales = make_fp8_inputs(3, 2, torch.float32, torch.device("cpu"), (16, 16), seed=0)
+    names = ("x", "w_gate_up", "w_down", "topk_ids", "topk_weights")
+    kwargs = dict(zip(names, args, strict=True)) | scales
+    kwargs.update(changes)
+    return kwargs
+
+
+_GU_GRID, _DOWN_GRID = (EXPERTS, 2 * INTER // 16, H // 16), (EXPERTS, H // 16, INTER // 16)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (_bad_fp8(down_scale=None), "must be given together"),
+        (_bad_fp8(gate_up_scale=None), "must be given together"),
+        (_bad_fp8(w_down=torch.randn(EXPERTS, H, INTER)), r"w_down must have dtype in \(float8"),
+        (
+            _bad_fp8(w_gate_up=torch.randn(EXPERTS, 2 * INTER, H).bfloat16()),
+            "w_gate_up must have dtype in",
+        ),
+        (_bad_fp8(gate_up_scale=None, down_scale=None), "w_gate_up is float8_e4m3fn"),
+        (_bad(w_down=torch.randn(EXPERTS, H, INTER).to(torch.float8_e4m3fn)), "w_down is float8"),
+        (
+            _bad_fp8(gate_up_scale=torch.ones(EXPERTS, 4, 3)),
+            r"gate_up_scale must have shape \(8, 4, 4\)",
+        ),
+        (_bad_fp8(down_scale=torch.ones(EXPERTS, 4, 3)), r"down_scale must have shape \(8, 4, 2\)"),
+        (_bad_fp8(scale_block=(16, 32)), r"gate_up_scale must have shape \(8, 4, 2\)"),
+        (_bad_fp8(gate_up_scale=torch.ones(_GU_GRID).double()), "gate_up_scale must have dtype"),
+        (_bad_fp8(down_scale=torch.ones(_DOWN_GRID).bfloat16()), "down_scale must have dtype"),
+        (_bad_fp8(scale_block=(16, 0)), "scale_block must be two positive ints"),
+    ],
+)
+def test_fp8_rejects_bad_arguments(args: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fused_moe(**args)
+
+
 @pytest.mark.gpu
 def test_gpu_graph_replays_new_routings() -> None:
     """Captured once, replayed with other ids and weights copied into the same tensors."""
@@ -205,4 +306,39 @@ def test_gpu_model_shapes(n: int, hidden: int, inter: int, experts: int, k: int)
         gate, up = (x[rows].float() @ w_gate_up[e].float().t()).chunk(2, -1)
         act = (F.silu(gate) * up).bfloat16().float()
         want.index_add_(0, rows, weights[rows, slots, None] * (act @ w_down[e].float().t()))
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 64])
+def test_gpu_deepseek_v3_fp8(n: int) -> None:
+    """DeepSeek-V3's experts (H 7168, I 2048, E 256, k 8) in FP8 with 128 x 128 block scales
+    against torch in fp32 on the dequantized weights (rounded to bf16 as the kernel does),
+    expert by expert."""
+    hidden, inter, experts, k, block = 7168, 2048, 256, 8, (128, 128)
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(n, hidden, device="cuda", generator=gen).bfloat16()
+    w_gate_up = torch.empty(experts, 2 * inter, hidden, device="cuda", dtype=torch.float8_e4m3fn)
+    w_down = torch.empty(experts, hidden, inter, device="cuda", dtype=torch.float8_e4m3fn)
+    for w in (w_gate_up, w_down):
+        for e in range(0, experts, 32):  # values spread over the FP8 range, a chunk at a time
+            noise = torch.randn(w[e : e + 32].shape, device="cuda", generator=gen)
+            w[e : e + 32] = (noise * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    grid_gu = (experts, 2 * inter // 128, hidden // 128)
+    grid_down = (experts, hidden // 128, inter // 128)
+    s_gu = (torch.rand(grid_gu, device="cuda", generator=gen) + 0.5) / (100 * hidden**0.5)
+    s_down = (torch.rand(grid_down, device="cuda", generator=gen) + 0.5) / (100 * inter**0.5)
+    ids = torch.rand(n, experts, device="cuda", generator=gen).topk(k).indices
+    weights = torch.softmax(torch.randn(n, k, device="cuda", generator=gen), -1)
+    out = fused_moe(
+        x, w_gate_up, w_down, ids, weights, gate_up_scale=s_gu, down_scale=s_down, scale_block=block
+    )
+    want = torch.zeros(n, hidden, device="cuda")
+    for e in ids.unique().tolist():
+        rows, slots = (ids == e).nonzero(as_tuple=True)
+        gu = dequantize(w_gate_up[e : e + 1], s_gu[e : e + 1], block, torch.bfloat16)[0]
+        down = dequantize(w_down[e : e + 1], s_down[e : e + 1], block, torch.bfloat16)[0]
+        gate, up = (x[rows].float() @ gu.float().t()).chunk(2, -1)
+        act = (F.silu(gate) * up).bfloat16().float()
+        want.index_add_(0, rows, weights[rows, slots, None] * (act @ down.float().t()))
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
