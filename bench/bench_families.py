@@ -38,7 +38,7 @@ from bench_step import (
 from shapes import DEEPSEEK_V3, GLM_45_AIR, QWEN3_NEXT_80B, SMALL_MLA, SMALL_MOE
 
 from mtpdraft.service.model import moe as moe_module
-from mtpdraft.service.model.checkpoint import TensorDict, mtp_weights_from
+from mtpdraft.service.model.checkpoint import TensorDict, dequantize_blocks, mtp_weights_from
 from mtpdraft.service.model.decode_graphs import DecodeGraphs
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import random_tensors
@@ -55,6 +55,24 @@ def nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def fp8_experts(cfg: dict, tensors: dict) -> dict:
+    """The routed experts as a block-FP8 checkpoint stores them, when cfg says FP8 (in
+    place, one tensor at a time): e4m3 values and one fp32 scale per block."""
+    block = (cfg.get("quantization_config") or {}).get("weight_block_size")
+    if not block:
+        return tensors
+    for name in [n for n in tensors if ".mlp.experts." in n]:
+        w = tensors.pop(name)
+        r, c = w.shape
+        blocks = F.pad(w.float(), (0, -c % block[1], 0, -r % block[0]))
+        blocks = blocks.view(-(-r // block[0]), block[0], -(-c // block[1]), block[1])
+        scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+        tensors[f"{name}_scale_inv"] = scale
+        full = scale.repeat_interleave(block[0], 0)[:r].repeat_interleave(block[1], 1)[:, :c]
+        tensors[name] = (w.float() / full).to(torch.float8_e4m3fn)
+    return tensors
+
+
 def step_bytes(head: MTPHead, batch: int, experts_touched: int) -> int:
     """Bytes a draft step reads: dense matrices, the touched experts, B embedding rows."""
     m, a = head.moe, head.mla
@@ -66,6 +84,8 @@ def step_bytes(head: MTPHead, batch: int, experts_touched: int) -> int:
     dense = attention + nbytes(head.input_proj, head.o_proj, head.lm_head, m.router)
     dense += nbytes(m.shared_gate_up, m.shared_down, m.shared_gate)
     per_expert = nbytes(m.experts_gate_up[0], m.experts_down[0])
+    if m.scales:  # FP8 experts: their bytes and their block scales
+        per_expert += nbytes(m.scales["gate_up_scale"][0], m.scales["down_scale"][0])
     return dense + experts_touched * per_expert + batch * nbytes(head.embed[0])
 
 
@@ -106,15 +126,25 @@ def dense_step(head: MTPHead, form: str):
         g, u = gu.float().chunk(2, -1)
         return (F.silu(g) * u).to(gu.dtype)
 
+    def weights(name, ids=None):
+        """Experts (all, or those of `ids`), FP8 ones scaled in the compiled graph."""
+        w = getattr(m, f"experts_{name}")
+        w = w if ids is None else w[ids]
+        if not m.scales:
+            return w
+        scale = m.scales[f"{name}_scale"]
+        scale = scale if ids is None else scale[ids]
+        return dequantize_blocks(w, scale, m.scales["scale_block"]).to(DT)
+
     def experts(y, ids, w):
         if form == "dense":  # every expert over every row; unrouted rows weigh 0
             weight = torch.zeros(y.shape[0], m.experts_gate_up.shape[0], device=y.device)
             weight = weight.scatter(1, ids, w)
-            act = swiglu(torch.einsum("bh,eih->ebi", y, m.experts_gate_up))
-            out = torch.einsum("ebi,ehi->ebh", act, m.experts_down).float()
+            act = swiglu(torch.einsum("bh,eih->ebi", y, weights("gate_up")))
+            out = torch.einsum("ebi,ehi->ebh", act, weights("down")).float()
             return (out * weight.T[..., None]).sum(0).to(y.dtype)
-        act = swiglu(torch.einsum("bh,bkih->bki", y, m.experts_gate_up[ids]))
-        out = torch.einsum("bki,bkhi->bkh", act, m.experts_down[ids]).float()
+        act = swiglu(torch.einsum("bh,bkih->bki", y, weights("gate_up", ids)))
+        out = torch.einsum("bki,bkhi->bkh", act, weights("down", ids)).float()
         return (out * w[..., None]).sum(1).to(y.dtype)
 
     def gqa(y, pos, k_cache, v_cache):
@@ -234,7 +264,7 @@ def measure_family(name: str, args, device: torch.device, bandwidth: float) -> d
     torch.cuda.empty_cache() if device.type == "cuda" else None
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     weights = mtp_weights_from(
-        cfg, TensorDict(random_tensors(cfg, family, dtype=DT, device=device))
+        cfg, TensorDict(fp8_experts(cfg, random_tensors(cfg, family, dtype=DT, device=device)))
     )
     fast = MTPHead(weights, device, ops="triton" if device.type == "cuda" else "torch")
     kv_per_token = fast.kv_row_values * fast.embed.element_size()

@@ -40,9 +40,8 @@ SMALL_MOE = {
     "n_routed_experts": 8, "num_experts": 8, "num_experts_per_tok": 2,
     "shared_expert_intermediate_size": 32,
 }  # fmt: skip
-# DeepSeek-V3's MTP layer (MLA, 256 experts top 8 in 8 groups, YaRN). Its published
-# weights are FP8 with block scales; they are dequantized at load, so the layer computes
-# (and these random weights are) bf16.
+# DeepSeek-V3's MTP layer (MLA, 256 experts top 8 in 8 groups, YaRN), its experts FP8
+# with 128 x 128 block scales as published (the other FP8 weights are read as bf16).
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128,
     "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
@@ -54,10 +53,13 @@ DEEPSEEK_V3 = {
     "rope_theta": 10000, "max_position_embeddings": 163840, "hidden_act": "silu",
     "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]},
     "torch_dtype": "bfloat16",
 }  # fmt: skip
 SMALL_MLA = {
     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
     "v_head_dim": 16, "n_group": 4, "topk_group": 2,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]},
     "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024},
 }  # fmt: skip

@@ -42,6 +42,8 @@ class MTPWeights:
     pass_normed_hidden: bool  # the final norm's output is passed on (else the pre-norm)
     tensors: dict[str, torch.Tensor]
     mask_first_embedding: bool = True  # the embedding is zeroed at position 0
+    # FP8 experts kept as stored: ``experts_*_scale`` hold one fp32 scale per block.
+    fp8_block: tuple[int, int] | None = None
 
 
 @contextmanager
@@ -200,6 +202,11 @@ class _Reader:
         self.fp8_block, self.dtype = fp8_block, dtype
 
     def __call__(self, key: str, name: str) -> torch.Tensor:
+        tensor, scale = self.scaled(key, name)
+        return tensor if scale is None else self._dequantize(tensor, scale)
+
+    def scaled(self, key: str, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tensor as stored and, for an FP8 weight, its block scales (checked)."""
         source = self.source
         if name not in source.where:
             raise CheckpointError(f"{source.folder}: missing tensor {name}")
@@ -209,16 +216,16 @@ class _Reader:
                 f"{file}: {name}: expected shape {self.shapes[key]} from config.json, "
                 f"found {tuple(tensor.shape)}"
             )
+        self.used.add(name)
         if tensor.dtype == torch.float8_e4m3fn:
-            tensor = self._dequantize(name, tensor, file)
+            return tensor, self._scales(name, tensor, file)
         if not tensor.is_floating_point() or tensor.dtype.itemsize == 1:
             raise CheckpointError(
                 f"{file}: {name}: expected a floating-point tensor, found {tensor.dtype}"
             )
-        self.used.add(name)
-        return tensor
+        return tensor, None
 
-    def _dequantize(self, name: str, weight: torch.Tensor, file) -> torch.Tensor:
+    def _scales(self, name: str, weight: torch.Tensor, file) -> torch.Tensor:
         scale_name = f"{name}_scale_inv"
         if self.fp8_block is None:
             raise CheckpointError(
@@ -231,15 +238,24 @@ class _Reader:
             )
         (rows, cols), (br, bc) = weight.shape, self.fp8_block
         scale = self.source.read(scale_name)
-        if tuple(scale.shape) != (-(-rows // br), -(-cols // bc)):
+        grid = (-(-rows // br), -(-cols // bc))
+        if tuple(scale.shape) != grid:
             raise CheckpointError(
-                f"{self.source.where[scale_name]}: {scale_name}: expected shape "
-                f"{(-(-rows // br), -(-cols // bc))} for blocks of {br} x {bc}, found "
-                f"{tuple(scale.shape)}"
+                f"{self.source.where[scale_name]}: {scale_name}: expected shape {grid} for "
+                f"blocks of {br} x {bc}, found {tuple(scale.shape)}"
             )
         self.used.add(scale_name)
-        scale = scale.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
-        return (weight.float() * scale).to(self.dtype)
+        return scale.float()
+
+    def _dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return dequantize_blocks(weight, scale, self.fp8_block).to(self.dtype)
+
+
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    """FP8 weight [..., rows, cols] times its block scales [..., rows / br, cols / bc], fp32."""
+    (rows, cols), (br, bc) = weight.shape[-2:], block
+    scale = scale.repeat_interleave(br, -2)[..., :rows, :].repeat_interleave(bc, -1)[..., :cols]
+    return weight.float() * scale
 
 
 def _experts(read: _Reader, layout: Layout, c: MTPConfig) -> dict[str, torch.Tensor]:
@@ -254,19 +270,36 @@ def _experts(read: _Reader, layout: Layout, c: MTPConfig) -> dict[str, torch.Ten
             "experts_gate_up": read("experts_gate_up", f"{fused}gate_up_proj"),
             "experts_down": read("experts_down", f"{fused}down_proj"),
         }
-    gate_up, down = [], []
+    gate, up, down = [], [], []
     for e in range(c.moe.num_experts):
         p = f"{layout.block}mlp.experts.{e}."
-        gate_up.append(
-            torch.cat(
-                [
-                    read("expert_gate_proj", f"{p}gate_proj.weight"),
-                    read("expert_up_proj", f"{p}up_proj.weight"),
-                ]
-            )
-        )
-        down.append(read("expert_down_proj", f"{p}down_proj.weight"))
-    return {"experts_gate_up": torch.stack(gate_up), "experts_down": torch.stack(down)}
+        gate.append(read.scaled("expert_gate_proj", f"{p}gate_proj.weight"))
+        up.append(read.scaled("expert_up_proj", f"{p}up_proj.weight"))
+        down.append(read.scaled("expert_down_proj", f"{p}down_proj.weight"))
+    # FP8 experts stay FP8 with their scales (the MoE kernel reads them so) when gate and
+    # up rows stack on block boundaries; otherwise, or if mixed, they are dequantized.
+    fp8 = all(s is not None for _, s in gate + up + down)
+    if fp8 and c.moe.intermediate_size % read.fp8_block[0] == 0:
+        return {
+            "experts_gate_up": torch.stack(
+                [torch.cat([g, u]) for (g, _), (u, _) in zip(gate, up, strict=True)]
+            ),
+            "experts_gate_up_scale": torch.stack(
+                [torch.cat([g, u]) for (_, g), (_, u) in zip(gate, up, strict=True)]
+            ),
+            "experts_down": torch.stack([w for w, _ in down]),
+            "experts_down_scale": torch.stack([s for _, s in down]),
+        }
+
+    def plain(w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        return w if s is None else read._dequantize(w, s)
+
+    return {
+        "experts_gate_up": torch.stack(
+            [torch.cat([plain(*g), plain(*u)]) for g, u in zip(gate, up, strict=True)]
+        ),
+        "experts_down": torch.stack([plain(*d) for d in down]),
+    }
 
 
 def _refuse_unknown_tensors(source, layout: Layout, c: MTPConfig, used: set[str]) -> None:
@@ -336,6 +369,7 @@ def mtp_weights_from(raw: dict, source: TensorFiles | TensorDict) -> MTPWeights:
         pass_normed_hidden=layout.pass_normed_hidden,
         tensors=tensors,
         mask_first_embedding=layout.mask_first_embedding,
+        fp8_block=read.fp8_block if "experts_gate_up_scale" in tensors else None,
     )
 
 

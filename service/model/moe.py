@@ -48,10 +48,18 @@ def route(
 class MoEMLP:
     """The MoE MLP of one layer, its weights on one device."""
 
-    def __init__(self, moe: MoEConfig, t: dict[str, torch.Tensor], ops) -> None:
+    def __init__(self, moe: MoEConfig, t: dict[str, torch.Tensor], ops, fp8_block=None) -> None:
         self.moe, self.ops = moe, ops
         self.router, self.router_bias = t["router"], t.get("router_bias")
         self.experts_gate_up, self.experts_down = t["experts_gate_up"], t["experts_down"]
+        # FP8 experts (DeepSeek's): their fp32 block scales, read by the kernel with them.
+        self.scales = {}
+        if "experts_gate_up_scale" in t:
+            self.scales = dict(
+                gate_up_scale=t["experts_gate_up_scale"],
+                down_scale=t["experts_down_scale"],
+                scale_block=fp8_block,
+            )
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         if moe.shared_intermediate_size:
             self.shared_gate_up = torch.cat([t["shared_gate_proj"], t["shared_up_proj"]])
@@ -62,7 +70,9 @@ class MoEMLP:
         """The MLP's output for the normed rows y [N, H]."""
         ops = self.ops
         ids, weights = route(y, self.router, self.router_bias, self.moe)
-        out = ops.moe_experts(y, self.experts_gate_up, self.experts_down, ids, weights)
+        out = ops.moe_experts(
+            y, self.experts_gate_up, self.experts_down, ids, weights, **self.scales
+        )
         if self.shared_gate_up is None:
             return out
         shared = ops.linear(ops.swiglu(ops.linear(y, self.shared_gate_up)), self.shared_down)

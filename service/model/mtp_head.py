@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch import RowBatch
-from .checkpoint import MTPWeights
+from .checkpoint import MTPWeights, dequantize_blocks
 from .config import MTPConfig
 from .decode_chain import ChainInputs, ChainOutputs
 from .kv_cache import KVCache
@@ -50,14 +50,23 @@ class MTPHead:
         self._embed_first = weights.embed_first
         self._pass_normed = weights.pass_normed_hidden
         self._mask_first = weights.mask_first_embedding
+        self.ops = ops_for(self.device, ops)
         t = {k: self._place(k, v) for k, v in weights.tensors.items()}
+        if "experts_gate_up_scale" in t and not self.ops.fp8_experts:
+            for name in ("experts_gate_up", "experts_down"):  # one expert at a time: no fp32 copy
+                scale = t.pop(f"{name}_scale")
+                t[name] = torch.stack(
+                    [
+                        dequantize_blocks(w, s, weights.fp8_block).to(self.dtype)
+                        for w, s in zip(t[name], scale, strict=True)
+                    ]
+                )
         c = self.config
         self.embed = t["embed"]
         self.lm_head = t["lm_head"]
         self.norm_embed, self.norm_hidden = t["norm_embed"], t["norm_hidden"]
         self.input_proj = t["input_proj"]
         self.input_layernorm = t["input_layernorm"]
-        self.ops = ops_for(self.device, ops)
         self.mla = None if c.mla is None else LatentAttention(c, t, self.ops)
         if c.mla is None:
             # One GEMM for q (and its gate), k, v and one for gate, up: fewer launches.
@@ -79,13 +88,18 @@ class MTPHead:
             self.down_proj = t["down_proj"]
             self.moe = None
         else:
-            self.moe = MoEMLP(c.moe, t, self.ops)
+            self.moe = MoEMLP(c.moe, t, self.ops, weights.fp8_block)
         self.cos_sin = self._rope_table()
         self._graphs = None
 
     def _place(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """On the device, in the compute dtype; the sigmoid router stays fp32 as in vLLM."""
-        fp32 = name in ("router", "router_bias") and self.config.moe.scoring == "sigmoid"
+        """On the device, in the compute dtype; the sigmoid router stays fp32 as in vLLM,
+        FP8 experts stay FP8 beside their fp32 block scales."""
+        if tensor.dtype == torch.float8_e4m3fn:
+            return tensor.to(self.device)
+        fp32 = name.endswith("_scale") or (
+            name in ("router", "router_bias") and self.config.moe.scoring == "sigmoid"
+        )
         return tensor.to(device=self.device, dtype=torch.float32 if fp32 else self.dtype)
 
     def _rope_table(self) -> torch.Tensor:

@@ -18,6 +18,7 @@ class TorchOps:
     """Plain torch: runs anywhere; the reference the kernels are held to."""
 
     name = "torch"
+    fp8_experts = False  # FP8 experts are dequantized for it at load
 
     def linear(self, x, weight, bias=None):
         return F.linear(x, weight, bias)
@@ -89,6 +90,7 @@ class TritonOps:
     """The Triton kernels of mtpdraft.kernels (fused norms, RoPE + KV write, ...)."""
 
     name = "triton"
+    fp8_experts = True  # fused_moe reads FP8 experts with their block scales
 
     # Measured on an H200 (bf16, MiMo-7B shapes, each in a CUDA graph): the Triton
     # GEMV beats cuBLAS up to 16 rows (2-21% per matrix, kernels.gemv.gemv_config)
@@ -156,9 +158,10 @@ class TritonOps:
     def swiglu(self, gate_up):
         return self.k.swiglu(gate_up)
 
-    def moe_experts(self, x, gate_up, down, ids, weights):
-        """Only the routed experts' weights are read, on the device: capturable in a graph."""
-        return self.k.fused_moe(x, gate_up, down, ids, weights)
+    def moe_experts(self, x, gate_up, down, ids, weights, **scales):
+        """Only the routed experts' weights are read, on the device: capturable in a graph.
+        FP8 experts come with `gate_up_scale`, `down_scale` and `scale_block`."""
+        return self.k.fused_moe(x, gate_up, down, ids, weights, **scales)
 
 
 def ops_for(device: torch.device, choice: str = "auto") -> TorchOps | TritonOps:

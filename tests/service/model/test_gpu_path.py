@@ -202,3 +202,14 @@ def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
             got.append([(p.tokens, p.probs) for p in engine.propose_batch(requests)])
         results.append(got)
     assert results[0] == results[1]
+
+
+def test_fp8_experts_read_by_the_kernel_match_the_dequantized_ones_on_the_cpu(tmp_path) -> None:
+    """DeepSeek's FP8 experts: fused_moe scales them block by block (Triton path); the
+    torch path multiplies them out at load. Same drafts."""
+    from deepseek_checkpoints import write_deepseek_checkpoint
+
+    write_deepseek_checkpoint(tmp_path, fp8=True, seed=2)
+    weights = load_mtp_weights(tmp_path)
+    assert weights.tensors["experts_gate_up"].dtype == torch.float8_e4m3fn
+    _compare(tmp_path, torch.device("cpu"), [5, 33, 17], graphs=False)
