@@ -38,10 +38,11 @@ from bench_step import (
 from shapes import DEEPSEEK_V3, GLM_45_AIR, QWEN3_NEXT_80B, SMALL_MLA, SMALL_MOE
 
 from mtpdraft.service.model import moe as moe_module
-from mtpdraft.service.model.checkpoint import TensorDict, dequantize_blocks, mtp_weights_from
+from mtpdraft.service.model.checkpoint import mtp_weights_from
 from mtpdraft.service.model.decode_graphs import DecodeGraphs
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import random_tensors
+from mtpdraft.service.model.tensors import TensorDict, dequantize_blocks
 
 FAMILIES = {
     "glm-4.5-air": ("glm4_moe", GLM_45_AIR),

@@ -13,19 +13,16 @@ at fault: `mtpdraft serve` prints it as one line.
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from .config import ConfigReader, MTPConfig, read_config_json
 from .errors import CheckpointError
 from .families import Layout, layout_of, read_config
+from .tensors import TensorDict, TensorFiles, dequantize_blocks
 
 
 @dataclass
@@ -44,59 +41,6 @@ class MTPWeights:
     mask_first_embedding: bool = True  # the embedding is zeroed at position 0
     # FP8 experts kept as stored: ``experts_*_scale`` hold one fp32 scale per block.
     fp8_block: tuple[int, int] | None = None
-
-
-@contextmanager
-def _open(file: Path) -> Iterator:
-    """safe_open, its errors (a truncated or corrupt file, an unreadable one) named by file."""
-    try:
-        with safe_open(file, framework="pt") as f:
-            yield f
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{file}: {exc}") from exc
-
-
-class TensorFiles:
-    """Maps tensor names to the safetensors file that holds them, and reads them."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                self.where = {name: folder / file for name, file in weight_map.items()}
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise CheckpointError(f"{index}: not a weight map ({exc!r})") from exc
-        else:
-            files = sorted(folder.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(f"{folder}: no *.safetensors files")
-            self.where = {}
-            for file in files:
-                with _open(file) as f:
-                    self.where.update(dict.fromkeys(f.keys(), file))
-
-    def read(self, name: str) -> torch.Tensor:
-        file = self.where[name]
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing (the index puts {name} in this shard)")
-        with _open(file) as f:
-            if name not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                raise CheckpointError(f"{file}: no {name}, which the index puts there")
-            return f.get_tensor(name)
-
-
-class TensorDict:
-    """Tensors already in memory under their published names (benchmarks build these)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], label: str = "memory") -> None:
-        self.folder = Path(label)
-        self.tensors = tensors
-        self.where = dict.fromkeys(tensors, self.folder)
-
-    def read(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
 
 
 def _block_names(layout: Layout, c: MTPConfig) -> dict[str, str]:
@@ -249,13 +193,6 @@ class _Reader:
 
     def _dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return dequantize_blocks(weight, scale, self.fp8_block).to(self.dtype)
-
-
-def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
-    """FP8 weight [..., rows, cols] times its block scales [..., rows / br, cols / bc], fp32."""
-    (rows, cols), (br, bc) = weight.shape[-2:], block
-    scale = scale.repeat_interleave(br, -2)[..., :rows, :].repeat_interleave(bc, -1)[..., :cols]
-    return weight.float() * scale
 
 
 def _experts(read: _Reader, layout: Layout, c: MTPConfig) -> dict[str, torch.Tensor]:

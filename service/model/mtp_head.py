@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch import RowBatch
-from .checkpoint import MTPWeights, dequantize_blocks
+from .checkpoint import MTPWeights
 from .config import MTPConfig
 from .decode_chain import ChainInputs, ChainOutputs
 from .kv_cache import KVCache
@@ -25,6 +25,7 @@ from .mla import LatentAttention
 from .moe import MoEMLP
 from .ops import ops_for
 from .rope import rope_table
+from .tensors import dequantize_blocks
 
 
 def _queries_then_gates(w: torch.Tensor, c: MTPConfig) -> torch.Tensor:
