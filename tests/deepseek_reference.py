@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from family_reference import sigmoid_grouped_topk  # DeepSeek-V3's routing is GLM's
 from safetensors.torch import load_file
 
 Store = Callable[[torch.Tensor], torch.Tensor]
@@ -123,30 +124,6 @@ def rope_neox(
     h = x.shape[-1] // 2
     a, b = x[..., :h], x[..., h:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
-
-
-def sigmoid_grouped_topk(
-    logits: torch.Tensor,
-    bias: torch.Tensor,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    renormalize: bool,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 noaux_tc routing of one token: (expert ids, weights)."""
-    scores = logits.sigmoid()
-    choice = scores + bias
-    groups = choice.view(n_group, -1)
-    group_score = groups.topk(min(2, groups.shape[1]), -1).values.sum(-1)
-    keep = torch.zeros(n_group, dtype=torch.bool)
-    keep[group_score.topk(topk_group).indices] = True
-    masked = choice.masked_fill(~keep.repeat_interleave(groups.shape[1]), float("-inf"))
-    ids = masked.topk(top_k).indices
-    w = scores[ids]
-    if renormalize:
-        w = w / w.sum()
-    return ids, w * scaling
 
 
 def load_tensors(folder: Path) -> dict[str, torch.Tensor]:
