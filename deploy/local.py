@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import re
 import shutil
@@ -87,23 +86,29 @@ def stop_all(replicas: Sequence[Replica]) -> None:
         r.stop()
 
 
-def _stop_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the process that started it dies (Linux), so
-    that a killed test or script leaves no replica behind."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# Run as the replica's own first lines, after exec: SIGTERM when the process that started it
+# dies (Linux; PR_SET_PDEATHSIG survives exec), so that a killed test or script leaves no
+# replica behind. Not a preexec_fn: Python running in a forked child of a process whose gRPC
+# threads are live can break the child's own gRPC (seen as epoll_wait: Bad file descriptor).
+_STOP_WITH_PARENT = """
+import contextlib, ctypes, runpy, signal, sys
+with contextlib.suppress(OSError, AttributeError):
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+sys.argv[0] = "mtpdraft"
+runpy.run_module("mtpdraft", run_name="__main__", alter_sys=True)
+"""
 
 
 def start_replicas(count: int, serve_args: Sequence[str] = (), host: str = "127.0.0.1") -> list:
     """`count` replicas on free ports of `host`, started together; returns once all listen."""
-    cmd = [sys.executable, "-m", "mtpdraft", "serve", "--host", host, "--port", "0"]
+    launcher = ["-c", _STOP_WITH_PARENT] if sys.platform == "linux" else ["-m", "mtpdraft"]
+    cmd = [sys.executable, *launcher, "serve", "--host", host, "--port", "0"]
     processes = [
         subprocess.Popen(
             [*cmd, *serve_args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            preexec_fn=_stop_with_parent if sys.platform == "linux" else None,
         )
         for _ in range(count)
     ]
