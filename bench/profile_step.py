@@ -2,10 +2,11 @@
 
 Replays the served step (as `make bench` measures it) under torch.profiler and
 lists each kernel's time per step, the sum of kernel time, and the step's time
-between CUDA events: the difference is the gaps between kernels. MiMo-7B shape,
-random weights, bf16. On the GPU machine:
+between CUDA events: the difference is the gaps between kernels. MiMo-7B shape, or
+a MoE family's (`--family`, the shapes of bench_families.py), random weights, bf16. On
+the GPU machine:
 
-    python bench/profile_step.py --batches 1,32 --contexts 2048 [--out FILE.json]
+    python bench/profile_step.py --batches 1,32 --contexts 2048 [--family NAME] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from bench_families import DT, FAMILIES, fp8_experts
 from bench_step import CHAIN, make_chain, timed_replay
 from shapes import MIMO_7B
 from torch.profiler import ProfilerActivity, profile
 
-from mtpdraft.service.model.checkpoint import load_mtp_weights
+from mtpdraft.service.model.checkpoint import load_mtp_weights, mtp_weights_from
 from mtpdraft.service.model.decode_graphs import DecodeGraphs
 from mtpdraft.service.model.mtp_head import MTPHead
-from mtpdraft.service.model.synthetic import write_random_checkpoint
+from mtpdraft.service.model.synthetic import random_tensors, write_random_checkpoint
+from mtpdraft.service.model.tensors import TensorDict
 
 BLOCK = 16
 
@@ -46,19 +49,29 @@ def kernel_times(graphs: DecodeGraphs, chain, replays: int) -> dict[str, float]:
     return dict(per_name)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", default="1,32")
-    parser.add_argument("--contexts", default="2048")
-    parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--out", help="also write the breakdown as JSON here")
-    args = parser.parse_args()
+def weights_of(family: str):
+    """Random MTP weights at `family`'s shape (mimo-7b, or a key of bench_families.FAMILIES)."""
+    if family != "mimo-7b":
+        kind, cfg = FAMILIES[family]
+        tensors = random_tensors(cfg, kind, dtype=DT, device="cuda")
+        return mtp_weights_from(cfg, TensorDict(fp8_experts(cfg, tensors)))
     folder = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     write_random_checkpoint(
         folder, "mimo", **MIMO_7B, dtype=torch.bfloat16, seed=0,
         extra_config={"max_position_embeddings": 32768},
     )  # fmt: skip
-    head = MTPHead(load_mtp_weights(folder), torch.device("cuda"), ops="triton")
+    return load_mtp_weights(folder)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--contexts", default="2048")
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--family", default="mimo-7b", choices=["mimo-7b", *FAMILIES])
+    parser.add_argument("--out", help="also write the breakdown as JSON here")
+    args = parser.parse_args()
+    head = MTPHead(weights_of(args.family), torch.device("cuda"), ops="triton")
     gen = torch.Generator().manual_seed(0)
     report = []
     for ctx in (int(c) for c in args.contexts.split(",")):

@@ -44,6 +44,7 @@ SMALL_MOE = {
 # with 128 x 128 block scales as published (the other FP8 weights are read as bf16).
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128,
+    "num_key_value_heads": 128,
     "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
     "v_head_dim": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
     "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8,

@@ -66,8 +66,11 @@ def model_fingerprint(head: MTPHead) -> str:
     for name in sorted(tensors):
         t = tensors[name]
         flat = t.detach().reshape(-1)
-        picks = torch.linspace(0, max(flat.numel() - 1, 0), min(flat.numel(), FINGERPRINT_SAMPLES))
-        sample = flat[picks.to(torch.long).to(flat.device)].to(torch.bfloat16).cpu()
+        # Evenly spaced indices in integers: float32 steps overshoot the last index of a
+        # tensor past 2**24 elements (an LM head).
+        count = min(flat.numel(), FINGERPRINT_SAMPLES)
+        picks = torch.arange(count) * (flat.numel() - 1) // max(count - 1, 1)
+        sample = flat[picks.to(flat.device)].to(torch.bfloat16).cpu()
         digest.update(f"{name}{list(t.shape)}".encode())
         digest.update(sample.view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:32]

@@ -98,7 +98,8 @@ def random_tensors(
 ) -> dict[str, torch.Tensor]:
     """The embedding, LM head and first MTP layer of `family`, shaped by config.json `cfg`."""
     r = _Random(seed, device, dtype)
-    h, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)  # MLA configs may leave it out
     head_dim = cfg.get("head_dim") or h // heads
     q, kv = heads * head_dim, kv_heads * head_dim
     qwen = family == "qwen3_next"

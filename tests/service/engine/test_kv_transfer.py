@@ -291,3 +291,15 @@ def test_the_fingerprint_names_the_checkpoint_not_the_process_or_dtype(
     err = refused(fp32_engine, fp32_engine.alloc_state(), header, chunks)
     assert err.reason == "KV_DTYPE_MISMATCH" and "bfloat16" in err.message
     assert np.isfinite(float(chunks[0][1].float().sum()))
+
+
+def test_the_fingerprint_samples_a_tensor_past_float32_indices_up_to_its_last_element(
+    checkpoint: Path,
+) -> None:
+    """2**24 + 4 elements: evenly spaced float32 indices would overshoot the last one (an
+    LM head is far larger)."""
+    head = MTPHead(load_mtp_weights(checkpoint), torch.device("cpu"))
+    head.large = torch.zeros(2**24 + 4, dtype=torch.bfloat16)
+    before = model_fingerprint(head)
+    head.large[-1] = 1.0
+    assert model_fingerprint(head) != before
