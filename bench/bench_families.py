@@ -93,19 +93,19 @@ def step_bytes(head: MTPHead, batch: int, experts_touched: int) -> int:
 def experts_touched(head: MTPHead, batch, kv) -> int:
     """Distinct experts the step's routing picks (one eager forward, its router recorded)."""
     seen = []
-    route = moe_module.route
+    select = moe_module.select_experts
 
     def recording(*args, **kwargs):
-        ids, weights = route(*args, **kwargs)
+        ids, weights = select(*args, **kwargs)
         seen.append(ids)
         return ids, weights
 
-    moe_module.route = recording
+    moe_module.select_experts = recording
     try:
         head.forward(batch, kv)
     finally:
-        moe_module.route = route
-    return int(seen[0].unique().numel())
+        moe_module.select_experts = select
+    return int(seen[0].unique().numel())  # routed experts only (the shared one is dense)
 
 
 def dense_step(head: MTPHead, form: str):
@@ -129,7 +129,7 @@ def dense_step(head: MTPHead, form: str):
 
     def weights(name, ids=None):
         """Experts (all, or those of `ids`), FP8 ones scaled in the compiled graph."""
-        w = getattr(m, f"experts_{name}")
+        w = getattr(m, f"experts_{name}")[: m.moe.num_experts]  # the shared one may follow
         w = w if ids is None else w[ids]
         if not m.scales:
             return w
@@ -139,7 +139,7 @@ def dense_step(head: MTPHead, form: str):
 
     def experts(y, ids, w):
         if form == "dense":  # every expert over every row; unrouted rows weigh 0
-            weight = torch.zeros(y.shape[0], m.experts_gate_up.shape[0], device=y.device)
+            weight = torch.zeros(y.shape[0], m.moe.num_experts, device=y.device)
             weight = weight.scatter(1, ids, w)
             act = swiglu(torch.einsum("bh,eih->ebi", y, weights("gate_up")))
             out = torch.einsum("ebi,ehi->ebh", act, weights("down")).float()
@@ -258,12 +258,25 @@ def measure_point(fast, eager, compiled, b: int, args, gen, bandwidth: float) ->
     return row
 
 
+def held_bytes(head: MTPHead) -> int:
+    """GPU bytes of the weights a head holds, each storage once (views of one tensor, as
+    the shared expert stored beside the routed ones, count once)."""
+    storages = {}
+    for part in (head, head.moe, head.mla):
+        for value in vars(part).values() if part is not None else ():
+            values = value.values() if isinstance(value, dict) else (value,)
+            for t in values:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    storage = t.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def measure_family(name: str, args, device: torch.device, bandwidth: float) -> dict:
     family, shape = FAMILIES[name]
     small = (SMALL_MOE | (SMALL_MLA if family == "deepseek" else {})) if args.small else {}
     cfg = shape | small
     torch.cuda.empty_cache() if device.type == "cuda" else None
-    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     weights = mtp_weights_from(
         cfg, TensorDict(fp8_experts(cfg, random_tensors(cfg, family, dtype=DT, device=device)))
     )
@@ -271,8 +284,7 @@ def measure_family(name: str, args, device: torch.device, bandwidth: float) -> d
     kv_per_token = fast.kv_row_values * fast.embed.element_size()
     report: dict = {"family": family, "shape": cfg, "kv_bytes_per_token": kv_per_token}
     if device.type == "cuda":
-        torch.cuda.synchronize()
-        report["weights_gib"] = (torch.cuda.memory_allocated(device) - before) / 2**30
+        report["weights_gib"] = held_bytes(fast) / 2**30
         report["kv_pool_64x8k_gib"] = 64 * 8192 * kv_per_token / 2**30
     eager = MTPHead(weights, device, ops="torch")
     compiled = {}

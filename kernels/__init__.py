@@ -11,9 +11,10 @@ from .gemv import gemv
 from .lm_head_drafts import lm_head_drafts
 from .mla_decode import mla_decode
 from .mla_write_latent import mla_write_latent, rope_interleaved
+from .moe_route import moe_route
 from .mtp_input_norms import mtp_input_norms
 from .paged_attention import paged_attention
-from .rms_norm import add_rms_norm, rms_norm
+from .rms_norm import add_rms_norm, qk_norm, rms_norm
 from .rope_write_kv import rope_write_kv
 from .select_drafts import select_drafts
 from .swiglu import swiglu
@@ -25,8 +26,10 @@ __all__ = [
     "lm_head_drafts",
     "mla_decode",
     "mla_write_latent",
+    "moe_route",
     "mtp_input_norms",
     "paged_attention",
+    "qk_norm",
     "record_step",
     "rms_norm",
     "rope_interleaved",

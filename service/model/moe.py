@@ -8,6 +8,10 @@ Routing follows vLLM (and the published modeling code) per family:
 - softmax (Qwen3-Next): router logits in the compute dtype, softmax in fp32 over
   every expert, top-k, renormalized when norm_topk_prob.
 The shared expert is added to the routed sum; Qwen scales it by sigmoid(x @ w) first.
+When it is shaped like a routed expert (every published family) and not FP8, it is
+stored as one more expert, E, and every row routes to it as well (weight one, or Qwen's
+gate): one MoE call computes both, where a separate MLP would add five small launches
+to a decode step. Qwen's gate row rides on the router's matrix (one product for both).
 Everything stays on the device (no host sync), so a step with a MoE is still one
 CUDA graph.
 """
@@ -20,15 +24,24 @@ import torch.nn.functional as F
 from .config import MoEConfig
 
 
-def route(
-    x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert ids [N, k] int64, fp32 weights [N, k]) of each row of x [N, H]."""
+def router_logits(x: torch.Tensor, router: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
+    """[N, router rows] logits: fp32 for sigmoid scoring (as vLLM), else in x's dtype."""
     if moe.scoring == "sigmoid":
-        scores = F.linear(x.float(), router.float()).sigmoid()
+        return F.linear(x.float(), router.float())
+    return F.linear(x, router)
+
+
+def select_experts(
+    logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [N, k] int64, fp32 weights [N, k]) from the router's logits (the first
+    num_experts columns; a shared expert's gate may follow)."""
+    logits = logits[:, : moe.num_experts]
+    if moe.scoring == "sigmoid":
+        scores = logits.float().sigmoid()
         choice = scores + bias.float()
         if moe.n_group > 1:
-            groups = choice.view(x.shape[0], moe.n_group, -1)
+            groups = choice.view(logits.shape[0], moe.n_group, -1)
             best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)
             kept = best.topk(moe.topk_group, dim=-1).indices
             keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, kept, True)
@@ -38,11 +51,18 @@ def route(
         if moe.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     else:
-        probs = F.linear(x, router).float().softmax(-1)
+        probs = logits.float().softmax(-1)
         weights, ids = probs.topk(moe.top_k, dim=-1)
         if moe.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
     return ids, weights * moe.routed_scaling_factor
+
+
+def route(
+    x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [N, k] int64, fp32 weights [N, k]) of each row of x [N, H]."""
+    return select_experts(router_logits(x, router, moe), bias, moe)
 
 
 class MoEMLP:
@@ -61,21 +81,34 @@ class MoEMLP:
                 scale_block=fp8_block,
             )
         self.shared_gate_up = self.shared_down = self.shared_gate = None
+        self.router_rows = self.router  # the router's rows, then Qwen's shared gate's
+        self.shared_column = None  # the shared expert as expert E: weight "one" or "gate"
         if moe.shared_intermediate_size:
-            self.shared_gate_up = torch.cat([t["shared_gate_proj"], t["shared_up_proj"]])
-            self.shared_down = t["shared_down_proj"]
+            gate_up = torch.cat([t["shared_gate_proj"], t["shared_up_proj"]])
+            down = t["shared_down_proj"]
             self.shared_gate = t.get("shared_expert_gate")
+            if self.shared_gate is not None:
+                gate_row = self.shared_gate.to(self.router.dtype)
+                self.router_rows = torch.cat([self.router, gate_row])
+            if moe.shared_intermediate_size == moe.intermediate_size and not self.scales:
+                self.experts_gate_up = torch.cat([self.experts_gate_up, gate_up[None]])
+                self.experts_down = torch.cat([self.experts_down, down[None]])
+                gate_up, down = self.experts_gate_up[-1], self.experts_down[-1]
+                self.shared_column = "one" if self.shared_gate is None else "gate"
+            self.shared_gate_up, self.shared_down = gate_up, down
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         """The MLP's output for the normed rows y [N, H]."""
-        ops = self.ops
-        ids, weights = route(y, self.router, self.router_bias, self.moe)
+        ops, moe = self.ops, self.moe
+        logits = ops.router_logits(y, self.router_rows, moe)
+        ids, weights = ops.select_experts(logits, self.router_bias, moe, self.shared_column)
         out = ops.moe_experts(
             y, self.experts_gate_up, self.experts_down, ids, weights, **self.scales
         )
-        if self.shared_gate_up is None:
+        if self.shared_gate_up is None or self.shared_column:
             return out
         shared = ops.linear(ops.swiglu(ops.linear(y, self.shared_gate_up)), self.shared_down)
         if self.shared_gate is not None:
-            shared = torch.sigmoid(F.linear(y, self.shared_gate)) * shared
+            gate = logits[:, moe.num_experts :].to(shared.dtype)
+            shared = torch.sigmoid(gate) * shared
         return out + shared

@@ -164,10 +164,7 @@ class MTPHead:
         q, k, v = (t.view(n, -1, c.head_dim) for t in (q, k, v))
         if c.qk_norm:
             eps, unit = c.rms_norm_eps, c.norm_unit_offset
-            q, k = (
-                ops.head_norm(q, self.q_norm, eps, unit),
-                ops.head_norm(k, self.k_norm, eps, unit),
-            )
+            q, k = ops.qk_norm(q, k, self.q_norm, self.k_norm, eps, unit)
         q = ops.rope_write_kv(q, k, v, batch.positions, self.cos_sin, kv, batch.slot_mapping)
         attn = ops.paged_attention(
             q, kv, batch.block_tables, batch.seq_ids, batch.context_lens, c.head_dim**-0.5

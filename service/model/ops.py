@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import moe as moe_routing
 from . import torch_ops
 from .kv_cache import KVCache
 
@@ -40,9 +41,11 @@ class TorchOps:
         """RMSNorm over the last dim (`unit`: scaled by 1 + weight)."""
         return torch_ops.rms_norm(x, weight, eps, unit)
 
-    def head_norm(self, x, weight, eps, unit):
-        """RMSNorm of each head of x [N, heads, D] (a strided view); a new tensor."""
-        return torch_ops.rms_norm(x, weight, eps, unit)
+    def qk_norm(self, q, k, q_weight, k_weight, eps, unit):
+        """RMSNorm of each head of q and k ([N, heads, D] views of the fused projection)."""
+        return torch_ops.rms_norm(q, q_weight, eps, unit), torch_ops.rms_norm(
+            k, k_weight, eps, unit
+        )
 
     def add_rms_norm(self, x, delta, weight, eps, unit=False):
         """(x + delta, its RMSNorm): the residual add and the next norm."""
@@ -81,6 +84,20 @@ class TorchOps:
 
     def swiglu(self, gate_up):
         return torch_ops.swiglu(gate_up)
+
+    def router_logits(self, x, router_rows, moe):
+        return moe_routing.router_logits(x, router_rows, moe)
+
+    def select_experts(self, logits, bias, moe, shared):
+        """Routed ids and weights [N, k], then the `shared` column (expert E), if any."""
+        ids, weights = moe_routing.select_experts(logits, bias, moe)
+        if shared is None:
+            return ids, weights
+        e = moe.num_experts
+        extra = torch.sigmoid(logits[:, e : e + 1].float()) if shared == "gate" else None
+        if extra is None:
+            extra = torch.ones_like(weights[:, :1])
+        return torch.cat([ids, torch.full_like(ids[:, :1], e)], 1), torch.cat([weights, extra], 1)
 
     def moe_experts(self, x, gate_up, down, ids, weights):
         return torch_ops.moe_experts(x, gate_up, down, ids, weights)
@@ -124,10 +141,10 @@ class TritonOps:
     def rms_norm(self, x, weight, eps, unit=False):
         return self.k.rms_norm(x, weight, eps, unit_offset=unit)
 
-    def head_norm(self, x, weight, eps, unit):
-        n, heads, dim = x.shape
-        rows = x.reshape(n * heads, dim)  # one copy when x is a view of the fused projection
-        return self.k.rms_norm(rows, weight, eps, unit_offset=unit).view(n, heads, dim)
+    def qk_norm(self, q, k, q_weight, k_weight, eps, unit):
+        """One kernel, in place in the fused projection's output (the forward's own)."""
+        self.k.qk_norm(q, k, q_weight, k_weight, eps, unit_offset=unit)
+        return q, k
 
     def add_rms_norm(self, x, delta, weight, eps, unit=False):
         """One kernel; x is updated in place (it is the forward's own residual stream)."""
@@ -157,6 +174,19 @@ class TritonOps:
 
     def swiglu(self, gate_up):
         return self.k.swiglu(gate_up)
+
+    def router_logits(self, x, router_rows, moe):
+        """Sigmoid scoring's router in fp32 (as vLLM); softmax's in the GEMV."""
+        if moe.scoring == "sigmoid":
+            return F.linear(x.float(), router_rows)
+        return self.linear(x, router_rows)
+
+    def select_experts(self, logits, bias, moe, shared):
+        return self.k.moe_route(
+            logits, bias, num_experts=moe.num_experts, top_k=moe.top_k, scoring=moe.scoring,
+            norm_topk_prob=moe.norm_topk_prob, routed_scaling_factor=moe.routed_scaling_factor,
+            n_group=moe.n_group, topk_group=moe.topk_group, shared=shared,
+        )  # fmt: skip
 
     def moe_experts(self, x, gate_up, down, ids, weights, **scales):
         """Only the routed experts' weights are read, on the device: capturable in a graph.

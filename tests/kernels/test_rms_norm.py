@@ -1,11 +1,11 @@
-"""rms_norm against a plain torch RMSNorm."""
+"""rms_norm, add_rms_norm and qk_norm against a plain torch RMSNorm."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mtpdraft.kernels import add_rms_norm, rms_norm
+from mtpdraft.kernels import add_rms_norm, qk_norm, rms_norm
 
 
 def rms_norm_ref(
@@ -96,3 +96,58 @@ def test_gpu_mimo_shape(n: int, unit_offset: bool) -> None:
     y = rms_norm(x, w, 1e-6, unit_offset=unit_offset)
     ref = rms_norm_ref(x, w, 1e-6, unit_offset)
     torch.testing.assert_close(y.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def _fused_projection(n, hq, hk, d, gated, dtype, device, seed):
+    """A fused q [gate] k v projection output [N, ...] and its q, k views [N, heads, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = [hq * d, hq * d if gated else 0, hk * d, hk * d]
+    qkv = (torch.randn(n, sum(widths), generator=gen) * 3).to(device, dtype)
+    q, _, k, _ = qkv.split(widths, -1)
+    return qkv, q.view(n, hq, d), k.view(n, hk, d)
+
+
+def _qk_norm_ref(qkv, hq, hk, d, gated, wq, wk, unit_offset):
+    """The same output, each head normed by rms_norm_ref; the gate and v untouched."""
+    n, gate = qkv.shape[0], hq * d if gated else 0
+    want = qkv.clone()
+    for start, heads, w in ((0, hq, wq), (hq * d + gate, hk, wk)):
+        part = want[:, start : start + heads * d]
+        part.copy_(rms_norm_ref(part.reshape(n * heads, d), w, 1e-6, unit_offset).view(n, -1))
+    return want
+
+
+@pytest.mark.parametrize("n,hq,hk,d,gated", [(1, 4, 2, 32, True), (5, 8, 2, 24, False)])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_qk_norm_normalizes_each_head_of_a_fused_projection_in_place(
+    n: int, hq: int, hk: int, d: int, gated: bool, unit_offset: bool,
+    dtype_tol: tuple[torch.dtype, float, float], device: torch.device,
+) -> None:  # fmt: skip
+    dtype, atol, rtol = dtype_tol
+    qkv, q, k = _fused_projection(n, hq, hk, d, gated, dtype, device, seed=n * d)
+    wq = (torch.rand(d) + 0.5).to(device, dtype)
+    wk = (torch.rand(d) - 0.5).to(device, dtype)
+    want = _qk_norm_ref(qkv, hq, hk, d, gated, wq, wk, unit_offset)
+    qk_norm(q, k, wq, wk, 1e-6, unit_offset=unit_offset)
+    torch.testing.assert_close(qkv.float(), want.float(), atol=atol, rtol=rtol)
+
+
+def test_qk_norm_rejects_bad_arguments() -> None:
+    q, k, w = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="k must be"):
+        qk_norm(q, torch.randn(2, 2, 4), w, w, 1e-6)
+    with pytest.raises(ValueError, match="q_weight must have shape"):
+        qk_norm(q, k, torch.ones(4), w, 1e-6)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        qk_norm(q.transpose(1, 2), torch.randn(2, 8, 2).transpose(1, 2), w, w, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 64])
+def test_gpu_qk_norm_qwen3_next_shape(n: int) -> None:
+    """Qwen3-Next: 16 q heads with their gates, 2 kv heads, head dim 256, (1 + w) scales."""
+    qkv, q, k = _fused_projection(n, 16, 2, 256, True, torch.bfloat16, "cuda", seed=n)
+    wq, wk = (torch.randn(256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    want = _qk_norm_ref(qkv, 16, 2, 256, True, wq, wk, True)
+    qk_norm(q, k, wq, wk, 1e-6, unit_offset=True)
+    torch.testing.assert_close(qkv.float(), want.float(), atol=2e-2, rtol=2e-2)
