@@ -16,6 +16,9 @@ are ignored.
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -87,6 +90,20 @@ class _Bucket:
         return step
 
 
+@contextmanager
+def _collector_paused():
+    """Python's garbage collector paused (after one collection): collected mid-capture, an
+    earlier CUDA graph or tensor frees device memory, which invalidates the capture."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class DecodeGraphs:
     """Runs chains of one-row-per-sequence decode steps from captured CUDA graphs."""
 
@@ -108,14 +125,15 @@ class DecodeGraphs:
             buckets = (*(b for b in BUCKETS if b < max_batch), max_batch)
         self.pool = torch.cuda.graph_pool_handle()
         self._buckets: dict[int, _Bucket] = {}
-        for size in sorted(buckets, reverse=True):  # largest first: smaller ones reuse its pool
-            bucket = _Bucket(head, size, max_steps, self.max_blocks, words)
-            for masked in masks:
-                step = bucket.step_fn(head, kv, masked)
-                self._warm_up(step, bucket)
-                for steps in range(1, max_steps + 1):
-                    bucket.graphs[masked, steps] = self._capture(step, steps)
-            self._buckets[size] = bucket
+        with _collector_paused():
+            for size in sorted(buckets, reverse=True):  # largest first: the others reuse its pool
+                bucket = _Bucket(head, size, max_steps, self.max_blocks, words)
+                for masked in masks:
+                    step = bucket.step_fn(head, kv, masked)
+                    self._warm_up(step, bucket)
+                    for steps in range(1, max_steps + 1):
+                        bucket.graphs[masked, steps] = self._capture(step, steps)
+                self._buckets[size] = bucket
         self.sizes = sorted(self._buckets)
 
     @staticmethod
