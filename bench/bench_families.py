@@ -289,6 +289,10 @@ def measure_family(name: str, args, device: torch.device, bandwidth: float) -> d
     eager = MTPHead(weights, device, ops="torch")
     compiled = {}
     if not args.no_compile:
+        # Every family compiles the same `step` code: without a reset, dynamo's guards can
+        # hand one family another's graph (its experts; an index out of bounds).
+        torch._dynamo.reset()
+        torch._dynamo.config.recompile_limit = 4 * len(args.batches) * len(args.forms)
         compiled = {
             f: torch.compile(dense_step(eager, f), mode="reduce-overhead") for f in args.forms
         }
