@@ -1,9 +1,10 @@
 """The MoE, gated-attention and MLA families served over gRPC, drafts equal to the oracles.
 
-One server per family (fp32, CPU), each going through every AfterVerify case
-(none / some / all accepted, own or refed hiddens, separate or fused with the next
-Propose), KV taken, installed, exported and imported, and a ProposeBatch, each
-proposal checked against the float64 oracle.
+One server per family (fp32, CPU; and, marked gpu, on CUDA with the Triton kernels and
+CUDA graphs, fp32), each going through every AfterVerify case (none / some / all
+accepted, own or refed hiddens, separate or fused with the next Propose), KV taken,
+installed, exported and imported, and a ProposeBatch, each proposal checked against the
+float64 oracle.
 """
 
 from __future__ import annotations
@@ -28,16 +29,23 @@ CHECKPOINTS = {
 }
 
 
-@pytest.fixture(scope="module", params=CHECKPOINTS)
+SERVED = [
+    *((name, "cpu") for name in CHECKPOINTS),
+    *(pytest.param((name, "cuda"), marks=pytest.mark.gpu) for name in CHECKPOINTS),
+]
+
+
+@pytest.fixture(scope="module", params=SERVED, ids=lambda p: "-".join(p))
 def served(request, tmp_path_factory) -> Iterator[tuple[DrafterClient, FamilyReference]]:
-    name, folder = request.param, tmp_path_factory.mktemp(request.param)
+    name, device = request.param
+    folder = tmp_path_factory.mktemp(name)
     if name.startswith("deepseek"):
         write_deepseek_checkpoint(folder, name, seed=5, shards=2, **CHECKPOINTS[name])
         ref = DeepseekReference(folder)
     else:
         write_family_checkpoint(folder, name, seed=5, shards=2, **CHECKPOINTS[name])
         ref = FamilyReference(folder)
-    proc = start_server(folder, *SERVER_ARGS)
+    proc = start_server(folder, *SERVER_ARGS, "--device", device, "--dtype", "float32")
     try:
         with DrafterClient(proc.address, timeout=60) as client:
             yield client, ref
