@@ -8,7 +8,8 @@ an H200 (bf16, one row, the MiMo-7B MTP layer's shapes): 2-21% less time than
 cuBLAS's choice for each matrix (see gemv_config).
 
 ``_gemv_tile`` is the per-program body, shared with the LM head's fused draft
-selection (lm_head_drafts).
+selection (lm_head_drafts). With a ``gate`` (Qwen3-Next's attention output gate) the rows
+are first scaled by its sigmoid, as they are read: ``y = (x * sigmoid(gate)) @ w.T``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
+from ._checks import (
+    FLOAT_DTYPES,
+    check_rows,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+)
 
 __all__ = ["gemv", "gemv_config"]
 
@@ -35,6 +43,9 @@ def _gemv_tile(
     N,  # rows of w
     K,  # inner dimension
     pid,  # which BLOCK_N rows of w
+    g_ptr,  # [M, K] gate, rows g_row apart (GATED only)
+    g_row,
+    GATED: tl.constexpr,  # x scaled by sigmoid(gate) as it is read
     BLOCK_M: tl.constexpr,  # >= M, >= 16
     BLOCK_N: tl.constexpr,  # weight rows per program
     BLOCK_K: tl.constexpr,  # inner tile
@@ -48,11 +59,16 @@ def _gemv_tile(
     m_ok = rm < M
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
     x_ptrs = x_ptr + rm[:, None] * K + rk[None, :]
+    g_ptrs = g_ptr + rm[:, None] * g_row + rk[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
         k_ok = (k + rk) < K
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if GATED:
+            g = tl.load(g_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * tl.sigmoid(g)).to(x_ptr.dtype.element_ty)
+            g_ptrs += BLOCK_K
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -64,18 +80,23 @@ def _gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
     b_ptr,  # [N] bias (unused without HAS_BIAS)
+    g_ptr,  # [M, K] gate (unused without GATED)
     y_ptr,  # [M, N] output, dtype of x
     M,
     N,
     K,
+    g_row,  # row stride of the gate
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    acc = _gemv_tile(x_ptr, w_ptr, M, N, K, pid, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    acc = _gemv_tile(
+        x_ptr, w_ptr, M, N, K, pid, g_ptr, g_row, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION
+    )
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     n_ok = rn < N
@@ -131,8 +152,16 @@ def check_gemv_args(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"x may have at most {MAX_ROWS} rows, got {x.shape[0]}")
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for x [M, K] (M <= 64), weight [N, K], bias [N]; returns [M, N]."""
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for x [M, K] (M <= 64), weight [N, K], bias [N]; returns [M, N].
+    With ``gate`` ([M, K], x's dtype, rows may be strided): ``(x * sigmoid(gate)) @ weight.T``,
+    the product rounded to x's dtype as an unfused multiply would be."""
     check_gemv_args(x, weight)
     m, k = x.shape
     n = weight.shape[0]
@@ -140,11 +169,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         check_tensor("bias", bias, 1, FLOAT_DTYPES)
         check_shape("bias", bias, (n,))
         check_same_device(x=x, bias=bias)
+    if gate is not None:
+        check_rows("gate", gate, 2, FLOAT_DTYPES)
+        check_shape("gate", gate, (m, k))
+        check_same_dtype(x=x, gate=gate)
+        check_same_device(x=x, gate=gate)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     cfg = gemv_config(m, n, k, x.dtype)
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, weight if bias is None else bias, y, m, n, k, HAS_BIAS=bias is not None, **cfg
-    )
+        x, weight, weight if bias is None else bias, x if gate is None else gate, y, m, n, k,
+        0 if gate is None else gate.stride(0), HAS_BIAS=bias is not None, GATED=gate is not None,
+        **cfg,
+    )  # fmt: skip
     return y

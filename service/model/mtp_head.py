@@ -133,11 +133,10 @@ class MTPHead:
     def forward(self, batch: RowBatch, kv: KVCache) -> torch.Tensor:
         """Computes the rows, writes their K/V, returns the hiddens they pass on [N, H]."""
         ops, eps, unit = self.ops, self.config.rms_norm_eps, self.config.norm_unit_offset
-        embeds = F.embedding(batch.tokens, self.embed)
         hiddens = batch.hiddens.to(self.dtype)
         x = ops.input_norms(
-            embeds, hiddens, self.norm_embed, self.norm_hidden, batch.positions, eps,
-            self._embed_first, unit, self._mask_first,
+            batch.tokens, self.embed, hiddens, self.norm_embed, self.norm_hidden,
+            batch.positions, eps, self._embed_first, unit, self._mask_first,
         )  # fmt: skip
         x = ops.linear(x, self.input_proj)
         y = ops.rms_norm(x, self.input_layernorm, eps, unit)
@@ -169,9 +168,7 @@ class MTPHead:
         attn = ops.paged_attention(
             q, kv, batch.block_tables, batch.seq_ids, batch.context_lens, c.head_dim**-0.5
         ).reshape(n, c.q_size)
-        if gate_size:
-            attn = attn * torch.sigmoid(gate)
-        return ops.linear(attn, self.o_proj)
+        return ops.linear(attn, self.o_proj, gate=gate if gate_size else None)
 
     def _head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the LM head multiplies: the hidden after final_norm."""

@@ -21,7 +21,10 @@ class TorchOps:
     name = "torch"
     fp8_experts = False  # FP8 experts are dequantized for it at load
 
-    def linear(self, x, weight, bias=None):
+    def linear(self, x, weight, bias=None, gate=None):
+        """x @ weight.T + bias; with a gate, x is first scaled by sigmoid(gate)."""
+        if gate is not None:
+            x = x * torch.sigmoid(gate)
         return F.linear(x, weight, bias)
 
     def draft(self, hidden, lm_head, bitmask):
@@ -29,8 +32,11 @@ class TorchOps:
         return torch_ops.select_drafts(F.linear(hidden, lm_head), bitmask)
 
     def input_norms(
-        self, embeds, hiddens, w_embed, w_hidden, positions, eps, embed_first, unit, mask_first
-    ):
+        self, tokens, table, hiddens, w_embed, w_hidden, positions, eps, embed_first, unit,
+        mask_first,
+    ):  # fmt: skip
+        """The rows' embeddings (looked up in `table`) and hiddens normed, concatenated."""
+        embeds = F.embedding(tokens, table)
         if mask_first:
             embeds = embeds.masked_fill((positions == 0)[:, None], 0)
         e = torch_ops.rms_norm(embeds, w_embed, eps, unit)
@@ -120,9 +126,11 @@ class TritonOps:
 
         self.k = kernels
 
-    def linear(self, x, weight, bias=None):
+    def linear(self, x, weight, bias=None, gate=None):
         if 0 < x.shape[0] <= self.GEMV_ROWS:
-            return self.k.gemv(x, weight, bias)
+            return self.k.gemv(x, weight, bias, gate=gate)
+        if gate is not None:
+            x = x * torch.sigmoid(gate)
         return F.linear(x, weight, bias)
 
     def draft(self, hidden, lm_head, bitmask):
@@ -131,11 +139,13 @@ class TritonOps:
         return self.k.select_drafts(F.linear(hidden, lm_head), bitmask)
 
     def input_norms(
-        self, embeds, hiddens, w_embed, w_hidden, positions, eps, embed_first, unit, mask_first
-    ):
+        self, tokens, table, hiddens, w_embed, w_hidden, positions, eps, embed_first, unit,
+        mask_first,
+    ):  # fmt: skip
+        """One kernel, the embedding lookup included."""
         return self.k.mtp_input_norms(
-            embeds, hiddens, w_embed, w_hidden, positions, eps, embed_first=embed_first,
-            unit_offset=unit, mask_first=mask_first,
+            table, hiddens, w_embed, w_hidden, positions, eps, embed_first=embed_first,
+            unit_offset=unit, mask_first=mask_first, tokens=tokens,
         )  # fmt: skip
 
     def rms_norm(self, x, weight, eps, unit=False):

@@ -74,6 +74,24 @@ def test_position_0_keeps_its_embedding_unless_masked(device: torch.device) -> N
     assert torch.all(out[:, :32] != 0)
 
 
+@pytest.mark.parametrize("embed_first", [False, True])
+def test_reads_the_rows_embeddings_from_the_table_by_token(
+    embed_first: bool, dtype_tol: tuple[torch.dtype, float, float], device: torch.device
+) -> None:
+    dtype, atol, rtol = dtype_tol
+    gen = torch.Generator().manual_seed(11)
+    table = torch.randn(50, 48, generator=gen).to(device, dtype)
+    tokens = torch.tensor([7, 49, 0, 7, 23], device=device)
+    hiddens = torch.randn(5, 48, generator=gen).to(device, dtype)
+    w = (torch.rand(48, generator=gen) + 0.5).to(device, dtype)
+    positions = torch.tensor([0, 1, 2, 3, 4], device=device)
+    out = mtp_input_norms(
+        table, hiddens, w, w, positions, 1e-6, embed_first=embed_first, tokens=tokens
+    )
+    ref = mtp_input_norms_ref(table[tokens], hiddens, w, w, positions, 1e-6, embed_first, False)
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
 def test_rejects_bad_arguments() -> None:
     e, h, w = torch.randn(3, 8), torch.randn(3, 8), torch.ones(8)
     pos = torch.arange(3)
