@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
+from ._fp8 import dequantize_tile
 
 __all__ = ["fused_moe", "fused_moe_config"]
 
@@ -142,26 +143,6 @@ def _align_kernel(
 
 
 @triton.jit
-def _dequantize(w, s_ptrs, k, rk, n_ok, k_ok, SCALE_K: tl.constexpr, SCALE_TILE: tl.constexpr):
-    """An FP8 tile [BLOCK_N, BLOCK_K] at columns k + rk, in fp32, times its blocks' scales.
-
-    ``s_ptrs`` [BLOCK_N] points at each tile row's row of scales. Where the K tile lies in
-    one scale block (SCALE_TILE) a row needs one scale; else each column picks its own.
-    """
-    if SCALE_TILE:
-        s = tl.load(s_ptrs + k // SCALE_K, mask=n_ok, other=0.0)
-        w = w.to(tl.float32) * s[:, None]
-    else:
-        s = tl.load(
-            s_ptrs[:, None] + ((k + rk) // SCALE_K)[None, :],
-            mask=n_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        w = w.to(tl.float32) * s
-    return w
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [N, H] tokens
     w_ptr,  # [E, 2I, H] gate rows, then up rows, per expert
@@ -212,8 +193,8 @@ def _gate_up_kernel(
         wg = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         wu = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if FP8:
-            wg = _dequantize(wg, sg_ptrs, k, rk, n_ok, k_ok, SCALE_K, SCALE_TILE).to(xs.dtype)
-            wu = _dequantize(wu, su_ptrs, k, rk, n_ok, k_ok, SCALE_K, SCALE_TILE).to(xs.dtype)
+            wg = dequantize_tile(wg, sg_ptrs, k, rk, n_ok, k_ok, SCALE_K, SCALE_TILE).to(xs.dtype)
+            wu = dequantize_tile(wu, su_ptrs, k, rk, n_ok, k_ok, SCALE_K, SCALE_TILE).to(xs.dtype)
         gate += tl.dot(xs, tl.trans(wg), input_precision=DOT_PRECISION)
         up += tl.dot(xs, tl.trans(wu), input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
@@ -268,7 +249,7 @@ def _down_kernel(
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if FP8:
-            w = _dequantize(w, s_ptrs, k, rk, n_ok, k_ok, SCALE_K, SCALE_TILE).to(a.dtype)
+            w = dequantize_tile(w, s_ptrs, k, rk, n_ok, k_ok, SCALE_K, SCALE_TILE).to(a.dtype)
         acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K

@@ -10,6 +10,10 @@ cuBLAS's choice for each matrix (see gemv_config).
 ``_gemv_tile`` is the per-program body, shared with the LM head's fused draft
 selection (lm_head_drafts). With a ``gate`` (Qwen3-Next's attention output gate) the rows
 are first scaled by its sigmoid, as they are read: ``y = (x * sigmoid(gate)) @ w.T``.
+
+A block-scaled FP8 weight (DeepSeek-V3's, ``weight_scale`` per ``scale_block``) is read as
+FP8, half the bytes of bf16: each tile is converted and scaled (``_fp8``) and rounded to
+x's dtype before its product, so the result is the one on the weight dequantized that way.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ._checks import (
     check_shape,
     check_tensor,
 )
+from ._fp8 import dequantize_tile
 
 __all__ = ["gemv", "gemv_config"]
 
@@ -46,6 +51,11 @@ def _gemv_tile(
     g_ptr,  # [M, K] gate, rows g_row apart (GATED only)
     g_row,
     GATED: tl.constexpr,  # x scaled by sigmoid(gate) as it is read
+    s_ptr,  # [ceil(N / SCALE_N), ceil(K / SCALE_K)] fp32 scales (FP8 only)
+    FP8: tl.constexpr,  # w is float8_e4m3fn
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    SCALE_TILE: tl.constexpr,  # SCALE_K % BLOCK_K == 0: one scale per row and K tile
     BLOCK_M: tl.constexpr,  # >= M, >= 16
     BLOCK_N: tl.constexpr,  # weight rows per program
     BLOCK_K: tl.constexpr,  # inner tile
@@ -60,11 +70,14 @@ def _gemv_tile(
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
     x_ptrs = x_ptr + rm[:, None] * K + rk[None, :]
     g_ptrs = g_ptr + rm[:, None] * g_row + rk[None, :]
+    s_ptrs = s_ptr + (rn // SCALE_N) * tl.cdiv(K, SCALE_K)  # each row's row of scales
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
         k_ok = (k + rk) < K
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP8:
+            w = dequantize_tile(w, s_ptrs, k, rk, n_ok, k_ok, SCALE_K, SCALE_TILE).to(x.dtype)
         if GATED:
             g = tl.load(g_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * tl.sigmoid(g)).to(x_ptr.dtype.element_ty)
@@ -81,6 +94,7 @@ def _gemv_kernel(
     w_ptr,  # [N, K]
     b_ptr,  # [N] bias (unused without HAS_BIAS)
     g_ptr,  # [M, K] gate (unused without GATED)
+    s_ptr,  # FP8 scales (unused without FP8)
     y_ptr,  # [M, N] output, dtype of x
     M,
     N,
@@ -88,6 +102,10 @@ def _gemv_kernel(
     g_row,  # row stride of the gate
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    SCALE_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -95,8 +113,9 @@ def _gemv_kernel(
 ):
     pid = tl.program_id(0)
     acc = _gemv_tile(
-        x_ptr, w_ptr, M, N, K, pid, g_ptr, g_row, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION
-    )
+        x_ptr, w_ptr, M, N, K, pid, g_ptr, g_row, GATED, s_ptr, FP8, SCALE_N, SCALE_K,
+        SCALE_TILE, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+    )  # fmt: skip
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     n_ok = rn < N
@@ -138,10 +157,11 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype) -> dict[str, object]
     }
 
 
-def check_gemv_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+def check_gemv_args(x: torch.Tensor, weight: torch.Tensor, fp8: bool = False) -> None:
     check_tensor("x", x, 2, FLOAT_DTYPES)
-    check_tensor("weight", weight, 2, FLOAT_DTYPES)
-    check_same_dtype(x=x, weight=weight)
+    check_tensor("weight", weight, 2, (torch.float8_e4m3fn,) if fp8 else FLOAT_DTYPES)
+    if not fp8:
+        check_same_dtype(x=x, weight=weight)
     check_same_device(x=x, weight=weight)
     if x.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -158,11 +178,18 @@ def gemv(
     bias: torch.Tensor | None = None,
     *,
     gate: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for x [M, K] (M <= 64), weight [N, K], bias [N]; returns [M, N].
+
     With ``gate`` ([M, K], x's dtype, rows may be strided): ``(x * sigmoid(gate)) @ weight.T``,
-    the product rounded to x's dtype as an unfused multiply would be."""
-    check_gemv_args(x, weight)
+    the product rounded to x's dtype as an unfused multiply would be. With ``weight_scale``
+    (fp32 [ceil(N / bn), ceil(K / bk)], (bn, bk) = ``scale_block``): weight is
+    float8_e4m3fn and ``weight[r, c] * weight_scale[r // bn, c // bk]`` its value.
+    """
+    fp8 = weight_scale is not None
+    check_gemv_args(x, weight, fp8)
     m, k = x.shape
     n = weight.shape[0]
     if bias is not None:
@@ -174,13 +201,24 @@ def gemv(
         check_shape("gate", gate, (m, k))
         check_same_dtype(x=x, gate=gate)
         check_same_device(x=x, gate=gate)
+    scale_n, scale_k = scale_block if fp8 else (1, 1)
+    if fp8:
+        check_tensor("weight_scale", weight_scale, 2, (torch.float32,))
+        check_shape("weight_scale", weight_scale, (-(-n // scale_n), -(-k // scale_k)))
+        check_same_device(x=x, weight_scale=weight_scale)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     cfg = gemv_config(m, n, k, x.dtype)
+    scale_tile = False
+    if fp8:  # K tiles within one scale block where a power of two of 16 or more divides bk
+        tile = scale_k & -scale_k
+        if tile >= 16:
+            cfg["BLOCK_K"], scale_tile = min(cfg["BLOCK_K"], tile), True
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, weight if bias is None else bias, x if gate is None else gate, y, m, n, k,
-        0 if gate is None else gate.stride(0), HAS_BIAS=bias is not None, GATED=gate is not None,
-        **cfg,
+        x, weight, weight if bias is None else bias, x if gate is None else gate,
+        weight_scale if fp8 else x, y, m, n, k, 0 if gate is None else gate.stride(0),
+        HAS_BIAS=bias is not None, GATED=gate is not None, FP8=fp8, SCALE_N=scale_n,
+        SCALE_K=scale_k, SCALE_TILE=scale_tile, **cfg,
     )  # fmt: skip
     return y

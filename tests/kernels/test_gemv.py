@@ -50,6 +50,37 @@ def test_gemv_with_a_gate_scales_the_rows_by_its_sigmoid_first(
     )
 
 
+def _fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] as a block-scaled FP8 checkpoint stores it: e4m3 values and fp32 scales."""
+    (n, k), (bn, bk) = w.shape, block
+    padded = F.pad(w, (0, -k % bk, 0, -n % bn))
+    blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize(
+    "m,n,k,block",
+    [(1, 40, 72, (16, 16)), (5, 300, 256, (128, 128)), (3, 50, 96, (16, 24))],
+    ids=["one-scale-per-tile", "deepseek-blocks", "a-scale-per-column"],
+)
+def test_gemv_reads_a_block_scaled_fp8_weight(
+    m: int, n: int, k: int, block: tuple[int, int],
+    dtype_tol: tuple[torch.dtype, float, float], device: torch.device,
+) -> None:  # fmt: skip
+    dtype, atol, rtol = dtype_tol
+    gen = torch.Generator().manual_seed(m * n)
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    w, scale = _fp8(torch.randn(n, k, generator=gen) / k**0.5, block)
+    full = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    dequantized = (w.float() * full).to(dtype)  # as the kernel rounds each tile
+    y = gemv(x, w.to(device), weight_scale=scale.to(device), scale_block=block)
+    ref = F.linear(x.float(), dequantized.float().to(device))
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), ref, atol=atol * 2, rtol=rtol)
+
+
 def test_gemv_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="share K"):
         gemv(torch.randn(2, 8), torch.randn(4, 9))
@@ -59,6 +90,11 @@ def test_gemv_rejects_bad_arguments() -> None:
         gemv(torch.randn(2, 8), torch.randn(4, 8), torch.randn(5))
     with pytest.raises(ValueError, match="gate must have shape"):
         gemv(torch.randn(2, 8), torch.randn(4, 8), gate=torch.randn(2, 4))
+    fp8 = torch.randn(4, 8).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="weight_scale must have shape"):
+        gemv(torch.randn(2, 8), fp8, weight_scale=torch.ones(2, 2), scale_block=(4, 8))
+    with pytest.raises(ValueError, match="weight must have dtype"):
+        gemv(torch.randn(2, 8), torch.randn(4, 8), weight_scale=torch.ones(1, 1))
 
 
 def _packed(allowed: torch.Tensor) -> torch.Tensor:
@@ -127,3 +163,16 @@ def test_gpu_mimo_shapes(m: int, dtype: torch.dtype) -> None:
     want_t, want_p = select_drafts(F.linear(x, head), None)
     assert ((tokens == want_t) | tie).all()
     torch.testing.assert_close(probs, want_p, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_gpu_fp8_deepseek_o_proj(m: int) -> None:
+    """DeepSeek-V3's o_proj [7168, 16384], FP8 with 128 x 128 blocks."""
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 16384, generator=gen).to("cuda", torch.bfloat16)
+    w, scale = _fp8(torch.randn(7168, 16384, generator=gen) / 128, (128, 128))
+    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    ref = F.linear(x.float(), (w.float() * full).bfloat16().float().cuda())
+    y = gemv(x, w.cuda(), weight_scale=scale.cuda(), scale_block=(128, 128))
+    torch.testing.assert_close(y.float(), ref, atol=5e-2, rtol=2e-2)
