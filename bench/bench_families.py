@@ -42,7 +42,7 @@ from mtpdraft.service.model.checkpoint import mtp_weights_from
 from mtpdraft.service.model.decode_graphs import DecodeGraphs
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import random_tensors
-from mtpdraft.service.model.tensors import TensorDict, dequantize_blocks
+from mtpdraft.service.model.tensors import FP8Matrix, TensorDict, dequantize_blocks
 
 FAMILIES = {
     "glm-4.5-air": ("glm4_moe", GLM_45_AIR),
@@ -52,17 +52,29 @@ FAMILIES = {
 DT = torch.bfloat16
 
 
-def nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+def nbytes(*tensors: torch.Tensor | FP8Matrix | None) -> int:
+    """Bytes of the tensors (an FP8 matrix: its values and its scales)."""
+    parts = [
+        p for t in tensors for p in ((t.values, t.scale) if isinstance(t, FP8Matrix) else (t,))
+    ]
+    return sum(p.numel() * p.element_size() for p in parts if p is not None)
 
 
-def fp8_experts(cfg: dict, tensors: dict) -> dict:
-    """The routed experts as a block-FP8 checkpoint stores them, when cfg says FP8 (in
-    place, one tensor at a time): e4m3 values and one fp32 scale per block."""
+# The matrices DeepSeek-V3's published checkpoint stores as FP8 (by their last name part).
+FP8_MATRICES = (
+    "q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+    "gate_proj", "up_proj", "down_proj",
+)  # fmt: skip
+
+
+def fp8_weights(cfg: dict, tensors: dict) -> dict:
+    """The weights a block-FP8 checkpoint stores as FP8 (the experts, the shared expert,
+    the attention's matrices), so stored when cfg says FP8 (in place, one tensor at a
+    time): e4m3 values and one fp32 scale per block."""
     block = (cfg.get("quantization_config") or {}).get("weight_block_size")
     if not block:
         return tensors
-    for name in [n for n in tensors if ".mlp.experts." in n]:
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in FP8_MATRICES]:
         w = tensors.pop(name)
         r, c = w.shape
         blocks = F.pad(w.float(), (0, -c % block[1], 0, -r % block[0]))
@@ -265,6 +277,11 @@ def held_bytes(head: MTPHead) -> int:
     for part in (head, head.moe, head.mla):
         for value in vars(part).values() if part is not None else ():
             values = value.values() if isinstance(value, dict) else (value,)
+            values = [
+                p
+                for v in values
+                for p in ((v.values, v.scale) if isinstance(v, FP8Matrix) else (v,))
+            ]
             for t in values:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     storage = t.untyped_storage()
@@ -278,7 +295,7 @@ def measure_family(name: str, args, device: torch.device, bandwidth: float) -> d
     cfg = shape | small
     torch.cuda.empty_cache() if device.type == "cuda" else None
     weights = mtp_weights_from(
-        cfg, TensorDict(fp8_experts(cfg, random_tensors(cfg, family, dtype=DT, device=device)))
+        cfg, TensorDict(fp8_weights(cfg, random_tensors(cfg, family, dtype=DT, device=device)))
     )
     fast = MTPHead(weights, device, ops="triton" if device.type == "cuda" else "torch")
     kv_per_token = fast.kv_row_values * fast.embed.element_size()

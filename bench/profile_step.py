@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from bench_families import DT, FAMILIES, fp8_experts
+from bench_families import DT, FAMILIES, fp8_weights
 from bench_step import CHAIN, make_chain, timed_replay
 from shapes import MIMO_7B
 from torch.profiler import ProfilerActivity, profile
@@ -54,7 +54,7 @@ def weights_of(family: str):
     if family != "mimo-7b":
         kind, cfg = FAMILIES[family]
         tensors = random_tensors(cfg, kind, dtype=DT, device="cuda")
-        return mtp_weights_from(cfg, TensorDict(fp8_experts(cfg, tensors)))
+        return mtp_weights_from(cfg, TensorDict(fp8_weights(cfg, tensors)))
     folder = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     write_random_checkpoint(
         folder, "mimo", **MIMO_7B, dtype=torch.bfloat16, seed=0,

@@ -7,6 +7,7 @@ under ``TRITON_INTERPRET=1`` (set it before ``triton`` is imported).
 
 from .chain_step import record_step, select_step
 from .fused_moe import fused_moe
+from .gemv import MAX_ROWS as gemv_max_rows
 from .gemv import gemv
 from .lm_head_drafts import lm_head_drafts
 from .mla_decode import mla_decode
@@ -23,6 +24,7 @@ __all__ = [
     "add_rms_norm",
     "fused_moe",
     "gemv",
+    "gemv_max_rows",
     "lm_head_drafts",
     "mla_decode",
     "mla_write_latent",

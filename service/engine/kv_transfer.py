@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..model.tensors import FP8Matrix
 from .errors import FailedPrecondition, InvalidArgument
 from .types import RowCount
 from .validation import is_finite
@@ -59,37 +60,57 @@ class KVChunk:
 
 def model_fingerprint(head: MTPHead) -> str:
     """Names the head's weights: its family, config and a strided sample of every weight
-    tensor, rounded to bfloat16 so that one checkpoint served in bf16 or fp32 reads the
-    same (the KV's dtype is checked on its own). 32 hex digits."""
+    tensor, rounded to bfloat16 so that one checkpoint served in bf16 or fp32, with its FP8
+    weights kept or dequantized, reads the same (the KV's dtype is checked on its own).
+    32 hex digits."""
     digest = hashlib.sha256(f"{head.family}\n{head.config!r}\n".encode())
     tensors = _weight_tensors(head)
     for name in sorted(tensors):
         t = tensors[name]
-        flat = t.detach().reshape(-1)
-        # Evenly spaced indices in integers: float32 steps overshoot the last index of a
-        # tensor past 2**24 elements (an LM head).
-        count = min(flat.numel(), FINGERPRINT_SAMPLES)
-        picks = torch.arange(count) * (flat.numel() - 1) // max(count - 1, 1)
-        sample = flat[picks.to(flat.device)].to(torch.bfloat16).cpu()
         digest.update(f"{name}{list(t.shape)}".encode())
-        digest.update(sample.view(torch.int16).numpy().tobytes())
+        digest.update(_sample(t).view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:32]
 
 
-def _weight_tensors(head: MTPHead) -> dict[str, torch.Tensor]:
+def _sample(t: torch.Tensor | FP8Matrix) -> torch.Tensor:
+    """Evenly spaced values of t (an FP8 matrix's scaled), as bfloat16 on the CPU."""
+    values = t.values if isinstance(t, FP8Matrix) else t
+    flat = values.detach().reshape(-1)
+    # Indices in integers: float32 steps overshoot the last index of a tensor past 2**24
+    # elements (an LM head).
+    count = min(flat.numel(), FINGERPRINT_SAMPLES)
+    picks = torch.arange(count) * (flat.numel() - 1) // max(count - 1, 1)
+    sample = flat[picks.to(flat.device)].float().cpu()
+    if isinstance(t, FP8Matrix):
+        (rows, cols), (bn, bk) = values.shape[-2:], t.block
+        scale = t.scale.reshape(-1, *t.scale.shape[-2:]).cpu()
+        lead, at = picks // (rows * cols), picks % (rows * cols)
+        sample = sample * scale[lead, at // cols // bn, at % cols // bk]
+    return sample.to(torch.bfloat16)
+
+
+def _weight_tensors(head: MTPHead) -> dict[str, torch.Tensor | FP8Matrix]:
     """The head's public tensors, and those of the model's objects it holds (a MoE MLP's),
-    by name: not its ops, nor its CUDA graphs' buffers (private)."""
+    by name: not its ops, nor its CUDA graphs' buffers (private). FP8 experts come with
+    their scales."""
     model_package = __package__.rsplit(".", 1)[0] + ".model"
-    found: dict[str, torch.Tensor] = {}
+    found: dict[str, torch.Tensor | FP8Matrix] = {}
     for name, value in vars(head).items():
         if name.startswith("_") or name == "ops":
             continue
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor | FP8Matrix):
             found[name] = value
         elif type(value).__module__.startswith(model_package):
             for inner, tensor in vars(value).items():
-                if isinstance(tensor, torch.Tensor):
+                if isinstance(tensor, torch.Tensor | FP8Matrix):
                     found[f"{name}.{inner}"] = tensor
+    scales = getattr(head.moe, "scales", None)
+    if scales:
+        for part in ("gate_up", "down"):
+            values = found[f"moe.experts_{part}"]
+            found[f"moe.experts_{part}"] = FP8Matrix(
+                values, scales[f"{part}_scale"], scales["scale_block"]
+            )
     return found
 
 

@@ -39,7 +39,8 @@ class MTPWeights:
     pass_normed_hidden: bool  # the final norm's output is passed on (else the pre-norm)
     tensors: dict[str, torch.Tensor]
     mask_first_embedding: bool = True  # the embedding is zeroed at position 0
-    # FP8 experts kept as stored: ``experts_*_scale`` hold one fp32 scale per block.
+    # FP8 weights kept as stored (the experts, the matrices of FP8_MATRICES): ``NAME_scale``
+    # holds NAME's fp32 scales, one per block of this shape.
     fp8_block: tuple[int, int] | None = None
 
 
@@ -131,6 +132,15 @@ def _expected_shapes(c: MTPConfig) -> dict[str, tuple[int, ...]]:
             "shared_expert_gate": (1, h),
         }
     return shapes
+
+
+# The matrices a forward multiplies as they are (so an FP8 one can stay FP8, with its
+# scales, beside the experts): not kv_b_proj, which MLA splits and absorbs at load.
+FP8_MATRICES = {
+    "input_proj", "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+    "kv_a_proj_with_mqa", "gate_proj", "up_proj", "down_proj", "shared_gate_proj",
+    "shared_up_proj", "shared_down_proj",
+}  # fmt: skip
 
 
 class _Reader:
@@ -295,7 +305,14 @@ def mtp_weights_from(raw: dict, source: TensorFiles | TensorDict) -> MTPWeights:
     if head is None and ConfigReader(raw).get("tie_word_embeddings"):
         head = embed
     names |= {"embed": embed, "lm_head": head or layout.head[-1]}
-    tensors = {key: read(key, name) for key, name in names.items()}
+    tensors = {}
+    for key, name in names.items():
+        weight, scale = read.scaled(key, name)
+        if scale is not None and key in FP8_MATRICES:  # kept FP8 for the kernels that can
+            tensors[f"{key}_scale"] = scale
+        elif scale is not None:
+            weight = read._dequantize(weight, scale)
+        tensors[key] = weight
     if config.moe is not None:
         tensors |= _experts(read, layout, config)
     _refuse_unknown_tensors(source, layout, config, read.used)
@@ -306,7 +323,7 @@ def mtp_weights_from(raw: dict, source: TensorFiles | TensorDict) -> MTPWeights:
         pass_normed_hidden=layout.pass_normed_hidden,
         tensors=tensors,
         mask_first_embedding=layout.mask_first_embedding,
-        fp8_block=read.fp8_block if "experts_gate_up_scale" in tensors else None,
+        fp8_block=read.fp8_block if any(k.endswith("_scale") for k in tensors) else None,
     )
 
 

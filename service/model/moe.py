@@ -8,12 +8,12 @@ Routing follows vLLM (and the published modeling code) per family:
 - softmax (Qwen3-Next): router logits in the compute dtype, softmax in fp32 over
   every expert, top-k, renormalized when norm_topk_prob.
 The shared expert is added to the routed sum; Qwen scales it by sigmoid(x @ w) first.
-When it is shaped like a routed expert (every published family) and not FP8, it is
-stored as one more expert, E, and every row routes to it as well (weight one, or Qwen's
-gate): one MoE call computes both, where a separate MLP would add five small launches
-to a decode step. Qwen's gate row rides on the router's matrix (one product for both).
-Everything stays on the device (no host sync), so a step with a MoE is still one
-CUDA graph.
+When it is shaped like a routed expert (every published family), and FP8 exactly when
+the experts are, it is stored as one more expert, E, and every row routes to it as well
+(weight one, or Qwen's gate): one MoE call computes both, where a separate MLP would add
+five small launches to a decode step. Qwen's gate row rides on the router's matrix (one
+product for both). Everything stays on the device (no host sync), so a step with a MoE is
+still one CUDA graph.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import MoEConfig
+from .tensors import FP8Matrix
 
 
 def router_logits(x: torch.Tensor, router: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
@@ -84,18 +85,34 @@ class MoEMLP:
         self.router_rows = self.router  # the router's rows, then Qwen's shared gate's
         self.shared_column = None  # the shared expert as expert E: weight "one" or "gate"
         if moe.shared_intermediate_size:
-            gate_up = torch.cat([t["shared_gate_proj"], t["shared_up_proj"]])
-            down = t["shared_down_proj"]
+            # [gate; up] stacked by the head (FP8 where the experts are), and down.
+            gate_up, down = t["shared_gate_up"], t["shared_down_proj"]
             self.shared_gate = t.get("shared_expert_gate")
             if self.shared_gate is not None:
                 gate_row = self.shared_gate.to(self.router.dtype)
                 self.router_rows = torch.cat([self.router, gate_row])
-            if moe.shared_intermediate_size == moe.intermediate_size and not self.scales:
-                self.experts_gate_up = torch.cat([self.experts_gate_up, gate_up[None]])
-                self.experts_down = torch.cat([self.experts_down, down[None]])
-                gate_up, down = self.experts_gate_up[-1], self.experts_down[-1]
+            fp8 = isinstance(gate_up, FP8Matrix) and isinstance(down, FP8Matrix)
+            if moe.shared_intermediate_size == moe.intermediate_size and fp8 == bool(self.scales):
+                gate_up, down = self._as_expert_e(gate_up, down)
                 self.shared_column = "one" if self.shared_gate is None else "gate"
             self.shared_gate_up, self.shared_down = gate_up, down
+
+    def _as_expert_e(self, gate_up, down):
+        """Stores the shared expert after the routed ones; returns its weights (views)."""
+        fp8 = bool(self.scales)
+        self.experts_gate_up = torch.cat(
+            [self.experts_gate_up, (gate_up.values if fp8 else gate_up)[None]]
+        )
+        self.experts_down = torch.cat([self.experts_down, (down.values if fp8 else down)[None]])
+        if not fp8:
+            return self.experts_gate_up[-1], self.experts_down[-1]
+        s, block = self.scales, self.scales["scale_block"]
+        s["gate_up_scale"] = torch.cat([s["gate_up_scale"], gate_up.scale[None]])
+        s["down_scale"] = torch.cat([s["down_scale"], down.scale[None]])
+        return (
+            FP8Matrix(self.experts_gate_up[-1], s["gate_up_scale"][-1], block),
+            FP8Matrix(self.experts_down[-1], s["down_scale"][-1], block),
+        )
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         """The MLP's output for the normed rows y [N, H]."""

@@ -25,7 +25,7 @@ from .mla import LatentAttention
 from .moe import MoEMLP
 from .ops import ops_for
 from .rope import rope_table
-from .tensors import dequantize_blocks
+from .tensors import FP8Matrix, dequantize_blocks
 
 
 def _queries_then_gates(w: torch.Tensor, c: MTPConfig) -> torch.Tensor:
@@ -53,7 +53,11 @@ class MTPHead:
         self._mask_first = weights.mask_first_embedding
         self.ops = ops_for(self.device, ops)
         t = {k: self._place(k, v) for k, v in weights.tensors.items()}
-        if "experts_gate_up_scale" in t and not self.ops.fp8_experts:
+        for name in [k.removesuffix("_scale") for k in t if k.endswith("_scale")]:
+            if not name.startswith("experts_"):  # an FP8 matrix: kept so where ops read it
+                matrix = FP8Matrix(t[name], t.pop(f"{name}_scale"), weights.fp8_block)
+                t[name] = matrix if self.ops.reads_fp8 else matrix.dequantized(self.dtype)
+        if "experts_gate_up_scale" in t and not self.ops.reads_fp8:
             for name in ("experts_gate_up", "experts_down"):  # one expert at a time: no fp32 copy
                 scale = t.pop(f"{name}_scale")
                 t[name] = torch.stack(
@@ -73,8 +77,9 @@ class MTPHead:
             # One GEMM for q (and its gate), k, v and one for gate, up: fewer launches.
             q, q_bias = t["q_proj"], t.get("q_proj_bias")
             if c.attn_output_gate:  # per head [q, gate] rows -> all q rows, then all gates
+                q = self._dense(q)
                 q, q_bias = (None if w is None else _queries_then_gates(w, c) for w in (q, q_bias))
-            self.qkv = torch.cat([q, t["k_proj"], t["v_proj"]])
+            self.qkv = self._stacked(q, t["k_proj"], t["v_proj"])
             self.qkv_bias = (
                 torch.cat([q_bias, t["k_proj_bias"], t["v_proj_bias"]])
                 if q_bias is not None
@@ -85,13 +90,26 @@ class MTPHead:
         self.post_attention_layernorm = t["post_attention_layernorm"]
         self.final_norm = t["final_norm"]
         if c.moe is None:
-            self.gate_up = torch.cat([t["gate_proj"], t["up_proj"]])
+            self.gate_up = self._stacked(t["gate_proj"], t["up_proj"])
             self.down_proj = t["down_proj"]
             self.moe = None
         else:
+            if c.moe.shared_intermediate_size:
+                t["shared_gate_up"] = self._stacked(t["shared_gate_proj"], t["shared_up_proj"])
             self.moe = MoEMLP(c.moe, t, self.ops, weights.fp8_block)
         self.cos_sin = self._rope_table()
         self._graphs = None
+
+    def _dense(self, w: torch.Tensor | FP8Matrix) -> torch.Tensor:
+        return w.dequantized(self.dtype) if isinstance(w, FP8Matrix) else w
+
+    def _stacked(self, *parts: torch.Tensor | FP8Matrix) -> torch.Tensor | FP8Matrix:
+        """The matrices' rows in one (one GEMM for all): FP8 where all are and can stack."""
+        if all(isinstance(p, FP8Matrix) for p in parts):
+            stacked = FP8Matrix.stacked(parts)
+            if stacked is not None:
+                return stacked
+        return torch.cat([self._dense(p) for p in parts])
 
     def _place(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """On the device, in the compute dtype; the sigmoid router stays fp32 as in vLLM,

@@ -13,13 +13,14 @@ import torch.nn.functional as F
 from . import moe as moe_routing
 from . import torch_ops
 from .kv_cache import KVCache
+from .tensors import FP8Matrix
 
 
 class TorchOps:
     """Plain torch: runs anywhere; the reference the kernels are held to."""
 
     name = "torch"
-    fp8_experts = False  # FP8 experts are dequantized for it at load
+    reads_fp8 = False  # FP8 weights are dequantized for it at load
 
     def linear(self, x, weight, bias=None, gate=None):
         """x @ weight.T + bias; with a gate, x is first scaled by sigmoid(gate)."""
@@ -113,7 +114,7 @@ class TritonOps:
     """The Triton kernels of mtpdraft.kernels (fused norms, RoPE + KV write, ...)."""
 
     name = "triton"
-    fp8_experts = True  # fused_moe reads FP8 experts with their block scales
+    reads_fp8 = True  # fused_moe and the GEMV read FP8 weights with their block scales
 
     # Measured on an H200 (bf16, MiMo-7B shapes, each in a CUDA graph): the Triton
     # GEMV beats cuBLAS up to 16 rows (2-21% per matrix, kernels.gemv.gemv_config)
@@ -127,6 +128,13 @@ class TritonOps:
         self.k = kernels
 
     def linear(self, x, weight, bias=None, gate=None):
+        if isinstance(weight, FP8Matrix):  # the GEMV up to its rows (half the bytes of bf16)
+            if 0 < x.shape[0] <= self.k.gemv_max_rows:
+                return self.k.gemv(
+                    x, weight.values, bias, gate=gate, weight_scale=weight.scale,
+                    scale_block=weight.block,
+                )  # fmt: skip
+            weight = weight.dequantized(x.dtype)  # a prefill chunk: once per call
         if 0 < x.shape[0] <= self.GEMV_ROWS:
             return self.k.gemv(x, weight, bias, gate=gate)
         if gate is not None:

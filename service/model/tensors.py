@@ -1,5 +1,5 @@
 """Where a checkpoint's tensors are: safetensors files (one, or shards listed by
-model.safetensors.index.json) or a dict in memory; and FP8 block dequantization.
+model.safetensors.index.json) or a dict in memory; and block-scaled FP8 matrices.
 
 Tensors are read one by one, by name, so that a full target checkpoint costs only
 what the MTP layer reads. Every error names the file at fault.
@@ -8,8 +8,9 @@ what the MTP layer reads. Every error names the file at fault.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -76,3 +77,32 @@ def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block) -> torch
     (rows, cols), (br, bc) = weight.shape[-2:], block
     scale = scale.repeat_interleave(br, -2)[..., :rows, :].repeat_interleave(bc, -1)[..., :cols]
     return weight.float() * scale
+
+
+@dataclass(frozen=True)
+class FP8Matrix:
+    """A block-scaled FP8 matrix kept as its checkpoint stores it, for the kernels that read
+    it so (half the bytes of bf16): e4m3 values [N, K] and fp32 scales [ceil(N / bn),
+    ceil(K / bk)], (bn, bk) = block."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_blocks(self.values, self.scale, self.block).to(dtype)
+
+    @staticmethod
+    def stacked(parts: Sequence[FP8Matrix]) -> FP8Matrix | None:
+        """The parts' rows one after another (q, k, v; gate, up), when each part but the
+        last ends on a block boundary (else its last scale row would be shared): else None."""
+        block = parts[0].block
+        if any(p.block != block for p in parts) or any(p.shape[0] % block[0] for p in parts[:-1]):
+            return None
+        return FP8Matrix(
+            torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]), block
+        )

@@ -303,3 +303,17 @@ def test_the_fingerprint_samples_a_tensor_past_float32_indices_up_to_its_last_el
     before = model_fingerprint(head)
     head.large[-1] = 1.0
     assert model_fingerprint(head) != before
+
+
+def test_the_fingerprint_reads_fp8_weights_kept_or_dequantized_alike(tmp_path: Path) -> None:
+    """The Triton ops keep DeepSeek's FP8 matrices and experts as FP8 with their scales; the
+    torch ops dequantize them at load. One checkpoint, one fingerprint."""
+    from deepseek_checkpoints import write_deepseek_checkpoint
+
+    weights = load_mtp_weights(write_deepseek_checkpoint(tmp_path, fp8=True, seed=2))
+    kept = MTPHead(weights, torch.device("cpu"), ops="triton")
+    plain = MTPHead(weights, torch.device("cpu"), torch.bfloat16, ops="torch")
+    assert kept.moe.scales and not plain.moe.scales
+    assert model_fingerprint(kept) == model_fingerprint(plain)
+    kept.moe.scales["down_scale"][3, 0, 0] *= 2  # one expert's block scale: another model
+    assert model_fingerprint(kept) != model_fingerprint(plain)

@@ -20,6 +20,7 @@ from mtpdraft.service.model.decode_chain import ChainInputs
 from mtpdraft.service.model.kv_cache import KVCache
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import write_random_checkpoint
+from mtpdraft.service.model.tensors import FP8Matrix
 
 # A logit gap this small relative to the logits' scale is within bf16 rounding of
 # the layers before it (bf16 keeps 8 bits: 2**-8 ~ 4e-3, times a few roundings).
@@ -204,12 +205,17 @@ def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
     assert results[0] == results[1]
 
 
-def test_fp8_experts_read_by_the_kernel_match_the_dequantized_ones_on_the_cpu(tmp_path) -> None:
-    """DeepSeek's FP8 experts: fused_moe scales them block by block (Triton path); the
-    torch path multiplies them out at load. Same drafts."""
+def test_fp8_weights_read_by_the_kernels_match_the_dequantized_ones_on_the_cpu(tmp_path) -> None:
+    """DeepSeek's FP8 weights: fused_moe (the experts, the shared one as expert E) and the
+    GEMV (every other matrix but kv_b_proj, which MLA absorbs) scale them block by block on
+    the Triton path; the torch path multiplies them out at load. Same drafts."""
     from deepseek_checkpoints import write_deepseek_checkpoint
 
     write_deepseek_checkpoint(tmp_path, fp8=True, seed=2)
     weights = load_mtp_weights(tmp_path)
     assert weights.tensors["experts_gate_up"].dtype == torch.float8_e4m3fn
+    fast, plain = (MTPHead(weights, torch.device("cpu"), ops=o) for o in ("triton", "torch"))
+    assert isinstance(fast.o_proj, FP8Matrix) and plain.o_proj.dtype == torch.float32
+    assert isinstance(fast.mla.q_b, FP8Matrix) and isinstance(fast.moe.shared_down, FP8Matrix)
+    assert fast.moe.shared_column == "one" and fast.moe.experts_down.shape[0] == 9  # 8 + shared
     _compare(tmp_path, torch.device("cpu"), [5, 33, 17], graphs=False)

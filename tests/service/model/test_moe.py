@@ -38,6 +38,7 @@ def _tensors(cfg: MoEConfig, seed: int) -> dict[str, torch.Tensor]:
     if cfg.shared_intermediate_size:
         s = cfg.shared_intermediate_size
         t |= {"shared_gate_proj": r(s, H), "shared_up_proj": r(s, H), "shared_down_proj": r(H, s)}
+        t["shared_gate_up"] = torch.cat([t["shared_gate_proj"], t["shared_up_proj"]])  # as MTPHead
     if cfg.shared_expert_gate:
         t["shared_expert_gate"] = r(1, H)
     return t
