@@ -128,13 +128,18 @@ class TritonOps:
         self.k = kernels
 
     def linear(self, x, weight, bias=None, gate=None):
-        if isinstance(weight, FP8Matrix):  # the GEMV up to its rows (half the bytes of bf16)
-            if 0 < x.shape[0] <= self.k.gemv_max_rows:
-                return self.k.gemv(
-                    x, weight.values, bias, gate=gate, weight_scale=weight.scale,
-                    scale_block=weight.block,
-                )  # fmt: skip
-            weight = weight.dequantized(x.dtype)  # a prefill chunk: once per call
+        if isinstance(weight, FP8Matrix):  # the GEMV, half the bytes of bf16
+            rows = self.k.gemv_max_rows  # a prefill chunk goes through it rows at a time
+            if x.shape[0] > rows:
+                parts = []
+                for i in range(0, x.shape[0], rows):
+                    g = None if gate is None else gate[i : i + rows]
+                    parts.append(self.linear(x[i : i + rows], weight, bias, g))
+                return torch.cat(parts)
+            return self.k.gemv(
+                x, weight.values, bias, gate=gate, weight_scale=weight.scale,
+                scale_block=weight.block,
+            )  # fmt: skip
         if 0 < x.shape[0] <= self.GEMV_ROWS:
             return self.k.gemv(x, weight, bias, gate=gate)
         if gate is not None:
