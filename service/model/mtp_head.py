@@ -113,7 +113,7 @@ class MTPHead:
 
     def _place(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """On the device, in the compute dtype; the sigmoid router stays fp32 as in vLLM,
-        FP8 experts stay FP8 beside their fp32 block scales."""
+        FP8 weights stay FP8 beside their fp32 block scales."""
         if tensor.dtype == torch.float8_e4m3fn:
             return tensor.to(self.device)
         fp32 = name.endswith("_scale") or (
