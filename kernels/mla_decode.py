@@ -29,8 +29,6 @@ neutral partial.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +41,7 @@ from ._checks import (
     check_shape,
     check_tensor,
 )
+from .paged_attention import _merge_splits_kernel, _num_sms
 
 __all__ = ["mla_decode"]
 
@@ -142,39 +141,6 @@ def _mla_decode_kernel(
         tl.store(out_ptr + part[:, None] * R + rd[None, :], acc, mask=out_mask)
         tl.store(ml_ptr + part * 2, m_i, mask=h_ok)
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=h_ok)
-
-
-@triton.jit
-def _mla_merge_kernel(
-    part_ptr,  # [N, H, SPLITS, R] fp32 partial sums of p * c
-    ml_ptr,  # [N, H, SPLITS, 2] fp32 partial (max, sum of p), log2 units
-    out_ptr,  # [N, H, R] output
-    R: tl.constexpr,  # latent width
-    SPLITS: tl.constexpr,  # partials per (row, head)
-    BLOCK_S: tl.constexpr,  # next power of two >= SPLITS
-    BLOCK_R: tl.constexpr,  # next power of two >= R
-):
-    rh = tl.program_id(0).to(tl.int64)  # row * H + head
-    sp = tl.arange(0, BLOCK_S)
-    s_ok = sp < SPLITS
-    rd = tl.arange(0, BLOCK_R)
-    r_ok = rd < R
-    m = tl.load(ml_ptr + (rh * SPLITS + sp) * 2, mask=s_ok, other=-1.0e30)
-    l_s = tl.load(ml_ptr + (rh * SPLITS + sp) * 2 + 1, mask=s_ok, other=0.0)
-    w = tl.exp2(m - tl.max(m, axis=0))  # empty splits (m = -1e30) weigh 0
-    den = tl.sum(w * l_s, axis=0)
-    part = tl.load(
-        part_ptr + (rh * SPLITS + sp)[:, None] * R + rd[None, :],
-        mask=s_ok[:, None] & r_ok[None, :],
-        other=0.0,
-    )
-    out = tl.sum(part * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
-    tl.store(out_ptr + rh * R + rd, out.to(out_ptr.dtype.element_ty), mask=r_ok)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _default_splits(device: torch.device, programs: int) -> int:
@@ -341,14 +307,14 @@ def _mla_decode(
         num_stages=num_stages,
     )
     if splits > 1:
-        _mla_merge_kernel[(n * h,)](
+        _merge_splits_kernel[(n * h,)](  # paged attention's merge, over the latent width
             part,
             ml,
             out,
-            R=r,
+            D=r,
             SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_R=triton.next_power_of_2(r),
+            BLOCK_D=triton.next_power_of_2(r),
             num_warps=4 if r > 128 else 1,
         )
     return out
