@@ -56,7 +56,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from family_reference import sigmoid_grouped_topk  # DeepSeek-V3's routing is GLM's
+from family_reference import (  # DeepSeek-V3's routing is GLM's, its chain the same
+    chain_drafts,
+    sigmoid_grouped_topk,
+)
 from safetensors.torch import load_file
 
 Store = Callable[[torch.Tensor], torch.Tensor]
@@ -310,17 +313,4 @@ class DeepseekReference:
         the chain (m0 .. m(K-1)). `allowed` is a [n, V] bool mask per draft. Draft j
         uses MTP layer j % num_nextn_predict_layers, as vLLM's spec_step_idx does.
         """
-        tokens, hiddens = list(tokens), hiddens.double()
-        drafts, probs, outs = [], [], []
-        for j in range(num_drafts):
-            out = self.rows(tokens, hiddens, step=j)[-1]
-            logits = self.logits(out, step=j)
-            if allowed is not None:
-                logits = logits.masked_fill(~allowed[min(j, len(allowed) - 1)], float("-inf"))
-            d = int(logits.argmax())
-            drafts.append(d)
-            probs.append(float(logits.softmax(-1)[d]))
-            outs.append(out)
-            tokens.append(d)
-            hiddens = torch.cat([hiddens, out[None]])
-        return drafts, probs, outs
+        return chain_drafts(self, tokens, hiddens, num_drafts, allowed)

@@ -108,6 +108,27 @@ def softmax_topk(
     return ids, (w / w.sum() if renormalize else w)
 
 
+def chain_drafts(
+    ref, tokens: list[int], hiddens: torch.Tensor, num_drafts: int, allowed: torch.Tensor | None
+) -> tuple[list[int], list[float], list[torch.Tensor]]:
+    """The greedy chain of `ref` (a FamilyReference or DeepseekReference: rows and logits
+    by step) after the rows (tokens, hiddens); see FamilyReference.propose."""
+    tokens, hiddens = list(tokens), hiddens.double()
+    drafts, probs, outs = [], [], []
+    for j in range(num_drafts):
+        out = ref.rows(tokens, hiddens, step=j)[-1]
+        logits = ref.logits(out, step=j)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed[min(j, len(allowed) - 1)], float("-inf"))
+        d = int(logits.argmax())
+        drafts.append(d)
+        probs.append(float(logits.softmax(-1)[d]))
+        outs.append(out)
+        tokens.append(d)
+        hiddens = torch.cat([hiddens, out[None]])
+    return drafts, probs, outs
+
+
 @dataclass
 class FamilyReference:
     folder: Path
@@ -295,17 +316,4 @@ class FamilyReference:
         row of the chain (m0 .. m(K-1)). `allowed` is a [n, V] bool mask per draft.
         Draft j uses MTP layer j % (number of MTP layers), as vLLM's spec_step_idx does.
         """
-        tokens, hiddens = list(tokens), hiddens.double()
-        drafts, probs, outs = [], [], []
-        for j in range(num_drafts):
-            out = self.rows(tokens, hiddens, step=j)[-1]
-            logits = self.logits(out, step=j)
-            if allowed is not None:
-                logits = logits.masked_fill(~allowed[min(j, len(allowed) - 1)], float("-inf"))
-            d = int(logits.argmax())
-            drafts.append(d)
-            probs.append(float(logits.softmax(-1)[d]))
-            outs.append(out)
-            tokens.append(d)
-            hiddens = torch.cat([hiddens, out[None]])
-        return drafts, probs, outs
+        return chain_drafts(self, tokens, hiddens, num_drafts, allowed)
