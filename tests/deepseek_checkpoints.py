@@ -65,7 +65,7 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from family_checkpoints import save_shards
 
 CONFIGS = Path(__file__).parent / "published_configs"
 NAMES = ("deepseek-v3", "deepseek-v3.1")
@@ -255,23 +255,6 @@ def _weights(cfg: dict, w: _Weights, full_model: bool) -> None:
             _layer(w, f"model.layers.{i}.", cfg, i)
 
 
-def _save(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
-    names = list(tensors)
-    if shards <= 1:
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        return
-    per = math.ceil(len(names) / shards)
-    weight_map, total = {}, 0
-    for i in range(shards):
-        file = f"model-{i + 1:05d}-of-{shards:06d}.safetensors"  # DeepSeek: 5 and 6 digits
-        part = {k: tensors[k] for k in names[i * per : (i + 1) * per]}
-        save_file(part, str(folder / file), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(part, file)
-        total += sum(x.numel() * x.element_size() for x in part.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
 def write_deepseek_checkpoint(
     folder: str | Path,
     name: str = "deepseek-v3",
@@ -302,6 +285,6 @@ def write_deepseek_checkpoint(
     w = _Weights(seed, dtype, cfg.get("quantization_config"))
     _weights(cfg, w, full_model)
     _respell(cfg, spelling, dtype)
-    _save(folder, w.out, shards)
+    save_shards(folder, w.out, shards, total_digits=6)  # DeepSeek: 5 and 6 digits
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return folder

@@ -324,7 +324,11 @@ def _qwen_weights(name: str, cfg: dict, w: _Weights, full_model: bool) -> None:
             w.linear("model.visual.merger.linear_fc2.weight", h, 32)
 
 
-def _save(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
+def save_shards(
+    folder: Path, tensors: dict[str, torch.Tensor], shards: int, total_digits: int = 5
+) -> None:
+    """The tensors in `shards` safetensors files with an index (one file when 1); shard
+    files named model-00001-of-{shards} with `total_digits` digits in the total."""
     names = list(tensors)
     if shards <= 1:
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -332,7 +336,7 @@ def _save(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
     per = math.ceil(len(names) / shards)
     weight_map, total = {}, 0
     for i in range(shards):
-        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        file = f"model-{i + 1:05d}-of-{shards:0{total_digits}d}.safetensors"
         part = {k: tensors[k] for k in names[i * per : (i + 1) * per]}
         save_file(part, str(folder / file), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(part, file)
@@ -367,6 +371,6 @@ def write_family_checkpoint(
     _respell(cfg, spelling, dtype)
     w = _Weights(seed, dtype)
     (_glm_weights if _family(name) == "glm" else _qwen_weights)(name, cfg, w, full_model)
-    _save(folder, w.out, shards)
+    save_shards(folder, w.out, shards)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return folder
