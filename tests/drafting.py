@@ -2,7 +2,8 @@
 
 `Expected` mirrors a state's rows (token, hidden) as DESIGN.md ("The contract") defines them and
 asks the float64 oracle what the next proposal must be, so a test can pin every
-AfterVerify case by the drafts that follow it.
+AfterVerify case by the drafts that follow it. `prompts` and `all_drafts` feed the
+oracles' own tests.
 """
 
 from __future__ import annotations
@@ -22,6 +23,23 @@ def hiddens(n: int, seed: int) -> torch.Tensor:
 
 def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prompts(n: int = 4, length: int = 6, hidden: int = 64) -> list[tuple[list[int], torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [
+        (
+            torch.randint(0, 256, (length,), generator=g).tolist(),
+            torch.randn(length, hidden, generator=g, dtype=torch.float64),
+        )
+        for _ in range(n)
+    ]
+
+
+def all_drafts(ref, k: int = 3) -> list[list[int]]:
+    """An oracle's drafts for the same prompts: its own tests compare them across
+    checkpoint spellings, shardings and dtypes."""
+    return [ref.propose(t, h, k)[0] for t, h in prompts()]
 
 
 @dataclass

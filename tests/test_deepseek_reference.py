@@ -20,6 +20,7 @@ from deepseek_reference import (
     yarn_get_mscale,
     yarn_inv_freq,
 )
+from drafting import all_drafts, prompts
 from safetensors.torch import load_file
 
 
@@ -32,21 +33,6 @@ def ref(tmp_path_factory) -> DeepseekReference:
 def ref_fp8(tmp_path_factory) -> DeepseekReference:
     folder = write_deepseek_checkpoint(tmp_path_factory.mktemp("v3fp8"), fp8=True)
     return DeepseekReference(folder)
-
-
-def prompts(n: int = 4, length: int = 6, hidden: int = 64) -> list[tuple[list[int], torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    return [
-        (
-            torch.randint(0, 256, (length,), generator=g).tolist(),
-            torch.randn(length, hidden, generator=g, dtype=torch.float64),
-        )
-        for _ in range(n)
-    ]
-
-
-def all_drafts(r: DeepseekReference, k: int = 3) -> list[list[int]]:
-    return [r.propose(t, h, k)[0] for t, h in prompts()]
 
 
 # --- the pieces, by hand -------------------------------------------------------------

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from drafting import all_drafts, prompts
 from family_checkpoints import NAMES, write_family_checkpoint
 from family_reference import (
     FamilyReference,
@@ -27,21 +28,6 @@ def refs(tmp_path_factory) -> dict[str, FamilyReference]:
         name: FamilyReference(write_family_checkpoint(tmp_path_factory.mktemp(name), name))
         for name in NAMES
     }
-
-
-def prompts(n: int = 4, length: int = 6, hidden: int = 64) -> list[tuple[list[int], torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    return [
-        (
-            torch.randint(0, 256, (length,), generator=g).tolist(),
-            torch.randn(length, hidden, generator=g, dtype=torch.float64),
-        )
-        for _ in range(n)
-    ]
-
-
-def all_drafts(ref: FamilyReference, k: int = 3) -> list[list[int]]:
-    return [ref.propose(t, h, k)[0] for t, h in prompts()]
 
 
 # --- the pieces, by hand -------------------------------------------------------------
