@@ -65,7 +65,7 @@ import math
 from pathlib import Path
 
 import torch
-from family_checkpoints import save_shards
+from family_checkpoints import Weights, save_shards
 
 CONFIGS = Path(__file__).parent / "published_configs"
 NAMES = ("deepseek-v3", "deepseek-v3.1")
@@ -151,31 +151,21 @@ def quantize_fp8(
     return (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-class _Weights:
+class _Weights(Weights):
+    """Weights whose FP8_LINEARS are stored block-FP8 when the config says FP8."""
+
     def __init__(self, seed: int, dtype: torch.dtype, fp8: dict | None) -> None:
-        self.g = torch.Generator().manual_seed(seed)
-        self.dtype = dtype
+        super().__init__(seed, dtype)
         self.fp8 = fp8  # quantization_config, or None
-        self.out: dict[str, torch.Tensor] = {}
-
-    def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.g, dtype=torch.float64)
-
-    def put(self, name: str, value: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-        self.out[name] = value.to(dtype or self.dtype).contiguous()
 
     def linear(self, name: str, out: int, inp: int, gain: float = 1.0) -> None:
+        if self.fp8 is None or name.split(".")[-2] not in FP8_LINEARS:
+            return super().linear(name, out, inp, gain)
         w = gain * self.randn(out, inp) / math.sqrt(inp)
-        if self.fp8 is not None and name.split(".")[-2] in FP8_LINEARS:
-            ue8m0 = self.fp8.get("scale_fmt") == "ue8m0"
-            q, s = quantize_fp8(w, self.fp8["weight_block_size"], ue8m0)
-            self.out[name] = q.contiguous()
-            self.out[name + "_scale_inv"] = s.contiguous()
-        else:
-            self.put(name, w)
-
-    def norm(self, name: str, size: int) -> None:
-        self.put(name, 1 + 0.1 * self.randn(size))
+        ue8m0 = self.fp8.get("scale_fmt") == "ue8m0"
+        q, s = quantize_fp8(w, self.fp8["weight_block_size"], ue8m0)
+        self.out[name] = q.contiguous()
+        self.out[name + "_scale_inv"] = s.contiguous()
 
 
 def _swiglu(w: _Weights, p: str, h: int, inter: int) -> None:

@@ -164,7 +164,9 @@ def _respell(cfg: dict, spelling: str, dtype: torch.dtype) -> None:
         t["rope_scaling"] = None if extra == {"rope_type": "default"} else extra
 
 
-class _Weights:
+class Weights:
+    """A checkpoint's tensors made one by one from one seeded generator, by published name."""
+
     def __init__(self, seed: int, dtype: torch.dtype) -> None:
         self.g = torch.Generator().manual_seed(seed)
         self.dtype = dtype
@@ -179,7 +181,7 @@ class _Weights:
     def linear(self, name: str, out: int, inp: int, gain: float = 1.0) -> None:
         self.put(name, gain * self.randn(out, inp) / math.sqrt(inp))
 
-    def norm(self, name: str, size: int, zero_centred: bool) -> None:
+    def norm(self, name: str, size: int, zero_centred: bool = False) -> None:
         w = 0.1 * self.randn(size)
         self.put(name, w if zero_centred else 1 + w)
 
@@ -187,7 +189,7 @@ class _Weights:
         self.put(name, 0.5 * self.randn(size))
 
 
-def _glm_layer(w: _Weights, p: str, t: dict, moe: bool, full: bool = True) -> None:
+def _glm_layer(w: Weights, p: str, t: dict, moe: bool, full: bool = True) -> None:
     h, hd = t["hidden_size"], t["head_dim"]
     heads, kv = t["num_attention_heads"], t["num_key_value_heads"]
     w.norm(p + "input_layernorm.weight", h, False)
@@ -216,13 +218,13 @@ def _glm_layer(w: _Weights, p: str, t: dict, moe: bool, full: bool = True) -> No
         _swiglu(w, p + "mlp.", h, t["intermediate_size"])
 
 
-def _swiglu(w: _Weights, p: str, h: int, inter: int) -> None:
+def _swiglu(w: Weights, p: str, h: int, inter: int) -> None:
     w.linear(p + "gate_proj.weight", inter, h)
     w.linear(p + "up_proj.weight", inter, h)
     w.linear(p + "down_proj.weight", h, inter)
 
 
-def _qwen_layer(w: _Weights, p: str, t: dict, moe: bool, fused: bool) -> None:
+def _qwen_layer(w: Weights, p: str, t: dict, moe: bool, fused: bool) -> None:
     h, hd = t["hidden_size"], t["head_dim"]
     heads, kv = t["num_attention_heads"], t["num_key_value_heads"]
     gated = t.get("attn_output_gate", True)
@@ -249,7 +251,7 @@ def _qwen_layer(w: _Weights, p: str, t: dict, moe: bool, fused: bool) -> None:
     w.linear(p + "mlp.shared_expert_gate.weight", 1, h)
 
 
-def _qwen_main_layer(w: _Weights, p: str, t: dict, kind: str) -> None:
+def _qwen_main_layer(w: Weights, p: str, t: dict, kind: str) -> None:
     """A few tensors of a main-model layer (enough for a loader to have to skip them)."""
     h = t["hidden_size"]
     w.norm(p + "input_layernorm.weight", h, True)
@@ -267,7 +269,7 @@ def _qwen_main_layer(w: _Weights, p: str, t: dict, kind: str) -> None:
         w.linear(p + "mlp.gate_proj.weight", t["intermediate_size"], h)
 
 
-def _glm_weights(name: str, cfg: dict, w: _Weights, full_model: bool) -> None:
+def _glm_weights(name: str, cfg: dict, w: Weights, full_model: bool) -> None:
     t = cfg
     h, v, n = t["hidden_size"], t["vocab_size"], t["num_hidden_layers"]
     embed = w.randn(v, h)
@@ -296,7 +298,7 @@ def _glm_weights(name: str, cfg: dict, w: _Weights, full_model: bool) -> None:
                 w.linear(p + "mlp.gate_proj.weight", t["intermediate_size"], h)
 
 
-def _qwen_weights(name: str, cfg: dict, w: _Weights, full_model: bool) -> None:
+def _qwen_weights(name: str, cfg: dict, w: Weights, full_model: bool) -> None:
     t = _text(cfg)
     h, v, n = t["hidden_size"], t["vocab_size"], t["num_hidden_layers"]
     nested = "text_config" in cfg
@@ -369,7 +371,7 @@ def write_family_checkpoint(
     _shrink(name, cfg)
     _text(cfg).update(overrides)
     _respell(cfg, spelling, dtype)
-    w = _Weights(seed, dtype)
+    w = Weights(seed, dtype)
     (_glm_weights if _family(name) == "glm" else _qwen_weights)(name, cfg, w, full_model)
     save_shards(folder, w.out, shards)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
