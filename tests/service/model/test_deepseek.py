@@ -12,7 +12,7 @@ import pytest
 import torch
 from deepseek_checkpoints import write_deepseek_checkpoint
 from deepseek_reference import DeepseekReference
-from test_families import _rows_through_the_paged_cache
+from test_families import assert_rows_and_logits_match
 
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.errors import CheckpointError
@@ -33,13 +33,7 @@ def test_forward_matches_the_oracle(tmp_path, variant: str) -> None:
     assert weights.family == "deepseek" and weights.config.mla is not None
     head = MTPHead(weights, torch.device("cpu"), ops="torch")
     ref = DeepseekReference(tmp_path)
-    toks, hids, outs = _rows_through_the_paged_cache(head, seed=1)
-    for s in range(2):
-        expected = ref.rows(toks[s].tolist(), hids[s])
-        torch.testing.assert_close(outs[s].double(), expected, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(
-            head.logits(outs[s]).double(), ref.logits(expected), atol=1e-3, rtol=1e-4
-        )
+    assert_rows_and_logits_match(head, ref)
 
 
 def test_the_latent_cache_holds_what_vllm_caches(tmp_path) -> None:
