@@ -211,7 +211,8 @@ def dense_step(head: MTPHead, form: str):
         attn = gqa(y, pos, k_cache, v_cache) if c.mla is None else mla(y, pos, k_cache)
         x = x + F.linear(attn, head.o_proj)
         y = norm(x, head.post_attention_layernorm)
-        ids, w = moe_module.route(y, m.router, m.router_bias, m.moe)
+        logits = moe_module.router_logits(y, m.router, m.moe)
+        ids, w = moe_module.select_experts(logits, m.router_bias, m.moe)
         mlp = experts(y, ids, w)
         if m.shared_gate_up is not None:
             shared = F.linear(swiglu(F.linear(y, m.shared_gate_up)), m.shared_down)

@@ -59,13 +59,6 @@ def select_experts(
     return ids, weights * moe.routed_scaling_factor
 
 
-def route(
-    x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert ids [N, k] int64, fp32 weights [N, k]) of each row of x [N, H]."""
-    return select_experts(router_logits(x, router, moe), bias, moe)
-
-
 class MoEMLP:
     """The MoE MLP of one layer, its weights on one device."""
 
