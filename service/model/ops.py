@@ -101,8 +101,9 @@ class TorchOps:
         if shared is None:
             return ids, weights
         e = moe.num_experts
-        extra = torch.sigmoid(logits[:, e : e + 1].float()) if shared == "gate" else None
-        if extra is None:
+        if shared == "gate":
+            extra = torch.sigmoid(logits[:, e : e + 1].float())
+        else:
             extra = torch.ones_like(weights[:, :1])
         return torch.cat([ids, torch.full_like(ids[:, :1], e)], 1), torch.cat([weights, extra], 1)
 
