@@ -8,6 +8,17 @@ import triton
 import triton.language as tl
 
 
+def scale_tiles(block_k: int, scale_k: int) -> tuple[int, bool]:
+    """(K tile, SCALE_TILE) for weights with scale blocks of ``scale_k`` columns: the tile
+    cut to divide scale_k (powers of two up to its largest power-of-two divisor do), so a
+    tile row needs one scale, where that leaves 16 or more; else the tile as it was, each
+    element looking up its own scale."""
+    divisor = scale_k & -scale_k
+    if divisor < 16:
+        return block_k, False
+    return min(block_k, divisor), True
+
+
 @triton.jit
 def dequantize_tile(w, s_ptrs, k, rk, n_ok, k_ok, SCALE_K: tl.constexpr, SCALE_TILE: tl.constexpr):
     """An FP8 tile [BLOCK_N, BLOCK_K] at columns k + rk, in fp32, times its blocks' scales.

@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
-from ._fp8 import dequantize_tile
+from ._fp8 import dequantize_tile, scale_tiles
 
 __all__ = ["fused_moe", "fused_moe_config"]
 
@@ -327,9 +327,11 @@ def fused_moe_config(
     block_n1 = min(32, max(16, triton.next_power_of_2(inter)))
     block_n2 = min(64, max(16, triton.next_power_of_2(hidden)))
     block_k1, block_k2 = k_tile(hidden, 2 * block_n1, 4), k_tile(inter, block_n2, 3)
-    scale_tile = scale_k is not None and (scale_k & -scale_k) >= 16
-    if scale_tile:  # powers of two up to scale_k's largest power-of-two divisor divide it
-        block_k1, block_k2 = min(block_k1, scale_k & -scale_k), min(block_k2, scale_k & -scale_k)
+    scale_tile = False
+    if scale_k is not None:
+        (block_k1, scale_tile), (block_k2, _) = (
+            scale_tiles(b, scale_k) for b in (block_k1, block_k2)
+        )
     return {
         "BLOCK_M": block_m,
         "BLOCK_N1": block_n1,

@@ -30,7 +30,7 @@ from ._checks import (
     check_shape,
     check_tensor,
 )
-from ._fp8 import dequantize_tile
+from ._fp8 import dequantize_tile, scale_tiles
 
 __all__ = ["gemv", "gemv_config"]
 
@@ -211,10 +211,8 @@ def gemv(
         return y
     cfg = gemv_config(m, n, k, x.dtype)
     scale_tile = False
-    if fp8:  # K tiles within one scale block where a power of two of 16 or more divides bk
-        tile = scale_k & -scale_k
-        if tile >= 16:
-            cfg["BLOCK_K"], scale_tile = min(cfg["BLOCK_K"], tile), True
+    if fp8:
+        cfg["BLOCK_K"], scale_tile = scale_tiles(cfg["BLOCK_K"], scale_k)
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, weight if bias is None else bias, x if gate is None else gate,
         weight_scale if fp8 else x, y, m, n, k, 0 if gate is None else gate.stride(0),
