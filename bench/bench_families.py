@@ -52,12 +52,14 @@ FAMILIES = {
 DT = torch.bfloat16
 
 
+def tensors_of(*values) -> list:
+    """The values, an FP8 matrix as its two tensors (values and scales)."""
+    return [p for v in values for p in ((v.values, v.scale) if isinstance(v, FP8Matrix) else (v,))]
+
+
 def nbytes(*tensors: torch.Tensor | FP8Matrix | None) -> int:
     """Bytes of the tensors (an FP8 matrix: its values and its scales)."""
-    parts = [
-        p for t in tensors for p in ((t.values, t.scale) if isinstance(t, FP8Matrix) else (t,))
-    ]
-    return sum(p.numel() * p.element_size() for p in parts if p is not None)
+    return sum(p.numel() * p.element_size() for p in tensors_of(*tensors) if p is not None)
 
 
 # The matrices DeepSeek-V3's published checkpoint stores as FP8 (by their last name part).
@@ -278,12 +280,7 @@ def held_bytes(head: MTPHead) -> int:
     for part in (head, head.moe, head.mla):
         for value in vars(part).values() if part is not None else ():
             values = value.values() if isinstance(value, dict) else (value,)
-            values = [
-                p
-                for v in values
-                for p in ((v.values, v.scale) if isinstance(v, FP8Matrix) else (v,))
-            ]
-            for t in values:
+            for t in tensors_of(*values):
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     storage = t.untyped_storage()
                     storages[storage.data_ptr()] = storage.nbytes()
