@@ -147,12 +147,13 @@ def moe_route(
         )
     if top_k > topk_group * (num_experts // n_group):
         raise ValueError(f"top_k ({top_k}) exceeds the experts of topk_group groups")
-    if bias is None:
+    if bias is not None:
+        check_tensor("bias", bias, 1, (torch.float32,))
+        if bias.shape[0] != num_experts:
+            raise ValueError(f"bias must have {num_experts} values, got {tuple(bias.shape)}")
+        check_same_device(logits=logits, bias=bias)
+    elif scoring == "sigmoid":
         bias = torch.zeros(num_experts, dtype=torch.float32, device=logits.device)
-    check_tensor("bias", bias, 1, (torch.float32,))
-    if bias.shape[0] != num_experts:
-        raise ValueError(f"bias must have {num_experts} values, got {tuple(bias.shape)}")
-    check_same_device(logits=logits, bias=bias)
     k_out = top_k + (shared is not None)
     ids = torch.empty((n, k_out), dtype=torch.int32, device=logits.device)
     weights = torch.empty((n, k_out), dtype=torch.float32, device=logits.device)
@@ -161,7 +162,7 @@ def moe_route(
     block_e = triton.next_power_of_2(num_experts)
     _moe_route_kernel[(n,)](
         logits,
-        bias,
+        logits if bias is None else bias,  # softmax scoring reads no bias
         ids,
         weights,
         num_experts,
