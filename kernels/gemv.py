@@ -8,8 +8,7 @@ an H200 (bf16, one row, the MiMo-7B MTP layer's shapes): 2-21% less time than
 cuBLAS's choice for each matrix (see gemv_config).
 
 ``_gemv_tile`` is the per-program body, shared with the LM head's fused draft
-selection (lm_head_drafts). With a ``gate`` (Qwen3-Next's attention output gate) the rows
-are first scaled by its sigmoid, as they are read: ``y = (x * sigmoid(gate)) @ w.T``.
+selection (lm_head_drafts).
 
 A block-scaled FP8 weight (DeepSeek-V3's, ``weight_scale`` per ``scale_block``) is read as
 FP8, half the bytes of bf16: each tile is converted and scaled (``_fp8``) and rounded to
@@ -22,14 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (
-    FLOAT_DTYPES,
-    check_rows,
-    check_same_device,
-    check_same_dtype,
-    check_shape,
-    check_tensor,
-)
+from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
 from ._fp8 import dequantize_tile, scale_tiles
 
 __all__ = ["gemv", "gemv_config"]
@@ -48,9 +40,6 @@ def _gemv_tile(
     N,  # rows of w
     K,  # inner dimension
     pid,  # which BLOCK_N rows of w
-    g_ptr,  # [M, K] gate, rows g_row apart (GATED only)
-    g_row,
-    GATED: tl.constexpr,  # x scaled by sigmoid(gate) as it is read
     s_ptr,  # [ceil(N / SCALE_N), ceil(K / SCALE_K)] fp32 scales (FP8 only)
     FP8: tl.constexpr,  # w is float8_e4m3fn
     SCALE_N: tl.constexpr,
@@ -69,7 +58,6 @@ def _gemv_tile(
     m_ok = rm < M
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
     x_ptrs = x_ptr + rm[:, None] * K + rk[None, :]
-    g_ptrs = g_ptr + rm[:, None] * g_row + rk[None, :]
     s_ptrs = s_ptr + (rn // SCALE_N) * tl.cdiv(K, SCALE_K)  # each row's row of scales
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -78,10 +66,6 @@ def _gemv_tile(
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if FP8:
             w = dequantize_tile(w, s_ptrs, k, rk, n_ok, k_ok, SCALE_K, SCALE_TILE).to(x.dtype)
-        if GATED:
-            g = tl.load(g_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) * tl.sigmoid(g)).to(x_ptr.dtype.element_ty)
-            g_ptrs += BLOCK_K
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -93,15 +77,12 @@ def _gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
     b_ptr,  # [N] bias (unused without HAS_BIAS)
-    g_ptr,  # [M, K] gate (unused without GATED)
     s_ptr,  # FP8 scales (unused without FP8)
     y_ptr,  # [M, N] output, dtype of x
     M,
     N,
     K,
-    g_row,  # row stride of the gate
     HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr,
     FP8: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
@@ -113,8 +94,8 @@ def _gemv_kernel(
 ):
     pid = tl.program_id(0)
     acc = _gemv_tile(
-        x_ptr, w_ptr, M, N, K, pid, g_ptr, g_row, GATED, s_ptr, FP8, SCALE_N, SCALE_K,
-        SCALE_TILE, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        x_ptr, w_ptr, M, N, K, pid, s_ptr, FP8, SCALE_N, SCALE_K, SCALE_TILE, BLOCK_M, BLOCK_N,
+        BLOCK_K, DOT_PRECISION,
     )  # fmt: skip
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -177,16 +158,13 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    gate: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for x [M, K] (M <= 64), weight [N, K], bias [N]; returns [M, N].
 
-    With ``gate`` ([M, K], x's dtype, rows may be strided): ``(x * sigmoid(gate)) @ weight.T``,
-    the product rounded to x's dtype as an unfused multiply would be. With ``weight_scale``
-    (fp32 [ceil(N / bn), ceil(K / bk)], (bn, bk) = ``scale_block``): weight is
-    float8_e4m3fn and ``weight[r, c] * weight_scale[r // bn, c // bk]`` its value.
+    With ``weight_scale`` (fp32 [ceil(N / bn), ceil(K / bk)], (bn, bk) = ``scale_block``):
+    weight is float8_e4m3fn and ``weight[r, c] * weight_scale[r // bn, c // bk]`` its value.
     """
     fp8 = weight_scale is not None
     check_gemv_args(x, weight, fp8)
@@ -196,11 +174,6 @@ def gemv(
         check_tensor("bias", bias, 1, FLOAT_DTYPES)
         check_shape("bias", bias, (n,))
         check_same_device(x=x, bias=bias)
-    if gate is not None:
-        check_rows("gate", gate, 2, FLOAT_DTYPES)
-        check_shape("gate", gate, (m, k))
-        check_same_dtype(x=x, gate=gate)
-        check_same_device(x=x, gate=gate)
     scale_n, scale_k = scale_block if fp8 else (1, 1)
     if fp8:
         check_tensor("weight_scale", weight_scale, 2, (torch.float32,))
@@ -214,9 +187,8 @@ def gemv(
     if fp8:
         cfg["BLOCK_K"], scale_tile = scale_tiles(cfg["BLOCK_K"], scale_k)
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, weight if bias is None else bias, x if gate is None else gate,
-        weight_scale if fp8 else x, y, m, n, k, 0 if gate is None else gate.stride(0),
-        HAS_BIAS=bias is not None, GATED=gate is not None, FP8=fp8, SCALE_N=scale_n,
-        SCALE_K=scale_k, SCALE_TILE=scale_tile, **cfg,
+        x, weight, weight if bias is None else bias, weight_scale if fp8 else x, y, m, n, k,
+        HAS_BIAS=bias is not None, FP8=fp8, SCALE_N=scale_n, SCALE_K=scale_k,
+        SCALE_TILE=scale_tile, **cfg,
     )  # fmt: skip
     return y

@@ -42,8 +42,8 @@ def _lm_head_tiles_kernel(
 ):
     pid = tl.program_id(0)
     acc = _gemv_tile(
-        x_ptr, w_ptr, M, N, K, pid, x_ptr, 0, False, x_ptr, False, 1, 1, False,
-        BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+        x_ptr, w_ptr, M, N, K, pid, x_ptr, False, 1, 1, False, BLOCK_M, BLOCK_N, BLOCK_K,
+        DOT_PRECISION,
     )  # fmt: skip
     logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -311,10 +311,14 @@ def _mla_decode(
             part,
             ml,
             out,
+            out,  # no gate
+            0,
+            h,
             D=r,
             SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits),
             BLOCK_D=triton.next_power_of_2(r),
+            GATED=False,
             num_warps=4 if r > 128 else 1,
         )
     return out

@@ -11,6 +11,9 @@ loads. Keys are walked in tiles of ``BLOCK_N`` with an online softmax and fp32
 accumulation, so any context length works. When the rows x kv heads do not fill the GPU
 (small batch, long context), the key range is split over ``SPLITS`` programs
 (flash-decoding) and a second kernel merges the partial results.
+
+With a ``gate`` (Qwen3-Next's attention output gate) the output is scaled by its sigmoid
+where it is written, rounded as the unfused ``attention * sigmoid(gate)`` would be.
 """
 
 from __future__ import annotations
@@ -37,6 +40,14 @@ _MAX_SPLITS = 32
 
 
 @triton.jit
+def _gated(out, g_ptrs, mask):
+    """out * sigmoid(gate) in out's dtype, each factor rounded to it first (as torch does)."""
+    gate = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    factor = tl.sigmoid(gate).to(out.dtype).to(tl.float32)
+    return (out.to(tl.float32) * factor).to(out.dtype)
+
+
+@triton.jit
 def _attend(
     q_ptr,  # [N, HQ, D] queries, rows q_stride elements apart
     k_cache_ptr,  # [num_blocks, PAGE, HKV, D] paged keys
@@ -45,7 +56,9 @@ def _attend(
     ctx_ptr,  # [N] int32 or int64 context length of each query row
     out_ptr,  # [N, HQ, D] output (SPLITS == 1) or [N, HQ, SPLITS, D] fp32 partial sums
     ml_ptr,  # [N, HQ, SPLITS, 2] fp32 partial (max, sum) in log2 units (SPLITS > 1)
+    g_ptr,  # [N, HQ * D] output gate, rows g_stride apart (GATED, SPLITS == 1)
     q_stride,  # elements between rows of q
+    g_stride,  # elements between rows of the gate
     row0,  # first query row of the tile
     n_rows,  # valid rows in the tile (<= BLOCK_Q); all belong to `seq`
     seq,  # sequence id of the tile's rows
@@ -65,6 +78,7 @@ def _attend(
     BLOCK_N: tl.constexpr,  # keys per iteration
     BLOCK_D: tl.constexpr,  # next power of two >= D
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32" (ignored)
+    GATED: tl.constexpr,  # the output scaled by sigmoid(gate)
 ):
     """Online-softmax attention of up to BLOCK_Q rows x G heads over one kv head."""
     m_idx = tl.arange(0, BLOCK_M)
@@ -112,9 +126,11 @@ def _attend(
 
     out_mask = row_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        out_ptrs = out_ptr + qo_off[:, None] + dims[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        out = (acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+        if GATED:
+            g_ptrs = g_ptr + (q_row * g_stride + head * D)[:, None] + dims[None, :]
+            out = _gated(out, g_ptrs, out_mask)
+        tl.store(out_ptr + qo_off[:, None] + dims[None, :], out, mask=out_mask)
     else:
         part = (q_row * HQ + head) * SPLITS + split  # [BLOCK_M]
         tl.store(out_ptr + part[:, None] * D + dims[None, :], acc, mask=out_mask)
@@ -132,7 +148,9 @@ def _paged_attention_kernel(
     ctx_ptr,  # [N] int32 or int64 context length of each query row
     out_ptr,  # [N, HQ, D] output, or [N, HQ, SPLITS, D] fp32 partial sums
     ml_ptr,  # [N, HQ, SPLITS, 2] fp32 partial (max, sum), unused when SPLITS == 1
+    g_ptr,  # [N, HQ * D] output gate (GATED; applied by the merge when SPLITS > 1)
     q_stride,  # elements between rows of q
+    g_stride,  # elements between rows of the gate
     N,  # query rows
     HQ,  # query heads
     HKV,  # kv heads
@@ -149,6 +167,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per iteration
     BLOCK_D: tl.constexpr,  # next power of two >= D
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32"
+    GATED: tl.constexpr,  # the output scaled by sigmoid(gate)
 ):
     row0 = tl.program_id(0).to(tl.int64) * BLOCK_Q
     kvh = tl.program_id(1)
@@ -157,9 +176,9 @@ def _paged_attention_kernel(
     if BLOCK_Q == 1:
         seq = tl.load(seq_ptr + row0)
         _attend(
-            q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, q_stride,
-            row0, 1, seq, kvh, split, HQ, HKV, max_blocks, qk_scale,
-            G, D, PAGE, SPLITS, 1, BLOCK_G, BLOCK_M_ROW, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, g_ptr,
+            q_stride, g_stride, row0, 1, seq, kvh, split, HQ, HKV, max_blocks, qk_scale,
+            G, D, PAGE, SPLITS, 1, BLOCK_G, BLOCK_M_ROW, BLOCK_N, BLOCK_D, DOT_PRECISION, GATED,
         )  # fmt: skip
     else:
         qi = tl.arange(0, BLOCK_Q)
@@ -169,19 +188,19 @@ def _paged_attention_kernel(
         if seq_min == seq_max:
             # All rows of the tile belong to one sequence: share every K/V tile.
             _attend(
-                q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, q_stride,
-                row0, n_rows, seq_min, kvh, split, HQ, HKV, max_blocks, qk_scale,
-                G, D, PAGE, SPLITS, BLOCK_Q, BLOCK_G, BLOCK_M_TILE, BLOCK_N, BLOCK_D,
-                DOT_PRECISION,
+                q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, g_ptr,
+                q_stride, g_stride, row0, n_rows, seq_min, kvh, split, HQ, HKV, max_blocks,
+                qk_scale, G, D, PAGE, SPLITS, BLOCK_Q, BLOCK_G, BLOCK_M_TILE, BLOCK_N, BLOCK_D,
+                DOT_PRECISION, GATED,
             )  # fmt: skip
         else:
             for r in range(n_rows):
                 seq = tl.load(seq_ptr + row0 + r)
                 _attend(
-                    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, q_stride,
-                    row0 + r, 1, seq, kvh, split, HQ, HKV, max_blocks, qk_scale,
+                    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, g_ptr,
+                    q_stride, g_stride, row0 + r, 1, seq, kvh, split, HQ, HKV, max_blocks, qk_scale,
                     G, D, PAGE, SPLITS, 1, BLOCK_G, BLOCK_M_ROW, BLOCK_N, BLOCK_D,
-                    DOT_PRECISION,
+                    DOT_PRECISION, GATED,
                 )  # fmt: skip
 
 
@@ -190,10 +209,14 @@ def _merge_splits_kernel(
     part_ptr,  # [N, HQ, SPLITS, D] fp32 partial sums of p * v
     ml_ptr,  # [N, HQ, SPLITS, 2] fp32 partial (max, sum of p), log2 units
     out_ptr,  # [N, HQ, D] output
+    g_ptr,  # [N, HQ * D] output gate, rows g_stride apart (GATED only)
+    g_stride,
+    HQ,  # heads
     D: tl.constexpr,  # head dim
     SPLITS: tl.constexpr,  # number of partials per (row, head)
     BLOCK_S: tl.constexpr,  # next power of two >= SPLITS
     BLOCK_D: tl.constexpr,  # next power of two >= D
+    GATED: tl.constexpr,  # the output scaled by sigmoid(gate)
 ):
     rh = tl.program_id(0).to(tl.int64)  # row * HQ + head
     sp = tl.arange(0, BLOCK_S)
@@ -210,7 +233,10 @@ def _merge_splits_kernel(
         other=0.0,
     )
     out = tl.sum(part * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
-    tl.store(out_ptr + rh * D + dims, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    out = out.to(out_ptr.dtype.element_ty)
+    if GATED:
+        out = _gated(out, g_ptr + (rh // HQ) * g_stride + (rh % HQ) * D + dims, d_ok)
+    tl.store(out_ptr + rh * D + dims, out, mask=d_ok)
 
 
 @functools.cache
@@ -247,6 +273,7 @@ def paged_attention(
     *,
     rows_per_seq: int = 1,
     num_splits: int | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ([N, Hq, D]) over paged caches ([num_blocks, block_size, Hkv, D]).
 
@@ -258,7 +285,8 @@ def paged_attention(
     ``rows_per_seq`` is a performance hint only: how many consecutive rows typically share
     a sequence (1 for decode, the chunk length for a prefill chunk); results are the same
     for any value. ``num_splits`` overrides the split-K factor (None: pick from the GPU's SM
-    count, so it depends on shapes only and suits CUDA graphs).
+    count, so it depends on shapes only and suits CUDA graphs). With ``gate`` ([N, Hq * D],
+    q's dtype, rows may be strided) the result is ``attention * sigmoid(gate)``.
     """
     return _paged_attention(
         q,
@@ -270,6 +298,7 @@ def paged_attention(
         scale,
         rows_per_seq=rows_per_seq,
         num_splits=num_splits,
+        gate=gate,
     )
 
 
@@ -284,6 +313,7 @@ def _paged_attention(
     *,
     rows_per_seq: int = 1,
     num_splits: int | None = None,
+    gate: torch.Tensor | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
@@ -317,6 +347,12 @@ def _paged_attention(
         raise ValueError(f"rows_per_seq must be >= 1, got {rows_per_seq}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+    if gate is not None:
+        check_rows("gate", gate, 2, FLOAT_DTYPES)
+        check_shape("gate", gate, (n, hq * d))
+        check_same_dtype(q=q, gate=gate)
+        check_same_device(q=q, gate=gate)
+    gate_arg, g_stride = (q, 0) if gate is None else (gate, gate.stride(0))
     out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
@@ -349,7 +385,9 @@ def _paged_attention(
         context_lens,
         part,
         ml,
+        gate_arg,
         q.stride(0),
+        g_stride,
         n,
         hq,
         hkv,
@@ -366,6 +404,7 @@ def _paged_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        GATED=gate is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -374,10 +413,14 @@ def _paged_attention(
             part,
             ml,
             out,
+            gate_arg,
+            g_stride,
+            hq,
             D=d,
             SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits),
             BLOCK_D=block_d,
+            GATED=gate is not None,
             num_warps=1 if block_d <= 128 else 2,
         )
     return out

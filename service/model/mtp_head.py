@@ -184,9 +184,10 @@ class MTPHead:
             q, k = ops.qk_norm(q, k, self.q_norm, self.k_norm, eps, unit)
         q = ops.rope_write_kv(q, k, v, batch.positions, self.cos_sin, kv, batch.slot_mapping)
         attn = ops.paged_attention(
-            q, kv, batch.block_tables, batch.seq_ids, batch.context_lens, c.head_dim**-0.5
-        ).reshape(n, c.q_size)
-        return ops.linear(attn, self.o_proj, gate=gate if gate_size else None)
+            q, kv, batch.block_tables, batch.seq_ids, batch.context_lens, c.head_dim**-0.5,
+            gate=gate if gate_size else None,
+        )  # fmt: skip
+        return ops.linear(attn, self.o_proj)
 
     def _head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the LM head multiplies: the hidden after final_norm."""

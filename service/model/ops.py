@@ -22,10 +22,8 @@ class TorchOps:
     name = "torch"
     reads_fp8 = False  # FP8 weights are dequantized for it at load
 
-    def linear(self, x, weight, bias=None, gate=None):
-        """x @ weight.T + bias; with a gate, x is first scaled by sigmoid(gate)."""
-        if gate is not None:
-            x = x * torch.sigmoid(gate)
+    def linear(self, x, weight, bias=None):
+        """x @ weight.T + bias."""
         return F.linear(x, weight, bias)
 
     def draft(self, hidden, lm_head, bitmask):
@@ -66,8 +64,13 @@ class TorchOps:
         kv.write(k, v, slots)
         return q
 
-    def paged_attention(self, q, kv: KVCache, block_tables, seq_ids, context_lens, scale):
-        return torch_ops.paged_attention(q, kv.k, kv.v, block_tables, seq_ids, context_lens, scale)
+    def paged_attention(
+        self, q, kv: KVCache, block_tables, seq_ids, context_lens, scale, gate=None
+    ):
+        """[N, heads * D]; with a gate [N, heads * D], scaled by its sigmoid."""
+        out = torch_ops.paged_attention(q, kv.k, kv.v, block_tables, seq_ids, context_lens, scale)
+        out = out.reshape(len(q), -1)
+        return out if gate is None else out * torch.sigmoid(gate)
 
     def rope_interleaved(self, x, positions, cos_sin):
         """x [N, heads, P] (a view) rotated by DeepSeek's interleaved RoPE; a new tensor."""
@@ -128,23 +131,17 @@ class TritonOps:
 
         self.k = kernels
 
-    def linear(self, x, weight, bias=None, gate=None):
+    def linear(self, x, weight, bias=None):
         if isinstance(weight, FP8Matrix):  # the GEMV, half the bytes of bf16
             rows = self.k.gemv_max_rows  # a prefill chunk goes through it rows at a time
             if x.shape[0] > rows:
-                parts = []
-                for i in range(0, x.shape[0], rows):
-                    g = None if gate is None else gate[i : i + rows]
-                    parts.append(self.linear(x[i : i + rows], weight, bias, g))
+                parts = [self.linear(x[i : i + rows], weight, bias) for i in range(0, len(x), rows)]
                 return torch.cat(parts)
             return self.k.gemv(
-                x, weight.values, bias, gate=gate, weight_scale=weight.scale,
-                scale_block=weight.block,
-            )  # fmt: skip
+                x, weight.values, bias, weight_scale=weight.scale, scale_block=weight.block
+            )
         if 0 < x.shape[0] <= self.GEMV_ROWS:
-            return self.k.gemv(x, weight, bias, gate=gate)
-        if gate is not None:
-            x = x * torch.sigmoid(gate)
+            return self.k.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def draft(self, hidden, lm_head, bitmask):
@@ -179,8 +176,14 @@ class TritonOps:
         self.k.rope_write_kv(q, k, v, positions, cos_sin, kv.k, kv.v, slots)
         return q
 
-    def paged_attention(self, q, kv: KVCache, block_tables, seq_ids, context_lens, scale):
-        return self.k.paged_attention(q, kv.k, kv.v, block_tables, seq_ids, context_lens, scale)
+    def paged_attention(
+        self, q, kv: KVCache, block_tables, seq_ids, context_lens, scale, gate=None
+    ):
+        """The gate applied as the output is written."""
+        out = self.k.paged_attention(
+            q, kv.k, kv.v, block_tables, seq_ids, context_lens, scale, gate=gate
+        )
+        return out.reshape(len(q), -1)
 
     def rope_interleaved(self, x, positions, cos_sin):
         self.k.rope_interleaved(x, positions, cos_sin)  # in place, x may be a strided view

@@ -32,24 +32,6 @@ def test_gemv_matches_linear(
     torch.testing.assert_close(y.float(), ref, atol=atol * 2, rtol=rtol)
 
 
-@pytest.mark.parametrize("m,n,k", SHAPES[:3])
-def test_gemv_with_a_gate_scales_the_rows_by_its_sigmoid_first(
-    m: int, n: int, k: int, dtype_tol: tuple[torch.dtype, float, float], device: torch.device
-) -> None:
-    """Qwen3-Next's output gate: the gate is a strided view of the fused projection."""
-    dtype, atol, rtol = dtype_tol
-    gen = torch.Generator().manual_seed(m + n + k)
-    x = torch.randn(m, k, generator=gen).to(device, dtype)
-    fused = (torch.randn(m, 3 * k, generator=gen) * 2).to(device, dtype)
-    gate = fused[:, k : 2 * k]
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
-    y = gemv(x, w, gate=gate)
-    gated = (x.float() * torch.sigmoid(gate.float())).to(dtype)  # rounded as unfused
-    torch.testing.assert_close(
-        y.float(), F.linear(gated.float(), w.float()), atol=atol * 2, rtol=rtol
-    )
-
-
 def _fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] as a block-scaled FP8 checkpoint stores it: e4m3 values and fp32 scales."""
     (n, k), (bn, bk) = w.shape, block
@@ -88,8 +70,6 @@ def test_gemv_rejects_bad_arguments() -> None:
         gemv(torch.randn(65, 8), torch.randn(4, 8))
     with pytest.raises(ValueError, match="bias must have shape"):
         gemv(torch.randn(2, 8), torch.randn(4, 8), torch.randn(5))
-    with pytest.raises(ValueError, match="gate must have shape"):
-        gemv(torch.randn(2, 8), torch.randn(4, 8), gate=torch.randn(2, 4))
     fp8 = torch.randn(4, 8).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="weight_scale must have shape"):
         gemv(torch.randn(2, 8), fp8, weight_scale=torch.ones(2, 2), scale_block=(4, 8))

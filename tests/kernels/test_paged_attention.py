@@ -71,7 +71,7 @@ def run_both(
     q: torch.Tensor,
     seq_ids: list[int],
     context_lens: list[int],
-    **kwargs: int | None,
+    **kwargs: int | torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     seq = torch.tensor(seq_ids, dtype=torch.int32, device=q.device)
     ctx = torch.tensor(context_lens, dtype=torch.int32, device=q.device)
@@ -119,6 +119,24 @@ def test_strided_queries_and_int64_context_lens(device: torch.device) -> None:
     ref = paged_attention_ref(q.contiguous(), *args, ctx.int(), d**-0.5)
     assert out.is_contiguous()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_gate_scales_the_output_by_its_sigmoid(
+    num_splits: int, dtype_tol: tuple[torch.dtype, float, float], device: torch.device
+) -> None:
+    """Qwen3-Next's output gate, a strided view of the fused projection, applied where the
+    output is written (whole or merged from splits), rounded as the unfused product is."""
+    dtype, atol, rtol = dtype_tol
+    gen = torch.Generator().manual_seed(11 + num_splits)
+    hq, hkv, d = 4, 2, 16
+    kv = make_paged_kv([9, 40, 17], 8, hkv, d, dtype, device, gen)
+    fused = (torch.randn(3, 3 * hq * d, generator=gen) * 2).to(device, dtype)
+    q, gate = fused[:, : hq * d].view(3, hq, d), fused[:, hq * d : 2 * hq * d]
+    rows, lens = [2, 0, 1], [17, 9, 40]
+    out, ref = run_both(kv, q, rows, lens, num_splits=num_splits, gate=gate)
+    want = ref * torch.sigmoid(gate).view(3, hq, d)  # each factor in dtype, as torch does
+    torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=rtol)
 
 
 def test_single_row_single_key(device: torch.device) -> None:
@@ -224,6 +242,8 @@ def test_rejects_bad_options() -> None:
         paged_attention(*_args(), num_splits=0)
     with pytest.raises(ValueError, match="rows_per_seq"):
         paged_attention(*_args(), rows_per_seq=0)
+    with pytest.raises(ValueError, match="gate must have shape"):
+        paged_attention(*_args(), gate=torch.randn(2, 16))
 
 
 # MiMo-7B attention shape on the GPU.
