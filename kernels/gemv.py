@@ -106,7 +106,9 @@ def _gemv_kernel(
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def gemv_config(m: int, n: int, k: int, dtype: torch.dtype) -> dict[str, object]:
+def gemv_config(
+    m: int, n: int, k: int, dtype: torch.dtype, fp8: bool = False
+) -> dict[str, object]:
     """Launch constants, measured best on an H200 (bf16, one row, each shape in a CUDA graph).
 
     o_proj [4096, 4096]: 32 x 512 tiles, 8.3 us (cuBLAS 10.5); q/k/v [6144, 4096]:
@@ -116,13 +118,19 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype) -> dict[str, object]
     stages still fit in shared memory (at 32 rows: 293 us for the LM head, 4 stages).
     """
     block_m = max(16, triton.next_power_of_2(m))
+    stages = 3
     if n > 65536:
         block_n, block_k = 64, 256
+    elif n > 4096 and k <= 2048 and not fp8:
+        # A short K gives each program few tiles to pipeline: more, thinner programs
+        # (measured at Qwen3-Next's fused q/gate/k/v, bench/results/gemv.md).
+        block_n, block_k, stages = 32, 128, 4
     elif n > 4096:
         block_n, block_k = 64, 512
+    elif n <= 1024:  # a router's few rows: more programs
+        block_n, block_k = 16, 512
     else:
         block_n, block_k = 32, 512
-    stages = 3
     if dtype == torch.float32 or block_m > 16:
         block_k, stages = block_k // 2, 4
     buffers = stages if block_m >= 64 else stages - 1
@@ -182,7 +190,7 @@ def gemv(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    cfg = gemv_config(m, n, k, x.dtype)
+    cfg = gemv_config(m, n, k, x.dtype, fp8)
     scale_tile = False
     if fp8:
         cfg["BLOCK_K"], scale_tile = scale_tiles(cfg["BLOCK_K"], scale_k)
