@@ -106,9 +106,7 @@ def _gemv_kernel(
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def gemv_config(
-    m: int, n: int, k: int, dtype: torch.dtype, fp8: bool = False
-) -> dict[str, object]:
+def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, fp8: bool = False) -> dict[str, object]:
     """Launch constants, measured best on an H200 (bf16, one row, each shape in a CUDA graph).
 
     o_proj [4096, 4096]: 32 x 512 tiles, 8.3 us (cuBLAS 10.5); q/k/v [6144, 4096]:
@@ -123,11 +121,11 @@ def gemv_config(
         block_n, block_k = 64, 256
     elif n > 4096 and k <= 2048 and not fp8:
         # A short K gives each program few tiles to pipeline: more, thinner programs
-        # (measured at Qwen3-Next's fused q/gate/k/v, bench/results/gemv.md).
+        # (measured with 16-bit weights, Qwen3-Next's fused q/gate/k/v: bench/results/gemv.md).
         block_n, block_k, stages = 32, 128, 4
     elif n > 4096:
         block_n, block_k = 64, 512
-    elif n <= 1024:  # a router's few rows: more programs
+    elif n <= 1024 and not fp8:  # a router's few rows (measured as above): more programs
         block_n, block_k = 16, 512
     else:
         block_n, block_k = 32, 512
