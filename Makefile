@@ -21,12 +21,13 @@ test:
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu
 
-# On a machine with a CUDA GPU: writes bench/results/step.{json,md} (MiMo-7B), moe_kernel and
-# families.{json,md} (GLM-4.5-Air, Qwen3-Next-80B).
+# On a machine with a CUDA GPU: writes bench/results/step.{json,md} (MiMo-7B), moe_kernel,
+# families.{json,md} (GLM-4.5-Air, Qwen3-Next-80B, DeepSeek-V3) and gemv.{json,md}.
 bench:
 	$(PYTHON) bench/bench_step.py --out-dir bench/results
 	$(PYTHON) bench/bench_moe_kernel.py --out-dir bench/results
 	$(PYTHON) bench/bench_families.py --out-dir bench/results
+	$(PYTHON) bench/bench_gemv.py --out-dir bench/results
 
 # On a machine with a CUDA GPU: a verifier's step served (V verifiers x S states; the
 # kernel-only chain, the in-process engine, the canned-reply floor, a Unix socket, tracing:
