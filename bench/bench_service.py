@@ -167,7 +167,9 @@ def build_engine(argv: list[str]) -> tuple[Any, str | None]:
             max_batch=int(opts["--max-batch"]),
         )
         return engine, f"in-process engine built without the CLI ({exc})"
-    return cli.build_engine(cli.parse_serve(argv)), None
+    config = cli.parse_serve(argv)
+    cli.limit_cpu_threads(config.device)  # the threads `mtpdraft serve` runs with
+    return cli.build_engine(config), None
 
 
 def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, Any]:
@@ -394,6 +396,7 @@ def serve_main(argv: list[str], tracing: bool) -> int:
     from mtpdraft.service.telemetry import Telemetry
 
     config = cli.parse_serve(argv)
+    cli.limit_cpu_threads(config.device)
 
     async def serve() -> None:
         engine = cli.build_engine(config)

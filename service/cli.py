@@ -161,6 +161,15 @@ def _device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
+def limit_cpu_threads(device: str) -> None:
+    """A CPU server gives torch one intra-op thread unless OMP_NUM_THREADS says otherwise:
+    the forward's ops are small, and with more threads the server's own (its event loop,
+    gRPC's) wait behind torch's for a core (bench/results/verifier_cpu.md)."""
+    _load_serving()
+    if _device(device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
 def kv_pool_blocks(memory_bytes: int, fraction: float, bytes_per_block: int) -> int:
     """The KV blocks that fit in `fraction` of `memory_bytes`, one at least."""
     return max(1, int(memory_bytes * fraction) // bytes_per_block)
@@ -223,6 +232,7 @@ def build_server(
 
 
 async def _serve(config: ServeConfig, security: dict, telemetry: Telemetry) -> int:
+    limit_cpu_threads(config.device)
     engine = build_engine(config)
     server = build_server(config, engine, telemetry, security)
     await server.start()
