@@ -56,10 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from family_reference import (  # DeepSeek-V3's routing is GLM's, its chain the same
-    chain_drafts,
-    sigmoid_grouped_topk,
-)
+from family_reference import sigmoid_grouped_topk  # DeepSeek-V3's routing is GLM's
+from mtp_reference import chain_drafts
 from safetensors.torch import load_file
 
 Store = Callable[[torch.Tensor], torch.Tensor]

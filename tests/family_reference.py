@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from mtp_reference import chain_drafts
 from safetensors.torch import load_file
 
 Store = Callable[[torch.Tensor], torch.Tensor]
@@ -106,27 +107,6 @@ def softmax_topk(
     p = logits.softmax(-1)
     w, ids = p.topk(top_k)
     return ids, (w / w.sum() if renormalize else w)
-
-
-def chain_drafts(
-    ref, tokens: list[int], hiddens: torch.Tensor, num_drafts: int, allowed: torch.Tensor | None
-) -> tuple[list[int], list[float], list[torch.Tensor]]:
-    """The greedy chain of `ref` (a FamilyReference or DeepseekReference: rows and logits
-    by step) after the rows (tokens, hiddens); see FamilyReference.propose."""
-    tokens, hiddens = list(tokens), hiddens.double()
-    drafts, probs, outs = [], [], []
-    for j in range(num_drafts):
-        out = ref.rows(tokens, hiddens, step=j)[-1]
-        logits = ref.logits(out, step=j)
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed[min(j, len(allowed) - 1)], float("-inf"))
-        d = int(logits.argmax())
-        drafts.append(d)
-        probs.append(float(logits.softmax(-1)[d]))
-        outs.append(out)
-        tokens.append(d)
-        hiddens = torch.cat([hiddens, out[None]])
-    return drafts, probs, outs
 
 
 @dataclass

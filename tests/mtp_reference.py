@@ -68,9 +68,10 @@ class Reference:
         return self.w[name + ".weight"] if name + ".weight" in self.w else self.w[name]
 
     def rows(
-        self, tokens: list[int], hiddens: torch.Tensor, store: Store | None = None
+        self, tokens: list[int], hiddens: torch.Tensor, store: Store | None = None, step: int = 0
     ) -> torch.Tensor:
-        """Output hiddens (the ones passed on) of rows 0..n-1 of one sequence."""
+        """Output hiddens (the ones passed on) of rows 0..n-1 of one sequence (one MTP
+        layer: the same for every draft `step`)."""
         c, p, eps = self.cfg, self.p, self.cfg["rms_norm_eps"]
         s = store or _same
         n, h = len(tokens), c["hidden_size"]
@@ -107,7 +108,7 @@ class Reference:
         x = s(x + s(s(torch.nn.functional.silu(g) * u) @ self.t(p + "mlp.down_proj").T))
         return s(_norm(x, self.t(self.out_norm), eps)) if self.mimo else x
 
-    def logits(self, out: torch.Tensor, store: Store | None = None) -> torch.Tensor:
+    def logits(self, out: torch.Tensor, store: Store | None = None, step: int = 0) -> torch.Tensor:
         s = store or _same
         if not self.mimo:
             out = s(_norm(out, self.t(self.out_norm), self.cfg["rms_norm_eps"]))
@@ -126,17 +127,25 @@ class Reference:
         Returns the drafts, their probabilities and the output hidden of every
         row of the chain (m0 .. m(K-1)). `allowed` is a [n, V] bool mask per draft.
         """
-        tokens, hiddens = list(tokens), hiddens.double()
-        drafts, probs, outs = [], [], []
-        for j in range(num_drafts):
-            out = self.rows(tokens, hiddens)[-1]
-            logits = self.logits(out)
-            if allowed is not None:
-                logits = logits.masked_fill(~allowed[min(j, len(allowed) - 1)], float("-inf"))
-            d = int(logits.argmax())
-            drafts.append(d)
-            probs.append(float(logits.softmax(-1)[d]))
-            outs.append(out)
-            tokens.append(d)
-            hiddens = torch.cat([hiddens, out[None]])
-        return drafts, probs, outs
+        return chain_drafts(self, tokens, hiddens, num_drafts, allowed)
+
+
+def chain_drafts(
+    ref, tokens: list[int], hiddens: torch.Tensor, num_drafts: int, allowed: torch.Tensor | None
+) -> tuple[list[int], list[float], list[torch.Tensor]]:
+    """The greedy chain of `ref` (a Reference, FamilyReference or DeepseekReference:
+    rows and logits by draft step) after the rows (tokens, hiddens); see Reference.propose."""
+    tokens, hiddens = list(tokens), hiddens.double()
+    drafts, probs, outs = [], [], []
+    for j in range(num_drafts):
+        out = ref.rows(tokens, hiddens, step=j)[-1]
+        logits = ref.logits(out, step=j)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed[min(j, len(allowed) - 1)], float("-inf"))
+        d = int(logits.argmax())
+        drafts.append(d)
+        probs.append(float(logits.softmax(-1)[d]))
+        outs.append(out)
+        tokens.append(d)
+        hiddens = torch.cat([hiddens, out[None]])
+    return drafts, probs, outs
