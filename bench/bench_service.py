@@ -168,7 +168,7 @@ def build_engine(argv: list[str]) -> tuple[Any, str | None]:
         )
         return engine, f"in-process engine built without the CLI ({exc})"
     config = cli.parse_serve(argv)
-    cli.limit_cpu_threads(config.device)  # the threads `mtpdraft serve` runs with
+    cli.limit_cpu_threads()  # the threads `mtpdraft serve` runs with
     return cli.build_engine(config), None
 
 
@@ -396,7 +396,7 @@ def serve_main(argv: list[str], tracing: bool) -> int:
     from mtpdraft.service.telemetry import Telemetry
 
     config = cli.parse_serve(argv)
-    cli.limit_cpu_threads(config.device)
+    cli.limit_cpu_threads()
 
     async def serve() -> None:
         engine = cli.build_engine(config)

@@ -385,6 +385,12 @@ def main() -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out-dir", default="bench/results")
     parser.add_argument("--shapes", default="1x64,4x16,8x8,1x1", help="verifiers x states")
+    parser.add_argument(
+        "--ways",
+        default=",".join((*MODES, "go", "unix", "tracing")),
+        help="the served ways to measure: columns, columns-stream, batch; go, unix and "
+        "tracing (each a columns-stream)",
+    )
     parser.add_argument("--num-drafts", type=int, default=4)
     parser.add_argument("--prompt", type=int)
     parser.add_argument("--steps", type=int)
@@ -406,6 +412,10 @@ def main() -> int:
         dtype="bfloat16",
     )
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    ways = set(args.ways.split(","))
+    modes = [m for m in MODES if m in ways]
+    if "go" in ways and Path(GO_HOTPATH).exists():
+        modes.append(GO_MODE)
     largest = max(v * s for v, s in shapes)
     folder = tempfile.mkdtemp(prefix="bench-verifier-")
     log("writing a random checkpoint")
@@ -445,22 +455,25 @@ def main() -> int:
     try:
         for verifiers, size in shapes:
             row: dict[str, Any] = {"in_process": engines[verifiers * size]}
-            for mode in (*MODES, GO_MODE) if Path(GO_HOTPATH).exists() else MODES:
+            for mode in modes:
                 row[mode] = _served(server.target, mode, verifiers, size, work)
-            if verifiers == 1:
+            if verifiers == 1 and "unix" in ways:
                 target = f"unix:{served_socket}"
                 row[SOCKET_MODE] = _served(target, "columns-stream", 1, size, work)
             report["shapes"][f"{verifiers}x{size}"] = row
     finally:
         server.stop()
-    server = start_server(argv, tracing=True)
-    try:
-        for verifiers, size in shapes:
-            if verifiers * size == largest:
-                row = report["shapes"][f"{verifiers}x{size}"]
-                row[TRACED_MODE] = _served(server.target, "columns-stream", verifiers, size, work)
-    finally:
-        server.stop()
+    if "tracing" in ways:
+        server = start_server(argv, tracing=True)
+        try:
+            for verifiers, size in shapes:
+                if verifiers * size == largest:
+                    row = report["shapes"][f"{verifiers}x{size}"]
+                    row[TRACED_MODE] = _served(
+                        server.target, "columns-stream", verifiers, size, work
+                    )
+        finally:
+            server.stop()
     report["targets"] = targets(report)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

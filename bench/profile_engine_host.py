@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from bench_service import Workload, _hiddens, build_engine, serve_argv
-from shapes import SMALL
+from shapes import MIMO_7B, SMALL
 
 from mtpdraft.service.engine.columns import Columns
 from mtpdraft.service.engine.columns import step as columns_step
@@ -36,16 +36,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--mimo", action="store_true", help="MiMo-7B's MTP shape, not a tiny one")
     args = parser.parse_args()
     b, prompt = args.batch, args.prompt
+    shape = MIMO_7B if args.mimo else SMALL
     folder = tempfile.mkdtemp(prefix="profile-engine-")
     write_random_checkpoint(
-        folder, "mimo", **SMALL, dtype=torch.bfloat16, seed=0,
+        folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,
         extra_config={"max_position_embeddings": 8192},
     )  # fmt: skip
     blocks = b * ((prompt + args.steps + 8) // 16 + 2)
     engine, _ = build_engine(serve_argv(Path(folder), args.device, blocks, 4))
-    work = Workload(prompt, 4, 3, args.steps, SMALL["hidden_size"], SMALL["vocab_size"], "bfloat16")
+    work = Workload(prompt, 4, 3, args.steps, shape["hidden_size"], shape["vocab_size"], "bfloat16")
     states = [engine.alloc_state() for _ in range(b)]
     prompt_hiddens = _hiddens(prompt - 1, work, 1)
     for state in states:
@@ -73,6 +75,7 @@ def main() -> int:
     out = io.StringIO()
     stats = pstats.Stats(profile, stream=out).sort_stats("cumtime")
     stats.print_stats(r"service/(engine|model/(decode_chain|mtp_head))", 30)
+    stats.sort_stats("tottime").print_stats(30)  # torch's and numpy's calls too
     print(f"`python {' '.join(sys.argv)}`: B = {b}, {args.device}, {per_step * 1e3:.2f} ms a step")
     print(out.getvalue())
     return 0

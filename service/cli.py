@@ -161,12 +161,14 @@ def _device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def limit_cpu_threads(device: str) -> None:
-    """A CPU server gives torch one intra-op thread unless OMP_NUM_THREADS says otherwise:
-    the forward's ops are small, and with more threads the server's own (its event loop,
-    gRPC's) wait behind torch's for a core (bench/results/verifier_cpu.md)."""
+def limit_cpu_threads() -> None:
+    """The server gives torch one intra-op thread unless OMP_NUM_THREADS says otherwise.
+    Its host-side ops are small (a batch's checks, staging, bookkeeping; on a CPU server
+    the forward's too): with a thread a core, each one wakes the pool, and the server's
+    own threads (the event loop, gRPC's) wait behind torch's for a core
+    (bench/results/verifier_threads.md, verifier_cpu.md)."""
     _load_serving()
-    if _device(device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
 
 
@@ -232,7 +234,7 @@ def build_server(
 
 
 async def _serve(config: ServeConfig, security: dict, telemetry: Telemetry) -> int:
-    limit_cpu_threads(config.device)
+    limit_cpu_threads()
     engine = build_engine(config)
     server = build_server(config, engine, telemetry, security)
     await server.start()

@@ -250,7 +250,7 @@ def test_the_server_sets_the_gil_switch_interval(mimo_checkpoint: Path) -> None:
 
 
 @pytest.mark.parametrize("env, expected", [(None, 1), ("2", "unchanged")])
-def test_a_cpu_server_gives_torch_one_thread_unless_omp_num_threads_is_set(
+def test_the_server_gives_torch_one_thread_unless_omp_num_threads_is_set(
     monkeypatch: pytest.MonkeyPatch, env: str | None, expected: int | str
 ) -> None:
     before = torch.get_num_threads()
@@ -260,7 +260,7 @@ def test_a_cpu_server_gives_torch_one_thread_unless_omp_num_threads_is_set(
             monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         else:
             monkeypatch.setenv("OMP_NUM_THREADS", env)
-        cli.limit_cpu_threads("cpu")
+        cli.limit_cpu_threads()
         assert torch.get_num_threads() == (3 if expected == "unchanged" else expected)
     finally:
         torch.set_num_threads(before)

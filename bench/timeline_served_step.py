@@ -1,0 +1,425 @@
+"""Where one verifier's served step goes, hop by hop: a timeline from both processes.
+
+The server runs as `mtpdraft serve` does, in a subprocess, with its hops stamped
+(time.perf_counter_ns, the host's monotonic clock, which the client reads too):
+the request's deserializer, the columns read, the queue, the engine thread's
+call (its NaN/inf check, graph staging, the wait for the GPU), the answer and
+its serializer. The chain's GPU time is read from CUDA events around its replay.
+One verifier then steps B states, one ColumnsRequest a step (on a
+ProposeColumnsStream, or unary ProposeColumns with --unary), stamping its own
+phases. Each hop's median over the steps is written, with the command, to
+--out-dir as timeline_<B>.json and timeline_<B>.md.
+
+    python bench/timeline_served_step.py [--small] [--device cuda] [--batch 64] [--unary]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import bisect
+import functools
+import json
+import math
+import os
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_service import (
+    BLOCK_SIZE,
+    CALL_TIMEOUT_S,
+    MAX_POSITIONS,
+    SERVER_START_TIMEOUT_S,
+    Workload,
+    _hiddens,
+    log,
+    serve_argv,
+    serve_main,
+)
+from server_process import ServerProcess
+from shapes import MIMO_7B, SMALL
+
+STAMPS_ENV = "MTPDRAFT_TIMELINE_STAMPS"
+
+# The hops of one served step in the order they happen: (label, from stamp, to stamp).
+SERVER_HOPS = (
+    ("client: build the request", "c_start", "c_built"),
+    ("client -> server: serialize, send, receive", "c_built", "deser_start"),
+    ("server: parse the message", "deser_start", "deser_end"),
+    ("server loop: to the handler", "deser_end", "read_start"),
+    ("server loop: read the columns", "read_start", "read_end"),
+    ("server loop: check the columns, queue the step", "read_end", "enqueued"),
+    ("server loop: to the batch", "enqueued", "batch_start"),
+    ("server: hop to the engine thread", "batch_start", "engine_start"),
+    ("ENGINE", "engine_start", "engine_end"),
+    ("server: hop back to the loop", "engine_end", "loop_back"),
+    ("server loop: to the answer", "loop_back", "answer_start"),
+    ("server loop: build the answer", "answer_start", "answer_end"),
+    ("server loop: to the serializer", "answer_end", "ser_start"),
+    ("server: serialize the answer", "ser_start", "ser_end"),
+    ("server -> client: send, receive, parse", "ser_end", "c_received"),
+    ("client: read the answer", "c_received", "c_done"),
+)
+# The engine's step (engine.propose_step), stamped from its calls: where the chain
+# runs as a graph replay (CUDA), and as one hop elsewhere.
+GRAPHED_ENGINE_HOPS = (
+    ("engine: admit (the NaN/inf check included)", "engine_start", "admit_end"),
+    ("engine: grow, apply the verdicts", "admit_end", "draft_start"),
+    ("engine: plan the chain", "draft_start", "decode_start"),
+    ("engine: the chain's step rows", "decode_start", "stage_start"),
+    ("engine: stage the chain's inputs", "stage_start", "stage_end"),
+    ("engine: launch the graph", "stage_end", "collect_start"),
+    ("engine: wait for the GPU, copy the drafts back", "collect_start", "collect_end"),
+    ("engine: the drafts, kept or cut, and last hiddens", "collect_end", "draft_end"),
+    ("engine: record the proposals", "draft_end", "engine_end"),
+)
+ENGINE_HOPS = (
+    *GRAPHED_ENGINE_HOPS[:3],
+    ("engine: the chain (eager), the drafts kept or cut", "decode_start", "draft_end"),
+    GRAPHED_ENGINE_HOPS[-1],
+)
+
+
+def hops(server: bool, graphed: bool) -> tuple[tuple[str, str, str], ...]:
+    engine = GRAPHED_ENGINE_HOPS if graphed else ENGINE_HOPS
+    if not server:
+        return engine
+    i = next(i for i, h in enumerate(SERVER_HOPS) if h[0] == "ENGINE")
+    return (*SERVER_HOPS[:i], *engine, *SERVER_HOPS[i + 1 :])
+
+
+# --- stamps ------------------------------------------------------------------------------
+
+
+def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
+    """Stamps the engine's step (and the server's hops, for a server built after this)
+    into `stamps`; the chain's replay time on the GPU into `gpu_ms`."""
+    import torch
+
+    from mtpdraft.service import servicer, wire
+    from mtpdraft.service.engine import admission, drafting, engine
+    from mtpdraft.service.engine.runner import EngineRunner
+    from mtpdraft.service.engine.scheduler import ProposeScheduler
+    from mtpdraft.service.model.decode_graphs import DecodeGraphs
+    from mtpdraft.service.model.mtp_head import MTPHead
+
+    now = time.perf_counter_ns
+
+    def around(owner, name: str, before: str | None, after: str | None) -> None:
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if before:
+                stamps.append((before, now()))
+            out = fn(*args, **kwargs)
+            if after:
+                stamps.append((after, now()))
+            return out
+
+        setattr(owner, name, wrapper)
+
+    around(wire, "columns", "read_start", "read_end")
+    around(wire, "columns_answer", "answer_start", "answer_end")
+    around(ProposeScheduler, "enqueue", None, "enqueued")
+    around(engine.DraftEngine, "propose_step", "engine_start", "engine_end")
+    around(engine, "admit", None, "admit_end")
+    around(engine, "draft", "draft_start", "draft_end")
+    around(MTPHead, "decode_chain", "decode_start", None)
+    around(admission, "finite_rows", "finite_start", "finite_end")
+    around(DecodeGraphs, "stage", "stage_start", "stage_end")
+    around(DecodeGraphs, "collect", "collect_start", "collect_end")
+    del drafting
+    run = ProposeScheduler._run
+
+    async def stamped_run(self, batch):
+        stamps.append(("batch_start", now()))
+        await run(self, batch)
+
+    ProposeScheduler._run = stamped_run
+    call = EngineRunner.call
+
+    async def stamped_call(self, fn, *args):
+        out = await call(self, fn, *args)
+        stamps.append(("loop_back", now()))
+        return out
+
+    EngineRunner.call = stamped_call
+    if torch.cuda.is_available():  # CUDA events around the replay (after the staged copies)
+        events: list[Any] = []
+        replay = torch.cuda.CUDAGraph.replay
+
+        def timed_replay(self):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            replay(self)
+            end.record()
+            events.append((start, end))
+
+        torch.cuda.CUDAGraph.replay = timed_replay
+        collect = DecodeGraphs.collect
+
+        def timed_collect(self, chain):
+            out = collect(self, chain)
+            start, end = events.pop()
+            gpu_ms.append(start.elapsed_time(end))
+            return out
+
+        DecodeGraphs.collect = timed_collect
+
+    def stamped_handlers(make):
+        def wrapped(behavior, request_deserializer, response_serializer):
+            def deserialize(data):
+                stamps.append(("deser_start", now()))
+                msg = request_deserializer(data)
+                stamps.append(("deser_end", now()))
+                return msg
+
+            def serialize(msg):
+                stamps.append(("ser_start", now()))
+                data = response_serializer(msg)
+                stamps.append(("ser_end", now()))
+                return data
+
+            return make(behavior, deserialize, serialize)
+
+        return wrapped
+
+    for key, make in list(servicer._HANDLERS.items()):
+        servicer._HANDLERS[key] = stamped_handlers(make)
+
+
+def _stamped_server(argv: list[str]) -> int:
+    """serve_main with its hops stamped; the stamps go to $STAMPS_ENV at exit."""
+    stamps: list[tuple[str, int]] = []
+    gpu_ms: list[float] = []
+    install_stamps(stamps, gpu_ms)
+
+    def dump() -> None:
+        Path(os.environ[STAMPS_ENV]).write_text(json.dumps({"stamps": stamps, "gpu_ms": gpu_ms}))
+
+    atexit.register(dump)
+    return serve_main(argv, tracing=False)
+
+
+# --- the verifier ------------------------------------------------------------------------
+
+
+async def _steps(target: str, size: int, work: Workload, unary: bool) -> list[dict[str, int]]:
+    import grpc
+    import numpy as np
+
+    from mtpdraft.client import AsyncDrafterClient
+    from mtpdraft.client import messages as m
+
+    rng = random.Random(0)
+    client = AsyncDrafterClient(target, timeout=CALL_TIMEOUT_S)
+    prompt, hiddens = _hiddens(work.prompt - 1, work, 1), _hiddens(size, work, 2)
+    states = [await client.alloc_state() for _ in range(size)]
+    tokens = [rng.randrange(work.vocab_size) for _ in range(work.prompt - 1)]
+    await asyncio.gather(*(client.prefill(s, tokens, prompt, 1) for s in states))
+    ids = np.array(states, dtype=np.uint64)
+    token = np.full(size, 7, dtype=np.int32)
+    stub = client._stub
+    stream = None if unary else stub.ProposeColumnsStream()
+    steps = []
+    now = time.perf_counter_ns
+    for index in range(work.warmup + work.steps):
+        t: dict[str, int] = {"c_start": now()}
+        request = m.columns_request(
+            ids, token, np.full(size, work.prompt + index), hiddens, work.num_drafts,
+            num_accepted=np.zeros(size, dtype=np.int32) if index else None,
+        )  # fmt: skip
+        request.request_id = index + 1
+        t["c_built"] = now()
+        if stream is None:
+            response = await stub.ProposeColumns(request, timeout=CALL_TIMEOUT_S)
+        else:
+            await stream.write(request)
+            response = await stream.read()
+        t["c_received"] = now()
+        got = m.parse_columns(response)
+        t["c_done"] = now()
+        assert not got.errors and int(got.counts.sum()), got.errors
+        if index >= work.warmup:
+            steps.append(t)
+        await asyncio.sleep(0)
+    if stream is not None:
+        await stream.done_writing()
+        assert await stream.read() == grpc.aio.EOF
+    for s in states:
+        await client.free_state(s)
+    await client.close()
+    return steps
+
+
+def _in_process_steps(argv: list[str], size: int, work: Workload) -> dict[str, Any]:
+    """The engine alone, stamped: B states stepped as the server steps them (columns.step,
+    then propose_step), each step's window from before the first to after the second."""
+    from bench_service import build_engine
+    from bench_verifier import _prefilled
+
+    from mtpdraft.service.engine.columns import Columns
+    from mtpdraft.service.engine.columns import step as columns_step
+
+    stamps: list[tuple[str, int]] = []
+    gpu_ms: list[float] = []
+    install_stamps(stamps, gpu_ms)
+    engine, _ = build_engine(argv)
+    c = engine.head.config
+    states = _prefilled(engine, size, work, seed=size)
+    hiddens = _hiddens(size, work, 2)
+    steps, now = [], time.perf_counter_ns
+    for index in range(work.warmup + work.steps):
+        columns = Columns(
+            states, [7] * size, [work.prompt + index] * size, hiddens, [work.num_drafts],
+            [0] * size if index else [], [], None, [], None, [],
+        )  # fmt: skip
+        t = {"c_start": now()}
+        result = engine.propose_step(columns_step(columns, c.hidden_size, c.vocab_size, size))
+        t["c_done"] = now()
+        assert not result.errors and int(result.counts.sum()), result.errors
+        if index >= work.warmup:
+            steps.append(t)
+    return {"steps": steps, "stamps": stamps, "gpu_ms": gpu_ms}
+
+
+def timeline(steps: list[dict[str, int]], stamps: list[tuple[str, int]]) -> list[dict[str, int]]:
+    """Each step's client stamps joined with the first stamp of each name inside the
+    step's window."""
+    stamps = sorted(stamps, key=lambda s: s[1])
+    times = [t for _, t in stamps]
+
+    out = []
+    for step in steps:
+        lo = bisect.bisect_left(times, step["c_start"])
+        hi = bisect.bisect_right(times, step["c_done"])
+        joined = dict(step)
+        for name, at in stamps[lo:hi]:
+            joined.setdefault(name, at)
+        out.append(joined)
+    return out
+
+
+def _median_us(values: list[float]) -> float:
+    return statistics.median(values) / 1e3 if values else float("nan")
+
+
+def report(joined: list[dict[str, int]], gpu_ms: list[float], server: bool) -> dict[str, Any]:
+    graphed = any("stage_start" in s for s in joined)
+    rows = []
+    for label, start, end in hops(server, graphed):
+        spans = [s[end] - s[start] for s in joined if start in s and end in s]
+        rows.append({"hop": label, "p50_us": _median_us(spans), "steps": len(spans)})
+    finite = [s["finite_end"] - s["finite_start"] for s in joined if "finite_end" in s]
+    total = [s["c_done"] - s["c_start"] for s in joined]
+    return {
+        "hops": rows,
+        "step_p50_us": _median_us(total),
+        "sum_of_hop_p50s_us": sum(h["p50_us"] for h in rows if not math.isnan(h["p50_us"])),
+        "finite_check_p50_us": _median_us(finite),
+        "gpu_chain_p50_us": statistics.median(gpu_ms[-len(joined) :]) * 1e3 if gpu_ms else None,
+    }
+
+
+def markdown(out: dict[str, Any]) -> str:
+    r = out["report"]
+    lines = [
+        f"# {out['way']}: a step of {out['batch']} states, hop by hop",
+        "",
+        f"`{out['command']}` on {out['device']}, {out['date']}; K = "
+        f"{out['workload']['num_drafts']}, {out['workload']['prompt']}-row prompts, "
+        f"{out['workload']['steps']} measured steps. Each hop's p50 over the steps (the "
+        "host's monotonic clock, read in every process).",
+        "",
+        "| hop | p50 (us) |",
+        "|---|---|",
+    ]
+    lines += [f"| {h['hop']} | {h['p50_us']:.0f} |" for h in r["hops"]]
+    lines += [
+        "",
+        f"Step p50 {r['step_p50_us']:.0f} us (the hops' p50s add up to "
+        f"{r['sum_of_hop_p50s_us']:.0f}); of the engine's admit, the NaN/inf check "
+        f"{r['finite_check_p50_us']:.0f} us.",
+    ]
+    if r["gpu_chain_p50_us"] is not None:
+        gpu = r["gpu_chain_p50_us"]
+        lines.append(f"The chain's replay on the GPU (CUDA events): {gpu:.0f} us.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--serve"]:
+        return _stamped_server(sys.argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="a tiny model (CPU smoke test)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=200)
+    way = parser.add_mutually_exclusive_group()
+    way.add_argument("--unary", action="store_true", help="ProposeColumns, not the stream")
+    way.add_argument("--in-process", action="store_true", help="the engine alone, no server")
+    parser.add_argument("--out-dir", default="bench/results/profile")
+    args = parser.parse_args()
+
+    import torch
+
+    from mtpdraft.service.model.synthetic import write_random_checkpoint
+
+    shape = SMALL if args.small else MIMO_7B
+    work = Workload(
+        prompt=64 if args.small else 2048, num_drafts=4, warmup=20, steps=args.steps,
+        hidden_size=shape["hidden_size"], vocab_size=shape["vocab_size"], dtype="bfloat16",
+    )  # fmt: skip
+    folder = tempfile.mkdtemp(prefix="timeline-")
+    log("writing a random checkpoint")
+    write_random_checkpoint(
+        folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,
+        extra_config={"max_position_embeddings": MAX_POSITIONS},
+    )  # fmt: skip
+    kv_blocks = args.batch * math.ceil(work.rows_per_state / BLOCK_SIZE) + 64
+    argv = serve_argv(Path(folder), args.device, kv_blocks, work.num_drafts)
+    log(f"stepping {args.batch} states")
+    if args.in_process:
+        got = _in_process_steps(argv, args.batch, work)
+        way, name = "The in-process engine", "in_process"
+    else:
+        stamps_file = Path(folder) / "stamps.json"
+        os.environ[STAMPS_ENV] = str(stamps_file)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *argv]
+        server = ServerProcess(cmd, SERVER_START_TIMEOUT_S)
+        try:
+            steps = asyncio.run(_steps(server.target, args.batch, work, args.unary))
+        finally:
+            server.stop()
+        got = {"steps": steps, **json.loads(stamps_file.read_text())}
+        way = "One verifier, " + ("unary ProposeColumns" if args.unary else "ProposeColumnsStream")
+        name = "unary" if args.unary else "stream"
+    joined = timeline(got["steps"], [tuple(s) for s in got["stamps"]])
+    out = {
+        "command": "python " + shlex.join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "CPU",
+        "batch": args.batch,
+        "way": way,
+        "workload": {"num_drafts": work.num_drafts, "prompt": work.prompt, "steps": work.steps},
+        "report": report(joined, got["gpu_ms"], server=not args.in_process),
+    }
+    folder_out = Path(args.out_dir)
+    folder_out.mkdir(parents=True, exist_ok=True)
+    stem = f"timeline_{name}_{args.batch}"
+    (folder_out / f"{stem}.json").write_text(json.dumps(out, indent=1))
+    (folder_out / f"{stem}.md").write_text(markdown(out))
+    print(markdown(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
