@@ -210,6 +210,8 @@ def admit(
 
 def _duplicates(step: Step) -> np.ndarray:
     """Rows whose state came earlier in the step (each state runs once a batch)."""
+    if len(set(step.state_ids.tolist())) == len(step):  # the usual case, without a sort
+        return np.zeros(len(step), bool)
     _, first = np.unique(step.state_ids, return_index=True)
     repeated = np.ones(len(step), bool)
     repeated[first] = False
@@ -217,7 +219,7 @@ def _duplicates(step: Step) -> np.ndarray:
 
 
 def _finite(tensor: torch.Tensor) -> np.ndarray:
-    return np.asarray(finite_rows(tensor.reshape(tensor.shape[0], -1)), bool)
+    return finite_rows(tensor.reshape(tensor.shape[0], -1))
 
 
 def _refeed_finite(step: Step) -> np.ndarray:

@@ -83,20 +83,25 @@ def draft(
     out = None
     if len(chained):
         out = _chain(head, kv, table, plan, chained, offsets, limits, first)
-        step, column = np.nonzero(np.arange(out.tokens.shape[0])[:, None] < limits[chained])
-        rows = chained[column]
-        tokens[rows, offsets[rows] + step] = out.tokens[step, column]
-        probs[rows, offsets[rows] + step] = out.probs[step, column]
+        if first is None and (k == width).all():  # every state took every step: a transpose
+            tokens[:], probs[:] = out.tokens.T, out.probs.T
+        else:
+            step, column = np.nonzero(np.arange(out.tokens.shape[0])[:, None] < limits[chained])
+            rows = chained[column]
+            tokens[rows, offsets[rows] + step] = out.tokens[step, column]
+            probs[rows, offsets[rows] + step] = out.probs[step, column]
     drafted = _confident(tokens, probs, k, plan.min_confidence)
     # Each state's last computed row: a step of the chain, or R0 of a recomputing state
     # that stopped at its first draft.
     last = drafted.rows_computed - 1
-    hiddens = torch.empty(n, head.config.hidden_size, dtype=head.dtype, device=head.device)
     in_chain = np.flatnonzero(last >= offsets)
+    steps = last[in_chain] - offsets[in_chain]
+    if len(chained) == len(in_chain) == n and (steps == steps[0]).all():
+        return drafted, out.hiddens[int(steps[0])]  # every state stopped at one step: a view
+    hiddens = torch.empty(n, head.config.hidden_size, dtype=head.dtype, device=head.device)
     if len(in_chain):
-        step = torch.from_numpy(last[in_chain] - offsets[in_chain])
         column = torch.from_numpy(np.searchsorted(chained, in_chain))
-        picked = out.hiddens[step, column]
+        picked = out.hiddens[torch.from_numpy(steps), column]
         if len(in_chain) == n:
             return drafted, picked
         hiddens[torch.from_numpy(in_chain)] = picked
@@ -165,6 +170,10 @@ def _confident(tokens, probs, k, min_confidence) -> Drafted:
     """The drafts kept: each chain stops before the first draft that takes its running
     minimum probability below min_confidence."""
     width = tokens.shape[1]
+    if not (min_confidence > 0).any() and (k == width).all() and not np.isnan(probs).any():
+        # Nothing is cut: every draft of every state is kept.
+        confidences = probs.min(axis=1).astype(np.float64)
+        return Drafted(tokens, probs, k, confidences, k.copy(), tokens)
     valid = np.arange(width)[None, :] < k[:, None]
     running = np.minimum.accumulate(np.where(valid, probs, np.inf), axis=1)
     counts = ((running >= min_confidence[:, None]) & valid).sum(axis=1)

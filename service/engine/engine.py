@@ -267,27 +267,28 @@ class DraftEngine:
     # ---- the propose / verify cycle -----------------------------------------
 
     def _apply_verdicts(
-        self, slots: np.ndarray, accepted: np.ndarray, refeeds: list[torch.Tensor | None]
-    ) -> list[Segment | None]:
+        self, slots: np.ndarray, accepted: np.ndarray, refeeds: dict[int, torch.Tensor]
+    ) -> dict[int, Segment]:
         """Applies verdicts on the states' pending proposals (checked already): truncates
-        each state to the rows it keeps and returns the rows each must compute next
-        (DESIGN.md, "AfterVerify: which rows remain")."""
+        each state to the rows it keeps and returns, by index into `slots`, the rows a
+        state must compute next (DESIGN.md, "AfterVerify: which rows remain").
+        `refeeds`: the target's hiddens of the accepted drafts, where a verdict has them."""
         t = self.table
         first, k = t.pending_row[slots], t.pending_count[slots]
         computed_end = first + t.pending_computed[slots]
         rows_after = first + 1 + accepted
-        keep = np.where(rows_after <= computed_end, rows_after, computed_end)
-        recompute: list[Segment | None] = [None] * len(slots)
-        for i, refeed in enumerate(refeeds):
-            slot = int(slots[i])
-            if refeed is not None:
-                # Cut back to R0; the accepted drafts' rows are recomputed with the
-                # target's hiddens.
-                keep[i] = first[i] + 1
-                tokens = t.pending_drafts[slot, : accepted[i]].copy()
-                recompute[i] = Segment(slot, int(keep[i]), tokens, refeed)
-            elif rows_after[i] > computed_end[i]:
+        keep = np.minimum(rows_after, computed_end)
+        recompute: dict[int, Segment] = {}
+        for i, refeed in refeeds.items():
+            # Cut back to R0; the accepted drafts' rows are recomputed with the target's
+            # hiddens.
+            slot, keep[i] = int(slots[i]), first[i] + 1
+            tokens = t.pending_drafts[slot, : accepted[i]].copy()
+            recompute[i] = Segment(slot, int(keep[i]), tokens, refeed)
+        for i in np.flatnonzero(rows_after > computed_end).tolist():
+            if i not in refeeds:
                 # All k accepted and the row of d(k) not computed yet: (d(k), m(k-1)).
+                slot = int(slots[i])
                 tokens = t.pending_drafts[slot, k[i] - 1 : k[i]].copy()
                 recompute[i] = Segment(slot, int(keep[i]), tokens, t.last_hidden[slot : slot + 1])
         if self.on_verdicts is not None:
@@ -318,9 +319,10 @@ class DraftEngine:
                 raise not_finite(field)
         rows_after = int(t.pending_row[slot]) + 1 + a
         self.reserve(state, rows_after, "verdict")
-        (segment,) = self._apply_verdicts(np.array([slot]), np.array([a]), [refeed])
-        if segment is not None:
-            run_segments(self.head, self.kv, self.table, [segment])
+        refeeds = {} if refeed is None else {0: refeed}
+        recompute = self._apply_verdicts(np.array([slot]), np.array([a]), refeeds)
+        if recompute:
+            run_segments(self.head, self.kv, self.table, [recompute[0]])
         state.num_rows = rows_after
         state.trim()
         return RowCount(state.num_rows, state.next_position)
@@ -384,7 +386,7 @@ class DraftEngine:
         admitted = admit(step, slots, self.table, self.limits, self._state_not_found)
         # The largest K asked, a refused one (negative, or past max_drafts) within bounds:
         # a row asking K = 2**31 - 1 must not size the answer.
-        width = int(np.clip(step.num_drafts, 0, self.max_drafts).max()) if b else 0
+        width = min(max(int(step.num_drafts.max()), 0), self.max_drafts) if b else 0
         result = StepResult(
             drafts=np.full((b, width), -1, np.int64),
             probs=np.zeros((b, width), np.float32),
@@ -408,7 +410,7 @@ class DraftEngine:
         if len(judged):
             refeeds = _ragged_rows(step.refeed_hiddens, step.refeed_counts, rows[judged])
             segments = self._apply_verdicts(slots[judged], step.num_accepted[rows][judged], refeeds)
-            recompute = [(int(judged[j]), s) for j, s in enumerate(segments) if s is not None]
+            recompute = [(int(judged[j]), segments[j]) for j in sorted(segments)]
         mask_starts = np.cumsum(step.mask_counts) - step.mask_counts
         drafted, last_hiddens = draft(
             self.head,
@@ -496,9 +498,10 @@ class DraftEngine:
 
 def _ragged_rows(
     tensor: torch.Tensor | None, counts: np.ndarray, rows: np.ndarray
-) -> list[torch.Tensor | None]:
-    """The part of a ragged tensor (counts[i] rows for row i) of each of `rows`."""
+) -> dict[int, torch.Tensor]:
+    """The part of a ragged tensor (counts[i] rows for row i) of each of `rows` that has
+    any, by index into `rows`."""
     if tensor is None:
-        return [None] * len(rows)
+        return {}
     starts = np.cumsum(counts) - counts
-    return [tensor[starts[i] : starts[i] + counts[i]] if counts[i] else None for i in rows]
+    return {j: tensor[starts[i] : starts[i] + counts[i]] for j, i in enumerate(rows) if counts[i]}

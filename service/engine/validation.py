@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .errors import InvalidArgument
@@ -22,7 +23,7 @@ def is_finite(tensor: torch.Tensor) -> bool:
     """Whether a tensor (any shape; an integer or empty one is) is free of NaN and inf."""
     if not tensor.is_floating_point() or not tensor.numel():
         return True
-    return finite_rows(tensor.reshape(1, -1))[0]
+    return bool(finite_rows(tensor.reshape(1, -1))[0])
 
 
 # An IEEE float is NaN or inf exactly when its exponent bits are all set: (the same-sized
@@ -36,13 +37,16 @@ _EXPONENT_BITS = {
 }
 
 
-def finite_rows(rows: torch.Tensor) -> list[bool]:
-    """Whether each row of a 2-D float tensor is free of NaN and inf."""
+def finite_rows(rows: torch.Tensor) -> np.ndarray:
+    """Whether each row of a 2-D float tensor is free of NaN and inf ([rows] bool)."""
     bits = _EXPONENT_BITS.get(rows.dtype)
     if bits is None:  # NaN and inf survive abs().amax(), faster than isfinite().all()
-        return rows.abs().amax(dim=1).isfinite().tolist()
+        return rows.abs().amax(dim=1).isfinite().cpu().numpy()
     as_int, exponent = bits
-    return rows.view(as_int).bitwise_and(exponent).amax(dim=1).ne(exponent).tolist()
+    if rows.device.type == "cpu":  # numpy's max: a third faster than torch's amax here
+        exponents = np.bitwise_and(rows.view(as_int).numpy(), exponent)
+        return exponents.max(axis=1, initial=0) != exponent
+    return rows.view(as_int).bitwise_and(exponent).amax(dim=1).ne(exponent).cpu().numpy()
 
 
 def check_hiddens(hiddens: torch.Tensor, rows: int, hidden_size: int, field: str) -> torch.Tensor:

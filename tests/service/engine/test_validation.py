@@ -40,7 +40,7 @@ def test_finite_rows_read_the_exponent_bits_right_at_the_edges(dtype: torch.dtyp
     rows = torch.cat([_rows(v, dtype) for v in edges + nonfinite])
     expected = torch.isfinite(rows).all(dim=1).tolist()
     assert expected == [True] * len(edges) + [False] * len(nonfinite)
-    assert finite_rows(rows) == expected
+    assert finite_rows(rows).tolist() == expected
     assert not is_finite(_rows(float("nan"), dtype, (8, 2)).t())  # non-contiguous
 
 
