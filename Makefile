@@ -33,9 +33,11 @@ bench:
 # kernel-only chain, the in-process engine, the canned-reply floor, a Unix socket, tracing:
 # bench/results/verifier.{json,md}), then one-state streams (bench/results/service.{json,md};
 # with a Go verifier's figures too where client/go/build/bin/mtpdraft-hotpath is built, make
-# polyglot-go; 64 streams on three starts of the server: one start can be 25% off another).
+# polyglot-go; 64 streams on three starts of the server: one start can be 25% off another),
+# and where one served step of 64 states goes, hop by hop (bench/results/profile/timeline_*).
 bench-service:
 	$(PYTHON) bench/bench_verifier.py --out-dir bench/results
+	$(PYTHON) bench/timeline_served_step.py --out-dir bench/results/profile
 	$(PYTHON) bench/bench_service.py --repeats 3 --out-dir bench/results
 
 # Against a server already running on localhost:50051 (`make serve`).
