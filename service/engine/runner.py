@@ -13,11 +13,14 @@ gRPC work with the forward's waits on the GPU.
 from __future__ import annotations
 
 import asyncio
+import logging
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("mtpdraft.engine")
 
 # How long a thread may hold the GIL while another waits for it (Python's default:
 # 5 ms). The engine thread lets go of the GIL at every torch call and must then win
@@ -28,18 +31,51 @@ T = TypeVar("T")
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():  # its caller went away; the call's effect stands
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
 class EngineRunner:
-    """Runs engine calls one at a time on a dedicated thread."""
+    """Runs engine calls one at a time on a dedicated thread.
+
+    A call's answer goes back to the loop with one call_soon_threadsafe, not through
+    a concurrent.futures.Future chained to an asyncio one (two more loop callbacks).
+    """
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            loop, future, fn, args = call
+            if future is not None and future.cancelled():  # cancelled while queued
+                continue
+            try:
+                result, error = fn(*args), None
+            except Exception as exc:  # the caller's to handle, as the call's outcome
+                result, error = None, exc
+            if future is not None:
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            elif error is not None:
+                log.warning("a queued engine call (%s) failed", fn, exc_info=error)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._calls.put((loop, future, fn, args))
+        return await future
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queues a call without waiting for it (cleanup from a cancelled handler)."""
-        self._pool.submit(fn, *args)
+        self._calls.put((None, None, fn, args))
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._calls.put(None)
+        self._thread.join()
