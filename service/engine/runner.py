@@ -13,6 +13,7 @@ gRPC work with the forward's waits on the GPU.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -62,7 +63,8 @@ class EngineRunner:
             except Exception as exc:  # the caller's to handle, as the call's outcome
                 result, error = None, exc
             if future is not None:
-                loop.call_soon_threadsafe(_settle, future, result, error)
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: no one waits
+                    loop.call_soon_threadsafe(_settle, future, result, error)
             elif error is not None:
                 log.warning("a queued engine call (%s) failed", fn, exc_info=error)
 
