@@ -1,13 +1,9 @@
 """The engine's single worker thread: every engine call runs there, one at a time.
 
 One thread keeps the engine free of locks (no call ever sees another half done)
-and keeps the asyncio loop free for I/O, health checks and batching meanwhile.
-
-Running the engine on the loop's own thread instead (no GIL shared with a worker)
-lost in one H200 run, same host, one process, K=4: 64 streams made 13.3k drafts/s
-against 22.0k on the worker (Go client: 18.4k against 22.2k), and batch 1 was
-1294 us over the in-process step against 973: the worker overlaps the loop's
-gRPC work with the forward's waits on the GPU.
+and keeps the asyncio loop free for I/O, health checks and batching meanwhile: the
+loop's gRPC work overlaps the forward's waits on the GPU. Running the engine on the
+loop's own thread instead lost, at 64 streams and at batch 1 (bench/README.md).
 """
 
 from __future__ import annotations
@@ -25,10 +21,8 @@ log = logging.getLogger("mtpdraft.engine")
 
 # How long a thread may hold the GIL while another waits for it (Python's default:
 # 5 ms). The engine thread lets go of the GIL at every torch call and must then win
-# it back from the busy event loop. One process, 64 closed-loop streams on an H200
-# (MiMo-7B shape, K=4), same run: 5 ms 13.4k drafts/s (mean batch 42), 0.5 ms 18.2k
-# (57), 0.1 ms 17.8k; batch-1 p50 3893 -> 3642 us.
-# Set for the whole engine process by the server's CLI.
+# it back from the busy event loop; 0.5 ms served 64 streams best of 5, 0.5 and 0.1
+# (bench/README.md). Set for the whole engine process by the server's CLI.
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
