@@ -20,7 +20,6 @@ import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,6 +34,7 @@ from bench_step import (
     timed_chain,
     timed_replay,
 )  # fmt: skip
+from results_file import write_results
 from shapes import DEEPSEEK_V3, GLM_45_AIR, QWEN3_NEXT_80B, SMALL_MLA, SMALL_MOE
 
 from mtpdraft.service.model import moe as moe_module
@@ -346,12 +346,9 @@ def main() -> int:
         "copy_bandwidth_tb_s": bandwidth / 1e12,
         "families": {},
     }
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     for name in args.families.split(","):  # written after each family: a cut run keeps some
         report["families"][name] = measure_family(name, args, device, bandwidth)
-        (out / "families.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "families.md").write_text(markdown(report))
+        write_results(args.out_dir, "families", report, markdown(report))
     print(markdown(report))
     return 0
 

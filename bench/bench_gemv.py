@@ -16,12 +16,12 @@ import itertools
 import json
 import shlex
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 from bench_moe_kernel import copy_bandwidth, time_us
+from results_file import write_results
 
 from mtpdraft.kernels.gemv import SHARED_BYTES, _gemv_kernel, gemv_config
 
@@ -116,10 +116,7 @@ def main() -> int:
         "copy_bandwidth_tb_s": bandwidth / 1e12,
         "rows": rows,
     }
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gemv.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "gemv.md").write_text(markdown(report))
+    write_results(args.out_dir, "gemv", report, markdown(report))
     print(markdown(report))
     return 0
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from results_file import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
@@ -269,8 +270,6 @@ def main() -> int:
         ),
         "rows": [],
     }
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     for name, shape in models.items():
         e, h, i = shape["experts"], shape["hidden"], shape["inter"]
         scales, model_peer = None, peer
@@ -305,8 +304,7 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             report["rows"].append(row)
             # Written after every point: a run cut short keeps what it measured.
-            (out / "moe_kernel.json").write_text(json.dumps(report, indent=2) + "\n")
-            (out / "moe_kernel.md").write_text(markdown(report))
+            write_results(args.out_dir, "moe_kernel", report, markdown(report))
         del w_gate_up, w_down, scales, model_peer
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
-import json
 import os
 import platform
 import shlex
@@ -45,6 +44,7 @@ sys.path.insert(0, str(ROOT / "deploy"))
 import grpc  # noqa: E402
 import grpc_floor  # noqa: E402
 import local  # noqa: E402  (deploy/local.py)
+from results_file import write_results  # noqa: E402
 
 from mtpdraft.client import AFFINITY_HEADER, AsyncDrafterClient, Verdict  # noqa: E402
 
@@ -442,10 +442,8 @@ def main() -> int:
         print("bench_proxy: nginx is not installed (apt-get install nginx)", file=sys.stderr)
         return 2
     data = measure(args) | {"environment": _environment(args)}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "proxy.json").write_text(json.dumps(data, indent=2) + "\n")
     text = render(data)
-    (args.out_dir / "proxy.md").write_text(text)
+    write_results(args.out_dir, "proxy", data, text)
     print(text)
     return 0
 

@@ -66,6 +66,7 @@ from typing import Any
 # Kept free of torch at import: client worker processes (spawned) re-import this
 # file, and an fp32 client needs neither torch nor the service.
 import grpc_floor
+from results_file import write_results
 from server_process import CpuTrace, ServerProcess, cpu_per_message
 from shapes import MIMO_7B, SMALL
 
@@ -135,6 +136,18 @@ def _hiddens(rows: int, work: Workload, seed: int) -> Any:
 
 
 # --- in-process: the engine alone --------------------------------------------------------------
+
+
+async def prefilled_states(
+    client: Any, size: int, work: Workload, rng: random.Random, prompt_seed: int
+) -> list[int]:
+    """`size` new states on the server behind `client`, each prefilled with one prompt of
+    work.prompt - 1 rows (random tokens from `rng`, hiddens from `prompt_seed`)."""
+    prompt = _hiddens(work.prompt - 1, work, prompt_seed)
+    states = [await client.alloc_state() for _ in range(size)]
+    tokens = [rng.randrange(work.vocab_size) for _ in range(work.prompt - 1)]
+    await asyncio.gather(*(client.prefill(s, tokens, prompt, 1) for s in states))
+    return states
 
 
 def serve_argv(model: Path, device: str, kv_blocks: int, num_drafts: int) -> list[str]:
@@ -950,10 +963,7 @@ def main() -> int:
         if written is not None:
             shutil.rmtree(written, ignore_errors=True)
 
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "service.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "service.md").write_text(markdown(report))
+    write_results(args.out_dir, "service", report, markdown(report))
     print(markdown(report))
     return 0
 

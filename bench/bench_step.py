@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from results_file import write_results
 from shapes import MIMO_7B, SMALL
 
 from mtpdraft.service.model.batch import RowBatch
@@ -269,10 +270,7 @@ def main() -> int:
         "max_states_at_8k_context": max(0, (free - reserve) // (8192 * kv_per_token)),
         "rows": rows,
     }
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "step.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "step.md").write_text(markdown(report))
+    write_results(args.out_dir, "step", report, markdown(report))
     print(markdown(report))
     return 0
 

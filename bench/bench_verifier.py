@@ -53,9 +53,11 @@ from bench_service import (
     build_engine,
     log,
     percentiles_us,
+    prefilled_states,
     serve_argv,
     start_server,
 )
+from results_file import write_results
 from shapes import MIMO_7B, SMALL
 
 MODES = ("columns", "columns-stream", "batch")
@@ -70,14 +72,11 @@ async def _verifier(target: str, mode: str, size: int, work: Workload, seed: int
     rng = random.Random(seed)
     client = AsyncDrafterClient(target, timeout=CALL_TIMEOUT_S)
     await asyncio.wait_for(client.channel.channel_ready(), CALL_TIMEOUT_S)
-    prompt = _hiddens(work.prompt - 1, work, seed)
     hiddens = _hiddens(size, work, seed + 1)
     states: list[int] = []
     stream = None
     try:
-        states = [await client.alloc_state() for _ in range(size)]
-        tokens = [rng.randrange(work.vocab_size) for _ in range(work.prompt - 1)]
-        await asyncio.gather(*(client.prefill(s, tokens, prompt, 1) for s in states))
+        states = await prefilled_states(client, size, work, rng, seed)
         ids = np.array(states, dtype=np.uint64)
         token = np.full(size, rng.randrange(work.vocab_size), dtype=np.int32)
         if mode == "columns-stream":
@@ -475,10 +474,7 @@ def main() -> int:
         finally:
             server.stop()
     report["targets"] = targets(report)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "verifier.json").write_text(json.dumps(report, indent=1))
-    (out / "verifier.md").write_text(markdown(report))
+    write_results(args.out_dir, "verifier", report, markdown(report))
     print(markdown(report))
     return 0
 

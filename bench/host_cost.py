@@ -14,7 +14,6 @@ host_cost.json and host_cost.md to --out-dir.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shlex
 import statistics
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from results_file import write_results
 
 from mtpdraft.client.messages import columns_request, parse_columns
 from mtpdraft.service import wire
@@ -129,10 +129,7 @@ def main() -> int:
     for shape in args.shapes.split(","):
         batch, hidden = (int(n) for n in shape.split("x"))
         report["shapes"][shape] = stages(batch, hidden, args.iters)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "host_cost.json").write_text(json.dumps(report, indent=1))
-    (out / "host_cost.md").write_text(markdown(report))
+    write_results(args.out_dir, "host_cost", report, markdown(report))
     print(markdown(report))
     return 0
 

@@ -32,6 +32,7 @@ from bench_service import (
     Workload,
     _hiddens,
     log,
+    prefilled_states,
     serve_argv,
     start_server,
 )
@@ -46,10 +47,8 @@ async def steps(target: str, size: int, work: Workload, record_s: float, spy: li
 
     rng = random.Random(0)
     client = AsyncDrafterClient(target, timeout=CALL_TIMEOUT_S)
-    prompt, hiddens = _hiddens(work.prompt - 1, work, 1), _hiddens(size, work, 2)
-    states = [await client.alloc_state() for _ in range(size)]
-    tokens = [rng.randrange(work.vocab_size) for _ in range(work.prompt - 1)]
-    await asyncio.gather(*(client.prefill(s, tokens, prompt, 1) for s in states))
+    hiddens = _hiddens(size, work, 2)
+    states = await prefilled_states(client, size, work, rng, prompt_seed=1)
     ids = np.array(states, dtype=np.uint64)
     token = np.full(size, 7, dtype=np.int32)
     phases = collections.defaultdict(list)

@@ -40,9 +40,11 @@ from bench_service import (
     Workload,
     _hiddens,
     log,
+    prefilled_states,
     serve_argv,
     serve_main,
 )
+from results_file import write_results
 from server_process import ServerProcess
 from shapes import MIMO_7B, SMALL
 
@@ -104,7 +106,7 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
     import torch
 
     from mtpdraft.service import servicer, wire
-    from mtpdraft.service.engine import admission, drafting, engine
+    from mtpdraft.service.engine import admission, engine
     from mtpdraft.service.engine.runner import EngineRunner
     from mtpdraft.service.engine.scheduler import ProposeScheduler
     from mtpdraft.service.model.decode_graphs import DecodeGraphs
@@ -136,7 +138,6 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
     around(admission, "finite_rows", "finite_start", "finite_end")
     around(DecodeGraphs, "stage", "stage_start", "stage_end")
     around(DecodeGraphs, "collect", "collect_start", "collect_end")
-    del drafting
     run = ProposeScheduler._run
 
     async def stamped_run(self, batch):
@@ -221,10 +222,8 @@ async def _steps(target: str, size: int, work: Workload, unary: bool) -> list[di
 
     rng = random.Random(0)
     client = AsyncDrafterClient(target, timeout=CALL_TIMEOUT_S)
-    prompt, hiddens = _hiddens(work.prompt - 1, work, 1), _hiddens(size, work, 2)
-    states = [await client.alloc_state() for _ in range(size)]
-    tokens = [rng.randrange(work.vocab_size) for _ in range(work.prompt - 1)]
-    await asyncio.gather(*(client.prefill(s, tokens, prompt, 1) for s in states))
+    hiddens = _hiddens(size, work, 2)
+    states = await prefilled_states(client, size, work, rng, prompt_seed=1)
     ids = np.array(states, dtype=np.uint64)
     token = np.full(size, 7, dtype=np.int32)
     stub = client._stub
@@ -412,11 +411,7 @@ def main() -> int:
         "workload": {"num_drafts": work.num_drafts, "prompt": work.prompt, "steps": work.steps},
         "report": report(joined, got["gpu_ms"], server=not args.in_process),
     }
-    folder_out = Path(args.out_dir)
-    folder_out.mkdir(parents=True, exist_ok=True)
-    stem = f"timeline_{name}_{args.batch}"
-    (folder_out / f"{stem}.json").write_text(json.dumps(out, indent=1))
-    (folder_out / f"{stem}.md").write_text(markdown(out))
+    write_results(args.out_dir, f"timeline_{name}_{args.batch}", out, markdown(out))
     print(markdown(out))
     return 0
 
