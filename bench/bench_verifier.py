@@ -12,7 +12,9 @@ is the verifier's round trip. Measured in the same run, as references:
 - the in-process engine: one ProposeColumns step as the server computes it (the
   columns checked into a Step, then engine.propose_step), B = V x S;
 - the transport floor: a canned-reply grpc.aio server (grpc_floor.py) that answers the
-  same request bytes one in-process step late, over TCP and a Unix socket;
+  same request bytes one in-process step late, over TCP and a Unix socket; for V > 1,
+  V verifier processes whose messages it answers together, one in-process step (of
+  B = V x S) after the last arrives: what one batch a step allows with no server work;
 - one verifier of S states over the server's Unix socket (--unix-socket), and with
   tracing on (an SDK tracer with a no-op exporter in the server);
 - the Go client (client/go's mtpdraft-hotpath -states S, built by make polyglot-go):
@@ -245,16 +247,23 @@ def columns_request(size: int, work: Workload) -> bytes:
     return msg.SerializeToString()
 
 
-def late_floor(size: int, work: Workload, step_s: float, unix: str | None) -> dict[str, Any]:
-    """The canned-reply server answering one verifier's `size`-state step `step_s` late."""
-    server = grpc_floor.start_server(work.num_drafts, step_s, states=size, unix=unix)
+def late_floor(
+    size: int, work: Workload, step_s: float, unix: str | None, verifiers: int = 1
+) -> dict[str, Any]:
+    """The canned-reply server answering `verifiers` verifiers' `size`-state steps
+    together, `step_s` after the last of them arrives."""
+    server = grpc_floor.start_server(
+        work.num_drafts, step_s, states=size, unix=unix, together=verifiers
+    )
     try:
         target = f"unix:{unix}" if unix else server.target
         request = columns_request(size, work)
-        got = grpc_floor.measure(target, 1, 1, request, work.steps, work.warmup)
+        got = grpc_floor.measure(target, verifiers, verifiers, request, work.steps, work.warmup)
     finally:
         server.stop()
-    return {**got, "step_us": step_s * 1e6, "over_step_us": got["p50_us"] - step_s * 1e6}
+    drafts = got["messages_per_s"] * size * work.num_drafts
+    over = got["p50_us"] - step_s * 1e6
+    return {**got, "drafts_per_s": drafts, "step_us": step_s * 1e6, "over_step_us": over}
 
 
 SOCKET_MODE = "columns-stream, unix socket"
@@ -307,6 +316,13 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             best = max((row.get(m, {}).get("drafts_per_s") or 0) for m in (*MODES, GO_MODE))
             add(f"{key}: drafts/s / in-process at B = {size * verifiers} >= 0.8", best
                 / engine["drafts_per_s"], 0.8, False)  # fmt: skip
+            if "tcp" in floor:  # the same ratio for a server that does no work at all
+                add(
+                    f"{key}: (reference) the canned-reply floor's drafts/s / in-process >= 0.8",
+                    floor["tcp"]["drafts_per_s"] / engine["drafts_per_s"],
+                    0.8,
+                    False,
+                )
         if TRACED_MODE in row:
             on = row[TRACED_MODE].get("drafts_per_s")
             off = row["columns-stream"].get("drafts_per_s")
@@ -343,9 +359,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"{engine['drafts_per_s']:,.0f} | 1.00 |"
         )
         for transport, late in report["floor"].get(shape, {}).items():
+            verifiers = int(shape.split("x")[0])
+            answered = "answered together" if verifiers > 1 else "answered"
+            ratio = late["drafts_per_s"] / engine["drafts_per_s"]
             lines.append(
-                f"| {shape} | canned-reply floor, {transport}, answered one in-process step "
-                f"late | {_ms(late['p50_us'])} (+{late['over_step_us']:.0f} us) | | |"
+                f"| {shape} | canned-reply floor, {transport}, {answered} one in-process step "
+                f"late | {_ms(late['p50_us'])} (+{late['over_step_us']:.0f} us) | "
+                f"{late['drafts_per_s']:,.0f} | {ratio:.2f} |"
             )
         for mode in (*MODES, GO_MODE, SOCKET_MODE, TRACED_MODE):
             got = row.get(mode)
@@ -443,13 +463,13 @@ def main() -> int:
     sockets = tempfile.mkdtemp(prefix="bench-verifier-sockets-")
     served_socket = f"{sockets}/drafter.sock"
     for verifiers, size in shapes:
+        step_s = engines[verifiers * size]["p50_us"] * 1e-6
+        log(f"{verifiers}x{size} canned-reply floor")
+        floor = report["floor"][f"{verifiers}x{size}"] = {
+            "tcp": late_floor(size, work, step_s, None, verifiers)
+        }
         if verifiers == 1:
-            step_s = engines[size]["p50_us"] * 1e-6
-            log(f"1x{size} canned-reply floor")
-            report["floor"][f"1x{size}"] = {
-                "tcp": late_floor(size, work, step_s, None),
-                "unix": late_floor(size, work, step_s, f"{sockets}/floor-{size}.sock"),
-            }
+            floor["unix"] = late_floor(size, work, step_s, f"{sockets}/floor-{size}.sock")
     server = start_server([*argv, "--unix-socket", served_socket], tracing=False)
     try:
         for verifiers, size in shapes:

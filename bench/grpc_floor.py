@@ -8,9 +8,11 @@ waits as long as the in-process step takes (blocking its loop, as a computing
 engine would): both processes then idle between messages, and waking them costs
 more than a back-to-back echo. bench_service.py reports these next to the
 service's own figures. With STATES, the reply is a ColumnsResponse of STATES rows (a
-verifier's step, bench_verifier.py), and with UNIX the server listens there too.
+verifier's step, bench_verifier.py); with TOGETHER > 1 the server waits for that many
+messages (one per verifier), then answers them all one DELAY late (one batch a step,
+as the service batches its verifiers); with UNIX it listens there too.
 
-    python bench/grpc_floor.py --serve K DELAY_US [STATES [UNIX]]  # prints "PORT n"
+    python bench/grpc_floor.py --serve K DELAY_US [STATES [TOGETHER [UNIX]]]  # "PORT n"
 """
 
 from __future__ import annotations
@@ -51,14 +53,26 @@ def _canned_reply(num_drafts: int, states: int = 0) -> bytes:
     return pb.ProposeStreamResponse(request_id=1, proposal=proposal).SerializeToString()
 
 
-def serve(num_drafts: int, delay_s: float, states: int = 0, unix: str | None = None) -> None:
+def serve(
+    num_drafts: int, delay_s: float, states: int = 0, together: int = 1, unix: str | None = None
+) -> None:
     import grpc
 
     reply = _canned_reply(num_drafts, states)
+    batch: list[asyncio.Future] = []  # the messages waiting for the rest of theirs
 
     async def answer(requests: Any, context: Any) -> Any:
         async for _ in requests:
-            if delay_s > 0:
+            if together > 1:
+                answered = asyncio.get_running_loop().create_future()
+                batch.append(answered)
+                if len(batch) == together:
+                    time.sleep(delay_s)
+                    for waiting in batch:
+                        waiting.set_result(None)
+                    batch.clear()
+                await answered
+            elif delay_s > 0:
                 time.sleep(delay_s)
             yield reply
 
@@ -137,11 +151,11 @@ def measure(
 
 
 def start_server(
-    num_drafts: int, delay_s: float, states: int = 0, unix: str | None = None
+    num_drafts: int, delay_s: float, states: int = 0, unix: str | None = None, together: int = 1
 ) -> ServerProcess:
     """The canned-reply server in a subprocess (see the module docstring)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(num_drafts)]
-    cmd += [str(delay_s * 1e6), str(states), *([unix] if unix else [])]
+    cmd += [str(delay_s * 1e6), str(states), str(together), *([unix] if unix else [])]
     return ServerProcess(cmd, START_TIMEOUT_S)
 
 
@@ -186,5 +200,6 @@ if __name__ == "__main__":
             int(sys.argv[2]),
             float(sys.argv[3]) * 1e-6,
             int(rest[0]) if rest else 0,
-            rest[1] if len(rest) > 1 else None,
+            int(rest[1]) if len(rest) > 1 else 1,
+            rest[2] if len(rest) > 2 else None,
         )

@@ -62,6 +62,9 @@ class LocalBackend:
             on_batch=telemetry.record_batch,
         )
         telemetry.observe_engine(engine, lambda: self.scheduler.queued)
+        # A GPU engine's Propose hiddens are best read off the wire into page-locked
+        # memory (wire.read_tensor): their copy to the device then holds nothing up.
+        self.pinned_inputs = engine.head.device.type == "cuda"
         self._reaper: asyncio.Task | None = None
 
     # ---- the calls ---------------------------------------------------------

@@ -215,7 +215,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         context: grpc.aio.ServicerContext,
         batch: bool = False,
     ) -> list[Proposal]:
-        args = wire.read_proposes(requests, batch)
+        args = wire.read_proposes(requests, batch, self.backend.pinned_inputs)
         return await self.backend.propose(args, context.time_remaining())
 
     @rpc
@@ -256,7 +256,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         the error (see _answer_stream)."""
 
         def submit(msg: pb.ProposeRequest):
-            return self.backend.propose(wire.read_proposes([msg], False), context.time_remaining())
+            args = wire.read_proposes([msg], False, self.backend.pinned_inputs)
+            return self.backend.propose(args, context.time_remaining())
 
         def reply(msg, proposals: list[Proposal]):
             return pb.ProposeStreamResponse(
@@ -273,7 +274,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def ProposeColumns(self, request, context):
-        step = wire.columns(request)
+        step = wire.columns(request, self.backend.pinned_inputs)
         result = await self.backend.propose_columns(step, context.time_remaining())
         return self._columns_answer(request, result)
 
@@ -282,7 +283,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         fails as a whole is answered with its error (see _answer_stream)."""
 
         def submit(msg: pb.ColumnsRequest):
-            return self.backend.propose_columns(wire.columns(msg), context.time_remaining())
+            step = wire.columns(msg, self.backend.pinned_inputs)
+            return self.backend.propose_columns(step, context.time_remaining())
 
         def refuse(request_id: int, error: pb.Error):
             return pb.ColumnsResponse(request_id=request_id, error=error)
