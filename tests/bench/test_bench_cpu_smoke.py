@@ -33,7 +33,7 @@ def test_host_cost_times_every_stage(tmp_path: Path) -> None:
 
 def test_bench_verifier_measures_every_way_and_judges_the_targets(tmp_path: Path) -> None:
     args = ["--small", "--device", "cpu", "--shapes", "1x2", "--steps", "2", "--warmup", "1"]
-    done = _run("bench_verifier.py", *args, "--out-dir", str(tmp_path))
+    done = _run("bench_verifier.py", *args, "--tracing-rounds", "2", "--out-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((tmp_path / "verifier.json").read_text())
     row = report["shapes"]["1x2"]
@@ -41,6 +41,8 @@ def test_bench_verifier_measures_every_way_and_judges_the_targets(tmp_path: Path
     for way in ("columns", "columns-stream", "batch", "columns-stream, unix socket"):
         assert row[way].get("drafts_per_s", 0) > 0, (way, row[way])
     assert set(report["floor"]["1x2"]) == {"tcp", "unix"}
+    traced = row["columns-stream, tracing on (median round)"]
+    assert len(traced["rounds"]) == 2 and traced["median_on_off"] > 0
     assert report["targets"] and all("met" in t for t in report["targets"])
 
 
