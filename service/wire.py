@@ -136,9 +136,7 @@ def propose_args(msg: pb.ProposeRequest, pinned: bool = False) -> ProposeArgs:
             else None
         ),
         min_confidence=msg.min_confidence,
-        previous=(
-            verdict(msg.previous, "previous", pinned) if msg.HasField("previous") else None
-        ),
+        previous=(verdict(msg.previous, "previous", pinned) if msg.HasField("previous") else None),
     )
 
 
