@@ -59,9 +59,9 @@ SERVER_HOPS = (
     ("server loop: read the columns", "read_start", "read_end"),
     ("server loop: check the columns, queue the step", "read_end", "enqueued"),
     ("server loop: to the batch", "enqueued", "batch_start"),
-    ("server: hop to the engine thread", "batch_start", "engine_start"),
+    ("server: to the engine (a thread hop, none inline)", "batch_start", "engine_start"),
     ("ENGINE", "engine_start", "engine_end"),
-    ("server: hop back to the loop", "engine_end", "loop_back"),
+    ("server: back to the loop (a thread hop, none inline)", "engine_end", "loop_back"),
     ("server loop: to the answer", "loop_back", "answer_start"),
     ("server loop: build the answer", "answer_start", "answer_end"),
     ("server loop: to the serializer", "answer_end", "ser_start"),
@@ -107,7 +107,6 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
 
     from mtpdraft.service import servicer, wire
     from mtpdraft.service.engine import admission, engine
-    from mtpdraft.service.engine.runner import EngineRunner
     from mtpdraft.service.engine.scheduler import ProposeScheduler
     from mtpdraft.service.model.decode_graphs import DecodeGraphs
     from mtpdraft.service.model.mtp_head import MTPHead
@@ -145,14 +144,14 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
         await run(self, batch)
 
     ProposeScheduler._run = stamped_run
-    call = EngineRunner.call
+    compute = ProposeScheduler._compute
 
-    async def stamped_call(self, fn, *args):
-        out = await call(self, fn, *args)
+    async def stamped_compute(self, fn):
+        out = await compute(self, fn)
         stamps.append(("loop_back", now()))
         return out
 
-    EngineRunner.call = stamped_call
+    ProposeScheduler._compute = stamped_compute
     if torch.cuda.is_available():  # CUDA events around the replay (after the staged copies)
         events: list[Any] = []
         replay = torch.cuda.CUDAGraph.replay

@@ -60,6 +60,8 @@ class LocalBackend:
             max_queue=max_queue,
             batch_wait=batch_wait,
             on_batch=telemetry.record_batch,
+            # A GPU engine's step is short: a batch nobody else waits on may hold the loop.
+            inline=engine.head.device.type == "cuda",
         )
         telemetry.observe_engine(engine, lambda: self.scheduler.queued)
         # A GPU engine's Propose hiddens are best read off the wire into page-locked

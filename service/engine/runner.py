@@ -1,9 +1,12 @@
-"""The engine's single worker thread: every engine call runs there, one at a time.
+"""The engine's worker thread: engine calls run there, one at a time.
 
-One thread keeps the engine free of locks (no call ever sees another half done)
-and keeps the asyncio loop free for I/O, health checks and batching meanwhile: the
-loop's gRPC work overlaps the forward's waits on the GPU. Running the engine on the
-loop's own thread instead lost, at 64 streams and at batch 1 (bench/README.md).
+One call at a time keeps the engine free of locks (no call ever sees another half
+done), and a thread of its own keeps the asyncio loop free for I/O, health checks
+and batching meanwhile: the loop's gRPC work overlaps the forward's waits on the
+GPU. Running every call on the loop's own thread instead lost, at 64 streams and
+at batch 1 (bench/README.md). `exclusive` lets the loop run a call itself when the
+worker has nothing to do, without a call of the worker's starting meanwhile (the
+scheduler does, for a batch that no other call can be waiting for).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -44,6 +47,7 @@ class EngineRunner:
 
     def __init__(self) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._running = threading.Lock()  # held while a call runs, here or `exclusive`ly
         self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
         self._thread.start()
 
@@ -53,7 +57,8 @@ class EngineRunner:
             if future is not None and future.cancelled():  # cancelled while queued
                 continue
             try:
-                result, error = fn(*args), None
+                with self._running:
+                    result, error = fn(*args), None
             except Exception as exc:  # the caller's to handle, as the call's outcome
                 result, error = None, exc
             if future is not None:
@@ -67,6 +72,18 @@ class EngineRunner:
         future = loop.create_future()
         self._calls.put((loop, future, fn, args))
         return await future
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[bool]:
+        """True when no call is queued or running: the caller may then call the engine on
+        its own thread, and no queued call starts until the block ends. Never waits."""
+        if not self._calls.empty() or not self._running.acquire(blocking=False):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self._running.release()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queues a call without waiting for it (cleanup from a cancelled handler)."""

@@ -18,6 +18,14 @@ for the states due back soon, but never longer than `batch_wait`, and for no
 state past 1.5 of its round trip. A lone verifier never waits; a state whose
 verifier is busy verifying (its round trip is long) holds nobody.
 
+A batch runs on the engine's thread (runner.py), so that the loop reads and queues
+the next calls while it computes. But a batch that holds every verifier in its
+decode loop (no state answered earlier is due back: one verifier, or several in
+lockstep) has nobody's next call to overlap, and there the two thread hand-offs are
+pure wait on the verifier's step: with `inline` (a GPU engine, whose step is short)
+such a batch runs on the loop's own thread when the engine thread is idle. Other
+calls that arrive meanwhile (a new client, a health check) wait for that step.
+
 A job whose caller was cancelled is dropped before compute; one whose deadline
 has passed is dropped with DeadlineExceeded; a full queue refuses new jobs with
 ResourceExhausted. Results are the same as serving the jobs one by one.
@@ -30,6 +38,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .engine import DraftEngine
 from .errors import DeadlineExceeded, ResourceExhausted, Unavailable
@@ -97,6 +106,7 @@ def _deadline_passed() -> DeadlineExceeded:
 
 
 BatchObserver = Callable[[BatchRun], None]
+T = TypeVar("T")
 
 
 class ProposeScheduler:
@@ -108,12 +118,14 @@ class ProposeScheduler:
         max_queue: int = 4096,
         batch_wait: float = DEFAULT_BATCH_WAIT_S,
         on_batch: BatchObserver | None = None,
+        inline: bool = False,
     ) -> None:
         self.engine = engine
         self.runner = runner
         self.max_batch = engine.max_batch
         self.max_queue = max_queue
         self.batch_wait = batch_wait
+        self.inline = inline
         self.on_batch = on_batch
         self.batch_sizes: Counter[int] = Counter()  # requests per batch -> batches run
         self._queue: deque[_Job] = deque()
@@ -295,7 +307,7 @@ class ProposeScheduler:
             except Exception as exc:  # a bug in the forward: fail the batch, keep serving
                 return live, exc
 
-        live, result = await self.runner.call(compute)
+        live, result = await self._compute(compute)
         done = time.time_ns()
         requests = sum(len(job) for job in live)
         if live:
@@ -328,8 +340,23 @@ class ProposeScheduler:
                 job.future.set_exception(result)
             else:
                 job.future.set_result(result)
-                if self.batch_wait > 0:
+                if self.batch_wait > 0 or self.inline:
                     self._remember_answered(job)
+
+    async def _compute(self, compute: Callable[[], T]) -> T:
+        """The batch's compute: on the loop's own thread when nobody else is due and the
+        engine thread is idle (see the module docstring), else on the engine thread."""
+        if self.inline and self._nobody_due():
+            with self.runner.exclusive() as idle:
+                if idle:
+                    return compute()
+        return await self.runner.call(compute)
+
+    def _nobody_due(self) -> bool:
+        """No state answered earlier is due back (the late ones forgotten)."""
+        if self._answered:
+            self._forget_late(asyncio.get_running_loop().time())
+        return not self._answered
 
     def _remember_answered(self, job: _Job) -> None:
         now = asyncio.get_running_loop().time()

@@ -82,3 +82,31 @@ def test_a_failed_submitted_call_is_logged(caplog: pytest.LogCaptureFixture) -> 
         runner.submit(cleanup)
         runner.shutdown()  # runs what was queued, then stops
     assert any("cleanup failed" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+
+
+def test_exclusive_is_granted_only_to_an_idle_runner_and_holds_its_calls_back() -> None:
+    runner = EngineRunner()
+    release, order = threading.Event(), []
+
+    async def main() -> None:
+        with runner.exclusive() as idle:
+            assert idle
+            queued = asyncio.ensure_future(runner.call(order.append, "queued"))
+            await asyncio.sleep(0.05)  # the engine thread took the call, and waits
+            order.append("exclusive")
+        await queued
+        assert order == ["exclusive", "queued"]
+        busy = asyncio.ensure_future(runner.call(release.wait, 10))
+        await asyncio.sleep(0.05)  # the engine thread is inside it now
+        with runner.exclusive() as idle:
+            assert not idle  # a call is running
+        waiting = asyncio.ensure_future(runner.call(order.append, "after"))
+        with runner.exclusive() as idle:
+            assert not idle  # and one is queued
+        release.set()
+        await asyncio.gather(busy, waiting)
+
+    try:
+        asyncio.run(main())
+    finally:
+        runner.shutdown()

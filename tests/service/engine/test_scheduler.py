@@ -157,3 +157,75 @@ def test_a_bad_call_fails_alone(head: MTPHead) -> None:
         runner.shutdown()
 
     asyncio.run(scenario())
+
+
+def _placed(engine: DraftEngine) -> list[str]:
+    """Where each of the engine's batches runs from now on: "loop" or "engine" thread."""
+    loop_thread, original, where = threading.get_ident(), engine.propose_step, []
+
+    def recorded(step):
+        where.append("loop" if threading.get_ident() == loop_thread else "engine")
+        return original(step)
+
+    engine.propose_step = recorded
+    return where
+
+
+def test_a_batch_nobody_else_is_due_for_runs_on_the_loop_with_the_same_result(
+    head: MTPHead,
+) -> None:
+    sequential = make_engine(head)
+    expected_states = with_prompts(sequential, 6)
+    expected = [sequential.propose(step_args(s, i, step)) for step in range(2)
+                for i, s in enumerate(expected_states[:4])]  # fmt: skip
+    expected += [sequential.propose(step_args(s, i, 0)) for i, s in enumerate(expected_states)
+                 if i >= 4]  # fmt: skip
+
+    async def scenario(inline: bool) -> tuple[list, list[str]]:
+        engine, runner = make_engine(head), EngineRunner()
+        where = _placed(engine)
+        scheduler = ProposeScheduler(engine, runner, inline=inline)
+        scheduler.start()
+        states = with_prompts(engine, 6)
+        got = []
+        for step in range(2):  # one verifier of 4 states, alone, back every 0.2 s
+            if step:
+                await asyncio.sleep(0.2)
+            got += await scheduler.submit([step_args(s, i, step) for i, s in enumerate(states[:4])])
+        # A second verifier's first step, at once: the first one's are due back meanwhile.
+        got += await scheduler.submit([step_args(s, i + 4, 0) for i, s in enumerate(states[4:])])
+        await scheduler.stop()
+        runner.shutdown()
+        return got, where
+
+    for inline, places in ((True, ["loop", "loop", "engine"]), (False, ["engine"] * 3)):
+        got, where = asyncio.run(scenario(inline))
+        assert where == places
+        for g, e in zip(got, expected, strict=True):
+            assert g.tokens == e.tokens
+            assert g.probs == pytest.approx(e.probs, abs=1e-5)
+
+
+def test_a_batch_waits_for_the_engine_threads_call_rather_than_overtake_it(
+    head: MTPHead,
+) -> None:
+    async def scenario() -> None:
+        engine, runner = make_engine(head), EngineRunner()
+        where = _placed(engine)
+        scheduler = ProposeScheduler(engine, runner, inline=True)
+        scheduler.start()
+        (state,) = with_prompts(engine, 1)
+        release = threading.Event()
+        busy = asyncio.ensure_future(runner.call(release.wait, PATIENCE))
+        await asyncio.sleep(0.05)  # the engine thread is inside it
+        call = asyncio.ensure_future(scheduler.submit([ProposeArgs(state, 1, h(1, 0), 3, 2)]))
+        await asyncio.sleep(0.05)
+        assert not call.done() and not where
+        release.set()
+        await busy
+        assert len((await call)[0].tokens) == 2
+        assert where == ["engine"]
+        await scheduler.stop()
+        runner.shutdown()
+
+    asyncio.run(scenario())
