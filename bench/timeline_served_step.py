@@ -2,15 +2,17 @@
 
 The server runs as `mtpdraft serve` does, in a subprocess, with its hops stamped
 (time.perf_counter_ns, the host's monotonic clock, which the client reads too):
-the request's deserializer, the columns read, the queue, the engine thread's
-call (its NaN/inf check, graph staging, the wait for the GPU), the answer and
-its serializer. The chain's GPU time is read from CUDA events around its replay.
-One verifier then steps B states, one ColumnsRequest a step (on a
+the request's deserializer, the columns read, the queue, the engine's call (its
+NaN/inf check, graph staging, the wait for the GPU; on the engine thread, or on
+the loop's where no other verifier is due: --batches-on compares the two), the
+answer and its serializer. The chain's GPU time is read from CUDA events around
+its replay. One verifier then steps B states, one ColumnsRequest a step (on a
 ProposeColumnsStream, or unary ProposeColumns with --unary), stamping its own
 phases. Each hop's median over the steps is written, with the command, to
---out-dir as timeline_<B>.json and timeline_<B>.md.
+--out-dir as timeline_<way>_<B>.json and .md.
 
     python bench/timeline_served_step.py [--small] [--device cuda] [--batch 64] [--unary]
+        [--in-process] [--batches-on auto|engine-thread|loop]
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from server_process import ServerProcess
 from shapes import MIMO_7B, SMALL
 
 STAMPS_ENV = "MTPDRAFT_TIMELINE_STAMPS"
+BATCHES_ON_ENV = "MTPDRAFT_TIMELINE_BATCHES_ON"
 
 # The hops of one served step in the order they happen: (label, from stamp, to stamp).
 SERVER_HOPS = (
@@ -196,11 +199,30 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
         servicer._HANDLERS[key] = stamped_handlers(make)
 
 
+def _place_batches(where: str) -> None:
+    """Batches that no other verifier is due for run where the server puts them ("auto":
+    on the loop's thread for a GPU engine), or always on the engine thread, or on the
+    loop's thread on any device."""
+    if where == "auto":
+        return
+    from mtpdraft.service.engine.scheduler import ProposeScheduler
+
+    init = ProposeScheduler.__init__
+
+    @functools.wraps(init)
+    def placed(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.inline = where == "loop"
+
+    ProposeScheduler.__init__ = placed
+
+
 def _stamped_server(argv: list[str]) -> int:
     """serve_main with its hops stamped; the stamps go to $STAMPS_ENV at exit."""
     stamps: list[tuple[str, int]] = []
     gpu_ms: list[float] = []
     install_stamps(stamps, gpu_ms)
+    _place_batches(os.environ.get(BATCHES_ON_ENV, "auto"))
 
     def dump() -> None:
         Path(os.environ[STAMPS_ENV]).write_text(json.dumps({"stamps": stamps, "gpu_ms": gpu_ms}))
@@ -364,6 +386,13 @@ def main() -> int:
     way = parser.add_mutually_exclusive_group()
     way.add_argument("--unary", action="store_true", help="ProposeColumns, not the stream")
     way.add_argument("--in-process", action="store_true", help="the engine alone, no server")
+    parser.add_argument(
+        "--batches-on",
+        choices=["auto", "engine-thread", "loop"],
+        default="auto",
+        help="where the server runs a batch no other verifier is due for (auto: the "
+        "loop's thread on a GPU, the engine thread elsewhere)",
+    )
     parser.add_argument("--out-dir", default="bench/results/profile")
     args = parser.parse_args()
 
@@ -391,6 +420,7 @@ def main() -> int:
     else:
         stamps_file = Path(folder) / "stamps.json"
         os.environ[STAMPS_ENV] = str(stamps_file)
+        os.environ[BATCHES_ON_ENV] = args.batches_on
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *argv]
         server = ServerProcess(cmd, SERVER_START_TIMEOUT_S)
         try:
@@ -400,6 +430,9 @@ def main() -> int:
         got = {"steps": steps, **json.loads(stamps_file.read_text())}
         way = "One verifier, " + ("unary ProposeColumns" if args.unary else "ProposeColumnsStream")
         name = "unary" if args.unary else "stream"
+        if args.batches_on != "auto":
+            way += f", batches on the {args.batches_on.replace('-', ' ')}"
+            name += "_" + args.batches_on.replace("-", "_")
     joined = timeline(got["steps"], [tuple(s) for s in got["stamps"]])
     out = {
         "command": "python " + shlex.join(sys.argv),

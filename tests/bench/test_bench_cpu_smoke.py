@@ -46,6 +46,20 @@ def test_bench_verifier_measures_every_way_and_judges_the_targets(tmp_path: Path
     assert report["targets"] and all("met" in t for t in report["targets"])
 
 
+def test_timeline_stamps_every_hop_wherever_the_batch_runs(tmp_path: Path) -> None:
+    for where in ("engine-thread", "loop"):
+        args = ["--small", "--device", "cpu", "--batch", "2", "--steps", "3"]
+        done = _run("timeline_served_step.py", *args, "--batches-on", where, "--out-dir",
+                    str(tmp_path))  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        name = where.replace("-", "_")
+        report = json.loads((tmp_path / f"timeline_stream_{name}_2.json").read_text())
+        hops = {h["hop"]: h["p50_us"] for h in report["report"]["hops"]}
+        assert "server: to the engine (a thread hop, none inline)" in hops
+        assert "engine: record the proposals" in hops and "client: read the answer" in hops
+        assert where.replace("-", " ") in report["way"]
+
+
 def test_bench_families_reports_every_family_against_its_roofline(tmp_path: Path) -> None:
     args = ["--small", "--device", "cpu", "--batches", "1,4", "--context", "64", "--iters", "2"]
     done = _run("bench_families.py", *args, "--no-compile", "--out-dir", str(tmp_path))
