@@ -55,7 +55,7 @@ class _Job:
     deadline: float | None  # loop time
     queued_ns: int  # time.time_ns
     tag: object  # the caller's, handed back with the batch's BatchRun
-    round_trips: dict[int, float]  # state -> its answer-to-this-call time, where known
+    round_trip: float | None  # its states' answer-to-this-call time (the longest), if known
     apart: bool = False  # each request stands or fails alone (a ProposeColumns step)
     states: set[int] = field(init=False)
 
@@ -75,19 +75,16 @@ class _Job:
         return [result.proposal(i, state) for i, state in enumerate(ids)]
 
 
-@dataclass
-class _Answered:
-    """A state answered at `at` (loop time) whose last round trip took `round_trip`."""
+# A state answered at loop time `at` whose last round trip took `round_trip` (None: its
+# first answer, or the first since it was late): plain tuples, a batch's worth at a time.
+_Answered = tuple[float, float | None]
 
-    at: float
-    round_trip: float | None  # None: its first answer (or the first since it was late)
 
-    def late(self) -> float:
-        """Half a round trip of jitter past its expected return: a state later than
-        that is off doing something else (verifying, or gone)."""
-        if self.round_trip is None:
-            return self.at + _FORGET_S
-        return self.at + 1.5 * self.round_trip
+def _late(answered: _Answered) -> float:
+    """Half a round trip of jitter past its expected return: a state later than that is
+    off doing something else (verifying, or gone)."""
+    at, round_trip = answered
+    return at + (_FORGET_S if round_trip is None else 1.5 * round_trip)
 
 
 # About one batch-1 step of MiMo-7B's MTP head on an H200 (2.2 ms): waiting less
@@ -194,13 +191,11 @@ class ProposeScheduler:
         loop = asyncio.get_running_loop()
         now = loop.time()
         deadline = None if timeout is None else now + timeout
-        round_trips = {}
-        for state in requests.state_ids.tolist():
-            answered = self._answered.pop(state, None)
-            if answered is not None:
-                round_trips[state] = now - answered.at
+        pop = self._answered.pop
+        answered = [a[0] for s in requests.state_ids.tolist() if (a := pop(s, None))]
+        round_trip = now - min(answered) if answered else None
         future = loop.create_future()
-        job = _Job(requests, future, deadline, time.time_ns(), tag, round_trips, apart)
+        job = _Job(requests, future, deadline, time.time_ns(), tag, round_trip, apart)
         self._queue.append(job)
         self._wake.set()
         if self._awaited:
@@ -236,21 +231,17 @@ class ProposeScheduler:
         self._forget_late(now)
         queued = {state for job in self._queue for state in job.states}
         awaited, last = set(), now
-        for state, answered in self._answered.items():
-            if (
-                answered.round_trip is not None
-                and answered.at + answered.round_trip <= until
-                and state not in queued
-            ):
+        for state, (at, round_trip) in self._answered.items():
+            if round_trip is not None and at + round_trip <= until and state not in queued:
                 awaited.add(state)
-                last = max(last, answered.late())
+                last = max(last, _late((at, round_trip)))
         return awaited, last
 
     def _forget_late(self, now: float) -> None:
         self._pruned_at = now
-        for state, answered in list(self._answered.items()):
-            if now >= answered.late():
-                del self._answered[state]
+        late = [state for state, answered in self._answered.items() if now >= _late(answered)]
+        for state in late:
+            del self._answered[state]
 
     async def _gather(self) -> None:
         """Waits for the states due back soon (see the module docstring)."""
@@ -360,7 +351,6 @@ class ProposeScheduler:
 
     def _remember_answered(self, job: _Job) -> None:
         now = asyncio.get_running_loop().time()
-        for state in job.states:
-            self._answered[state] = _Answered(now, job.round_trips.get(state))
+        self._answered.update(dict.fromkeys(job.states, (now, job.round_trip)))
         if now - self._pruned_at > _FORGET_S:  # the gathering wait prunes too, when it runs
             self._forget_late(now)
