@@ -4,7 +4,8 @@ The server runs as `mtpdraft serve` does, in a subprocess, with its hops stamped
 (time.perf_counter_ns, the host's monotonic clock, which the client reads too):
 the request's deserializer, the columns read, the queue, the engine's call (its
 NaN/inf check, graph staging, the wait for the GPU; on the engine thread, or on
-the loop's where no other verifier is due: --batches-on compares the two), the
+the loop's where no other verifier is due: --batches-on compares the two; and
+--pageable-hiddens, a GPU server's hiddens read into pageable memory), the
 answer and its serializer. The chain's GPU time is read from CUDA events around
 its replay. One verifier then steps B states, one ColumnsRequest a step (on a
 ProposeColumnsStream, or unary ProposeColumns with --unary), stamping its own
@@ -12,7 +13,7 @@ phases. Each hop's median over the steps is written, with the command, to
 --out-dir as timeline_<way>_<B>.json and .md.
 
     python bench/timeline_served_step.py [--small] [--device cuda] [--batch 64] [--unary]
-        [--in-process] [--batches-on auto|engine-thread|loop]
+        [--in-process] [--batches-on auto|engine-thread|loop] [--pageable-hiddens]
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from shapes import MIMO_7B, SMALL
 
 STAMPS_ENV = "MTPDRAFT_TIMELINE_STAMPS"
 BATCHES_ON_ENV = "MTPDRAFT_TIMELINE_BATCHES_ON"
+PAGEABLE_ENV = "MTPDRAFT_TIMELINE_PAGEABLE_HIDDENS"
 
 # The hops of one served step in the order they happen: (label, from stamp, to stamp).
 SERVER_HOPS = (
@@ -199,22 +201,29 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
         servicer._HANDLERS[key] = stamped_handlers(make)
 
 
-def _place_batches(where: str) -> None:
-    """Batches that no other verifier is due for run where the server puts them ("auto":
-    on the loop's thread for a GPU engine), or always on the engine thread, or on the
-    loop's thread on any device."""
-    if where == "auto":
-        return
-    from mtpdraft.service.engine.scheduler import ProposeScheduler
-
-    init = ProposeScheduler.__init__
+def _override(owner: type, attribute: str, value: object) -> None:
+    """Every `owner` built from now on has `attribute` set to `value` once built."""
+    init = owner.__init__
 
     @functools.wraps(init)
-    def placed(self, *args, **kwargs):
+    def overridden(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.inline = where == "loop"
+        setattr(self, attribute, value)
 
-    ProposeScheduler.__init__ = placed
+    owner.__init__ = overridden
+
+
+def _server_choices(batches_on: str, pageable: bool) -> None:
+    """Where a batch no other verifier is due for runs ("auto": where the server puts it,
+    the loop's thread for a GPU engine), and whether hiddens land in pageable memory
+    instead of a GPU server's page-locked memory."""
+    from mtpdraft.service.backend import LocalBackend
+    from mtpdraft.service.engine.scheduler import ProposeScheduler
+
+    if batches_on != "auto":
+        _override(ProposeScheduler, "inline", batches_on == "loop")
+    if pageable:
+        _override(LocalBackend, "pinned_inputs", False)
 
 
 def _stamped_server(argv: list[str]) -> int:
@@ -222,7 +231,7 @@ def _stamped_server(argv: list[str]) -> int:
     stamps: list[tuple[str, int]] = []
     gpu_ms: list[float] = []
     install_stamps(stamps, gpu_ms)
-    _place_batches(os.environ.get(BATCHES_ON_ENV, "auto"))
+    _server_choices(os.environ.get(BATCHES_ON_ENV, "auto"), PAGEABLE_ENV in os.environ)
 
     def dump() -> None:
         Path(os.environ[STAMPS_ENV]).write_text(json.dumps({"stamps": stamps, "gpu_ms": gpu_ms}))
@@ -393,6 +402,11 @@ def main() -> int:
         help="where the server runs a batch no other verifier is due for (auto: the "
         "loop's thread on a GPU, the engine thread elsewhere)",
     )
+    parser.add_argument(
+        "--pageable-hiddens",
+        action="store_true",
+        help="a GPU server reads hiddens into pageable memory, not page-locked",
+    )
     parser.add_argument("--out-dir", default="bench/results/profile")
     args = parser.parse_args()
 
@@ -421,6 +435,8 @@ def main() -> int:
         stamps_file = Path(folder) / "stamps.json"
         os.environ[STAMPS_ENV] = str(stamps_file)
         os.environ[BATCHES_ON_ENV] = args.batches_on
+        if args.pageable_hiddens:
+            os.environ[PAGEABLE_ENV] = "1"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *argv]
         server = ServerProcess(cmd, SERVER_START_TIMEOUT_S)
         try:
@@ -433,6 +449,9 @@ def main() -> int:
         if args.batches_on != "auto":
             way += f", batches on the {args.batches_on.replace('-', ' ')}"
             name += "_" + args.batches_on.replace("-", "_")
+        if args.pageable_hiddens:
+            way += ", hiddens in pageable memory"
+            name += "_pageable"
     joined = timeline(got["steps"], [tuple(s) for s in got["stamps"]])
     out = {
         "command": "python " + shlex.join(sys.argv),
