@@ -87,14 +87,23 @@ def read_tensor(
     dtype = DTYPES[msg.dtype]
     if not data:
         return torch.empty(shape, dtype=dtype)
-    if pinned:
-        flat = torch.empty(len(data) // ITEMSIZE[msg.dtype], dtype=dtype, pin_memory=True)
+    flat = _page_locked(len(data) // ITEMSIZE[msg.dtype], dtype) if pinned else None
+    if flat is not None:
         flat.view(torch.uint8).numpy()[:] = np.frombuffer(data, np.uint8)
     else:
         flat = torch.frombuffer(bytearray(data), dtype=dtype)
     # A Propose's hidden is mostly one row, [H]: the buffer's own shape, so no reshape,
     # which would be a torch call more per message (4 us here, and a GIL hand-off).
     return flat if len(shape) == 1 else flat.reshape(shape)
+
+
+def _page_locked(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """An empty page-locked tensor, or None where the host refuses to lock more memory
+    (the bytes then go to pageable memory: slower to copy to the device, nothing else)."""
+    try:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    except RuntimeError:
+        return None
 
 
 def decode_hiddens(msg: pb.Tensor, field: str) -> torch.Tensor:

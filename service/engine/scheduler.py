@@ -192,7 +192,7 @@ class ProposeScheduler:
         now = loop.time()
         deadline = None if timeout is None else now + timeout
         pop = self._answered.pop
-        answered = [a[0] for s in requests.state_ids.tolist() if (a := pop(s, None))]
+        answered = [a[0] for s in requests.state_ids.tolist() if (a := pop(s, None)) is not None]
         round_trip = now - min(answered) if answered else None
         future = loop.create_future()
         job = _Job(requests, future, deadline, time.time_ns(), tag, round_trip, apart)
