@@ -5,7 +5,8 @@ The server runs as `mtpdraft serve` does, in a subprocess, with its hops stamped
 the request's deserializer, the columns read, the queue, the engine's call (its
 NaN/inf check, graph staging, the wait for the GPU; on the engine thread, or on
 the loop's where no other verifier is due: --batches-on compares the two; and
---pageable-hiddens, a GPU server's hiddens read into pageable memory), the
+--pageable-hiddens, a GPU server's hiddens read into pageable memory; on a CPU,
+--chain-ms waits instead of computing each chain, as a GPU's chain is to the host), the
 answer and its serializer. The chain's GPU time is read from CUDA events around
 its replay. One verifier then steps B states, one ColumnsRequest a step (on a
 ProposeColumnsStream, or unary ProposeColumns with --unary), stamping its own
@@ -14,6 +15,7 @@ phases. Each hop's median over the steps is written, with the command, to
 
     python bench/timeline_served_step.py [--small] [--device cuda] [--batch 64] [--unary]
         [--in-process] [--batches-on auto|engine-thread|loop] [--pageable-hiddens]
+        [--device cpu --chain-ms MS]
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from shapes import MIMO_7B, SMALL
 STAMPS_ENV = "MTPDRAFT_TIMELINE_STAMPS"
 BATCHES_ON_ENV = "MTPDRAFT_TIMELINE_BATCHES_ON"
 PAGEABLE_ENV = "MTPDRAFT_TIMELINE_PAGEABLE_HIDDENS"
+CHAIN_MS_ENV = "MTPDRAFT_TIMELINE_CHAIN_MS"
 
 # The hops of one served step in the order they happen: (label, from stamp, to stamp).
 SERVER_HOPS = (
@@ -226,12 +229,36 @@ def _server_choices(batches_on: str, pageable: bool) -> None:
         _override(LocalBackend, "pinned_inputs", False)
 
 
+def fake_chain(ms: float) -> None:
+    """Every chain from now on is a wait of `ms` with the GIL free, as a GPU's replay is
+    to the host, and outputs of the right shapes (drafts 0, probabilities 0.5): on a CPU
+    the host's share of a step then shows in its total, not under an eager forward's."""
+    import numpy as np
+    import torch
+
+    from mtpdraft.service.model.decode_chain import ChainOutputs
+    from mtpdraft.service.model.mtp_head import MTPHead
+
+    def waited(self, kv, chain):
+        chain.step_rows(kv.block_size)  # the host's own work for a chain
+        time.sleep(ms / 1e3)
+        steps, n = chain.steps, len(chain)
+        hiddens = torch.zeros(steps, n, self.config.hidden_size, dtype=self.dtype)
+        return ChainOutputs(
+            hiddens, np.zeros((steps, n), np.int64), np.full((steps, n), 0.5, np.float32)
+        )
+
+    MTPHead.decode_chain = waited
+
+
 def _stamped_server(argv: list[str]) -> int:
     """serve_main with its hops stamped; the stamps go to $STAMPS_ENV at exit."""
     stamps: list[tuple[str, int]] = []
     gpu_ms: list[float] = []
     install_stamps(stamps, gpu_ms)
     _server_choices(os.environ.get(BATCHES_ON_ENV, "auto"), PAGEABLE_ENV in os.environ)
+    if CHAIN_MS_ENV in os.environ:
+        fake_chain(float(os.environ[CHAIN_MS_ENV]))
 
     def dump() -> None:
         Path(os.environ[STAMPS_ENV]).write_text(json.dumps({"stamps": stamps, "gpu_ms": gpu_ms}))
@@ -407,8 +434,16 @@ def main() -> int:
         action="store_true",
         help="a GPU server reads hiddens into pageable memory, not page-locked",
     )
+    parser.add_argument(
+        "--chain-ms",
+        type=float,
+        help="(CPU) each chain a wait of this long, as a GPU's is to the host, instead of "
+        "the eager forward: the host's share of the step shows in its total",
+    )
     parser.add_argument("--out-dir", default="bench/results/profile")
     args = parser.parse_args()
+    if args.chain_ms is not None and args.device != "cpu":
+        parser.error("--chain-ms stands in for a GPU's chain on the CPU: use --device cpu")
 
     import torch
 
@@ -429,6 +464,8 @@ def main() -> int:
     argv = serve_argv(Path(folder), args.device, kv_blocks, work.num_drafts)
     log(f"stepping {args.batch} states")
     if args.in_process:
+        if args.chain_ms is not None:
+            fake_chain(args.chain_ms)
         got = _in_process_steps(argv, args.batch, work)
         way, name = "The in-process engine", "in_process"
     else:
@@ -437,6 +474,8 @@ def main() -> int:
         os.environ[BATCHES_ON_ENV] = args.batches_on
         if args.pageable_hiddens:
             os.environ[PAGEABLE_ENV] = "1"
+        if args.chain_ms is not None:
+            os.environ[CHAIN_MS_ENV] = str(args.chain_ms)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *argv]
         server = ServerProcess(cmd, SERVER_START_TIMEOUT_S)
         try:
@@ -452,6 +491,9 @@ def main() -> int:
         if args.pageable_hiddens:
             way += ", hiddens in pageable memory"
             name += "_pageable"
+    if args.chain_ms is not None:
+        way += f", each chain a {args.chain_ms:g} ms wait"
+        name += "_waited_chain"
     joined = timeline(got["steps"], [tuple(s) for s in got["stamps"]])
     out = {
         "command": "python " + shlex.join(sys.argv),
