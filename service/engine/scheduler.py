@@ -13,7 +13,8 @@ A verifier in its decode loop comes back one round trip after its answer. Were
 the next batch to start with the first one back, the rest would wait a whole
 step for the one after, and closed-loop verifiers would settle into batches that
 alternate halves, each paying the step's fixed cost. So the loop learns each
-state's round trip (answer to its next call) and, before starting a batch, waits
+state's round trip (answer to its next call; the states of one call share the
+longest) and, before starting a batch, waits
 for the states due back soon, but never longer than `batch_wait`, and for no
 state past 1.5 of its round trip. A lone verifier never waits; a state whose
 verifier is busy verifying (its round trip is long) holds nobody.
