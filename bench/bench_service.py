@@ -150,6 +150,44 @@ async def prefilled_states(
     return states
 
 
+class ColumnsVerifier:
+    """One verifier of `size` prefilled states stepping them together, one ColumnsRequest
+    a step, each step carrying the last one's verdicts (0 accepted)."""
+
+    def __init__(self, client: Any, states: list[int], work: Workload) -> None:
+        import numpy as np
+
+        self.client, self.states, self.work = client, states, work
+        self.ids = np.array(states, dtype=np.uint64)
+        self.token = np.full(len(states), 7, dtype=np.int32)
+        self.hiddens = _hiddens(len(states), work, 2)
+
+    @classmethod
+    async def start(cls, target: str, size: int, work: Workload) -> ColumnsVerifier:
+        from mtpdraft.client import AsyncDrafterClient
+
+        client = AsyncDrafterClient(target, timeout=CALL_TIMEOUT_S)
+        states = await prefilled_states(client, size, work, random.Random(0), prompt_seed=1)
+        return cls(client, states, work)
+
+    def request(self, index: int) -> Any:
+        """Step `index`'s ColumnsRequest (the first carries no verdicts)."""
+        import numpy as np
+
+        from mtpdraft.client import messages as m
+
+        size, work = len(self.states), self.work
+        return m.columns_request(
+            self.ids, self.token, np.full(size, work.prompt + index), self.hiddens,
+            work.num_drafts, num_accepted=np.zeros(size, dtype=np.int32) if index else None,
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        for state in self.states:
+            await self.client.free_state(state)
+        await self.client.close()
+
+
 def serve_argv(model: Path, device: str, kv_blocks: int, num_drafts: int) -> list[str]:
     """`mtpdraft serve` options: the in-process engine and the servers use the same ones."""
     return [

@@ -17,7 +17,6 @@ import asyncio
 import collections
 import json
 import math
-import random
 import statistics
 import subprocess
 import sys
@@ -29,10 +28,9 @@ from bench_service import (
     BLOCK_SIZE,
     CALL_TIMEOUT_S,
     MAX_POSITIONS,
+    ColumnsVerifier,
     Workload,
-    _hiddens,
     log,
-    prefilled_states,
     serve_argv,
     start_server,
 )
@@ -40,17 +38,9 @@ from shapes import MIMO_7B, SMALL
 
 
 async def steps(target: str, size: int, work: Workload, record_s: float, spy: list[str]):
-    import numpy as np
-
-    from mtpdraft.client import AsyncDrafterClient
     from mtpdraft.client import messages as m
 
-    rng = random.Random(0)
-    client = AsyncDrafterClient(target, timeout=CALL_TIMEOUT_S)
-    hiddens = _hiddens(size, work, 2)
-    states = await prefilled_states(client, size, work, rng, prompt_seed=1)
-    ids = np.array(states, dtype=np.uint64)
-    token = np.full(size, 7, dtype=np.int32)
+    verifier = await ColumnsVerifier.start(target, size, work)
     phases = collections.defaultdict(list)
     recorder = None
     for index in range(work.warmup + work.steps):
@@ -58,12 +48,9 @@ async def steps(target: str, size: int, work: Workload, record_s: float, spy: li
             recorder = subprocess.Popen(spy)
             await asyncio.sleep(0.5)  # py-spy attaches
         t0 = time.perf_counter()
-        request = m.columns_request(
-            ids, token, np.full(size, work.prompt + index), hiddens, work.num_drafts,
-            num_accepted=np.zeros(size, dtype=np.int32) if index else None,
-        )  # fmt: skip
+        request = verifier.request(index)
         t1 = time.perf_counter()
-        response = await client._stub.ProposeColumns(request, timeout=CALL_TIMEOUT_S)
+        response = await verifier.client._stub.ProposeColumns(request, timeout=CALL_TIMEOUT_S)
         t2 = time.perf_counter()
         m.parse_columns(response)
         t3 = time.perf_counter()
@@ -71,9 +58,7 @@ async def steps(target: str, size: int, work: Workload, record_s: float, spy: li
             for name, value in (("build", t1 - t0), ("round_trip", t2 - t1), ("read", t3 - t2)):
                 phases[name].append(value * 1e3)
     recorder.wait(timeout=record_s + 60)
-    for s in states:
-        await client.free_state(s)
-    await client.close()
+    await verifier.close()
     return {name: statistics.median(v) for name, v in phases.items()}
 
 

@@ -28,7 +28,6 @@ import functools
 import json
 import math
 import os
-import random
 import shlex
 import statistics
 import sys
@@ -42,10 +41,10 @@ from bench_service import (
     CALL_TIMEOUT_S,
     MAX_POSITIONS,
     SERVER_START_TIMEOUT_S,
+    ColumnsVerifier,
     Workload,
     _hiddens,
     log,
-    prefilled_states,
     serve_argv,
     serve_main,
 )
@@ -255,10 +254,10 @@ def _stamped_server(argv: list[str]) -> int:
     """serve_main with its hops stamped; the stamps go to $STAMPS_ENV at exit."""
     stamps: list[tuple[str, int]] = []
     gpu_ms: list[float] = []
+    if CHAIN_MS_ENV in os.environ:  # first, so that the stamps wrap the waited chain
+        fake_chain(float(os.environ[CHAIN_MS_ENV]))
     install_stamps(stamps, gpu_ms)
     _server_choices(os.environ.get(BATCHES_ON_ENV, "auto"), PAGEABLE_ENV in os.environ)
-    if CHAIN_MS_ENV in os.environ:
-        fake_chain(float(os.environ[CHAIN_MS_ENV]))
 
     def dump() -> None:
         Path(os.environ[STAMPS_ENV]).write_text(json.dumps({"stamps": stamps, "gpu_ms": gpu_ms}))
@@ -272,27 +271,17 @@ def _stamped_server(argv: list[str]) -> int:
 
 async def _steps(target: str, size: int, work: Workload, unary: bool) -> list[dict[str, int]]:
     import grpc
-    import numpy as np
 
-    from mtpdraft.client import AsyncDrafterClient
     from mtpdraft.client import messages as m
 
-    rng = random.Random(0)
-    client = AsyncDrafterClient(target, timeout=CALL_TIMEOUT_S)
-    hiddens = _hiddens(size, work, 2)
-    states = await prefilled_states(client, size, work, rng, prompt_seed=1)
-    ids = np.array(states, dtype=np.uint64)
-    token = np.full(size, 7, dtype=np.int32)
-    stub = client._stub
+    verifier = await ColumnsVerifier.start(target, size, work)
+    stub = verifier.client._stub
     stream = None if unary else stub.ProposeColumnsStream()
     steps = []
     now = time.perf_counter_ns
     for index in range(work.warmup + work.steps):
         t: dict[str, int] = {"c_start": now()}
-        request = m.columns_request(
-            ids, token, np.full(size, work.prompt + index), hiddens, work.num_drafts,
-            num_accepted=np.zeros(size, dtype=np.int32) if index else None,
-        )  # fmt: skip
+        request = verifier.request(index)
         request.request_id = index + 1
         t["c_built"] = now()
         if stream is None:
@@ -310,9 +299,7 @@ async def _steps(target: str, size: int, work: Workload, unary: bool) -> list[di
     if stream is not None:
         await stream.done_writing()
         assert await stream.read() == grpc.aio.EOF
-    for s in states:
-        await client.free_state(s)
-    await client.close()
+    await verifier.close()
     return steps
 
 

@@ -54,6 +54,7 @@ class LocalBackend:
         self.telemetry = telemetry = telemetry or Telemetry()
         self.engine = engine
         self.runner = EngineRunner()
+        on_gpu = engine.head.device.type == "cuda"
         self.scheduler = ProposeScheduler(
             engine,
             self.runner,
@@ -61,12 +62,12 @@ class LocalBackend:
             batch_wait=batch_wait,
             on_batch=telemetry.record_batch,
             # A GPU engine's step is short: a batch nobody else waits on may hold the loop.
-            inline=engine.head.device.type == "cuda",
+            inline=on_gpu,
         )
         telemetry.observe_engine(engine, lambda: self.scheduler.queued)
         # A GPU engine's Propose hiddens are best read off the wire into page-locked
         # memory (wire.read_tensor): their copy to the device then holds nothing up.
-        self.pinned_inputs = engine.head.device.type == "cuda"
+        self.pinned_inputs = on_gpu
         self._reaper: asyncio.Task | None = None
 
     # ---- the calls ---------------------------------------------------------

@@ -81,10 +81,9 @@ class _Job:
 _Answered = tuple[float, float | None]
 
 
-def _late(answered: _Answered) -> float:
+def _late(at: float, round_trip: float | None) -> float:
     """Half a round trip of jitter past its expected return: a state later than that is
     off doing something else (verifying, or gone)."""
-    at, round_trip = answered
     return at + (_FORGET_S if round_trip is None else 1.5 * round_trip)
 
 
@@ -235,12 +234,12 @@ class ProposeScheduler:
         for state, (at, round_trip) in self._answered.items():
             if round_trip is not None and at + round_trip <= until and state not in queued:
                 awaited.add(state)
-                last = max(last, _late((at, round_trip)))
+                last = max(last, _late(at, round_trip))
         return awaited, last
 
     def _forget_late(self, now: float) -> None:
         self._pruned_at = now
-        late = [state for state, answered in self._answered.items() if now >= _late(answered)]
+        late = [state for state, answered in self._answered.items() if now >= _late(*answered)]
         for state in late:
             del self._answered[state]
 

@@ -4,6 +4,7 @@ figures themselves are the GPU runs', never judged here)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,7 @@ def test_timeline_stamps_every_hop_wherever_the_batch_runs(tmp_path: Path) -> No
         hops = {h["hop"]: h["p50_us"] for h in report["report"]["hops"]}
         assert "server: to the engine (a thread hop, none inline)" in hops
         assert "engine: record the proposals" in hops and "client: read the answer" in hops
+        assert all(not math.isnan(p50) for p50 in hops.values()), hops  # every hop stamped
         assert where.replace("-", " ") in report["way"]
 
 
