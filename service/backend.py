@@ -66,9 +66,16 @@ class LocalBackend:
         )
         telemetry.observe_engine(engine, lambda: self.scheduler.queued)
         # A GPU engine's Propose hiddens are best read off the wire into page-locked
-        # memory (wire.read_tensor): their copy to the device then holds nothing up.
-        self.pinned_inputs = on_gpu
+        # memory (wire.read_tensor): their copy to the device then holds nothing up. The
+        # process keeps page-locked memory once taken (torch caches it), so only calls
+        # read while fewer than this many wait are: a flood, which waits anyway, is not.
+        self.pin_while_queued_below = engine.max_batch if on_gpu else 0
         self._reaper: asyncio.Task | None = None
+
+    @property
+    def pinned_inputs(self) -> bool:
+        """Whether the call being read now lands its hiddens in page-locked memory."""
+        return self.scheduler.queued < self.pin_while_queued_below
 
     # ---- the calls ---------------------------------------------------------
 
