@@ -225,7 +225,7 @@ def _server_choices(batches_on: str, pageable: bool) -> None:
     if batches_on != "auto":
         _override(ProposeScheduler, "inline", batches_on == "loop")
     if pageable:
-        _override(LocalBackend, "pinned_inputs", False)
+        _override(LocalBackend, "pin_while_queued_below", 0)
 
 
 def fake_chain(ms: float) -> None:
