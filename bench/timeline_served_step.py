@@ -4,8 +4,7 @@ The server runs as `mtpdraft serve` does, in a subprocess, with its hops stamped
 (time.perf_counter_ns, the host's monotonic clock, which the client reads too):
 the request's deserializer, the columns read, the queue, the engine's call (its
 NaN/inf check, graph staging, the wait for the GPU; on the engine thread, or on
-the loop's where no other verifier is due: --batches-on compares the two; and
---pageable-hiddens, a GPU server's hiddens read into pageable memory; on a CPU,
+the loop's where no other verifier is due: --batches-on compares the two; on a CPU,
 --chain-ms waits instead of computing each chain, as a GPU's chain is to the host), the
 answer and its serializer. The chain's GPU time is read from CUDA events around
 its replay. One verifier then steps B states, one ColumnsRequest a step (on a
@@ -14,7 +13,7 @@ phases. Each hop's median over the steps is written, with the command, to
 --out-dir as timeline_<way>_<B>.json and .md.
 
     python bench/timeline_served_step.py [--small] [--device cuda] [--batch 64] [--unary]
-        [--in-process] [--batches-on auto|engine-thread|loop] [--pageable-hiddens]
+        [--in-process] [--batches-on auto|engine-thread|loop]
         [--device cpu --chain-ms MS]
 """
 
@@ -54,7 +53,6 @@ from shapes import MIMO_7B, SMALL
 
 STAMPS_ENV = "MTPDRAFT_TIMELINE_STAMPS"
 BATCHES_ON_ENV = "MTPDRAFT_TIMELINE_BATCHES_ON"
-PAGEABLE_ENV = "MTPDRAFT_TIMELINE_PAGEABLE_HIDDENS"
 CHAIN_MS_ENV = "MTPDRAFT_TIMELINE_CHAIN_MS"
 
 # The hops of one served step in the order they happen: (label, from stamp, to stamp).
@@ -215,17 +213,13 @@ def _override(owner: type, attribute: str, value: object) -> None:
     owner.__init__ = overridden
 
 
-def _server_choices(batches_on: str, pageable: bool) -> None:
+def _batches_on(where: str) -> None:
     """Where a batch no other verifier is due for runs ("auto": where the server puts it,
-    the loop's thread for a GPU engine), and whether hiddens land in pageable memory
-    instead of a GPU server's page-locked memory."""
-    from mtpdraft.service.backend import LocalBackend
+    the loop's thread for a GPU engine)."""
     from mtpdraft.service.engine.scheduler import ProposeScheduler
 
-    if batches_on != "auto":
-        _override(ProposeScheduler, "inline", batches_on == "loop")
-    if pageable:
-        _override(LocalBackend, "pin_while_queued_below", 0)
+    if where != "auto":
+        _override(ProposeScheduler, "inline", where == "loop")
 
 
 def fake_chain(ms: float) -> None:
@@ -257,7 +251,7 @@ def _stamped_server(argv: list[str]) -> int:
     if CHAIN_MS_ENV in os.environ:  # first, so that the stamps wrap the waited chain
         fake_chain(float(os.environ[CHAIN_MS_ENV]))
     install_stamps(stamps, gpu_ms)
-    _server_choices(os.environ.get(BATCHES_ON_ENV, "auto"), PAGEABLE_ENV in os.environ)
+    _batches_on(os.environ.get(BATCHES_ON_ENV, "auto"))
 
     def dump() -> None:
         Path(os.environ[STAMPS_ENV]).write_text(json.dumps({"stamps": stamps, "gpu_ms": gpu_ms}))
@@ -417,11 +411,6 @@ def main() -> int:
         "loop's thread on a GPU, the engine thread elsewhere)",
     )
     parser.add_argument(
-        "--pageable-hiddens",
-        action="store_true",
-        help="a GPU server reads hiddens into pageable memory, not page-locked",
-    )
-    parser.add_argument(
         "--chain-ms",
         type=float,
         help="(CPU) each chain a wait of this long, as a GPU's is to the host, instead of "
@@ -459,8 +448,6 @@ def main() -> int:
         stamps_file = Path(folder) / "stamps.json"
         os.environ[STAMPS_ENV] = str(stamps_file)
         os.environ[BATCHES_ON_ENV] = args.batches_on
-        if args.pageable_hiddens:
-            os.environ[PAGEABLE_ENV] = "1"
         if args.chain_ms is not None:
             os.environ[CHAIN_MS_ENV] = str(args.chain_ms)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *argv]
@@ -475,9 +462,6 @@ def main() -> int:
         if args.batches_on != "auto":
             way += f", batches on the {args.batches_on.replace('-', ' ')}"
             name += "_" + args.batches_on.replace("-", "_")
-        if args.pageable_hiddens:
-            way += ", hiddens in pageable memory"
-            name += "_pageable"
     if args.chain_ms is not None:
         way += f", each chain a {args.chain_ms:g} ms wait"
         name += "_waited_chain"

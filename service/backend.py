@@ -54,7 +54,6 @@ class LocalBackend:
         self.telemetry = telemetry = telemetry or Telemetry()
         self.engine = engine
         self.runner = EngineRunner()
-        on_gpu = engine.head.device.type == "cuda"
         self.scheduler = ProposeScheduler(
             engine,
             self.runner,
@@ -62,20 +61,10 @@ class LocalBackend:
             batch_wait=batch_wait,
             on_batch=telemetry.record_batch,
             # A GPU engine's step is short: a batch nobody else waits on may hold the loop.
-            inline=on_gpu,
+            inline=engine.head.device.type == "cuda",
         )
         telemetry.observe_engine(engine, lambda: self.scheduler.queued)
-        # A GPU engine's Propose hiddens are best read off the wire into page-locked
-        # memory (wire.read_tensor): their copy to the device then holds nothing up. The
-        # process keeps page-locked memory once taken (torch caches it), so only calls
-        # read while fewer than this many wait are: a flood, which waits anyway, is not.
-        self.pin_while_queued_below = engine.max_batch if on_gpu else 0
         self._reaper: asyncio.Task | None = None
-
-    @property
-    def pinned_inputs(self) -> bool:
-        """Whether the call being read now lands its hiddens in page-locked memory."""
-        return self.scheduler.queued < self.pin_while_queued_below
 
     # ---- the calls ---------------------------------------------------------
 

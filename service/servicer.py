@@ -215,7 +215,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         context: grpc.aio.ServicerContext,
         batch: bool = False,
     ) -> list[Proposal]:
-        args = wire.read_proposes(requests, batch, self.backend.pinned_inputs)
+        args = wire.read_proposes(requests, batch)
         return await self.backend.propose(args, context.time_remaining())
 
     @rpc
@@ -256,8 +256,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         the error (see _answer_stream)."""
 
         def submit(msg: pb.ProposeRequest):
-            args = wire.read_proposes([msg], False, self.backend.pinned_inputs)
-            return self.backend.propose(args, context.time_remaining())
+            return self.backend.propose(wire.read_proposes([msg], False), context.time_remaining())
 
         def reply(msg, proposals: list[Proposal]):
             return pb.ProposeStreamResponse(
@@ -274,7 +273,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def ProposeColumns(self, request, context):
-        step = wire.columns(request, self.backend.pinned_inputs)
+        step = wire.columns(request)
         result = await self.backend.propose_columns(step, context.time_remaining())
         return self._columns_answer(request, result)
 
@@ -283,8 +282,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         fails as a whole is answered with its error (see _answer_stream)."""
 
         def submit(msg: pb.ColumnsRequest):
-            step = wire.columns(msg, self.backend.pinned_inputs)
-            return self.backend.propose_columns(step, context.time_remaining())
+            return self.backend.propose_columns(wire.columns(msg), context.time_remaining())
 
         def refuse(request_id: int, error: pb.Error):
             return pb.ColumnsResponse(request_id=request_id, error=error)

@@ -3,10 +3,7 @@
 In (the servicer, before the backend sees a request): a request's tensors are read
 and checked (dtype, shape, byte count; INVALID_ARGUMENT naming the field) into CPU
 tensors over a copy of the message's bytes, and its fields into the engine's
-ProposeArgs, Verdict, Columns and PrefillChunk. For an engine on a GPU a Propose's
-hiddens are copied straight into page-locked memory (`pinned`): the one copy the
-bytes need anyway, and the chain's copy to the device then neither stages them
-through the driver's buffer nor holds the host.
+ProposeArgs, Verdict, Columns and PrefillChunk.
 A hidden's NaN/inf check is left to the engine, which checks a whole batch's at
 once: here, on the event loop, numpy would let go of the GIL for every row past
 500 elements and win it back from the busy engine thread (in one H200 run, 64 Go
@@ -24,7 +21,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from mtpdraft.v1 import drafter_pb2 as pb
@@ -54,12 +50,9 @@ _MAX_DIM = 2**31 - 1
 # --- in: requests as the engine takes them --------------------------------------------
 
 
-def read_tensor(
-    msg: pb.Tensor, field: str, allowed: tuple[int, ...], pinned: bool = False
-) -> torch.Tensor:
+def read_tensor(msg: pb.Tensor, field: str, allowed: tuple[int, ...]) -> torch.Tensor:
     """The tensor, its dtype and byte count checked (INVALID_ARGUMENT when malformed): a CPU
-    tensor over a writable copy of its bytes, which no message's memory backs; in
-    page-locked memory with `pinned` (torch's caching host allocator reuses it)."""
+    tensor over a writable copy of its bytes, which no message's memory backs."""
     if msg.dtype not in allowed:
         names = ", ".join(pb.DType.Name(d) for d in allowed)
         raise InvalidArgument(
@@ -87,23 +80,10 @@ def read_tensor(
     dtype = DTYPES[msg.dtype]
     if not data:
         return torch.empty(shape, dtype=dtype)
-    flat = _page_locked(len(data) // ITEMSIZE[msg.dtype], dtype) if pinned else None
-    if flat is not None:
-        flat.view(torch.uint8).numpy()[:] = np.frombuffer(data, np.uint8)
-    else:
-        flat = torch.frombuffer(bytearray(data), dtype=dtype)
+    flat = torch.frombuffer(bytearray(data), dtype=dtype)
     # A Propose's hidden is mostly one row, [H]: the buffer's own shape, so no reshape,
     # which would be a torch call more per message (4 us here, and a GIL hand-off).
     return flat if len(shape) == 1 else flat.reshape(shape)
-
-
-def _page_locked(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """An empty page-locked tensor, or None where the host refuses to lock more memory
-    (the bytes then go to pageable memory: slower to copy to the device, nothing else)."""
-    try:
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
-    except RuntimeError:
-        return None
 
 
 def decode_hiddens(msg: pb.Tensor, field: str) -> torch.Tensor:
@@ -123,20 +103,20 @@ def prefill_chunk(msg: pb.PrefillChunk) -> PrefillChunk:
     )
 
 
-def verdict(msg: pb.Verdict, field: str, pinned: bool = False) -> Verdict:
+def verdict(msg: pb.Verdict, field: str) -> Verdict:
     if not msg.HasField("refeed_hiddens"):
         return Verdict(msg.num_accepted)
-    refeed = read_tensor(msg.refeed_hiddens, f"{field}.refeed_hiddens", HIDDEN_DTYPES, pinned)
+    refeed = read_tensor(msg.refeed_hiddens, f"{field}.refeed_hiddens", HIDDEN_DTYPES)
     return Verdict(msg.num_accepted, refeed)
 
 
-def propose_args(msg: pb.ProposeRequest, pinned: bool = False) -> ProposeArgs:
+def propose_args(msg: pb.ProposeRequest) -> ProposeArgs:
     if not msg.HasField("hidden"):
         raise InvalidArgument("hidden: required", reason="MISSING_FIELD", field="hidden")
     return ProposeArgs(
         state_id=msg.state_id,
         token=msg.token,
-        hidden=read_tensor(msg.hidden, "hidden", HIDDEN_DTYPES, pinned),
+        hidden=read_tensor(msg.hidden, "hidden", HIDDEN_DTYPES),
         position=msg.position,
         num_drafts=msg.num_drafts,
         bitmask=(
@@ -145,38 +125,34 @@ def propose_args(msg: pb.ProposeRequest, pinned: bool = False) -> ProposeArgs:
             else None
         ),
         min_confidence=msg.min_confidence,
-        previous=(verdict(msg.previous, "previous", pinned) if msg.HasField("previous") else None),
+        previous=verdict(msg.previous, "previous") if msg.HasField("previous") else None,
     )
 
 
-def read_proposes(
-    requests: Sequence[pb.ProposeRequest], batch: bool, pinned: bool = False
-) -> list[ProposeArgs]:
+def read_proposes(requests: Sequence[pb.ProposeRequest], batch: bool) -> list[ProposeArgs]:
     """One call's requests; a ProposeBatch's errors name the request's index."""
     if not batch:
-        return [propose_args(m, pinned) for m in requests]
+        return [propose_args(m) for m in requests]
     read = []
     for i, msg in enumerate(requests):
         try:
-            read.append(propose_args(msg, pinned))
+            read.append(propose_args(msg))
         except InvalidArgument as err:
             err.message = f"requests[{i}].{err.message}"
             raise
     return read
 
 
-def _optional_tensor(
-    msg: pb.Tensor, field: str, allowed: tuple[int, ...], pinned: bool = False
-) -> torch.Tensor | None:
-    return read_tensor(msg, field, allowed, pinned) if msg.ByteSize() else None
+def _optional_tensor(msg: pb.Tensor, field: str, allowed: tuple[int, ...]) -> torch.Tensor | None:
+    return read_tensor(msg, field, allowed) if msg.ByteSize() else None
 
 
-def columns(msg: pb.ColumnsRequest, pinned: bool = False) -> Columns:
+def columns(msg: pb.ColumnsRequest) -> Columns:
     """A ColumnsRequest's columns as the engine takes them (tensors over a copy of the
     message's bytes)."""
     if not msg.HasField("hiddens"):
         raise InvalidArgument("hiddens: required", reason="MISSING_FIELD", field="hiddens")
-    hiddens = read_tensor(msg.hiddens, "hiddens", HIDDEN_DTYPES, pinned)
+    hiddens = read_tensor(msg.hiddens, "hiddens", HIDDEN_DTYPES)
     return Columns(
         state_ids=list(msg.state_ids),
         tokens=list(msg.tokens),
@@ -185,9 +161,7 @@ def columns(msg: pb.ColumnsRequest, pinned: bool = False) -> Columns:
         num_drafts=list(msg.num_drafts),
         num_accepted=list(msg.num_accepted),
         refeed_rows=list(msg.refeed_rows),
-        refeed_hiddens=_optional_tensor(
-            msg.refeed_hiddens, "refeed_hiddens", HIDDEN_DTYPES, pinned
-        ),
+        refeed_hiddens=_optional_tensor(msg.refeed_hiddens, "refeed_hiddens", HIDDEN_DTYPES),
         bitmask_rows=list(msg.bitmask_rows),
         bitmasks=_optional_tensor(msg.bitmasks, "bitmasks", (pb.DTYPE_INT32,)),
         min_confidence=list(msg.min_confidence),

@@ -103,19 +103,14 @@ class Step:
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """One tensor of rows; rows of different float dtypes meet in fp32 (exact for all).
-    Rows in page-locked memory stay there (their copy to the device waits for nothing)."""
+    """One tensor of rows; rows of different float dtypes meet in fp32 (exact for all)."""
     if not tensors:
         return None
     if len(tensors) == 1:
         return tensors[0]
     if len({t.dtype for t in tensors}) > 1:
         tensors = [t.float() for t in tensors]
-    if not all(t.is_pinned() for t in tensors):
-        return torch.cat(tensors)
-    rows = sum(t.shape[0] for t in tensors)
-    out = torch.empty(rows, *tensors[0].shape[1:], dtype=tensors[0].dtype, pin_memory=True)
-    return torch.cat(tensors, out=out)
+    return torch.cat(tensors)
 
 
 def _bad_shape(field: str, expected: str, got: torch.Tensor) -> InvalidArgument:
