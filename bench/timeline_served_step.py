@@ -201,25 +201,21 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
         servicer._HANDLERS[key] = stamped_handlers(make)
 
 
-def _override(owner: type, attribute: str, value: object) -> None:
-    """Every `owner` built from now on has `attribute` set to `value` once built."""
-    init = owner.__init__
-
-    @functools.wraps(init)
-    def overridden(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        setattr(self, attribute, value)
-
-    owner.__init__ = overridden
-
-
 def _batches_on(where: str) -> None:
     """Where a batch no other verifier is due for runs ("auto": where the server puts it,
-    the loop's thread for a GPU engine)."""
+    the loop's thread for a GPU engine; else every scheduler built from now on is set so)."""
+    if where == "auto":
+        return
     from mtpdraft.service.engine.scheduler import ProposeScheduler
 
-    if where != "auto":
-        _override(ProposeScheduler, "inline", where == "loop")
+    init = ProposeScheduler.__init__
+
+    @functools.wraps(init)
+    def placed(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.inline = where == "loop"
+
+    ProposeScheduler.__init__ = placed
 
 
 def fake_chain(ms: float) -> None:

@@ -48,8 +48,7 @@ def test_bench_verifier_measures_every_way_and_judges_the_targets(tmp_path: Path
 
 
 def test_timeline_stamps_every_hop_wherever_the_batch_runs(tmp_path: Path) -> None:
-    loop = ["--chain-ms", "1"]
-    for where, more in (("engine-thread", []), ("loop", loop)):
+    for where, more in (("engine-thread", []), ("loop", ["--chain-ms", "1"])):
         args = ["--small", "--device", "cpu", "--batch", "2", "--steps", "3", *more]
         done = _run("timeline_served_step.py", *args, "--batches-on", where, "--out-dir",
                     str(tmp_path))  # fmt: skip
