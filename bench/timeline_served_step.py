@@ -62,8 +62,8 @@ SERVER_HOPS = (
     ("server: parse the message", "deser_start", "deser_end"),
     ("server loop: to the handler", "deser_end", "read_start"),
     ("server loop: read the columns", "read_start", "read_end"),
-    ("server loop: check the columns, queue the step", "read_end", "enqueued"),
-    ("server loop: to the batch", "enqueued", "batch_start"),
+    ("server loop: check the columns", "read_end", "enqueued"),
+    ("server loop: queue the step, to the batch", "enqueued", "batch_start"),
     ("server: to the engine (a thread hop, none inline)", "batch_start", "engine_start"),
     ("ENGINE", "engine_start", "engine_end"),
     ("server: back to the loop (a thread hop, none inline)", "engine_end", "loop_back"),
@@ -134,7 +134,10 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
 
     around(wire, "columns", "read_start", "read_end")
     around(wire, "columns_answer", "answer_start", "answer_end")
-    around(ProposeScheduler, "enqueue", None, "enqueued")
+    around(ProposeScheduler, "enqueue", "enqueued", None)
+    # A queued step's batch starts in _run; a lone one's straight from enqueue, at _forward.
+    around(ProposeScheduler, "_forward", "batch_start", None)
+    around(ProposeScheduler, "_answer", "loop_back", None)
     around(engine.DraftEngine, "propose_step", "engine_start", "engine_end")
     around(engine, "admit", None, "admit_end")
     around(engine, "draft", "draft_start", "draft_end")
@@ -149,14 +152,6 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
         await run(self, batch)
 
     ProposeScheduler._run = stamped_run
-    compute = ProposeScheduler._compute
-
-    async def stamped_compute(self, fn):
-        out = await compute(self, fn)
-        stamps.append(("loop_back", now()))
-        return out
-
-    ProposeScheduler._compute = stamped_compute
     if torch.cuda.is_available():  # CUDA events around the replay (after the staged copies)
         events: list[Any] = []
         replay = torch.cuda.CUDAGraph.replay

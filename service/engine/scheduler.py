@@ -24,8 +24,10 @@ the next calls while it computes. But a batch that holds every verifier in its
 decode loop (no state answered earlier is due back: one verifier, or several in
 lockstep) has nobody's next call to overlap, and there the two thread hand-offs are
 pure wait on the verifier's step: with `inline` (a GPU engine, whose step is short)
-such a batch runs on the loop's own thread when the engine thread is idle. Other
-calls that arrive meanwhile (a new client, a health check) wait for that step.
+such a batch runs on the loop's own thread when the engine thread is idle, and a call
+that finds nothing queued or running starts it at once, from its own handler (no
+wake-up of the scheduler's task). Other calls that arrive meanwhile (a new client, a
+health check) wait for that step.
 
 A job whose caller was cancelled is dropped before compute; one whose deadline
 has passed is dropped with DeadlineExceeded; a full queue refuses new jobs with
@@ -196,6 +198,12 @@ class ProposeScheduler:
         round_trip = now - min(answered) if answered else None
         future = loop.create_future()
         job = _Job(requests, future, deadline, time.time_ns(), tag, round_trip, apart)
+        if not self._queue and not self._running and self.inline and self._nobody_due():
+            with self.runner.exclusive() as idle:
+                if idle:  # a lone verifier's step: run at once, not from the scheduler's task
+                    started = time.time_ns()
+                    self._answer([job], *self._forward([job]), started)
+                    return future
         self._queue.append(job)
         self._wake.set()
         if self._awaited:
@@ -279,26 +287,35 @@ class ProposeScheduler:
 
     async def _run(self, batch: list[_Job]) -> None:
         started = time.time_ns()
+        live, result = await self._compute(lambda: self._forward(batch))
+        self._answer(batch, live, result, started)
 
-        def compute() -> tuple[list[_Job], StepResult | BaseException | None]:
-            # On the engine thread, right before the forward: a job whose caller went
-            # away or whose deadline passed while the batch waited for this thread is
-            # left out, so that a failed call changes nothing. (future.done() read from
-            # this thread is a plain flag read; the loop alone ever sets it.)
-            now = time.monotonic()  # the clock of loop.time()
-            live = [
-                job
-                for job in batch
-                if not job.future.done() and (job.deadline is None or now < job.deadline)
-            ]
-            if not live:
-                return live, None
-            try:
-                return live, self.engine.propose_step(Step.concat([job.step for job in live]))
-            except Exception as exc:  # a bug in the forward: fail the batch, keep serving
-                return live, exc
+    def _forward(self, batch: list[_Job]) -> tuple[list[_Job], StepResult | BaseException | None]:
+        """The batch's forward, on the thread that runs it: a job whose caller went away
+        or whose deadline passed while the batch waited for that thread is left out, so
+        that a failed call changes nothing. (future.done() read from the engine thread is
+        a plain flag read; the loop alone ever sets it.)"""
+        now = time.monotonic()  # the clock of loop.time()
+        live = [
+            job
+            for job in batch
+            if not job.future.done() and (job.deadline is None or now < job.deadline)
+        ]
+        if not live:
+            return live, None
+        try:
+            return live, self.engine.propose_step(Step.concat([job.step for job in live]))
+        except Exception as exc:  # a bug in the forward: fail the batch, keep serving
+            return live, exc
 
-        live, result = await self._compute(compute)
+    def _answer(
+        self,
+        batch: list[_Job],
+        live: list[_Job],
+        result: StepResult | BaseException | None,
+        started: int,
+    ) -> None:
+        """Settles every job of the batch (the live ones from `result`) and records it."""
         done = time.time_ns()
         requests = sum(len(job) for job in live)
         if live:
