@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import metrics, trace
+from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from .engine.types import BatchRun
@@ -297,7 +298,9 @@ class Telemetry:
         if not self.tracing:
             return
         links = [trace.Link(context) for context in run.tags if context is not None]
-        parent = None
+        # With no caller to sit under, a root span, wherever the batch ran from (a lone
+        # call's batch runs inside its own handler).
+        parent = Context()
         if links:
             parent = trace.set_span_in_context(trace.NonRecordingSpan(links[0].context))
         span = self.tracer.start_span(

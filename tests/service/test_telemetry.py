@@ -19,6 +19,7 @@ from opentelemetry.trace import SpanKind
 from servers import InProcessServer, recording_tracer, small_engine
 
 from mtpdraft.client import DrafterClient, Verdict
+from mtpdraft.service.engine.types import BatchRun
 from mtpdraft.service.telemetry import Telemetry, providers_from_env
 
 
@@ -108,6 +109,17 @@ def test_client_span_parents_server_span_and_children(traced) -> None:
     assert {"AllocState", "Prefill", "Propose", "AfterVerify", "FreeState"} <= methods
     blocks_free = metrics["mtpdraft.kv.blocks.free"][0].value
     assert blocks_free == 256 and metrics["mtpdraft.states.live"][0].value == 0
+
+
+def test_a_batch_no_caller_traced_is_a_root_span_wherever_it_runs() -> None:
+    tracer_provider, exporter = recording_tracer()
+    telemetry = Telemetry(tracer_provider)
+    run = BatchRun(requests=1, calls=1, queued_ns=1, started_ns=2, done_ns=3, drafts=2, tags=[None])
+    # A lone call's batch runs inside its handler, where the RPC's span is current.
+    with tracer_provider.get_tracer("test").start_as_current_span("handler"):
+        telemetry.record_batch(run)
+    (batch,) = _batch_spans(exporter)
+    assert batch.parent is None and not batch.links
 
 
 def test_telemetry_is_off_by_default(mimo_checkpoint) -> None:
