@@ -8,7 +8,15 @@ client parsing it. No GPU and no network: what the wire's protobuf and the check
 per step on this machine's CPU, beside the served figures of bench_verifier.py. Writes
 host_cost.json and host_cost.md to --out-dir.
 
-    python bench/host_cost.py [--shapes 64x4096,16x4096,1x4096] [--out-dir bench/results]
+A served step runs each stage once every few milliseconds, after the chain's wait, not
+hot in a loop: `--before idle` sleeps a chain's time (--idle-ms) before each timed call,
+`--before busy` spins on the clock for that time instead (the core kept busy, no other
+code run), `--before sweep` first reads a buffer larger than the last-level cache
+(--sweep-mb), as other work between two steps would evict the stage's code and data;
+written as host_cost_<before>.
+
+    python bench/host_cost.py [--shapes 64x4096,16x4096,1x4096] [--before hot|idle|busy|sweep]
+        [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,17 +43,25 @@ from mtpdraft.v1 import drafter_pb2 as pb
 VOCAB, K = 151680, 4
 
 
-def timed_us(fn, iters: int) -> float:
+def timed_us(fn, iters: int, before: Callable[[], object] = lambda: None) -> float:
+    """The median of `iters` calls of `fn`, each after an untimed `before()`."""
     fn()
     times = []
     for _ in range(iters):
+        before()
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e6
 
 
-def stages(batch: int, hidden: int, iters: int) -> dict[str, float]:
+def _busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def stages(batch: int, hidden: int, iters: int, before: Callable[[], object]) -> dict[str, float]:
     hiddens = torch.randn(batch, hidden).to(torch.bfloat16)
     ids = np.arange(1, batch + 1, dtype=np.uint64)
     tokens, positions = np.ones(batch, np.int32), np.full(batch, 2048)
@@ -66,19 +83,23 @@ def stages(batch: int, hidden: int, iters: int) -> dict[str, float]:
         errors={},
     )
     answer = wire.columns_answer(1, result, {}).SerializeToString()
+
+    def timed(fn: Callable[[], object]) -> float:
+        return timed_us(fn, iters, before)
+
     out = {
-        "client: build the request": timed_us(build, iters),
-        "client: serialize it": timed_us(request.SerializeToString, iters),
-        "server: parse it": timed_us(lambda: pb.ColumnsRequest.FromString(data), iters),
-        "server: read the columns (wire.columns)": timed_us(lambda: wire.columns(parsed), iters),
-        "server: check them into a Step": timed_us(
-            lambda: columns_step(columns, hidden, VOCAB, max(batch, 1)), iters
+        "client: build the request": timed(build),
+        "client: serialize it": timed(request.SerializeToString),
+        "server: parse it": timed(lambda: pb.ColumnsRequest.FromString(data)),
+        "server: read the columns (wire.columns)": timed(lambda: wire.columns(parsed)),
+        "server: check them into a Step": timed(
+            lambda: columns_step(columns, hidden, VOCAB, max(batch, 1))
         ),
-        "server: the answer, made and serialized": timed_us(
-            lambda: wire.columns_answer(1, result, {}).SerializeToString(), iters
+        "server: the answer, made and serialized": timed(
+            lambda: wire.columns_answer(1, result, {}).SerializeToString()
         ),
-        "client: parse the answer": timed_us(
-            lambda: parse_columns(pb.ColumnsResponse.FromString(answer)), iters
+        "client: parse the answer": timed(
+            lambda: parse_columns(pb.ColumnsResponse.FromString(answer))
         ),
     }
     out["all of them"] = sum(out.values())
@@ -102,7 +123,8 @@ def markdown(report: dict) -> str:
         "# The host's share of a served step (bench/host_cost.py)",
         "",
         f"`{report['command']}` on {report['cpu']}, {report['date']}; bf16 hiddens, K = {K}; "
-        "median us per call, each stage alone.",
+        "median us per call, each stage alone, each call after "
+        f"{report.get('before', 'nothing')} (untimed).",
         "",
         "| stage | " + " | ".join(f"B x H = {s}" for s in shapes) + " |",
         "|---|" + "---|" * len(shapes),
@@ -119,17 +141,42 @@ def main() -> int:
     parser.add_argument("--shapes", default="64x4096,16x4096,1x4096", help="B x H")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--out-dir", default="bench/results")
+    parser.add_argument(
+        "--before",
+        choices=["hot", "idle", "busy", "sweep"],
+        default="hot",
+        help="what precedes each timed call: nothing, a sleep, a busy wait, a pass over a "
+        "large buffer",
+    )
+    parser.add_argument(
+        "--idle-ms", type=float, default=3.5, help="--before idle's sleep, --before busy's wait"
+    )
+    parser.add_argument("--sweep-mb", type=int, default=256, help="--before sweep's buffer")
     args = parser.parse_args()
+    sweep = np.ones(args.sweep_mb << 20, np.uint8) if args.before == "sweep" else None
+    before = {
+        "hot": lambda: None,
+        "idle": lambda: time.sleep(args.idle_ms / 1e3),
+        "busy": lambda: _busy_wait(args.idle_ms / 1e3),
+        "sweep": lambda: sweep.sum(),
+    }[args.before]
     report = {
         "command": "python " + shlex.join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "cpu": cpu_name(),
+        "before": {
+            "hot": "nothing",
+            "idle": f"a {args.idle_ms:g} ms sleep",
+            "busy": f"a {args.idle_ms:g} ms busy wait",
+            "sweep": f"a pass over {args.sweep_mb} MB",
+        }[args.before],
         "shapes": {},
     }
     for shape in args.shapes.split(","):
         batch, hidden = (int(n) for n in shape.split("x"))
-        report["shapes"][shape] = stages(batch, hidden, args.iters)
-    write_results(args.out_dir, "host_cost", report, markdown(report))
+        report["shapes"][shape] = stages(batch, hidden, args.iters, before)
+    name = "host_cost" if args.before == "hot" else f"host_cost_{args.before}"
+    write_results(args.out_dir, name, report, markdown(report))
     print(markdown(report))
     return 0
 

@@ -30,6 +30,17 @@ def test_host_cost_times_every_stage(tmp_path: Path) -> None:
     assert stages["request bytes"] > 4 * 64 * 2
     assert all(v > 0 for k, v in stages.items())
     assert "| client: build the request |" in (tmp_path / "host_cost.md").read_text()
+    for before, more in (
+        ("idle", ["--idle-ms", "1"]),
+        ("busy", ["--idle-ms", "1"]),
+        ("sweep", ["--sweep-mb", "8"]),
+    ):
+        args = ["--shapes", "4x64", "--iters", "3", "--before", before, *more]
+        done = _run("host_cost.py", *args, "--out-dir", str(tmp_path))
+        assert done.returncode == 0, done.stderr
+        report = json.loads((tmp_path / f"host_cost_{before}.json").read_text())
+        assert report["shapes"]["4x64"]["client: parse the answer"] > 0
+        assert report["before"] in (tmp_path / f"host_cost_{before}.md").read_text()
 
 
 def test_bench_verifier_measures_every_way_and_judges_the_targets(tmp_path: Path) -> None:
