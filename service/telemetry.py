@@ -298,8 +298,7 @@ class Telemetry:
         if not self.tracing:
             return
         links = [trace.Link(context) for context in run.tags if context is not None]
-        # With no caller to sit under, a root span, wherever the batch ran from (a lone
-        # call's batch runs inside its own handler).
+        # With no traced caller to sit under, a root span, whichever context this runs in.
         parent = Context()
         if links:
             parent = trace.set_span_in_context(trace.NonRecordingSpan(links[0].context))

@@ -24,10 +24,8 @@ the next calls while it computes. But a batch that holds every verifier in its
 decode loop (no state answered earlier is due back: one verifier, or several in
 lockstep) has nobody's next call to overlap, and there the two thread hand-offs are
 pure wait on the verifier's step: with `inline` (a GPU engine, whose step is short)
-such a batch runs on the loop's own thread when the engine thread is idle, and a call
-that finds nothing queued or running starts it at once, from its own handler (no
-wake-up of the scheduler's task). Other calls that arrive meanwhile (a new client, a
-health check) wait for that step.
+such a batch runs on the loop's own thread when the engine thread is idle. Other
+calls that arrive meanwhile (a new client, a health check) wait for that step.
 
 A job whose caller was cancelled is dropped before compute; one whose deadline
 has passed is dropped with DeadlineExceeded; a full queue refuses new jobs with
@@ -198,12 +196,6 @@ class ProposeScheduler:
         round_trip = now - min(answered) if answered else None
         future = loop.create_future()
         job = _Job(requests, future, deadline, time.time_ns(), tag, round_trip, apart)
-        if not self._queue and not self._running and self.inline and self._nobody_due():
-            with self.runner.exclusive() as idle:
-                if idle:  # a lone verifier's step: run at once, not from the scheduler's task
-                    started = time.time_ns()
-                    self._answer([job], *self._forward([job]), started)
-                    return future
         self._queue.append(job)
         self._wake.set()
         if self._awaited:

@@ -206,35 +206,6 @@ def test_a_batch_nobody_else_is_due_for_runs_on_the_loop_with_the_same_result(
             assert g.probs == pytest.approx(e.probs, abs=1e-5)
 
 
-def test_a_lone_call_runs_from_its_handler_and_one_beside_a_due_verifier_queues(
-    head: MTPHead,
-) -> None:
-    sequential = make_engine(head)
-    a, b = with_prompts(sequential, 2)
-    expected = [sequential.propose(step_args(s, i, 0)) for i, s in enumerate((a, b))]
-
-    async def scenario() -> None:
-        engine, runner = make_engine(head), EngineRunner()
-        where = _placed(engine)
-        scheduler = ProposeScheduler(engine, runner, inline=True)  # its task not started yet
-        a, b = with_prompts(engine, 2)
-        alone = scheduler.enqueue([step_args(a, 0, 0)])
-        assert alone.done() and where == ["loop"]
-        # `a` is due back now: a second verifier's call waits for the scheduler's batch.
-        beside = scheduler.enqueue([step_args(b, 1, 0)])
-        assert not beside.done()
-        scheduler.start()
-        got = [alone.result()[0], (await beside)[0]]
-        assert where == ["loop", "engine"]
-        for g, e in zip(got, expected, strict=True):
-            assert g.tokens == e.tokens
-            assert g.probs == pytest.approx(e.probs, abs=1e-5)
-        await scheduler.stop()
-        runner.shutdown()
-
-    asyncio.run(scenario())
-
-
 def test_a_batch_waits_for_the_engine_threads_call_rather_than_overtake_it(
     head: MTPHead,
 ) -> None:
