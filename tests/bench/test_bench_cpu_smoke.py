@@ -73,6 +73,17 @@ def test_timeline_stamps_every_hop_wherever_the_batch_runs(tmp_path: Path) -> No
         assert where.replace("-", " ") in report["way"]
 
 
+def test_tracing_calls_counts_the_loops_calls_off_and_on(tmp_path: Path) -> None:
+    args = ["--streams", "2", "--messages", "3", "--out-dir", str(tmp_path)]
+    done = _run("tracing_calls.py", *args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "tracing_calls.json").read_text())
+    # The instrumentation's stream wrapper runs only with tracing on.
+    wrapper = [k for k in report["on"] if k.endswith(":_stream_interceptor")]
+    assert wrapper and not any(k in report["off"] for k in wrapper)
+    assert "_stream_interceptor` |" in (tmp_path / "tracing_calls.md").read_text()
+
+
 def test_bench_families_reports_every_family_against_its_roofline(tmp_path: Path) -> None:
     args = ["--small", "--device", "cpu", "--batches", "1,4", "--context", "64", "--iters", "2"]
     done = _run("bench_families.py", *args, "--no-compile", "--out-dir", str(tmp_path))
