@@ -77,20 +77,21 @@ class LocalBackend:
         return await self.runner.call(self.engine.alloc_state, owner)
 
     def propose(
-        self, requests: list[ProposeArgs], timeout: float | None
+        self, requests: list[ProposeArgs], timeout: float | None, caller: object
     ) -> asyncio.Future[list[Proposal]]:
         """Queues one call's requests; the future holds the proposals once their batch
-        ran, and cancelling it takes the call out of the queue."""
-        return self.scheduler.enqueue(requests, timeout, tag=self.telemetry.span_context())
+        ran, and cancelling it takes the call out of the queue. `caller`: the call's
+        span context (Telemetry.span_context), which its batch's span links."""
+        return self.scheduler.enqueue(requests, timeout, tag=caller)
 
     def propose_columns(
-        self, request: Columns, timeout: float | None
+        self, request: Columns, timeout: float | None, caller: object
     ) -> asyncio.Future[StepResult]:
         """Queues a verifier's step (INVALID_ARGUMENT at once when its columns do not fit
         together); the future holds its rows' results, as columns, once their batch ran."""
         c = self.engine.head.config
         step = columns.step(request, c.hidden_size, c.vocab_size, self.engine.max_batch)
-        return self.scheduler.enqueue(step, timeout, apart=True, tag=self.telemetry.span_context())
+        return self.scheduler.enqueue(step, timeout, apart=True, tag=caller)
 
     async def after_verify(self, state_id: int, verdict: Verdict) -> RowCount:
         return await self.runner.call(self.engine.after_verify, state_id, verdict)

@@ -216,7 +216,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         batch: bool = False,
     ) -> list[Proposal]:
         args = wire.read_proposes(requests, batch)
-        return await self.backend.propose(args, context.time_remaining())
+        caller = self.telemetry.span_context()
+        return await self.backend.propose(args, context.time_remaining(), caller)
 
     @rpc
     async def GetInfo(self, request, context):
@@ -255,8 +256,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         """Each message a Propose; its answer carries its request_id and the proposal or
         the error (see _answer_stream)."""
 
+        caller = self.telemetry.span_context()  # the stream's, for all its messages
+
         def submit(msg: pb.ProposeRequest):
-            return self.backend.propose(wire.read_proposes([msg], False), context.time_remaining())
+            args = wire.read_proposes([msg], False)
+            return self.backend.propose(args, context.time_remaining(), caller)
 
         def reply(msg, proposals: list[Proposal]):
             return pb.ProposeStreamResponse(
@@ -274,15 +278,19 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     @rpc
     async def ProposeColumns(self, request, context):
         step = wire.columns(request)
-        result = await self.backend.propose_columns(step, context.time_remaining())
+        caller = self.telemetry.span_context()
+        result = await self.backend.propose_columns(step, context.time_remaining(), caller)
         return self._columns_answer(request, result)
 
     async def ProposeColumnsStream(self, request_iterator: AsyncIterator, context):
         """Each message a verifier's step, answered as ProposeColumns is; a message that
         fails as a whole is answered with its error (see _answer_stream)."""
 
+        caller = self.telemetry.span_context()  # the stream's, for all its messages
+
         def submit(msg: pb.ColumnsRequest):
-            return self.backend.propose_columns(wire.columns(msg), context.time_remaining())
+            step = wire.columns(msg)
+            return self.backend.propose_columns(step, context.time_remaining(), caller)
 
         def refuse(request_id: int, error: pb.Error):
             return pb.ColumnsResponse(request_id=request_id, error=error)
