@@ -135,9 +135,7 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
     around(wire, "columns", "read_start", "read_end")
     around(wire, "columns_answer", "answer_start", "answer_end")
     around(ProposeScheduler, "enqueue", "enqueued", None)
-    # A queued step's batch starts in _run; a lone one's straight from enqueue, at _forward.
-    around(ProposeScheduler, "_forward", "batch_start", None)
-    around(ProposeScheduler, "_answer", "loop_back", None)
+    around(ProposeScheduler, "_answer", "loop_back", None)  # back on the loop, either way
     around(engine.DraftEngine, "propose_step", "engine_start", "engine_end")
     around(engine, "admit", None, "admit_end")
     around(engine, "draft", "draft_start", "draft_end")
