@@ -9,11 +9,12 @@ the loop's where no other verifier is due: --batches-on compares the two; on a C
 answer and its serializer. The chain's GPU time is read from CUDA events around
 its replay. One verifier then steps B states, one ColumnsRequest a step (on a
 ProposeColumnsStream, or unary ProposeColumns with --unary), stamping its own
-phases. Each hop's median over the steps is written, with the command, to
---out-dir as timeline_<way>_<B>.json and .md.
+phases. --awake keeps both processes' event loops polling instead of sleeping between
+messages (the A/B of the serving threads kept awake). Each hop's median over the steps
+is written, with the command, to --out-dir as timeline_<way>_<B>.json and .md.
 
     python bench/timeline_served_step.py [--small] [--device cuda] [--batch 64] [--unary]
-        [--in-process] [--batches-on auto|engine-thread|loop]
+        [--in-process] [--batches-on auto|engine-thread|loop] [--awake]
         [--device cpu --chain-ms MS]
 """
 
@@ -54,6 +55,7 @@ from shapes import MIMO_7B, SMALL
 STAMPS_ENV = "MTPDRAFT_TIMELINE_STAMPS"
 BATCHES_ON_ENV = "MTPDRAFT_TIMELINE_BATCHES_ON"
 CHAIN_MS_ENV = "MTPDRAFT_TIMELINE_CHAIN_MS"
+AWAKE_ENV = "MTPDRAFT_TIMELINE_AWAKE"
 
 # The hops of one served step in the order they happen: (label, from stamp, to stamp).
 SERVER_HOPS = (
@@ -233,6 +235,36 @@ def fake_chain(ms: float) -> None:
     MTPHead.decode_chain = waited
 
 
+_pollers: set[asyncio.Task] = set()  # the running loops' polling tasks, held here
+
+
+def keep_awake() -> None:
+    """The running loop polls from now on instead of sleeping: a task that hands it
+    back at once, forever (so the thread never blocks waiting for I/O)."""
+
+    async def poll() -> None:
+        while True:
+            await asyncio.sleep(0)
+
+    task = asyncio.get_running_loop().create_task(poll())
+    _pollers.add(task)
+    task.add_done_callback(_pollers.discard)
+
+
+def _awake_server() -> None:
+    """Every LocalBackend started from now on keeps its loop awake."""
+    from mtpdraft.service.backend import LocalBackend
+
+    start = LocalBackend.start
+
+    @functools.wraps(start)
+    def started(self) -> None:
+        start(self)
+        keep_awake()
+
+    LocalBackend.start = started
+
+
 def _stamped_server(argv: list[str]) -> int:
     """serve_main with its hops stamped; the stamps go to $STAMPS_ENV at exit."""
     stamps: list[tuple[str, int]] = []
@@ -241,6 +273,8 @@ def _stamped_server(argv: list[str]) -> int:
         fake_chain(float(os.environ[CHAIN_MS_ENV]))
     install_stamps(stamps, gpu_ms)
     _batches_on(os.environ.get(BATCHES_ON_ENV, "auto"))
+    if AWAKE_ENV in os.environ:
+        _awake_server()
 
     def dump() -> None:
         Path(os.environ[STAMPS_ENV]).write_text(json.dumps({"stamps": stamps, "gpu_ms": gpu_ms}))
@@ -252,10 +286,15 @@ def _stamped_server(argv: list[str]) -> int:
 # --- the verifier ------------------------------------------------------------------------
 
 
-async def _steps(target: str, size: int, work: Workload, unary: bool) -> list[dict[str, int]]:
+async def _steps(
+    target: str, size: int, work: Workload, unary: bool, awake: bool
+) -> list[dict[str, int]]:
     import grpc
 
     from mtpdraft.client import messages as m
+
+    if awake:
+        keep_awake()
 
     verifier = await ColumnsVerifier.start(target, size, work)
     stub = verifier.client._stub
@@ -405,8 +444,15 @@ def main() -> int:
         help="(CPU) each chain a wait of this long, as a GPU's is to the host, instead of "
         "the eager forward: the host's share of the step shows in its total",
     )
+    parser.add_argument(
+        "--awake",
+        action="store_true",
+        help="the server's and the verifier's event loops poll instead of sleeping",
+    )
     parser.add_argument("--out-dir", default="bench/results/profile")
     args = parser.parse_args()
+    if args.awake and args.in_process:
+        parser.error("--awake keeps a server's and a verifier's loops polling: not --in-process")
     if args.chain_ms is not None and args.device != "cpu":
         parser.error("--chain-ms stands in for a GPU's chain on the CPU: use --device cpu")
 
@@ -439,10 +485,12 @@ def main() -> int:
         os.environ[BATCHES_ON_ENV] = args.batches_on
         if args.chain_ms is not None:
             os.environ[CHAIN_MS_ENV] = str(args.chain_ms)
+        if args.awake:
+            os.environ[AWAKE_ENV] = "1"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *argv]
         server = ServerProcess(cmd, SERVER_START_TIMEOUT_S)
         try:
-            steps = asyncio.run(_steps(server.target, args.batch, work, args.unary))
+            steps = asyncio.run(_steps(server.target, args.batch, work, args.unary, args.awake))
         finally:
             server.stop()
         got = {"steps": steps, **json.loads(stamps_file.read_text())}
@@ -451,6 +499,9 @@ def main() -> int:
         if args.batches_on != "auto":
             way += f", batches on the {args.batches_on.replace('-', ' ')}"
             name += "_" + args.batches_on.replace("-", "_")
+        if args.awake:
+            way += ", both event loops kept awake (polling)"
+            name += "_awake"
     if args.chain_ms is not None:
         way += f", each chain a {args.chain_ms:g} ms wait"
         name += "_waited_chain"

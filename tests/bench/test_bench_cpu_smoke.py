@@ -59,12 +59,16 @@ def test_bench_verifier_measures_every_way_and_judges_the_targets(tmp_path: Path
 
 
 def test_timeline_stamps_every_hop_wherever_the_batch_runs(tmp_path: Path) -> None:
-    for where, more in (("engine-thread", []), ("loop", ["--chain-ms", "1"])):
+    runs = (
+        ("engine-thread", [], "engine_thread"),
+        ("loop", ["--chain-ms", "1"], "loop_waited_chain"),
+        ("loop", ["--awake"], "loop_awake"),
+    )
+    for where, more, name in runs:
         args = ["--small", "--device", "cpu", "--batch", "2", "--steps", "3", *more]
         done = _run("timeline_served_step.py", *args, "--batches-on", where, "--out-dir",
                     str(tmp_path))  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
-        name = where.replace("-", "_") + ("_waited_chain" if more else "")
         report = json.loads((tmp_path / f"timeline_stream_{name}_2.json").read_text())
         hops = {h["hop"]: h["p50_us"] for h in report["report"]["hops"]}
         assert "server: to the engine (a thread hop, none inline)" in hops
