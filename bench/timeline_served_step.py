@@ -10,11 +10,12 @@ answer and its serializer. The chain's GPU time is read from CUDA events around
 its replay. One verifier then steps B states, one ColumnsRequest a step (on a
 ProposeColumnsStream, or unary ProposeColumns with --unary), stamping its own
 phases. --awake keeps both processes' event loops polling instead of sleeping between
-messages (the A/B of the serving threads kept awake). Each hop's median over the steps
+messages (the A/B of the serving threads kept awake; --awake server, the server's
+alone). Each hop's median over the steps
 is written, with the command, to --out-dir as timeline_<way>_<B>.json and .md.
 
     python bench/timeline_served_step.py [--small] [--device cuda] [--batch 64] [--unary]
-        [--in-process] [--batches-on auto|engine-thread|loop] [--awake]
+        [--in-process] [--batches-on auto|engine-thread|loop] [--awake [server|both]]
         [--device cpu --chain-ms MS]
 """
 
@@ -446,8 +447,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--awake",
-        action="store_true",
-        help="the server's and the verifier's event loops poll instead of sleeping",
+        nargs="?",
+        const="both",
+        choices=["server", "both"],
+        help="the server's and the verifier's event loops (server: the server's alone) poll "
+        "instead of sleeping",
     )
     parser.add_argument("--out-dir", default="bench/results/profile")
     args = parser.parse_args()
@@ -490,7 +494,8 @@ def main() -> int:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *argv]
         server = ServerProcess(cmd, SERVER_START_TIMEOUT_S)
         try:
-            steps = asyncio.run(_steps(server.target, args.batch, work, args.unary, args.awake))
+            both = args.awake == "both"
+            steps = asyncio.run(_steps(server.target, args.batch, work, args.unary, both))
         finally:
             server.stop()
         got = {"steps": steps, **json.loads(stamps_file.read_text())}
@@ -500,8 +505,9 @@ def main() -> int:
             way += f", batches on the {args.batches_on.replace('-', ' ')}"
             name += "_" + args.batches_on.replace("-", "_")
         if args.awake:
-            way += ", both event loops kept awake (polling)"
-            name += "_awake"
+            loops = "both event loops" if args.awake == "both" else "the server's event loop"
+            way += f", {loops} kept awake (polling)"
+            name += "_awake" if args.awake == "both" else "_awake_server"
     if args.chain_ms is not None:
         way += f", each chain a {args.chain_ms:g} ms wait"
         name += "_waited_chain"

@@ -63,6 +63,7 @@ def test_timeline_stamps_every_hop_wherever_the_batch_runs(tmp_path: Path) -> No
         ("engine-thread", [], "engine_thread"),
         ("loop", ["--chain-ms", "1"], "loop_waited_chain"),
         ("loop", ["--awake"], "loop_awake"),
+        ("loop", ["--awake", "server"], "loop_awake_server"),
     )
     for where, more, name in runs:
         args = ["--small", "--device", "cpu", "--batch", "2", "--steps", "3", *more]
