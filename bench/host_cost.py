@@ -154,22 +154,17 @@ def main() -> int:
     parser.add_argument("--sweep-mb", type=int, default=256, help="--before sweep's buffer")
     args = parser.parse_args()
     sweep = np.ones(args.sweep_mb << 20, np.uint8) if args.before == "sweep" else None
-    before = {
-        "hot": lambda: None,
-        "idle": lambda: time.sleep(args.idle_ms / 1e3),
-        "busy": lambda: _busy_wait(args.idle_ms / 1e3),
-        "sweep": lambda: sweep.sum(),
+    said, before = {  # (what precedes each call, as the report says it; the call)
+        "hot": ("nothing", lambda: None),
+        "idle": (f"a {args.idle_ms:g} ms sleep", lambda: time.sleep(args.idle_ms / 1e3)),
+        "busy": (f"a {args.idle_ms:g} ms busy wait", lambda: _busy_wait(args.idle_ms / 1e3)),
+        "sweep": (f"a pass over {args.sweep_mb} MB", lambda: sweep.sum()),
     }[args.before]
     report = {
         "command": "python " + shlex.join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "cpu": cpu_name(),
-        "before": {
-            "hot": "nothing",
-            "idle": f"a {args.idle_ms:g} ms sleep",
-            "busy": f"a {args.idle_ms:g} ms busy wait",
-            "sweep": f"a pass over {args.sweep_mb} MB",
-        }[args.before],
+        "before": said,
         "shapes": {},
     }
     for shape in args.shapes.split(","):

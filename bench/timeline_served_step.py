@@ -11,8 +11,8 @@ its replay. One verifier then steps B states, one ColumnsRequest a step (on a
 ProposeColumnsStream, or unary ProposeColumns with --unary), stamping its own
 phases. --awake keeps both processes' event loops polling instead of sleeping between
 messages (the A/B of the serving threads kept awake; --awake server, the server's
-alone). Each hop's median over the steps
-is written, with the command, to --out-dir as timeline_<way>_<B>.json and .md.
+alone). Each hop's median over the steps is written, with the command, to --out-dir as
+timeline_<way>_<B>.json and .md.
 
     python bench/timeline_served_step.py [--small] [--device cuda] [--batch 64] [--unary]
         [--in-process] [--batches-on auto|engine-thread|loop] [--awake [server|both]]
