@@ -50,7 +50,9 @@ def test_bench_verifier_measures_every_way_and_judges_the_targets(tmp_path: Path
     report = json.loads((tmp_path / "verifier.json").read_text())
     row = report["shapes"]["1x2"]
     assert row["in_process"]["kernel_only"]["drafts_per_s"] > 0
-    for way in ("columns", "columns-stream", "batch", "columns-stream, unix socket"):
+    polled = [w + ", server --busy-poll" for w in ("columns-stream", "columns-stream, unix socket")]
+    polled.append("columns-stream, server --busy-poll, verifier's loop polling")
+    for way in ("columns", "columns-stream", "batch", "columns-stream, unix socket", *polled):
         assert row[way].get("drafts_per_s", 0) > 0, (way, row[way])
     assert set(report["floor"]["1x2"]) == {"tcp", "unix"}
     traced = row["columns-stream, tracing on (median round)"]
