@@ -53,11 +53,9 @@ import os
 import platform
 import random
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -67,6 +65,7 @@ from typing import Any
 # file, and an fp32 client needs neither torch nor the service.
 import grpc_floor
 from results_file import write_results
+from scratch import scratch_folder
 from server_process import CpuTrace, ServerProcess, cpu_per_message
 from shapes import MIMO_7B, SMALL
 
@@ -909,10 +908,9 @@ def main() -> int:
     if args.device == "cpu":
         notes.append("CPU run: a smoke test of the bench, not figures to compare with DESIGN.")
 
-    folder, written = args.model, None
+    folder = args.model
     if folder is None:
-        shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
-        folder = written = tempfile.mkdtemp(prefix="bench-service-", dir=shm)
+        folder = scratch_folder("bench-service-", in_memory=True)
         log(f"writing a random {'small' if args.small else 'MiMo-7B'} checkpoint")
         write_random_checkpoint(
             folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,
@@ -922,84 +920,78 @@ def main() -> int:
         device_name = torch.cuda.get_device_name()
     else:
         device_name = f"CPU ({platform.processor() or platform.machine()})"
-    try:
-        kv_blocks = max(batches) * math.ceil(work.rows_per_state / BLOCK_SIZE) + 64
-        argv = serve_argv(Path(folder), args.device, kv_blocks, work.num_drafts)
-        argv += shlex.split(args.serve_options)
-        report: dict[str, Any] = {
-            "command": "python " + shlex.join(sys.argv),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-            "device": device_name,
-            "torch": torch.__version__,
-            "grpcio": importlib.metadata.version("grpcio"),
-            "cpus": os.cpu_count(),
-            "shape": shape,
-            "workload": asdict(work),
-            "server": argv,
-            "targets": {
-                "stream_b1_overhead_us_max": STREAM_OVERHEAD_TARGET_US,
-                "streams64_over_batched_min": STREAMS_RATIO_TARGET,
-            },
-            "notes": notes,
-        }
+    kv_blocks = max(batches) * math.ceil(work.rows_per_state / BLOCK_SIZE) + 64
+    argv = serve_argv(Path(folder), args.device, kv_blocks, work.num_drafts)
+    argv += shlex.split(args.serve_options)
+    report: dict[str, Any] = {
+        "command": "python " + shlex.join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "device": device_name,
+        "torch": torch.__version__,
+        "grpcio": importlib.metadata.version("grpcio"),
+        "cpus": os.cpu_count(),
+        "shape": shape,
+        "workload": asdict(work),
+        "server": argv,
+        "targets": {
+            "stream_b1_overhead_us_max": STREAM_OVERHEAD_TARGET_US,
+            "streams64_over_batched_min": STREAMS_RATIO_TARGET,
+        },
+        "notes": notes,
+    }
 
-        log("in-process engine")
-        engine, note = build_engine(argv)
-        if note:
-            notes.append(note)
-        batched = {str(b): in_process(engine, b, work, seed=b) for b in batches}
-        if "1" not in batched:
-            batched["1"] = in_process(engine, 1, work, seed=1)
-        report["in_process"] = {"batched": batched}
-        del engine  # the server processes get the device to themselves
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+    log("in-process engine")
+    engine, note = build_engine(argv)
+    if note:
+        notes.append(note)
+    batched = {str(b): in_process(engine, b, work, seed=b) for b in batches}
+    if "1" not in batched:
+        batched["1"] = in_process(engine, 1, work, seed=1)
+    report["in_process"] = {"batched": batched}
+    del engine  # the server processes get the device to themselves
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
 
-        report["grpc"] = {}
-        server_missing = _importable("mtpdraft.service.server")
-        if server_missing:
-            notes.append(f"gRPC comparisons skipped: the server does not import ({server_missing})")
+    report["grpc"] = {}
+    server_missing = _importable("mtpdraft.service.server")
+    if server_missing:
+        notes.append(f"gRPC comparisons skipped: the server does not import ({server_missing})")
+    else:
+        go_hotpath = args.go_hotpath if Path(args.go_hotpath).is_file() else None
+        if go_hotpath is None:
+            notes.append(f"Go client skipped: no {args.go_hotpath} (make polyglot-go)")
+        log("gRPC, tracing off")
+        report["grpc"]["tracing_off"] = grpc_suite(
+            argv, False, work, batches, args.client_processes, notes, go_hotpath
+        )
+        sdk_missing = _importable("opentelemetry.sdk.trace")
+        if sdk_missing:
+            notes.append(f"tracing comparison skipped: OpenTelemetry SDK missing ({sdk_missing})")
         else:
-            go_hotpath = args.go_hotpath if Path(args.go_hotpath).is_file() else None
-            if go_hotpath is None:
-                notes.append(f"Go client skipped: no {args.go_hotpath} (make polyglot-go)")
-            log("gRPC, tracing off")
-            report["grpc"]["tracing_off"] = grpc_suite(
-                argv, False, work, batches, args.client_processes, notes, go_hotpath
+            log("gRPC, tracing on")
+            report["grpc"]["tracing_on"] = grpc_suite(
+                argv, True, work, batches, args.client_processes, notes
             )
-            sdk_missing = _importable("opentelemetry.sdk.trace")
-            if sdk_missing:
-                notes.append(
-                    f"tracing comparison skipped: OpenTelemetry SDK missing ({sdk_missing})"
-                )
-            else:
-                log("gRPC, tracing on")
-                report["grpc"]["tracing_on"] = grpc_suite(
-                    argv, True, work, batches, args.client_processes, notes
-                )
-            if args.repeats > 1:
-                most = max(batches)
-                servers = {"tracing_off": argv}
-                log(f"gRPC, {most} streams on {args.repeats - 1} more starts of the server")
-                report["repeats"] = {
-                    "streams": most,
-                    "client": "Go" if go_hotpath is not None else "asyncio",
-                    "starts": args.repeats,
-                    "drafts_per_s": repeat_suite(
-                        servers, report["grpc"], most, work, args.client_processes, notes,
-                        go_hotpath, args.repeats,
-                    ),
-                }  # fmt: skip
-            log("gRPC floor (canned replies)")
-            step_s = (_get(batched, "1", "p50_us") or 0.0) * 1e-6
-            report["floor"] = _attempt(
-                "floor", notes, floor_suite, work, step_s, batches, args.client_processes
-            )
-        report["ratios"] = ratios(report)
-    finally:
-        if written is not None:
-            shutil.rmtree(written, ignore_errors=True)
+        if args.repeats > 1:
+            most = max(batches)
+            servers = {"tracing_off": argv}
+            log(f"gRPC, {most} streams on {args.repeats - 1} more starts of the server")
+            report["repeats"] = {
+                "streams": most,
+                "client": "Go" if go_hotpath is not None else "asyncio",
+                "starts": args.repeats,
+                "drafts_per_s": repeat_suite(
+                    servers, report["grpc"], most, work, args.client_processes, notes,
+                    go_hotpath, args.repeats,
+                ),
+            }  # fmt: skip
+        log("gRPC floor (canned replies)")
+        step_s = (_get(batched, "1", "p50_us") or 0.0) * 1e-6
+        report["floor"] = _attempt(
+            "floor", notes, floor_suite, work, step_s, batches, args.client_processes
+        )
+    report["ratios"] = ratios(report)
 
     write_results(args.out_dir, "service", report, markdown(report))
     print(markdown(report))

@@ -22,14 +22,13 @@ import math
 import shlex
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from results_file import write_results
+from scratch import scratch_folder
 from shapes import MIMO_7B, SMALL
 
 from mtpdraft.service.model.batch import RowBatch
@@ -235,7 +234,7 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     shape = SMALL if args.small else MIMO_7B
-    folder = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    folder = scratch_folder("bench-step-", in_memory=True)
     write_random_checkpoint(
         folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,
         extra_config={"max_position_embeddings": 32768},

@@ -45,7 +45,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -67,6 +66,7 @@ from bench_service import (
     start_server,
 )
 from results_file import write_results
+from scratch import scratch_folder
 from server_process import ServerProcess
 from shapes import MIMO_7B, SMALL
 
@@ -530,7 +530,7 @@ def main() -> int:
     if "unix" in ways:
         modes.append("unix")
     largest = max(v * s for v, s in shapes)
-    folder = tempfile.mkdtemp(prefix="bench-verifier-")
+    folder = scratch_folder("bench-verifier-")
     log("writing a random checkpoint")
     write_random_checkpoint(
         folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,
@@ -554,7 +554,7 @@ def main() -> int:
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    sockets = tempfile.mkdtemp(prefix="bench-verifier-sockets-")
+    sockets = scratch_folder("bench-verifier-sockets-")
     served_socket = f"{sockets}/drafter.sock"
     for verifiers, size in shapes:
         step_s = engines[verifiers * size]["p50_us"] * 1e-6

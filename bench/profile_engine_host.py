@@ -17,12 +17,12 @@ import cProfile
 import io
 import pstats
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from bench_service import Workload, _hiddens, build_engine, serve_argv
+from scratch import scratch_folder
 from shapes import MIMO_7B, SMALL
 
 from mtpdraft.service.engine.columns import Columns
@@ -40,7 +40,7 @@ def main() -> int:
     args = parser.parse_args()
     b, prompt = args.batch, args.prompt
     shape = MIMO_7B if args.mimo else SMALL
-    folder = tempfile.mkdtemp(prefix="profile-engine-")
+    folder = scratch_folder("profile-engine-")
     write_random_checkpoint(
         folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,
         extra_config={"max_position_embeddings": 8192},

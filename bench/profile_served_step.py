@@ -20,7 +20,6 @@ import math
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from bench_service import (
     serve_argv,
     start_server,
 )
+from scratch import scratch_folder
 from shapes import MIMO_7B, SMALL
 
 
@@ -102,7 +102,7 @@ def main() -> int:
         prompt=64 if args.small else 2048, num_drafts=4, warmup=20, steps=args.steps,
         hidden_size=shape["hidden_size"], vocab_size=shape["vocab_size"], dtype="bfloat16",
     )  # fmt: skip
-    folder = tempfile.mkdtemp(prefix="profile-step-")
+    folder = scratch_folder("profile-served-step-")
     write_random_checkpoint(
         folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,
         extra_config={"max_position_embeddings": MAX_POSITIONS},

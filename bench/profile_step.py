@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from bench_families import DT, FAMILIES, fp8_weights
 from bench_step import CHAIN, make_chain, timed_replay
+from scratch import scratch_folder
 from shapes import MIMO_7B
 from torch.profiler import ProfilerActivity, profile
 
@@ -55,7 +55,7 @@ def weights_of(family: str):
         kind, cfg = FAMILIES[family]
         tensors = random_tensors(cfg, kind, dtype=DT, device="cuda")
         return mtp_weights_from(cfg, TensorDict(fp8_weights(cfg, tensors)))
-    folder = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    folder = scratch_folder("profile-step-", in_memory=True)
     write_random_checkpoint(
         folder, "mimo", **MIMO_7B, dtype=torch.bfloat16, seed=0,
         extra_config={"max_position_embeddings": 32768},

@@ -32,7 +32,6 @@ import os
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from bench_service import (
     serve_main,
 )
 from results_file import write_results
+from scratch import scratch_folder
 from server_process import ServerProcess
 from shapes import MIMO_7B, SMALL
 
@@ -452,7 +452,7 @@ def main() -> int:
         prompt=64 if args.small else 2048, num_drafts=4, warmup=20, steps=args.steps,
         hidden_size=shape["hidden_size"], vocab_size=shape["vocab_size"], dtype="bfloat16",
     )  # fmt: skip
-    folder = tempfile.mkdtemp(prefix="timeline-")
+    folder = scratch_folder("timeline-")
     log("writing a random checkpoint")
     write_random_checkpoint(
         folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,

@@ -20,7 +20,6 @@ import cProfile
 import pstats
 import shlex
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 from bench_service import traced_telemetry
 from results_file import write_results
+from scratch import scratch_folder
 
 from mtpdraft.client import AsyncDrafterClient
 from mtpdraft.client import messages as m
@@ -70,7 +70,7 @@ async def _streams(address: str, hidden: int, streams: int, messages: int, start
 
 async def calls_per_message(tracing: bool, streams: int, messages: int) -> dict[str, float]:
     """{function: calls per message} on the server loop's thread."""
-    folder = write_random_checkpoint(Path(tempfile.mkdtemp()), "mimo", seed=1)
+    folder = write_random_checkpoint(scratch_folder("tracing-calls-"), "mimo", seed=1)
     head = MTPHead(load_mtp_weights(folder), torch.device("cpu"))
     engine = DraftEngine(head, kv_blocks=4096, block_size=4, max_drafts=8, max_batch=64)
     loop = asyncio.new_event_loop()

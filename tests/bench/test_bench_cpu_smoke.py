@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+def _run(script: str, *args: str, scratch: Path | None = None) -> subprocess.CompletedProcess:
+    """Runs bench/SCRIPT ARGS; its temporary files go under `scratch` where given."""
+    env = os.environ if scratch is None else {**os.environ, "TMPDIR": str(scratch)}
     return subprocess.run(
         [sys.executable, str(BENCH / script), *args],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=BENCH.parent,
+        env=env,
     )
 
 
@@ -45,8 +50,12 @@ def test_host_cost_times_every_stage(tmp_path: Path) -> None:
 
 def test_bench_verifier_measures_every_way_and_judges_the_targets(tmp_path: Path) -> None:
     args = ["--small", "--device", "cpu", "--shapes", "1x2", "--steps", "2", "--warmup", "1"]
-    done = _run("bench_verifier.py", *args, "--tracing-rounds", "2", "--out-dir", str(tmp_path))
-    assert done.returncode == 0, done.stderr[-2000:]
+    args += ["--tracing-rounds", "2", "--out-dir", str(tmp_path)]
+    # A short path: a Unix socket's is at most 107 bytes.
+    with tempfile.TemporaryDirectory(prefix="bv-") as scratch:
+        done = _run("bench_verifier.py", *args, scratch=Path(scratch))
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert not os.listdir(scratch)  # its checkpoint and sockets removed at exit
     report = json.loads((tmp_path / "verifier.json").read_text())
     row = report["shapes"]["1x2"]
     assert row["in_process"]["kernel_only"]["drafts_per_s"] > 0
