@@ -16,13 +16,11 @@ is the verifier's round trip. Measured in the same run, as references:
   V verifier processes whose messages it answers together, one in-process step (of
   B = V x S) after the last arrives: what one batch a step allows with no server work;
 - one verifier of S states over the server's Unix socket (--unix-socket);
-- `busy-poll`: a second server, started with --busy-poll (its event loop polls instead
-  of sleeping between messages), measured with columns-stream, the Go client and the
-  Unix socket, and with an asyncio verifier whose own loop polls too;
-- tracing on (a second server, with an SDK tracer and a no-op exporter) against off, at
-  the largest shapes: columns-stream on the two servers in turn, --tracing-rounds
-  times, the median of each round's on/off ratio (one run of each moves by a few
-  percent between runs: the verdict is taken from pairs measured back to back);
+- an option on against off, on a second server, in rounds (one run of each way moves by
+  several percent between runs: a verdict is taken from pairs measured back to back,
+  the median of --rounds rounds' on/off ratios): tracing on (an SDK tracer, a no-op
+  exporter) at the largest shapes, columns-stream; `serve --busy-poll` where several
+  verifiers share the batches (V > 1), columns-stream and the Go client;
 - the Go client (client/go's mtpdraft-hotpath -states S, built by make polyglot-go):
   V goroutines of one process, each a ProposeColumnsStream; skipped where not built.
 Writes verifier.json and verifier.md to --out-dir, with each target's verdict. Only
@@ -73,21 +71,12 @@ from shapes import MIMO_7B, SMALL
 MODES = ("columns", "columns-stream", "batch")
 
 
-async def _poll_forever() -> None:
-    while True:
-        await asyncio.sleep(0)
-
-
-async def _verifier(
-    target: str, mode: str, size: int, work: Workload, seed: int, poll: bool, barrier: Any
-):
-    """One verifier: prefills `size` states, warms up, waits at the barrier, times its
-    steps; with `poll`, its event loop polls instead of sleeping (as --busy-poll's does)."""
+async def _verifier(target: str, mode: str, size: int, work: Workload, seed: int, barrier: Any):
+    """One verifier: prefills `size` states, warms up, waits at the barrier, times its steps."""
     import numpy as np
 
     from mtpdraft.client import AsyncDrafterClient, ProposeArgs, Verdict
 
-    poller = asyncio.create_task(_poll_forever()) if poll else None
     rng = random.Random(seed)
     client = AsyncDrafterClient(target, timeout=CALL_TIMEOUT_S)
     await asyncio.wait_for(client.channel.channel_ready(), CALL_TIMEOUT_S)
@@ -139,8 +128,6 @@ async def _verifier(
         with contextlib.suppress(Exception):
             await asyncio.gather(*(client.free_state(s) for s in states))
         await client.close()
-        if poller is not None:
-            poller.cancel()
 
 
 def _verifier_process(args: tuple, barrier: Any, results: Any) -> None:
@@ -152,16 +139,14 @@ def _verifier_process(args: tuple, barrier: Any, results: Any) -> None:
         raise
 
 
-def served(
-    target: str, mode: str, verifiers: int, size: int, work: Workload, poll: bool = False
-) -> dict[str, Any]:
+def served(target: str, mode: str, verifiers: int, size: int, work: Workload) -> dict[str, Any]:
     """`verifiers` processes of `size` states each; drafts/s over the common window."""
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(verifiers), ctx.Queue()
     procs = [
         ctx.Process(
             target=_verifier_process,
-            args=((target, mode, size, work, 100 + i, poll), barrier, results),
+            args=((target, mode, size, work, 100 + i), barrier, results),
             daemon=True,
         )
         for i in range(verifiers)
@@ -290,22 +275,23 @@ def late_floor(
 SOCKET_MODE = "columns-stream, unix socket"
 TRACED_MODE = "columns-stream, tracing on (median round)"
 GO_MODE = "columns-stream, Go client"
+# The ways measured on a --busy-poll server, in rounds against the default one.
+BUSY_POLL_MODES = {
+    m: f"{m}, server --busy-poll (median round)" for m in ("columns-stream", GO_MODE)
+}
+ON_OFF_MODES = (TRACED_MODE, *BUSY_POLL_MODES.values())
 GO_HOTPATH = "client/go/build/bin/mtpdraft-hotpath"
-BUSY_POLL = ", server --busy-poll"
-POLLING_CLIENT_MODE = "columns-stream" + BUSY_POLL + ", verifier's loop polling"
-POLLED_MODES = tuple(m + BUSY_POLL for m in ("columns-stream", GO_MODE, SOCKET_MODE))
-SERVED_MODES = (*MODES, GO_MODE, SOCKET_MODE, *POLLED_MODES, POLLING_CLIENT_MODE)
 
 
-def tracing_rounds(
-    off: str, on: str, verifiers: int, size: int, work: Workload, rounds: int
+def on_off_rounds(
+    off: str, on: str, mode: str, verifiers: int, size: int, work: Workload, rounds: int
 ) -> dict[str, Any]:
-    """columns-stream on the tracing-off and tracing-on servers in turn, `rounds` times:
-    the median round of tracing on, and the median of the rounds' on/off ratios."""
+    """`mode` on the option-off and option-on servers in turn, `rounds` times: the median
+    round of the option on, and the median of the rounds' on/off ratios."""
     pairs = []
     for _ in range(rounds):
-        got_off = _served(off, "columns-stream", verifiers, size, work)
-        got_on = _served(on, "columns-stream", verifiers, size, work)
+        got_off = _served(off, mode, verifiers, size, work)
+        got_on = _served(on, mode, verifiers, size, work)
         if "error" in got_off or "error" in got_on:
             return got_on if "error" in got_on else got_off
         pairs.append((got_off, got_on))
@@ -319,6 +305,30 @@ def tracing_rounds(
             for f, o in pairs
         ],
     }
+
+
+def busy_poll_rounds(
+    server: ServerProcess,
+    argv: list[str],
+    shapes: list[tuple[int, int]],
+    modes: list[str],
+    work: Workload,
+    rounds: int,
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    """A `serve --busy-poll` server against `server` (the default), in rounds, at each
+    shape of several verifiers: columns-stream, and the Go client where it is among
+    `modes`; into `rows`."""
+    polled = start_server([*argv, "--busy-poll"], tracing=False)
+    try:
+        for verifiers, size in shapes:
+            for mode, name in BUSY_POLL_MODES.items() if verifiers > 1 else ():
+                if mode in modes or mode == "columns-stream":
+                    rows[f"{verifiers}x{size}"][name] = on_off_rounds(
+                        server.target, polled.target, mode, verifiers, size, work, rounds
+                    )
+    finally:
+        polled.stop()
 
 
 def go_served(target: str, verifiers: int, size: int, work: Workload) -> dict[str, Any]:
@@ -354,9 +364,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         verifiers, size = (int(n) for n in key.split("x"))
         slack = 150.0 if size == 1 else 300.0
         if verifiers == 1:
-            ways = [("columns-stream", "tcp"), (GO_MODE, "tcp"), (SOCKET_MODE, "unix")]
-            ways += [(mode + BUSY_POLL, transport) for mode, transport in ways]
-            ways.append((POLLING_CLIENT_MODE, "tcp"))
+            ways = (("columns-stream", "tcp"), (GO_MODE, "tcp"), (SOCKET_MODE, "unix"))
             for mode, transport in ways:
                 if mode not in row:
                     continue
@@ -364,7 +372,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                 bound = late and engine["p50_us"] + late["over_step_us"] + slack
                 add(f"{key} {mode}: p50 us <= in-process + floor + {slack:.0f}", got, bound, True)
         else:
-            best = max((row.get(m, {}).get("drafts_per_s") or 0) for m in SERVED_MODES)
+            ways = (*MODES, GO_MODE, *BUSY_POLL_MODES.values())
+            best = max((row.get(m, {}).get("drafts_per_s") or 0) for m in ways)
             add(f"{key}: drafts/s / in-process at B = {size * verifiers} >= 0.8", best
                 / engine["drafts_per_s"], 0.8, False)  # fmt: skip
             if "tcp" in floor:  # the same ratio for a server that does no work at all
@@ -418,7 +427,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"late | {_ms(late['p50_us'])} (+{late['over_step_us']:.0f} us) | "
                 f"{late['drafts_per_s']:,.0f} | {ratio:.2f} |"
             )
-        for mode in (*SERVED_MODES, TRACED_MODE):
+        for mode in (*MODES, GO_MODE, SOCKET_MODE, *ON_OFF_MODES):
             got = row.get(mode)
             if got is None:
                 continue
@@ -431,12 +440,18 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{ratio:.2f} |"
             )
     for shape, row in report["shapes"].items():
-        rounds = row.get(TRACED_MODE, {}).get("rounds")
-        if rounds:
-            pairs = "; ".join(
-                f"{r['off_drafts_per_s']:,.0f} / {r['on_drafts_per_s']:,.0f}" for r in rounds
-            )
-            lines += ["", f"{shape}, tracing off / on, drafts/s, round by round: {pairs}."]
+        for mode in ON_OFF_MODES:
+            got = row.get(mode, {})
+            if got.get("rounds"):
+                pairs = "; ".join(
+                    f"{r['off_drafts_per_s']:,.0f} / {r['on_drafts_per_s']:,.0f}"
+                    for r in got["rounds"]
+                )
+                lines += [
+                    "",
+                    f"{shape}, {mode.removesuffix(' (median round)')}: off / on drafts/s, round "
+                    f"by round: {pairs}; median on / off {got['median_on_off']:.2f}.",
+                ]
     lines += ["", "| target | got | bound | met |", "|---|---|---|---|"]
     for t in report["targets"]:
         got = "" if t["got"] is None else f"{t['got']:,.2f}"
@@ -446,44 +461,14 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _served(
-    target: str, mode: str, verifiers: int, size: int, work: Workload, poll: bool = False
-) -> dict[str, Any]:
-    log(f"{verifiers}x{size} {mode}" + (", polling" if poll else ""))
+def _served(target: str, mode: str, verifiers: int, size: int, work: Workload) -> dict[str, Any]:
+    log(f"{verifiers}x{size} {mode}")
     try:
         if mode == GO_MODE:
             return go_served(target, verifiers, size, work)
-        return served(target, mode, verifiers, size, work, poll)
+        return served(target, mode, verifiers, size, work)
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
-
-
-def serve_shapes(
-    server: ServerProcess,
-    socket: str,
-    shapes: list[tuple[int, int]],
-    modes: list[str],
-    work: Workload,
-    polling: bool,
-) -> dict[str, dict[str, Any]]:
-    """Each shape's served ways on `server` (also serving on the Unix `socket`): `modes`,
-    and one verifier over the socket where "unix" is among them; with `polling` (a
-    --busy-poll server), each way named so and an asyncio verifier polling too."""
-    suffix = BUSY_POLL if polling else ""
-    rows: dict[str, dict[str, Any]] = {}
-    for verifiers, size in shapes:
-        row = rows[f"{verifiers}x{size}"] = {}
-        for mode in modes:
-            if mode == "unix":
-                if verifiers == 1:
-                    got = _served(f"unix:{socket}", "columns-stream", 1, size, work)
-                    row[SOCKET_MODE + suffix] = got
-                continue
-            row[mode + suffix] = _served(server.target, mode, verifiers, size, work)
-        if polling:
-            got = _served(server.target, "columns-stream", verifiers, size, work, poll=True)
-            row[POLLING_CLIENT_MODE] = got
-    return rows
 
 
 def main() -> int:
@@ -495,12 +480,11 @@ def main() -> int:
     parser.add_argument(
         "--ways",
         default=",".join((*MODES, "go", "unix", "tracing", "busy-poll")),
-        help="the served ways to measure: columns, columns-stream, batch; go, unix and "
-        "tracing (each a columns-stream); busy-poll (a --busy-poll server's columns-stream, "
-        "go and unix)",
+        help="the served ways to measure: columns, columns-stream, batch; go, unix, "
+        "tracing (each a columns-stream); busy-poll (columns-stream and go, at V > 1)",
     )
     parser.add_argument(
-        "--tracing-rounds", type=int, default=3, help="off/on pairs measured for tracing"
+        "--rounds", type=int, default=3, help="off/on pairs measured for tracing and busy-poll"
     )
     parser.add_argument("--num-drafts", type=int, default=4)
     parser.add_argument("--prompt", type=int)
@@ -527,8 +511,6 @@ def main() -> int:
     modes = [m for m in MODES if m in ways]
     if "go" in ways and Path(GO_HOTPATH).exists():
         modes.append(GO_MODE)
-    if "unix" in ways:
-        modes.append("unix")
     largest = max(v * s for v, s in shapes)
     folder = scratch_folder("bench-verifier-")
     log("writing a random checkpoint")
@@ -564,31 +546,28 @@ def main() -> int:
         }
         if verifiers == 1:
             floor["unix"] = late_floor(size, work, step_s, f"{sockets}/floor-{size}.sock")
-    for verifiers, size in shapes:
-        report["shapes"][f"{verifiers}x{size}"] = {"in_process": engines[verifiers * size]}
     server = start_server([*argv, "--unix-socket", served_socket], tracing=False)
     traced = start_server(argv, tracing=True) if "tracing" in ways else None
     try:
-        for key, got in serve_shapes(server, served_socket, shapes, modes, work, False).items():
-            report["shapes"][key].update(got)
-        for verifiers, size in shapes if traced is not None else ():
-            if verifiers * size == largest:
-                report["shapes"][f"{verifiers}x{size}"][TRACED_MODE] = tracing_rounds(
-                    server.target, traced.target, verifiers, size, work, args.tracing_rounds
-                )
+        for verifiers, size in shapes:
+            row: dict[str, Any] = {"in_process": engines[verifiers * size]}
+            for mode in modes:
+                row[mode] = _served(server.target, mode, verifiers, size, work)
+            if verifiers == 1 and "unix" in ways:
+                target = f"unix:{served_socket}"
+                row[SOCKET_MODE] = _served(target, "columns-stream", 1, size, work)
+            if traced is not None and verifiers * size == largest:
+                row[TRACED_MODE] = on_off_rounds(
+                    server.target, traced.target, "columns-stream", verifiers, size, work,
+                    args.rounds,
+                )  # fmt: skip
+            report["shapes"][f"{verifiers}x{size}"] = row
+        if "busy-poll" in ways:  # after the rest: its spinning loop takes a core
+            busy_poll_rounds(server, argv, shapes, modes, work, args.rounds, report["shapes"])
     finally:
         server.stop()
         if traced is not None:
             traced.stop()
-    if "busy-poll" in ways:
-        polled = ["columns-stream", *(m for m in modes if m in (GO_MODE, "unix"))]
-        socket = f"{sockets}/busy-poll.sock"
-        server = start_server([*argv, "--busy-poll", "--unix-socket", socket], False)
-        try:
-            for key, got in serve_shapes(server, socket, shapes, polled, work, True).items():
-                report["shapes"][key].update(got)
-        finally:
-            server.stop()
     report["targets"] = targets(report)
     write_results(args.out_dir, "verifier", report, markdown(report))
     print(markdown(report))
