@@ -19,8 +19,7 @@ is the verifier's round trip. Measured in the same run, as references:
 - an option on against off, on a second server, in rounds (one run of each way moves by
   several percent between runs: a verdict is taken from pairs measured back to back,
   the median of --rounds rounds' on/off ratios): tracing on (an SDK tracer, a no-op
-  exporter) at the largest shapes, columns-stream; `serve --busy-poll` where several
-  verifiers share the batches (V > 1), columns-stream and the Go client;
+  exporter) at the largest shapes, columns-stream;
 - the Go client (client/go's mtpdraft-hotpath -states S, built by make polyglot-go):
   V goroutines of one process, each a ProposeColumnsStream; skipped where not built.
 Writes verifier.json and verifier.md to --out-dir, with each target's verdict. Only
@@ -65,7 +64,6 @@ from bench_service import (
 )
 from results_file import write_results
 from scratch import scratch_folder
-from server_process import ServerProcess
 from shapes import MIMO_7B, SMALL
 
 MODES = ("columns", "columns-stream", "batch")
@@ -275,11 +273,6 @@ def late_floor(
 SOCKET_MODE = "columns-stream, unix socket"
 TRACED_MODE = "columns-stream, tracing on (median round)"
 GO_MODE = "columns-stream, Go client"
-# The ways measured on a --busy-poll server, in rounds against the default one.
-BUSY_POLL_MODES = {
-    m: f"{m}, server --busy-poll (median round)" for m in ("columns-stream", GO_MODE)
-}
-ON_OFF_MODES = (TRACED_MODE, *BUSY_POLL_MODES.values())
 GO_HOTPATH = "client/go/build/bin/mtpdraft-hotpath"
 
 
@@ -305,30 +298,6 @@ def on_off_rounds(
             for f, o in pairs
         ],
     }
-
-
-def busy_poll_rounds(
-    server: ServerProcess,
-    argv: list[str],
-    shapes: list[tuple[int, int]],
-    modes: list[str],
-    work: Workload,
-    rounds: int,
-    rows: dict[str, dict[str, Any]],
-) -> None:
-    """A `serve --busy-poll` server against `server` (the default), in rounds, at each
-    shape of several verifiers: columns-stream, and the Go client where it is among
-    `modes`; into `rows`."""
-    polled = start_server([*argv, "--busy-poll"], tracing=False)
-    try:
-        for verifiers, size in shapes:
-            for mode, name in BUSY_POLL_MODES.items() if verifiers > 1 else ():
-                if mode in modes or mode == "columns-stream":
-                    rows[f"{verifiers}x{size}"][name] = on_off_rounds(
-                        server.target, polled.target, mode, verifiers, size, work, rounds
-                    )
-    finally:
-        polled.stop()
 
 
 def go_served(target: str, verifiers: int, size: int, work: Workload) -> dict[str, Any]:
@@ -372,7 +341,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                 bound = late and engine["p50_us"] + late["over_step_us"] + slack
                 add(f"{key} {mode}: p50 us <= in-process + floor + {slack:.0f}", got, bound, True)
         else:
-            ways = (*MODES, GO_MODE, *BUSY_POLL_MODES.values())
+            ways = (*MODES, GO_MODE)
             best = max((row.get(m, {}).get("drafts_per_s") or 0) for m in ways)
             add(f"{key}: drafts/s / in-process at B = {size * verifiers} >= 0.8", best
                 / engine["drafts_per_s"], 0.8, False)  # fmt: skip
@@ -427,7 +396,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"late | {_ms(late['p50_us'])} (+{late['over_step_us']:.0f} us) | "
                 f"{late['drafts_per_s']:,.0f} | {ratio:.2f} |"
             )
-        for mode in (*MODES, GO_MODE, SOCKET_MODE, *ON_OFF_MODES):
+        for mode in (*MODES, GO_MODE, SOCKET_MODE, TRACED_MODE):
             got = row.get(mode)
             if got is None:
                 continue
@@ -440,18 +409,16 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{ratio:.2f} |"
             )
     for shape, row in report["shapes"].items():
-        for mode in ON_OFF_MODES:
-            got = row.get(mode, {})
-            if got.get("rounds"):
-                pairs = "; ".join(
-                    f"{r['off_drafts_per_s']:,.0f} / {r['on_drafts_per_s']:,.0f}"
-                    for r in got["rounds"]
-                )
-                lines += [
-                    "",
-                    f"{shape}, {mode.removesuffix(' (median round)')}: off / on drafts/s, round "
-                    f"by round: {pairs}; median on / off {got['median_on_off']:.2f}.",
-                ]
+        got = row.get(TRACED_MODE, {})
+        if got.get("rounds"):
+            pairs = "; ".join(
+                f"{r['off_drafts_per_s']:,.0f} / {r['on_drafts_per_s']:,.0f}" for r in got["rounds"]
+            )
+            lines += [
+                "",
+                f"{shape}, {TRACED_MODE.removesuffix(' (median round)')}: off / on drafts/s, "
+                f"round by round: {pairs}; median on / off {got['median_on_off']:.2f}.",
+            ]
     lines += ["", "| target | got | bound | met |", "|---|---|---|---|"]
     for t in report["targets"]:
         got = "" if t["got"] is None else f"{t['got']:,.2f}"
@@ -479,13 +446,11 @@ def main() -> int:
     parser.add_argument("--shapes", default="1x64,4x16,8x8,1x1", help="verifiers x states")
     parser.add_argument(
         "--ways",
-        default=",".join((*MODES, "go", "unix", "tracing", "busy-poll")),
+        default=",".join((*MODES, "go", "unix", "tracing")),
         help="the served ways to measure: columns, columns-stream, batch; go, unix, "
-        "tracing (each a columns-stream); busy-poll (columns-stream and go, at V > 1)",
+        "tracing (each a columns-stream)",
     )
-    parser.add_argument(
-        "--rounds", type=int, default=3, help="off/on pairs measured for tracing and busy-poll"
-    )
+    parser.add_argument("--rounds", type=int, default=3, help="off/on pairs measured for tracing")
     parser.add_argument("--num-drafts", type=int, default=4)
     parser.add_argument("--prompt", type=int)
     parser.add_argument("--steps", type=int)
@@ -562,8 +527,6 @@ def main() -> int:
                     args.rounds,
                 )  # fmt: skip
             report["shapes"][f"{verifiers}x{size}"] = row
-        if "busy-poll" in ways:  # after the rest: its spinning loop takes a core
-            busy_poll_rounds(server, argv, shapes, modes, work, args.rounds, report["shapes"])
     finally:
         server.stop()
         if traced is not None:

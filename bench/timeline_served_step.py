@@ -10,8 +10,8 @@ answer and its serializer. The chain's GPU time is read from CUDA events around
 its replay. One verifier then steps B states, one ColumnsRequest a step (on a
 ProposeColumnsStream, or unary ProposeColumns with --unary), stamping its own
 phases. --awake keeps both processes' event loops polling instead of sleeping between
-messages (the server's by `serve --busy-poll`; --awake server, the server's alone).
-Each hop's median over the steps is written, with the command, to --out-dir as
+messages (the A/B of the serving threads kept awake; --awake server, the server's
+alone). Each hop's median over the steps is written, with the command, to --out-dir as
 timeline_<way>_<B>.json and .md.
 
     python bench/timeline_served_step.py [--small] [--device cuda] [--batch 64] [--unary]
@@ -56,6 +56,7 @@ from shapes import MIMO_7B, SMALL
 STAMPS_ENV = "MTPDRAFT_TIMELINE_STAMPS"
 BATCHES_ON_ENV = "MTPDRAFT_TIMELINE_BATCHES_ON"
 CHAIN_MS_ENV = "MTPDRAFT_TIMELINE_CHAIN_MS"
+AWAKE_ENV = "MTPDRAFT_TIMELINE_AWAKE"
 
 # The hops of one served step in the order they happen: (label, from stamp, to stamp).
 SERVER_HOPS = (
@@ -251,6 +252,20 @@ def keep_awake() -> None:
     task.add_done_callback(_pollers.discard)
 
 
+def _awake_server() -> None:
+    """Every LocalBackend started from now on keeps its loop awake."""
+    from mtpdraft.service.backend import LocalBackend
+
+    start = LocalBackend.start
+
+    @functools.wraps(start)
+    def started(self) -> None:
+        start(self)
+        keep_awake()
+
+    LocalBackend.start = started
+
+
 def _stamped_server(argv: list[str]) -> int:
     """serve_main with its hops stamped; the stamps go to $STAMPS_ENV at exit."""
     stamps: list[tuple[str, int]] = []
@@ -259,6 +274,8 @@ def _stamped_server(argv: list[str]) -> int:
         fake_chain(float(os.environ[CHAIN_MS_ENV]))
     install_stamps(stamps, gpu_ms)
     _batches_on(os.environ.get(BATCHES_ON_ENV, "auto"))
+    if AWAKE_ENV in os.environ:
+        _awake_server()
 
     def dump() -> None:
         Path(os.environ[STAMPS_ENV]).write_text(json.dumps({"stamps": stamps, "gpu_ms": gpu_ms}))
@@ -433,8 +450,8 @@ def main() -> int:
         nargs="?",
         const="both",
         choices=["server", "both"],
-        help="the server's (serve --busy-poll) and the verifier's event loops (server: the "
-        "server's alone) poll instead of sleeping",
+        help="the server's and the verifier's event loops (server: the server's alone) poll "
+        "instead of sleeping",
     )
     parser.add_argument("--out-dir", default="bench/results/profile")
     args = parser.parse_args()
@@ -472,8 +489,9 @@ def main() -> int:
         os.environ[BATCHES_ON_ENV] = args.batches_on
         if args.chain_ms is not None:
             os.environ[CHAIN_MS_ENV] = str(args.chain_ms)
-        busy_poll = ["--busy-poll"] if args.awake else []
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *argv, *busy_poll]
+        if args.awake:
+            os.environ[AWAKE_ENV] = "1"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *argv]
         server = ServerProcess(cmd, SERVER_START_TIMEOUT_S)
         try:
             both = args.awake == "both"

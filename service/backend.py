@@ -50,9 +50,7 @@ class LocalBackend:
         *,
         max_queue: int = DEFAULTS.max_queue,
         batch_wait: float = DEFAULTS.batch_wait,
-        busy_poll: bool = DEFAULTS.busy_poll,
     ) -> None:
-        self.busy_poll = busy_poll
         self.telemetry = telemetry = telemetry or Telemetry()
         self.engine = engine
         self.runner = EngineRunner()
@@ -66,7 +64,7 @@ class LocalBackend:
             inline=engine.head.device.type == "cuda",
         )
         telemetry.observe_engine(engine, lambda: self.scheduler.queued)
-        self._tasks: list[asyncio.Task] = []
+        self._reaper: asyncio.Task | None = None
 
     # ---- the calls ---------------------------------------------------------
 
@@ -214,9 +212,7 @@ class LocalBackend:
 
     def start(self) -> None:
         self.scheduler.start()
-        self._tasks.append(asyncio.create_task(self._reap_forever()))
-        if self.busy_poll:
-            self._tasks.append(asyncio.create_task(_poll_while_idle(self.runner)))
+        self._reaper = asyncio.create_task(self._reap_forever())
 
     async def _reap_forever(self) -> None:
         # A quarter of the TTL keeps an expired state's overstay under 25%, and at
@@ -249,21 +245,10 @@ class LocalBackend:
         return freed
 
     async def close(self) -> int:
-        """Stops the scheduler, the reaper and the poller, frees every state; returns how
-        many were live."""
-        for task in self._tasks:
-            task.cancel()
+        """Stops the scheduler and the reaper, frees every state; returns how many were live."""
+        if self._reaper is not None:
+            self._reaper.cancel()
         await self.scheduler.stop()
         freed = await self.runner.call(self.engine.close)
         self.runner.shutdown()
         return freed
-
-
-async def _poll_while_idle(runner: EngineRunner) -> None:
-    """Hands the loop back at once, forever, so that it never blocks in its selector and a
-    message that arrives is picked up without waking a sleeping thread (--busy-poll).
-    Not while the engine thread runs a call: a spinning loop would hold the GIL that the
-    thread takes back after every torch call."""
-    while True:
-        await runner.idle.wait()
-        await asyncio.sleep(0)

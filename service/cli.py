@@ -223,7 +223,6 @@ def build_server(
         config.address,
         max_queue=config.max_queue,
         batch_wait=config.batch_wait,
-        busy_poll=config.busy_poll,
         max_message_bytes=config.max_message_bytes,
         reflection_enabled=config.reflection,
         max_inflight=config.max_inflight,

@@ -83,12 +83,6 @@ class ServeConfig:
         "the most a batch waits for verifiers due back (0: start at once)",
         metavar="US",
     )
-    busy_poll: bool = _option(
-        False,
-        "the server's event loop polls instead of sleeping between messages: each message "
-        "is picked up sooner, a CPU core is kept busy",
-        shown_default="off",
-    )
 
     # --- the gRPC server
     host: str = _option("127.0.0.1", "address to serve on")

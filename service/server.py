@@ -15,8 +15,8 @@ class DrafterServer:
     """A started-or-not server around one engine. Use create_server() to make one.
 
     Takes FrontEnd's options (credentials, tokens, max_message_bytes,
-    reflection_enabled, max_inflight), the scheduler's (max_queue, batch_wait in
-    seconds) and busy_poll; those not given are `mtpdraft serve`'s defaults (config.py).
+    reflection_enabled, max_inflight) and the scheduler's (max_queue, batch_wait in
+    seconds); those not given are `mtpdraft serve`'s defaults (config.py).
     """
 
     def __init__(
@@ -26,14 +26,11 @@ class DrafterServer:
         *,
         max_queue: int = DEFAULTS.max_queue,
         batch_wait: float = DEFAULTS.batch_wait,
-        busy_poll: bool = DEFAULTS.busy_poll,
         telemetry: Telemetry | None = None,
         **front_end_options,
     ) -> None:
         self.engine = engine
-        self.backend = LocalBackend(
-            engine, telemetry, max_queue=max_queue, batch_wait=batch_wait, busy_poll=busy_poll
-        )
+        self.backend = LocalBackend(engine, telemetry, max_queue=max_queue, batch_wait=batch_wait)
         self.telemetry = self.backend.telemetry
         self.runner, self.scheduler = self.backend.runner, self.backend.scheduler
         self.front_end = FrontEnd(self.backend, address, self.telemetry, **front_end_options)

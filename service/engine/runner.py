@@ -48,9 +48,6 @@ class EngineRunner:
     def __init__(self) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._running = threading.Lock()  # held while a call runs, here or `exclusive`ly
-        self._awaited = 0  # calls the loop awaits, queued or running
-        self.idle = asyncio.Event()  # set while the loop awaits no call
-        self.idle.set()
         self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
         self._thread.start()
 
@@ -74,14 +71,7 @@ class EngineRunner:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._calls.put((loop, future, fn, args))
-        self._awaited += 1
-        self.idle.clear()
-        try:
-            return await future
-        finally:
-            self._awaited -= 1
-            if not self._awaited:
-                self.idle.set()
+        return await future
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[bool]:

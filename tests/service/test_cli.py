@@ -211,7 +211,6 @@ def test_the_servers_keyword_defaults_are_the_commands() -> None:
     assert defaults(DrafterServer) == {
         "max_queue": DEFAULTS.max_queue,
         "batch_wait": DEFAULTS.batch_wait,
-        "busy_poll": DEFAULTS.busy_poll,
         "telemetry": None,
     }
     assert defaults(LocalBackend) == defaults(DrafterServer)

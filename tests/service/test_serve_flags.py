@@ -7,7 +7,6 @@ scheduler's queue; a server per test, since each test's flags differ.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import time
@@ -293,28 +292,6 @@ def test_batch_wait_holds_a_batch_for_a_verifier_due_back(serve) -> None:
         assert c.info().batch_size_counts == {1: 2, 2: 1}
         for state in (a, b):
             c.free_state(state)
-
-
-# --- --busy-poll ----------------------------------------------------------------------
-
-
-async def _loop_cpu_share(wall: float = 1.0) -> float:
-    """The CPU time the running loop's thread spends over `wall` seconds of nothing to do,
-    as a share of `wall`."""
-    start, began = time.thread_time(), time.monotonic()
-    await asyncio.sleep(wall)
-    return (time.thread_time() - start) / (time.monotonic() - began)
-
-
-def test_busy_poll_keeps_the_loop_polling_and_serves_the_same_drafts(serve) -> None:
-    """A spinning thread's share of a core does not depend on the CPU's speed: polling takes
-    most of a core (a quarter at least, on a crowded machine), sleeping next to none."""
-    sleeping, polling = serve(), serve("--busy-poll")
-    assert not sleeping.config.busy_poll and polling.config.busy_poll
-    assert sleeping.run(_loop_cpu_share()) < 0.1
-    assert polling.run(_loop_cpu_share()) > 0.25
-    polled, slept = _draft(polling.address), _draft(sleeping.address)
-    assert (polled.tokens, polled.probs) == (slept.tokens, slept.probs)
 
 
 # --- --max-message-bytes --------------------------------------------------------------

@@ -110,33 +110,3 @@ def test_exclusive_is_granted_only_to_an_idle_runner_and_holds_its_calls_back() 
         asyncio.run(main())
     finally:
         runner.shutdown()
-
-
-def test_idle_is_cleared_while_the_loop_awaits_a_call_and_set_after() -> None:
-    runner = EngineRunner()
-    started, releases = threading.Event(), [threading.Event(), threading.Event()]
-
-    def held(release: threading.Event) -> None:
-        started.set()
-        release.wait(10)
-
-    async def main() -> list[bool]:
-        seen = [runner.idle.is_set()]
-        calls = [asyncio.create_task(runner.call(held, r)) for r in releases]
-        await asyncio.sleep(0)
-        await asyncio.to_thread(started.wait, 10)
-        seen.append(runner.idle.is_set())
-        releases[0].set()
-        await calls[0]
-        seen.append(runner.idle.is_set())  # the second call still awaited
-        releases[1].set()
-        await calls[1]
-        seen.append(runner.idle.is_set())
-        with pytest.raises(ValueError):
-            await runner.call(int, "not a number")
-        return [*seen, runner.idle.is_set()]
-
-    try:
-        assert asyncio.run(main()) == [True, False, False, True, True]
-    finally:
-        runner.shutdown()
