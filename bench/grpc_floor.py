@@ -93,46 +93,66 @@ def serve(
     asyncio.run(main())
 
 
-async def _streams(target: str, streams: int, request: bytes, steps: int, warmup: int) -> dict:
+async def _streams(
+    target: str, streams: int, request: bytes, steps: int, warmup: int, barrier: Any = None
+) -> dict:
+    """`streams` streams of one process: each warms up, then (after `barrier`, shared by
+    the client processes) times `steps` round trips."""
     import grpc
 
     async with grpc.aio.insecure_channel(target) as channel:
         open_call = channel.stream_stream(f"/{SERVICE}/{METHOD}")
+        calls = [open_call() for _ in range(streams)]
         times: list[float] = []
 
-        async def run() -> None:
-            call = open_call()
-            for step in range(warmup + steps):
+        async def run(call: Any, count: int, timed: list[float] | None) -> None:
+            for _ in range(count):
                 started = time.perf_counter()
                 await call.write(request)
                 await call.read()
-                if step >= warmup:
-                    times.append(time.perf_counter() - started)
-            await call.done_writing()
+                if timed is not None:
+                    timed.append(time.perf_counter() - started)
 
+        await asyncio.gather(*(run(call, warmup, None) for call in calls))
+        # Processes start seconds apart: only the steps after all are warm are counted.
+        if barrier is not None:
+            await asyncio.to_thread(barrier.wait, START_TIMEOUT_S)
         started = time.monotonic()
-        await asyncio.gather(*(run() for _ in range(streams)))
-        return {"times": times, "started": started, "finished": time.monotonic()}
+        await asyncio.gather(*(run(call, steps, times) for call in calls))
+        finished = time.monotonic()
+        for call in calls:
+            await call.done_writing()
+        return {"times": times, "started": started, "finished": finished}
 
 
-def _client_process(args: tuple, results: Any) -> None:
-    results.put(asyncio.run(_streams(*args)))
+def _client_process(args: tuple, barrier: Any, results: Any) -> None:
+    try:
+        results.put(asyncio.run(_streams(*args, barrier)))
+    except BaseException as exc:
+        barrier.abort()  # the others must not wait for this one
+        results.put(f"{type(exc).__name__}: {exc}")
+        raise
 
 
 def measure(
     target: str, streams: int, processes: int, request: bytes, steps: int, warmup: int
 ) -> dict[str, Any]:
-    """`streams` streams over `processes` client processes: p50 and messages per second."""
+    """`streams` streams over `processes` client processes: p50 and messages per second
+    over the measured steps, which every process starts together."""
     from bench_service import percentiles_us
 
     if processes <= 1:
         parts = [asyncio.run(_streams(target, streams, request, steps, warmup))]
     else:
         ctx = multiprocessing.get_context("spawn")
-        results = ctx.Queue()
+        barrier, results = ctx.Barrier(processes), ctx.Queue()
         shares = [streams // processes + (i < streams % processes) for i in range(processes)]
         workers = [
-            ctx.Process(target=_client_process, args=((target, n, request, steps, warmup), results))
+            ctx.Process(
+                target=_client_process,
+                args=((target, n, request, steps, warmup), barrier, results),
+                daemon=True,
+            )
             for n in shares
         ]
         for w in workers:
@@ -140,13 +160,16 @@ def measure(
         parts = [results.get(timeout=600) for _ in workers]
         for w in workers:
             w.join(30)
+        failed = [p for p in parts if isinstance(p, str)]
+        if failed:
+            raise RuntimeError(f"a floor client failed: {failed[0]}")
     times = [t for p in parts for t in p["times"]]
     window = max(p["finished"] for p in parts) - min(p["started"] for p in parts)
     return {
         "streams": streams,
         "client_processes": max(processes, 1),
         **percentiles_us(times),
-        "messages_per_s": streams * (steps + warmup) / window,
+        "messages_per_s": streams * steps / window,
     }
 
 
