@@ -433,11 +433,11 @@ def parse_columns(resp: pb.ColumnsResponse) -> ColumnsResult:
     """A ColumnsResponse as numpy columns; the failed rows' errors by row."""
     size = len(resp.draft_counts)
     return ColumnsResult(
-        drafts=np.array(resp.drafts, dtype=np.int32).reshape(size, resp.width),
-        probs=np.array(resp.probs, dtype=np.float32).reshape(size, resp.width),
-        counts=np.array(resp.draft_counts, dtype=np.int32),
-        confidences=np.array(resp.confidences, dtype=np.float32),
-        first_positions=np.array(resp.first_positions, dtype=np.int64),
+        drafts=np.array(resp.drafts[:], dtype=np.int32).reshape(size, resp.width),
+        probs=np.array(resp.probs[:], dtype=np.float32).reshape(size, resp.width),
+        counts=np.array(resp.draft_counts[:], dtype=np.int32),
+        confidences=np.array(resp.confidences[:], dtype=np.float32),
+        first_positions=np.array(resp.first_positions[:], dtype=np.int64),
         errors={e.row: error_from_value(e.error) for e in resp.errors},
     )
 
