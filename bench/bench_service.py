@@ -48,7 +48,6 @@ import gc
 import importlib.metadata
 import json
 import math
-import multiprocessing
 import os
 import platform
 import random
@@ -64,6 +63,7 @@ from typing import Any
 # Kept free of torch at import: client worker processes (spawned) re-import this
 # file, and an fp32 client needs neither torch nor the service.
 import grpc_floor
+from client_processes import run_together
 from results_file import write_results
 from scratch import scratch_folder
 from server_process import CpuTrace, ServerProcess, cpu_per_message
@@ -353,15 +353,6 @@ def go_client(binary: str, target: str, streams: int, work: Workload, seed: int)
     return got | {"samples": got["steps"], "window": (ended - got["window_s"], ended)}
 
 
-def _client_process(job: ClientJob, barrier: Any, results: Any) -> None:
-    try:
-        results.put(asyncio.run(_client_run(job, barrier)))
-    except BaseException as exc:
-        barrier.abort()  # the others must not wait for this one
-        results.put(f"{type(exc).__name__}: {exc}")
-        raise
-
-
 def over_grpc(
     target: str, mode: str, streams: int, work: Workload, processes: int, seed: int
 ) -> dict[str, Any]:
@@ -370,30 +361,9 @@ def over_grpc(
     if processes <= 1:
         parts = [asyncio.run(_client_run(ClientJob(target, mode, streams, work, seed)))]
     else:
-        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding gRPC / CUDA
-        barrier, results = ctx.Barrier(processes), ctx.Queue()
-        jobs = [
-            ClientJob(
-                target, mode, streams // processes + (i < streams % processes), work, seed + i
-            )
-            for i in range(processes)
-        ]
-        workers = [
-            ctx.Process(target=_client_process, args=(j, barrier, results), daemon=True)
-            for j in jobs
-        ]
-        for w in workers:
-            w.start()
-        try:
-            parts = [results.get(timeout=SERVER_START_TIMEOUT_S) for _ in workers]
-        finally:
-            for w in workers:
-                w.join(30)
-                if w.is_alive():
-                    w.terminate()
-        failed = [p for p in parts if isinstance(p, str)]
-        if failed:
-            raise RuntimeError(f"a client process failed: {failed[0]}")
+        shares = [streams // processes + (i < streams % processes) for i in range(processes)]
+        jobs = [(ClientJob(target, mode, n, work, seed + i),) for i, n in enumerate(shares)]
+        parts = run_together(_client_run, jobs, SERVER_START_TIMEOUT_S, "a client process")
     times = [t for p in parts for t in p["times"]]
     drafts = sum(p["drafts"] for p in parts)
     window = (min(p["started"] for p in parts), max(p["finished"] for p in parts))

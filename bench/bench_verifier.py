@@ -16,10 +16,10 @@ is the verifier's round trip. Measured in the same run, as references:
   V verifier processes whose messages it answers together, one in-process step (of
   B = V x S) after the last arrives: what one batch a step allows with no server work;
 - one verifier of S states over the server's Unix socket (--unix-socket);
-- an option on against off, on a second server, in rounds (one run of each way moves by
-  several percent between runs: a verdict is taken from pairs measured back to back,
-  the median of --rounds rounds' on/off ratios): tracing on (an SDK tracer, a no-op
-  exporter) at the largest shapes, columns-stream;
+- tracing on (a second server, with an SDK tracer and a no-op exporter) against off, at
+  the largest shapes: columns-stream on the two servers in turn, --rounds times, the
+  median of each round's on/off ratio (one run of each moves by a few percent between
+  runs: the verdict is taken from pairs measured back to back);
 - the Go client (client/go's mtpdraft-hotpath -states S, built by make polyglot-go):
   V goroutines of one process, each a ProposeColumnsStream; skipped where not built.
 Writes verifier.json and verifier.md to --out-dir, with each target's verdict. Only
@@ -36,7 +36,6 @@ import contextlib
 import gc
 import json
 import math
-import multiprocessing
 import random
 import shlex
 import statistics
@@ -62,6 +61,7 @@ from bench_service import (
     serve_argv,
     start_server,
 )
+from client_processes import run_together
 from results_file import write_results
 from scratch import scratch_folder
 from shapes import MIMO_7B, SMALL
@@ -128,39 +128,10 @@ async def _verifier(target: str, mode: str, size: int, work: Workload, seed: int
         await client.close()
 
 
-def _verifier_process(args: tuple, barrier: Any, results: Any) -> None:
-    try:
-        results.put(asyncio.run(_verifier(*args, barrier)))
-    except BaseException as exc:
-        barrier.abort()
-        results.put(f"{type(exc).__name__}: {exc}")
-        raise
-
-
 def served(target: str, mode: str, verifiers: int, size: int, work: Workload) -> dict[str, Any]:
     """`verifiers` processes of `size` states each; drafts/s over the common window."""
-    ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(verifiers), ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_verifier_process,
-            args=((target, mode, size, work, 100 + i), barrier, results),
-            daemon=True,
-        )
-        for i in range(verifiers)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        parts = [results.get(timeout=SERVER_START_TIMEOUT_S) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.terminate()
-    failed = [p for p in parts if isinstance(p, str)]
-    if failed:
-        raise RuntimeError(f"a verifier failed: {failed[0]}")
+    jobs = [(target, mode, size, work, 100 + i) for i in range(verifiers)]
+    parts = run_together(_verifier, jobs, SERVER_START_TIMEOUT_S, "a verifier")
     drafts = sum(p["drafts"] for p in parts)
     window = max(p["finished"] for p in parts) - min(p["started"] for p in parts)
     times = [t for p in parts for t in p["times"]]
@@ -276,15 +247,15 @@ GO_MODE = "columns-stream, Go client"
 GO_HOTPATH = "client/go/build/bin/mtpdraft-hotpath"
 
 
-def on_off_rounds(
-    off: str, on: str, mode: str, verifiers: int, size: int, work: Workload, rounds: int
+def tracing_rounds(
+    off: str, on: str, verifiers: int, size: int, work: Workload, rounds: int
 ) -> dict[str, Any]:
-    """`mode` on the option-off and option-on servers in turn, `rounds` times: the median
-    round of the option on, and the median of the rounds' on/off ratios."""
+    """columns-stream on the tracing-off and tracing-on servers in turn, `rounds` times:
+    the median round of tracing on, and the median of the rounds' on/off ratios."""
     pairs = []
     for _ in range(rounds):
-        got_off = _served(off, mode, verifiers, size, work)
-        got_on = _served(on, mode, verifiers, size, work)
+        got_off = _served(off, "columns-stream", verifiers, size, work)
+        got_on = _served(on, "columns-stream", verifiers, size, work)
         if "error" in got_off or "error" in got_on:
             return got_on if "error" in got_on else got_off
         pairs.append((got_off, got_on))
@@ -341,8 +312,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                 bound = late and engine["p50_us"] + late["over_step_us"] + slack
                 add(f"{key} {mode}: p50 us <= in-process + floor + {slack:.0f}", got, bound, True)
         else:
-            ways = (*MODES, GO_MODE)
-            best = max((row.get(m, {}).get("drafts_per_s") or 0) for m in ways)
+            best = max((row.get(m, {}).get("drafts_per_s") or 0) for m in (*MODES, GO_MODE))
             add(f"{key}: drafts/s / in-process at B = {size * verifiers} >= 0.8", best
                 / engine["drafts_per_s"], 0.8, False)  # fmt: skip
             if "tcp" in floor:  # the same ratio for a server that does no work at all
@@ -522,10 +492,9 @@ def main() -> int:
                 target = f"unix:{served_socket}"
                 row[SOCKET_MODE] = _served(target, "columns-stream", 1, size, work)
             if traced is not None and verifiers * size == largest:
-                row[TRACED_MODE] = on_off_rounds(
-                    server.target, traced.target, "columns-stream", verifiers, size, work,
-                    args.rounds,
-                )  # fmt: skip
+                row[TRACED_MODE] = tracing_rounds(
+                    server.target, traced.target, verifiers, size, work, args.rounds
+                )
             report["shapes"][f"{verifiers}x{size}"] = row
     finally:
         server.stop()

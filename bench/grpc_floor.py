@@ -18,12 +18,12 @@ as the service batches its verifiers); with UNIX it listens there too.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from client_processes import run_together
 from server_process import ServerProcess, cpu_per_message
 
 SERVICE, METHOD = "mtpdraft.v1.Drafter", "ProposeStream"
@@ -125,15 +125,6 @@ async def _streams(
         return {"times": times, "started": started, "finished": finished}
 
 
-def _client_process(args: tuple, barrier: Any, results: Any) -> None:
-    try:
-        results.put(asyncio.run(_streams(*args, barrier)))
-    except BaseException as exc:
-        barrier.abort()  # the others must not wait for this one
-        results.put(f"{type(exc).__name__}: {exc}")
-        raise
-
-
 def measure(
     target: str, streams: int, processes: int, request: bytes, steps: int, warmup: int
 ) -> dict[str, Any]:
@@ -144,25 +135,9 @@ def measure(
     if processes <= 1:
         parts = [asyncio.run(_streams(target, streams, request, steps, warmup))]
     else:
-        ctx = multiprocessing.get_context("spawn")
-        barrier, results = ctx.Barrier(processes), ctx.Queue()
         shares = [streams // processes + (i < streams % processes) for i in range(processes)]
-        workers = [
-            ctx.Process(
-                target=_client_process,
-                args=((target, n, request, steps, warmup), barrier, results),
-                daemon=True,
-            )
-            for n in shares
-        ]
-        for w in workers:
-            w.start()
-        parts = [results.get(timeout=600) for _ in workers]
-        for w in workers:
-            w.join(30)
-        failed = [p for p in parts if isinstance(p, str)]
-        if failed:
-            raise RuntimeError(f"a floor client failed: {failed[0]}")
+        jobs = [(target, n, request, steps, warmup) for n in shares]
+        parts = run_together(_streams, jobs, 600, "a floor client process")
     times = [t for p in parts for t in p["times"]]
     window = max(p["finished"] for p in parts) - min(p["started"] for p in parts)
     return {
