@@ -85,10 +85,14 @@ GRAPHED_ENGINE_HOPS = (
     ("engine: plan the chain", "draft_start", "decode_start"),
     ("engine: the chain's step rows", "decode_start", "stage_start"),
     ("engine: stage the chain's inputs", "stage_start", "stage_end"),
-    ("engine: launch the graph", "stage_end", "collect_start"),
+    (
+        "engine: launch the graph, the proposals' bookkeeping meanwhile",
+        "stage_end",
+        "collect_start",
+    ),
     ("engine: wait for the GPU, copy the drafts back", "collect_start", "collect_end"),
     ("engine: the drafts, kept or cut, and last hiddens", "collect_end", "draft_end"),
-    ("engine: record the proposals", "draft_end", "engine_end"),
+    ("engine: record the proposals' drafts, the answer", "draft_end", "engine_end"),
 )
 ENGINE_HOPS = (
     *GRAPHED_ENGINE_HOPS[:3],

@@ -412,6 +412,16 @@ class DraftEngine:
             segments = self._apply_verdicts(slots[judged], step.num_accepted[rows][judged], refeeds)
             recompute = [(int(judged[j]), segments[j]) for j in sorted(segments)]
         mask_starts = np.cumsum(step.mask_counts) - step.mask_counts
+        index = t.device_index(slots)  # copied ahead of the chain, for the last hiddens
+        kept_all: list[bool] = []
+
+        def record_kept_all(hiddens: torch.Tensor) -> None:
+            # While the device drafts: the proposals recorded as if every draft is kept
+            # (the usual step), recorded again below if a chain is cut short.
+            self._record(slots, base_rows, k, k, index, hiddens[-1])
+            kept_all.append(True)
+
+        usual = not recompute and (k == k[0]).all()
         drafted, last_hiddens = draft(
             self.head,
             self.kv,
@@ -428,20 +438,31 @@ class DraftEngine:
                 bitmasks=step.bitmasks,
                 recompute=recompute,
             ),
+            record_kept_all if usual else None,
         )
-        t.pending_row[slots] = base_rows
-        t.pending_count[slots] = drafted.counts
-        t.pending_computed[slots] = drafted.rows_computed
+        if not (kept_all and (drafted.counts == k).all()):
+            self._record(
+                slots, base_rows, drafted.counts, drafted.rows_computed, index, last_hiddens
+            )
         t.pending_drafts[slots, : drafted.all_drafts.shape[1]] = drafted.all_drafts
-        t.last_hidden[torch.from_numpy(slots).to(t.last_hidden.device)] = last_hiddens
-        t.num_rows[slots] = base_rows + drafted.rows_computed
-        t.trim(slots)
         width = drafted.drafts.shape[1]
         result.drafts[rows, :width] = drafted.drafts
         result.probs[rows, :width] = drafted.probs
         result.counts[rows] = drafted.counts
         result.confidences[rows] = drafted.confidences
         result.first_positions[rows] = step.positions[rows] + 1
+
+    def _record(self, slots, base_rows, counts, rows_computed, index, last_hiddens) -> None:
+        """The states' proposals pending: R0 at base_rows, `counts` drafts kept, rows up to
+        base_rows + rows_computed held, the last one's output hidden kept (at `index`,
+        the slots on the hidden's device)."""
+        t = self.table
+        t.pending_row[slots] = base_rows
+        t.pending_count[slots] = counts
+        t.pending_computed[slots] = rows_computed
+        t.num_rows[slots] = base_rows + rows_computed
+        t.trim(slots)
+        t.last_hidden.index_copy_(0, index, last_hiddens)
 
     # ---- KV hand-off -------------------------------------------------------
 

@@ -45,6 +45,12 @@ class StateTable:
         self.blocks = np.zeros((capacity, max_blocks), np.int32)
         self.num_blocks = np.zeros(capacity, np.int64)
         self._free_slots = list(range(capacity - 1, -1, -1))
+        # Slots as an index on a GPU, copied through pinned memory: the host does not
+        # wait for the copy, nor for the device work queued before it.
+        self._index_host = self._index = None
+        if device.type == "cuda":
+            self._index_host = torch.zeros(capacity, dtype=torch.int64).pin_memory()
+            self._index = torch.zeros(capacity, dtype=torch.int64, device=device)
 
     @property
     def max_blocks(self) -> int:
@@ -102,6 +108,15 @@ class StateTable:
         """Holds `blocks` (the slot holds none)."""
         self.blocks[slot, : len(blocks)] = blocks
         self.num_blocks[slot] = len(blocks)
+
+    def device_index(self, slots: np.ndarray) -> torch.Tensor:
+        """`slots` on the device of `last_hidden`, for device work queued after this call.
+        The pinned buffer is free again: the previous batch's wait covered its copy."""
+        if self._index is None:
+            return torch.from_numpy(slots)
+        n = len(slots)
+        self._index_host.numpy()[:n] = slots
+        return self._index[:n].copy_(self._index_host[:n], non_blocking=True)
 
     def block_tables(self, slots: np.ndarray) -> np.ndarray:
         """[len(slots), widest] int32: the slots' blocks, padded with zeros past each one's."""

@@ -10,6 +10,7 @@ without waiting, and the host waits once, for the results (`ChainOutputs`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,3 +60,10 @@ class ChainOutputs:
     hiddens: torch.Tensor  # [steps, n, H]
     tokens: np.ndarray  # [steps, n] int64
     probs: np.ndarray  # [steps, n] float32
+
+
+# Host work a caller runs while the device computes a chain (the host would otherwise
+# only wait): called once the chain is queued, with its steps' output hiddens
+# [steps, n, H], which are still being written, so only device work queued after the
+# chain may read them.
+Meanwhile = Callable[[torch.Tensor], None]

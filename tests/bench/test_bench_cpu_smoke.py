@@ -84,7 +84,10 @@ def test_timeline_stamps_every_hop_wherever_the_batch_runs(tmp_path: Path) -> No
         report = json.loads((tmp_path / f"timeline_stream_{name}_2.json").read_text())
         hops = {h["hop"]: h["p50_us"] for h in report["report"]["hops"]}
         assert "server: to the engine (a thread hop, none inline)" in hops
-        assert "engine: record the proposals" in hops and "client: read the answer" in hops
+        assert (
+            "engine: record the proposals' drafts, the answer" in hops
+            and "client: read the answer" in hops
+        )
         assert all(not math.isnan(p50) for p50 in hops.values()), hops  # every hop stamped
         assert where.replace("-", " ") in report["way"]
 

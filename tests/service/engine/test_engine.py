@@ -124,19 +124,45 @@ def test_row_counts_through_every_verdict(engine: DraftEngine) -> None:
     assert engine.pool.num_free == engine.pool.num_total
 
 
+def _threshold_that_cuts(ref: Reference) -> tuple[list[int], list[float], int, float]:
+    """The oracle's 8 drafts (and probabilities) for prompt 1..5 (hiddens h(5, 5)) then
+    token 2 (hidden h(1, 31)), and a threshold halfway across the largest drop of their
+    running minimum after the first draft: the chain keeps `cut` drafts, then stops."""
+    drafts, probs, _ = ref.propose([1, 2, 3, 4, 5, 2], torch.cat([h(5, 5), h(1, 31)]), 8)
+    running = [min(probs[: i + 1]) for i in range(8)]
+    cut = max(range(1, 8), key=lambda i: running[i - 1] - running[i])
+    assert running[cut - 1] - running[cut] > 0.01, running  # a drop far beyond fp32's error
+    assert 0 < cut < 8 and running[-1] < (running[cut - 1] + running[cut]) / 2
+    return drafts, probs, cut, (running[cut - 1] + running[cut]) / 2
+
+
+def test_a_chain_cut_short_holds_what_it_kept(engine: DraftEngine, ref: Reference) -> None:
+    """A threshold stops the chain after `cut` drafts: the proposal awaiting its verdict
+    holds those drafts and the rows R0 .. R(cut) (the stopping row computed), the blocks
+    past them are returned, and a verdict may accept no more than `cut`."""
+    drafts, _, cut, tau = _threshold_that_cuts(ref)
+    state = prefill(engine, [1, 2, 3, 4, 5], h(5, 5))
+    free = engine.pool.num_free
+    got = engine.propose(ProposeArgs(state, 2, h(1, 31), 6, 8, min_confidence=tau))
+    assert got.tokens == drafts[:cut]
+    held = engine.states[state]
+    assert held.pending.drafts == drafts[:cut] and held.pending.rows_computed == cut + 1
+    assert held.num_rows == 5 + cut + 1  # R0 is row 5
+    blocks_for = engine.table.blocks_for
+    assert engine.pool.num_free == free - (blocks_for(5 + cut + 1) - blocks_for(5))
+    with pytest.raises(InvalidArgument) as refused:
+        engine.after_verify(state, Verdict(cut + 1))
+    assert refused.value.reason == "NUM_ACCEPTED_OUT_OF_RANGE"
+    assert engine.after_verify(state, Verdict(cut)).num_rows == 5 + cut + 1
+
+
 def test_batch_mixes_lengths_thresholds_and_masks(engine: DraftEngine, ref: Reference) -> None:
     """One batch of different prompt lengths, K, thresholds and masks equals each alone;
     a threshold stops its chain where the oracle's running minimum first falls below it."""
     mask = torch.zeros(7, dtype=torch.int32)
     mask[1] = 0b1111  # tokens 32..35 only
-    # The oracle's chain for prompt 1..5 then token 2: a threshold halfway across the
-    # largest drop of its running minimum after the first draft keeps some drafts, then stops.
-    drafts, probs, _ = ref.propose([1, 2, 3, 4, 5, 2], torch.cat([h(5, 5), h(1, 31)]), 8)
+    drafts, probs, cut, tau = _threshold_that_cuts(ref)
     running = [min(probs[: i + 1]) for i in range(8)]
-    cut = max(range(1, 8), key=lambda i: running[i - 1] - running[i])
-    assert running[cut - 1] - running[cut] > 0.01, running  # a drop far beyond fp32's error
-    tau = (running[cut - 1] + running[cut]) / 2
-    assert running[-1] < tau  # the full chain falls below tau: with 0 instead, no stop
 
     def requests(states: list[int]) -> list[ProposeArgs]:
         return [

@@ -42,7 +42,10 @@ def test_eager_chain_feeds_each_step_its_predecessor(tmp_path) -> None:
     for kv in (kv_chain, kv_steps):
         kv.k.copy_(torch.randn(kv.k.shape, generator=torch.Generator().manual_seed(1)))
         kv.v.copy_(torch.randn(kv.v.shape, generator=torch.Generator().manual_seed(2)))
-    out = head.decode_chain(kv_chain, chain)
+    seen: list[torch.Tensor] = []
+    out = head.decode_chain(kv_chain, chain, lambda hiddens: seen.append(hiddens))
+    # The caller's host work ran once, given the steps' output hiddens.
+    assert len(seen) == 1 and torch.equal(seen[0], out.hiddens)
     tokens, hiddens = torch.from_numpy(chain.tokens), chain.hiddens
     for j, (positions, slots, context_lens) in enumerate(torch.from_numpy(chain.step_rows(4))):
         batch = RowBatch(

@@ -158,7 +158,10 @@ def test_graphed_chain_equals_the_same_kernels_launched_one_by_one(tmp_path, mas
     kv_g, kv_e = _kv_pair(graphed, eager, len(limits) * chain.block_tables.shape[1])
     graphed.capture_decode_graphs(kv_g, max_batch=8, max_steps=4)
     for _ in range(2):  # a second run reuses the graphs' buffers
-        got, want = graphed.decode_chain(kv_g, chain), eager.decode_chain(kv_e, chain)
+        seen: list[torch.Tensor] = []  # read on the device, ordered after the chain
+        got = graphed.decode_chain(kv_g, chain, lambda hiddens: seen.append(hiddens.clone()))
+        want = eager.decode_chain(kv_e, chain)
+        assert len(seen) == 1 and torch.equal(seen[0], got.hiddens)
         assert (got.tokens == want.tokens).all()
         assert (got.probs == want.probs).all()
         for i, limit in enumerate(limits):  # outputs past a chain's limit are meaningless
