@@ -81,14 +81,13 @@ class StateTable:
         growing = np.flatnonzero(extra)
         if not len(growing):
             return
-        taken = np.asarray(self.pool.allocate(int(extra.sum())), np.int32)
-        offset = 0
-        for i in growing:  # only the states that cross into a new block this step
-            slot, n = slots[i], extra[i]
-            held = self.num_blocks[slot]
-            self.blocks[slot, held : held + n] = taken[offset : offset + n]
-            self.num_blocks[slot] = held + n
-            offset += n
+        s, n = slots[growing], extra[growing]
+        held = self.num_blocks[s]
+        taken = np.asarray(self.pool.allocate(int(n.sum())), np.int32)
+        # Each growing slot's new blocks go after the ones it holds, in the order taken.
+        nth = np.arange(len(taken)) - np.repeat(np.cumsum(n) - n, n)
+        self.blocks[np.repeat(s, n), np.repeat(held, n) + nth] = taken
+        self.num_blocks[s] = held + n
 
     def trim(self, slots: np.ndarray) -> None:
         """Returns to the pool the blocks past each slot's rows."""

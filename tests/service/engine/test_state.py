@@ -54,3 +54,16 @@ def test_a_reused_slot_starts_empty() -> None:
     assert table.num_rows[slot] == 0 and table.pending_row[slot] == -1
     assert not table.prefilling[slot] and table.num_blocks[slot] == 0
     assert table.pool.num_free == 10 and table.last_used[slot] == 1.0
+
+
+def test_slots_growing_together_keep_their_blocks_and_take_new_ones_in_order() -> None:
+    """Slots growing by different counts in one call (one not at all): each keeps what it
+    holds and appends its new blocks, handed out low indices first, slot by slot."""
+    table = _table(12)
+    a, b, c = (table.take_slot(0.0) for _ in range(3))
+    slots = np.array([a, b, c])
+    table.grow(slots, np.array([4, 0, 5]))  # 1 block, none, 2
+    assert [_held(table, s) for s in slots] == [[0], [], [1, 2]]
+    table.grow(slots, np.array([12, 1, 8]))  # 2 more, 1, none
+    assert [_held(table, s) for s in slots] == [[0, 3, 4], [5], [1, 2]]
+    assert table.pool.num_free == 6
