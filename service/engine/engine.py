@@ -291,8 +291,6 @@ class DraftEngine:
                 slot = int(slots[i])
                 tokens = t.pending_drafts[slot, k[i] - 1 : k[i]].copy()
                 recompute[i] = Segment(slot, int(keep[i]), tokens, t.last_hidden[slot : slot + 1])
-        if self.on_verdicts is not None:
-            self.on_verdicts(k, accepted)
         t.pending_row[slots] = -1
         t.num_rows[slots] = keep
         return recompute
@@ -320,6 +318,7 @@ class DraftEngine:
         rows_after = int(t.pending_row[slot]) + 1 + a
         self.reserve(state, rows_after, "verdict")
         refeeds = {} if refeed is None else {0: refeed}
+        self._count_verdicts((t.pending_count[[slot]], np.array([a])))
         recompute = self._apply_verdicts(np.array([slot]), np.array([a]), refeeds)
         if recompute:
             run_segments(self.head, self.kv, self.table, [recompute[0]])
@@ -407,21 +406,27 @@ class DraftEngine:
         t.grow(slots, base_rows + k)
         recompute: list[tuple[int, Segment]] = []
         judged = np.flatnonzero(step.num_accepted[rows] >= 0)
+        verdicts = None  # (drafts proposed, drafts accepted) of each verdict, to count
         if len(judged):
             refeeds = _ragged_rows(step.refeed_hiddens, step.refeed_counts, rows[judged])
-            segments = self._apply_verdicts(slots[judged], step.num_accepted[rows][judged], refeeds)
+            accepted = step.num_accepted[rows][judged]
+            verdicts = (t.pending_count[slots[judged]], accepted)
+            segments = self._apply_verdicts(slots[judged], accepted, refeeds)
             recompute = [(int(judged[j]), segments[j]) for j in sorted(segments)]
         mask_starts = np.cumsum(step.mask_counts) - step.mask_counts
         index = t.device_index(slots)  # copied ahead of the chain, for the last hiddens
-        kept_all: list[bool] = []
-
-        def record_kept_all(hiddens: torch.Tensor) -> None:
-            # While the device drafts: the proposals recorded as if every draft is kept
-            # (the usual step), recorded again below if a chain is cut short.
-            self._record(slots, base_rows, k, k, index, hiddens[-1])
-            kept_all.append(True)
-
         usual = not recompute and (k == k[0]).all()
+        done_meanwhile: list[bool] = []
+
+        def meanwhile(hiddens: torch.Tensor) -> None:
+            # Host work that needs no draft, done while the device drafts: the verdicts
+            # counted and, in the usual step, the proposals recorded as if every draft
+            # is kept (recorded again below if a chain is cut short).
+            self._count_verdicts(verdicts)
+            if usual:
+                self._record(slots, base_rows, k, k, index, hiddens[-1])
+            done_meanwhile.append(True)
+
         drafted, last_hiddens = draft(
             self.head,
             self.kv,
@@ -438,9 +443,11 @@ class DraftEngine:
                 bitmasks=step.bitmasks,
                 recompute=recompute,
             ),
-            record_kept_all if usual else None,
+            meanwhile,
         )
-        if not (kept_all and (drafted.counts == k).all()):
+        if not done_meanwhile:  # no chain ran
+            self._count_verdicts(verdicts)
+        if not (done_meanwhile and usual and (drafted.counts == k).all()):
             self._record(
                 slots, base_rows, drafted.counts, drafted.rows_computed, index, last_hiddens
             )
@@ -451,6 +458,11 @@ class DraftEngine:
         result.counts[rows] = drafted.counts
         result.confidences[rows] = drafted.confidences
         result.first_positions[rows] = step.positions[rows] + 1
+
+    def _count_verdicts(self, verdicts: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """Hands (drafts proposed, drafts accepted) of some verdicts to on_verdicts."""
+        if verdicts is not None and self.on_verdicts is not None:
+            self.on_verdicts(*verdicts)
 
     def _record(self, slots, base_rows, counts, rows_computed, index, last_hiddens) -> None:
         """The states' proposals pending: R0 at base_rows, `counts` drafts kept, rows up to
