@@ -3,7 +3,7 @@ PYTHON ?= python3
 PROTO_DIR := protos
 PROTOS := $(wildcard $(PROTO_DIR)/mtpdraft/v1/*.proto)
 
-.PHONY: install proto test test-gpu lint serve bench bench-service loadtest
+.PHONY: install proto test test-gpu lint serve bench bench-service bench-precision loadtest
 
 install:
 	$(PYTHON) -m pip install -e '.[dev]'
@@ -28,6 +28,13 @@ bench:
 	$(PYTHON) bench/bench_moe_kernel.py --out-dir bench/results
 	$(PYTHON) bench/bench_families.py --out-dir bench/results
 	$(PYTHON) bench/bench_gemv.py --out-dir bench/results
+
+# On a machine with a CUDA GPU: bf16 drafts against float32 at the published shapes
+# (bench/results/precision.{json,md}), and against float64 on the tiny checkpoints, each
+# disagreement set beside the routing flip that caused it (precision_routing.{json,md}).
+bench-precision:
+	$(PYTHON) bench/bench_precision.py --out-dir bench/results
+	$(PYTHON) bench/precision_routing.py --out-dir bench/results
 
 # On a machine with a CUDA GPU: a verifier's step served (V verifiers x S states; the
 # kernel-only chain, the in-process engine, the canned-reply floor, a Unix socket, tracing:

@@ -5,7 +5,7 @@ reads the safetensors itself (one file or a sharded set with model.safetensors.i
 dequantizes FP8 weights with their block scales, keeps no KV cache (every call recomputes
 the whole sequence with full causal attention, in the plain, non-absorbed MLA form) and
 has the interface of tests/family_reference.FamilyReference (`rows`, `logits`,
-`propose`, the `store` hook).
+`propose`, the `store` and `route` hooks).
 
 Sources (as published):
 - vLLM vllm/model_executor/models/deepseek_mtp.py: DeepSeekMultiTokenPredictorLayer.forward
@@ -49,6 +49,7 @@ published and the tiny configs). The router logits are not passed through `store
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -56,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from family_reference import sigmoid_grouped_topk  # DeepSeek-V3's routing is GLM's
+from family_reference import Route, sigmoid_grouped_topk  # DeepSeek-V3's routing is GLM's
 from mtp_reference import chain_drafts
 from safetensors.torch import load_file
 
@@ -210,10 +211,10 @@ class DeepseekReference:
         g, u = s(y @ self.t(p + "gate_proj").T), s(y @ self.t(p + "up_proj").T)
         return s(s(torch.nn.functional.silu(g) * u) @ self.t(p + "down_proj").T)
 
-    def _moe(self, y: torch.Tensor, p: str, s: Store) -> torch.Tensor:
+    def _moe(self, y: torch.Tensor, p: str, s: Store, route: Route | None) -> torch.Tensor:
         c = self.cfg
         out = []
-        for row in y:
+        for i, row in enumerate(y):
             ids, wts = sigmoid_grouped_topk(
                 row @ self.t(p + "mlp.gate").T,
                 self.w[p + "mlp.gate.e_score_correction_bias"],
@@ -222,6 +223,7 @@ class DeepseekReference:
                 c.get("topk_group") or 1,
                 c.get("norm_topk_prob", True),
                 c.get("routed_scaling_factor", 1.0),
+                None if route is None else functools.partial(route, i),
             )
             acc = torch.zeros_like(row)
             for e, wt in zip(ids.tolist(), wts, strict=True):
@@ -230,9 +232,9 @@ class DeepseekReference:
             out.append(s(s(acc) + shared))
         return torch.stack(out)
 
-    def _mlp(self, y: torch.Tensor, p: str, s: Store) -> torch.Tensor:
+    def _mlp(self, y: torch.Tensor, p: str, s: Store, route: Route | None) -> torch.Tensor:
         if p + "mlp.gate.weight" in self.w:
-            return self._moe(y, p, s)
+            return self._moe(y, p, s, route)
         return self._swiglu(y, p + "mlp.", s)
 
     def _qkv(
@@ -274,8 +276,10 @@ class DeepseekReference:
         hiddens: torch.Tensor,
         store: Store | None = None,
         step: int = 0,
+        route: Route | None = None,
     ) -> torch.Tensor:
-        """Output hiddens (the ones passed on: before shared_head.norm) of rows 0..n-1."""
+        """Output hiddens (the ones passed on: before shared_head.norm) of rows 0..n-1;
+        `route` sees (and may change) each MoE row's choice of experts."""
         s = store or _same
         n, p = len(tokens), self.prefix(step)
         pos = torch.arange(n)
@@ -289,7 +293,7 @@ class DeepseekReference:
         y = s(self._norm(x, p + "input_layernorm"))
         x = s(x + self._attention(y, pos, p, s))
         y = s(self._norm(x, p + "post_attention_layernorm"))
-        return s(x + self._mlp(y, p, s))
+        return s(x + self._mlp(y, p, s, route))
 
     def logits(self, out: torch.Tensor, store: Store | None = None, step: int = 0) -> torch.Tensor:
         s = store or _same

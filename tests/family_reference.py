@@ -4,7 +4,8 @@ Written straight from the published modeling code, sharing nothing with
 mtpdraft.service; it reads the safetensors itself (one file or a sharded set with
 model.safetensors.index.json), keeps no KV cache (every call recomputes the whole
 sequence with full causal attention) and has the interface of
-tests/mtp_reference.Reference (`rows`, `logits`, `propose`, the `store` hook).
+tests/mtp_reference.Reference (`rows`, `logits`, `propose`, the `store` hook), and a
+`route` hook that sees, and may replace, each MoE row's choice of experts.
 
 Sources (vLLM and transformers, as published):
 - GLM: vllm/model_executor/models/glm4_moe_mtp.py (Glm4MoeMultiTokenPredictorLayer.forward,
@@ -43,7 +44,9 @@ The GLM router's logits are computed in float32 by both; `store` is not applied 
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +56,12 @@ from mtp_reference import chain_drafts
 from safetensors.torch import load_file
 
 Store = Callable[[torch.Tensor], torch.Tensor]
+# pick(ids, margin, values) -> the expert ids a row uses, given the oracle's own choice, its
+# margin (how far that choice is from a tie: the last value kept minus the first left out)
+# and the values that choose (biased sigmoid scores, or router logits).
+Pick = Callable[[torch.Tensor, float, torch.Tensor], torch.Tensor]
+# route(row, ids, margin, values): a Pick for each row of a sequence, by its index.
+Route = Callable[[int, torch.Tensor, float, torch.Tensor], torch.Tensor]
 
 
 def _same(x: torch.Tensor) -> torch.Tensor:
@@ -76,6 +85,19 @@ def rope_neox(
     return torch.cat([a * cos - b * sin, b * cos + a * sin, x[..., rot:]], -1)
 
 
+def _margin(ranked: torch.Tensor, kept: int) -> float:
+    """How far a top-`kept` choice over `ranked` values is from a tie: the last value kept
+    minus the first left out (inf when nothing is left out)."""
+    top = ranked.sort(descending=True).values
+    if kept >= top.numel() or not torch.isfinite(top[kept]):
+        return math.inf
+    return float(top[kept - 1] - top[kept])
+
+
+def _picked(pick: Pick | None, ids: torch.Tensor, margin: float, values: torch.Tensor):
+    return ids if pick is None else torch.as_tensor(pick(ids, margin, values))
+
+
 def sigmoid_grouped_topk(
     logits: torch.Tensor,
     bias: torch.Tensor,
@@ -84,8 +106,12 @@ def sigmoid_grouped_topk(
     topk_group: int,
     renormalize: bool,
     scaling: float,
+    pick: Pick | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GLM-4.5 / DeepSeek-V3 routing for one token: (expert ids, weights)."""
+    """GLM-4.5 / DeepSeek-V3 routing for one token: (expert ids, weights).
+
+    Its margin (see Pick) is the smaller of the group choice's and the expert choice's,
+    both in the biased scores that choose."""
     scores = logits.sigmoid()
     choice = scores + bias
     groups = choice.view(n_group, -1)
@@ -94,6 +120,8 @@ def sigmoid_grouped_topk(
     keep[group_score.topk(topk_group).indices] = True
     masked = choice.masked_fill(~keep.repeat_interleave(groups.shape[1]), float("-inf"))
     ids = masked.topk(top_k).indices
+    margin = min(_margin(group_score, topk_group), _margin(masked, top_k))
+    ids = _picked(pick, ids, margin, choice)
     w = scores[ids]
     if renormalize:
         w = w / w.sum()
@@ -101,11 +129,12 @@ def sigmoid_grouped_topk(
 
 
 def softmax_topk(
-    logits: torch.Tensor, top_k: int, renormalize: bool
+    logits: torch.Tensor, top_k: int, renormalize: bool, pick: Pick | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen MoE routing for one token: (expert ids, weights)."""
+    """Qwen MoE routing for one token: (expert ids, weights); its margin is in logits."""
     p = logits.softmax(-1)
-    w, ids = p.topk(top_k)
+    ids = _picked(pick, p.topk(top_k).indices, _margin(logits, top_k), logits)
+    w = p[ids]
     return ids, (w / w.sum() if renormalize else w)
 
 
@@ -174,15 +203,17 @@ class FamilyReference:
         q = p + f"mlp.experts.{e}."
         return self.t(q + "gate_proj"), self.t(q + "up_proj"), self.t(q + "down_proj")
 
-    def _moe(self, y: torch.Tensor, p: str, s: Store) -> torch.Tensor:
+    def _moe(self, y: torch.Tensor, p: str, s: Store, route: Route | None) -> torch.Tensor:
         t = self.text
         out = []
-        for row in y:
+        for i, row in enumerate(y):
+            pick = None if route is None else functools.partial(route, i)
             if self.qwen:
                 ids, wts = softmax_topk(
                     s(row @ self.t(p + "mlp.gate").T),
                     t["num_experts_per_tok"],
                     t.get("norm_topk_prob", True),
+                    pick,
                 )
             else:
                 ids, wts = sigmoid_grouped_topk(
@@ -193,6 +224,7 @@ class FamilyReference:
                     t.get("topk_group") or 1,
                     t.get("norm_topk_prob", True),
                     t.get("routed_scaling_factor", 1.0),
+                    pick,
                 )
             acc = torch.zeros_like(row)
             for e, wt in zip(ids.tolist(), wts, strict=True):
@@ -208,9 +240,9 @@ class FamilyReference:
             out.append(s(s(acc) + sh))
         return torch.stack(out)
 
-    def _mlp(self, y: torch.Tensor, p: str, s: Store) -> torch.Tensor:
+    def _mlp(self, y: torch.Tensor, p: str, s: Store, route: Route | None) -> torch.Tensor:
         if p + "mlp.gate.weight" in self.w:
-            return self._moe(y, p, s)
+            return self._moe(y, p, s, route)
         return self._swiglu(
             y, *(self.t(p + f"mlp.{m}") for m in ("gate_proj", "up_proj", "down_proj")), s
         )
@@ -250,8 +282,10 @@ class FamilyReference:
         hiddens: torch.Tensor,
         store: Store | None = None,
         step: int = 0,
+        route: Route | None = None,
     ) -> torch.Tensor:
-        """Output hiddens (the ones passed on) of rows 0..n-1 of one sequence."""
+        """Output hiddens (the ones passed on) of rows 0..n-1 of one sequence; `route` sees
+        (and may change) each MoE row's choice of experts."""
         s = store or _same
         n, p = len(tokens), self.prefix(step)
         pos = torch.arange(n)
@@ -271,7 +305,7 @@ class FamilyReference:
         y = s(self._norm(x, p + "input_layernorm"))
         x = s(x + self._attention(y, pos, p, s))
         y = s(self._norm(x, p + "post_attention_layernorm"))
-        x = s(x + self._mlp(y, p, s))
+        x = s(x + self._mlp(y, p, s, route))
         return s(self._norm(x, "mtp.norm")) if self.qwen else x
 
     def logits(self, out: torch.Tensor, store: Store | None = None, step: int = 0) -> torch.Tensor:

@@ -68,10 +68,15 @@ class Reference:
         return self.w[name + ".weight"] if name + ".weight" in self.w else self.w[name]
 
     def rows(
-        self, tokens: list[int], hiddens: torch.Tensor, store: Store | None = None, step: int = 0
+        self,
+        tokens: list[int],
+        hiddens: torch.Tensor,
+        store: Store | None = None,
+        step: int = 0,
+        route: object = None,
     ) -> torch.Tensor:
         """Output hiddens (the ones passed on) of rows 0..n-1 of one sequence (one MTP
-        layer: the same for every draft `step`)."""
+        layer: the same for every draft `step`; a dense MLP: `route` never called)."""
         c, p, eps = self.cfg, self.p, self.cfg["rms_norm_eps"]
         s = store or _same
         n, h = len(tokens), c["hidden_size"]

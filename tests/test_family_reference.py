@@ -68,6 +68,30 @@ def test_softmax_routing_by_hand():
     assert w.tolist() == pytest.approx([e3 / (e2 + e3), e2 / (e2 + e3)], abs=1e-12)
 
 
+def test_routing_hooks_see_the_margin_and_may_change_the_choice():
+    # The biased example above: groups score 1.521 (group 1) and 1.503 (group 0), the
+    # choice inside group 1 is 0.922 and 0.599 with nothing left out: the margin is the
+    # group's, 0.0178. A pick of [0, 1] is weighed by their unbiased scores.
+    logits = torch.tensor([2.0, 0.5, 0.5, 0.4], dtype=torch.float64)
+    bias = torch.tensor([0.0, 0.0, 0.3, 0.0], dtype=torch.float64)
+    s = torch.sigmoid(logits)
+    seen = []
+
+    def pick(ids, margin, values):
+        seen.append((ids.tolist(), margin, values.tolist()))
+        return torch.tensor([0, 1])
+
+    ids, w = sigmoid_grouped_topk(logits, bias, 2, 2, 1, True, 2.5, pick)
+    group = float(s[2] + 0.3 + s[3] - s[0] - s[1])
+    assert seen == [([2, 3], pytest.approx(group, abs=1e-12), (s + bias).tolist())]
+    assert ids.tolist() == [0, 1]
+    assert w.tolist() == pytest.approx((2.5 * s[:2] / s[:2].sum()).tolist(), abs=1e-12)
+    # Softmax: the margin is in logits, the third largest away from the second.
+    seen.clear()
+    softmax_topk(torch.tensor([1.0, 2.0, 3.0, 0.0], dtype=torch.float64), 2, True, pick)
+    assert seen[0][:2] == ([2, 1], pytest.approx(1.0))
+
+
 def test_zero_centred_norm_scales_by_one_plus_w():
     x = torch.tensor([3.0, 4.0], dtype=torch.float64)
     rms = math.sqrt(12.5)

@@ -8,14 +8,14 @@ each served draft must be the oracle's top-1 at that step, or within the
 compute dtype's rounding of it (a tie, where either token is right), and the
 chain goes on from the served token, so one tie does not end the comparison.
 
-Tolerances, from the compute dtype's unit roundoff u (bf16 2**-8, fp32 2**-24):
-every stored activation is rounded once (u), and the kernels accumulate their
-dot products in fp32, n terms at most (the MLP's intermediate size), whose error
-grows as sqrt(n) * 2**-24. The served logits may then differ from float64 by a
-few such errors of the largest logit: gap = TIE_ROUNDINGS * (u + sqrt(n) *
-2**-24) * max|logit|, under which two tokens tie; a probability, softmax of
-logits each off by at most the gap, by a factor exp(2 * gap). (On the H200 the
-worst seen was a third of that in bf16, a tenth in fp32.)
+Tolerances (tests/precision.py), from the compute dtype's unit roundoff u (bf16 2**-8,
+fp32 2**-24): every stored activation is rounded once (u), and the kernels accumulate
+their dot products in fp32, n terms at most (the MLP's intermediate size), whose error
+grows as sqrt(n) * 2**-24. The served logits may then differ from float64 by a few such
+errors of the largest logit: gap = TIE_ROUNDINGS * (u + sqrt(n) * 2**-24) * max|logit|,
+under which two tokens tie; a probability, softmax of logits each off by at most the
+gap, by a factor exp(2 * gap). (On the H200 the worst seen was a third of that in bf16,
+a tenth in fp32.) tests/served_chains.py drives the states and checks the drafts.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import math
 import pytest
 import torch
 from mtp_reference import Reference
+from precision import rounding
+from served_chains import Sequence
 from servers import start_server
 
 from mtpdraft.client import DrafterClient, ProposeArgs, Verdict
@@ -40,9 +42,6 @@ REAL_SHAPE = dict(
     intermediate_size=11008,
     vocab_size=151680,
 )
-UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float32": 2.0**-24}
-ACCUMULATION = math.sqrt(REAL_SHAPE["intermediate_size"]) * 2.0**-24
-TIE_ROUNDINGS = 4  # the layers' roundings that can add up in the largest logit
 K = 4
 
 
@@ -69,84 +68,16 @@ def served(request, checkpoint):
         with DrafterClient(proc.address, timeout=120.0) as client:
             info = client.info()
             assert info.device.startswith("cuda") and info.compute_dtype == request.param
-            yield client, UNIT_ROUNDOFF[request.param] + ACCUMULATION
+            yield client, request.param, rounding(request.param, REAL_SHAPE["intermediate_size"])
             assert client.info().live_states == 0
     finally:
         proc.stop()
 
 
-class Sequence:
-    """One state's committed rows as the contract defines them, and the oracle's view of it."""
-
-    def __init__(self, ref: Reference, client: DrafterClient, n: int, seed: int) -> None:
-        self.ref, self.gen = ref, torch.Generator().manual_seed(seed)
-        self.tokens = self.random_tokens(n)
-        wire = self.random_hiddens(n)
-        self.hiddens = wire.double()  # the rows' hiddens, as the oracle reads them
-        self.pending: tuple[list[int], list[torch.Tensor]] | None = None
-        self.state = client.alloc_state()
-        result = client.prefill(self.state, self.tokens, wire, start_position=1)
-        assert result.next_position == n + 1
-
-    def random_tokens(self, n: int) -> list[int]:
-        vocab = self.ref.cfg["vocab_size"]
-        return torch.randint(0, vocab, (n,), generator=self.gen).tolist()
-
-    def random_hiddens(self, n: int) -> torch.Tensor:
-        h = self.ref.cfg["hidden_size"]
-        # bf16 on the wire, so that the oracle reads exactly what the server reads
-        return torch.randn(n, h, generator=self.gen).to(torch.bfloat16)
-
-    @property
-    def position(self) -> int:
-        return len(self.tokens) + 1
-
-    def next_input(self) -> tuple[int, torch.Tensor]:
-        return self.random_tokens(1)[0], self.random_hiddens(1)[0]
-
-    def check(self, token, hidden, got, u: float, allowed=None) -> tuple[list[float], list[float]]:
-        """Teacher-forces the oracle with the served drafts and records the proposal's R0.
-
-        Returns the oracle's probability of each draft and its tie gap."""
-        assert got.first_position == self.position + 1
-        tokens = [*self.tokens, token]
-        hiddens = torch.cat([self.hiddens, hidden.double()[None]])
-        outs, probs, gaps = [], [], []
-        for j, draft in enumerate(got.tokens):
-            out = self.ref.rows(tokens, hiddens)[-1]
-            logits = self.ref.logits(out)
-            if allowed is not None:
-                logits = logits.masked_fill(~allowed[min(j, len(allowed) - 1)], -math.inf)
-            gap = TIE_ROUNDINGS * u * float(logits[logits.isfinite()].abs().max())
-            assert logits[draft] >= logits.max() - gap, (
-                f"draft {j}: {draft} is not the oracle's top-1 {int(logits.argmax())} "
-                f"nor within {gap:.3g} of it ({float(logits.max() - logits[draft]):.3g})"
-            )
-            prob = float(logits.softmax(-1)[draft])
-            assert abs(math.log(got.probs[j]) - math.log(prob)) <= 2 * gap, (j, got.probs[j], prob)
-            probs.append(prob)
-            gaps.append(gap)
-            outs.append(out)
-            tokens.append(draft)
-            hiddens = torch.cat([hiddens, out[None]])
-        self.tokens.append(token)
-        self.hiddens = torch.cat([self.hiddens, hidden.double()[None]])
-        self.pending = (list(got.tokens), outs)
-        return probs, gaps
-
-    def verdict(self, accepted: int, refeed: torch.Tensor | None = None) -> None:
-        drafts, outs = self.pending
-        self.pending = None
-        for i in range(accepted):
-            self.tokens.append(drafts[i])
-            row = refeed[i] if refeed is not None else outs[i]
-            self.hiddens = torch.cat([self.hiddens, row.double()[None]])
-
-
 def test_served_chains_match_the_oracle_through_every_verdict(served, ref) -> None:
     """Multi-step chains; a = 0, 0 < a < K, a = K; refeed and own hiddens; fused verdicts."""
-    client, u = served
-    seq = Sequence(ref, client, 21, seed=1)
+    client, dtype, u = served
+    seq = Sequence(ref, client, 21, 1, dtype, u)
     try:
         verdicts = [(0, False), (2, False), (K, False), (1, True), (K, True), (3, False)]
         previous = None
@@ -154,14 +85,14 @@ def test_served_chains_match_the_oracle_through_every_verdict(served, ref) -> No
             token, hidden = seq.next_input()
             got = client.propose(seq.state, token, hidden, seq.position, K, previous=previous)
             assert len(got.tokens) == K
-            seq.check(token, hidden, got, u)
+            seq.check(token, hidden, got)
             assert got.confidence == pytest.approx(min(got.probs))
             hiddens = seq.random_hiddens(accepted) if refeed else None
             seq.verdict(accepted, hiddens)
             previous = Verdict(accepted, hiddens)
         token, hidden = seq.next_input()
         got = client.propose(seq.state, token, hidden, seq.position, 2, previous=previous)
-        seq.check(token, hidden, got, u)
+        seq.check(token, hidden, got)
         client.after_verify(seq.state, 0)
     finally:
         client.free_state(seq.state)
@@ -177,15 +108,15 @@ def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
 
 
 def test_served_bitmask_matches_the_oracle(served, ref) -> None:
-    client, u = served
-    seq = Sequence(ref, client, 9, seed=2)
+    client, dtype, u = served
+    seq = Sequence(ref, client, 9, 2, dtype, u)
     try:
         vocab = ref.cfg["vocab_size"]
         gen = torch.Generator().manual_seed(3)
         allowed = torch.rand(K, vocab, generator=gen) < 1 / 16
         token, hidden = seq.next_input()
         got = client.propose(seq.state, token, hidden, seq.position, K, bitmask=_bitmask(allowed))
-        seq.check(token, hidden, got, u, allowed)
+        seq.check(token, hidden, got, allowed)
         assert all(allowed[j, t] for j, t in enumerate(got.tokens))
         client.after_verify(seq.state, 2)
         seq.verdict(2)
@@ -193,7 +124,7 @@ def test_served_bitmask_matches_the_oracle(served, ref) -> None:
         got = client.propose(
             seq.state, token, hidden, seq.position, K, bitmask=_bitmask(allowed[2:3])
         )
-        seq.check(token, hidden, got, u, allowed[2:3])
+        seq.check(token, hidden, got, allowed[2:3])
         assert all(allowed[2, t] for t in got.tokens)
         client.after_verify(seq.state, 0)
     finally:
@@ -206,8 +137,8 @@ def test_served_min_confidence_cuts_the_chain_where_the_oracle_does(served, ref)
 
     The first three steps allow two tokens each, the rest all: the chain's confidence
     falls at the fourth draft by far more than rounding could move it."""
-    client, u = served
-    full_seq, short_seq = Sequence(ref, client, 9, seed=4), Sequence(ref, client, 9, seed=4)
+    client, dtype, u = served
+    full_seq, short_seq = (Sequence(ref, client, 9, 4, dtype, u) for _ in range(2))
     try:
         vocab = ref.cfg["vocab_size"]
         gen = torch.Generator().manual_seed(5)
@@ -218,7 +149,7 @@ def test_served_min_confidence_cuts_the_chain_where_the_oracle_does(served, ref)
         token, hidden = full_seq.next_input()
         assert short_seq.next_input()[0] == token
         full = client.propose(full_seq.state, token, hidden, full_seq.position, 8, bitmask=mask)
-        probs, gaps = full_seq.check(token, hidden, full, u, shaped)
+        probs, gaps = full_seq.check(token, hidden, full, shaped)
         client.after_verify(full_seq.state, 0)
         # A drop of the running minimum wider than twice the probability tolerance on each
         # side (2 * gap, in log terms) leaves room for a threshold no rounding can cross.
@@ -234,13 +165,13 @@ def test_served_min_confidence_cuts_the_chain_where_the_oracle_does(served, ref)
             seq.state, token, hidden, seq.position, 8, bitmask=mask, min_confidence=tau
         )
         assert short.tokens == full.tokens[:cut]  # the draft below tau is not returned
-        seq.check(token, hidden, short, u, shaped)
+        seq.check(token, hidden, short, shaped)
         assert min(short.probs) >= tau > short.confidence
         # Accepting every returned draft keeps their rows, the stopping row included.
         client.after_verify(seq.state, len(short.tokens))
         seq.verdict(len(short.tokens))
         token, hidden = seq.next_input()
-        seq.check(token, hidden, client.propose(seq.state, token, hidden, seq.position, 3), u)
+        seq.check(token, hidden, client.propose(seq.state, token, hidden, seq.position, 3))
         client.after_verify(seq.state, 3)
     finally:
         client.free_state(full_seq.state)
@@ -249,8 +180,8 @@ def test_served_min_confidence_cuts_the_chain_where_the_oracle_does(served, ref)
 
 def test_served_batch_matches_the_oracle(served, ref) -> None:
     """One ProposeBatch over states of different lengths, K and verdicts."""
-    client, u = served
-    seqs = [Sequence(ref, client, n, seed=10 + n) for n in (1, 17, 40)]
+    client, dtype, u = served
+    seqs = [Sequence(ref, client, n, 10 + n, dtype, u) for n in (1, 17, 40)]
     try:
         for step in range(2):
             inputs = [seq.next_input() for seq in seqs]
@@ -262,7 +193,7 @@ def test_served_batch_matches_the_oracle(served, ref) -> None:
             got = client.propose_batch(requests)
             for seq, (tok, hid), proposal, k in zip(seqs, inputs, got, ks, strict=True):
                 assert len(proposal.tokens) == k
-                seq.check(tok, hid, proposal, u)
+                seq.check(tok, hid, proposal)
                 seq.verdict(1)
         for seq in seqs:
             client.after_verify(seq.state, 1)

@@ -1,0 +1,80 @@
+"""Served in bf16, the MoE families draft as float64 does but where a router's choice is a
+near tie: shown row by row, with the service's own routing (tests/precision.py).
+
+A server in-process (its engine on the eager path: torch ops on the CPU, the Triton kernels
+without CUDA graphs on a GPU) serves a tiny checkpoint of each MoE family in bf16 (DeepSeek-V3
+also with its FP8 weights), one state at a time: a prompt long enough to reach DeepSeek's
+YaRN band (past original_max_position_embeddings), chains of K = 4, verdicts with and
+without refeed. The experts it routes every row to are recorded, and the float64 oracle is
+made to route each row the same way (precision.Forced). Then:
+- every served draft is that oracle's top-1 within the bf16 tie gap, its probability
+  within twice the gap: nothing else (the latent cache, the absorbed projections, a later
+  chain step, the draft-KV writes) separates the service from float64;
+- every row the oracle, routing as the service did upstream, would have routed otherwise
+  was a near tie: its margin is below ROUTING_ROUNDINGS bf16 roundings of its largest
+  choice value.
+On the tiny DeepSeek checkpoint the plain oracle disagrees with a few drafts in a hundred,
+by up to 12 logits; each follows such a flip (bench/results/precision_routing.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepseek_checkpoints import write_deepseek_checkpoint
+from deepseek_reference import DeepseekReference
+from family_checkpoints import write_family_checkpoint
+from family_reference import FamilyReference
+from precision import ROUTING_ROUNDINGS, UNIT_ROUNDOFF, Forced, ServiceRouting, rounding
+from served_chains import Sequence, random_session
+from servers import InProcessServer
+
+from mtpdraft.client import DrafterClient
+from mtpdraft.service.engine.engine import DraftEngine
+from mtpdraft.service.model.checkpoint import load_mtp_weights
+from mtpdraft.service.model.mtp_head import MTPHead
+
+# name: (writer options, prompt rows). DeepSeek's tiny YaRN config keeps the published
+# factor's band at original_max_position_embeddings = 1024.
+FAMILIES = {
+    "deepseek-v3": ({}, 1100),
+    "deepseek-v3-fp8": ({"fp8": True}, 1100),
+    "glm-4.5": ({"n_group": 2, "topk_group": 1}, 240),
+    "qwen3-next": ({}, 240),
+}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _checkpoint(folder, name: str):
+    options = FAMILIES[name][0]
+    if name.startswith("deepseek"):
+        write_deepseek_checkpoint(folder, "deepseek-v3", dtype=torch.bfloat16, seed=5, **options)
+        return DeepseekReference(folder)
+    write_family_checkpoint(folder, name, dtype=torch.bfloat16, seed=5, **options)
+    return FamilyReference(folder)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bf16_drafts_differ_from_float64_only_by_routing_near_ties(tmp_path, name, device):
+    ref = _checkpoint(tmp_path, name)
+    ops = "triton" if device == "cuda" else "torch"
+    head = MTPHead(load_mtp_weights(tmp_path), torch.device(device), torch.bfloat16, ops)
+    engine = DraftEngine(head, kv_blocks=160, block_size=16, max_drafts=8)
+    server = InProcessServer(engine)
+    seen: dict[int, tuple[float, bool, float]] = {}
+    u = UNIT_ROUNDOFF["bfloat16"]
+    try:
+        with DrafterClient(server.address, timeout=120) as client, ServiceRouting(head) as routed:
+            seq = Sequence(
+                ref, client, FAMILIES[name][1], seed=1, dtype="bfloat16",
+                u=rounding("bfloat16"), route=lambda: Forced(routed, seen, u),
+            )  # fmt: skip
+            tally = random_session(seq, steps=12, k=4, seed=2)
+    finally:
+        server.stop()
+    assert tally.flipped == 0 and tally.checked == 12 * 4
+    flips = {row: margin for row, (margin, same, _) in seen.items() if not same}
+    assert all(m < ROUTING_ROUNDINGS for m in flips.values()), flips
+    # The service's router saw the oracle's values but for bf16's rounding.
+    assert max(delta for *_, delta in seen.values()) < ROUTING_ROUNDINGS

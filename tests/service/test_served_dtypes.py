@@ -1,0 +1,147 @@
+"""Every family served in the dtypes users run (bf16, float32, DeepSeek's FP8 weights), each
+draft checked against its float64 oracle within what the dtype may change
+(tests/served_chains.py, tests/precision.py).
+
+On a GPU (marked gpu): `mtpdraft serve --device cuda --dtype D`, the Triton kernels and the
+K-step chain as one CUDA graph, for a tiny checkpoint of each family in bf16 as published.
+Per server, two states with prompts long enough to reach each family's RoPE regime
+(DeepSeek's past its YaRN original_max_position_embeddings of 1024), then 12 steps of
+K = 4 with random verdicts (none / some / all accepted, own hiddens or refed, AfterVerify
+or carried by the next Propose). A draft must tie with the oracle's top-1 within
+TIE_ROUNDINGS roundings of the largest logit and have its probability within twice
+that; a draft off that after a routing near tie of its chain counts as flipped (at most
+a tenth may).
+
+On the CPU: the checker itself fails when a later chain step is perturbed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+
+import pytest
+import torch
+from deepseek_checkpoints import write_deepseek_checkpoint
+from deepseek_reference import DeepseekReference
+from family_checkpoints import write_family_checkpoint
+from family_reference import FamilyReference
+from mtp_reference import Reference
+from precision import rounding
+from served_chains import Sequence, Tally, random_session
+from servers import InProcessServer, start_server
+
+from mtpdraft.client import DrafterClient
+from mtpdraft.service.engine.engine import DraftEngine
+from mtpdraft.service.model.checkpoint import load_mtp_weights
+from mtpdraft.service.model.mtp_head import MTPHead
+from mtpdraft.service.model.synthetic import write_random_checkpoint
+
+# name: (prompt rows, the dtypes it is served in)
+FAMILIES = {
+    "mimo": (240, ("bfloat16", "float32")),
+    "glm-4.5": (240, ("bfloat16", "float32")),
+    "qwen3-next": (240, ("bfloat16", "float32")),
+    "qwen3.6-dense": (240, ("bfloat16", "float32")),
+    "deepseek-v3": (1100, ("bfloat16", "float32")),
+    "deepseek-v3-fp8": (1100, ("bfloat16", "float32")),
+}
+SERVER = ("--kv-blocks", "512", "--block-size", "16", "--max-drafts", "8", "--max-batch", "8")
+STEPS, K = 12, 4
+
+
+def write_checkpoint(folder, name: str):
+    """A tiny bf16 checkpoint of `name` in `folder`, and its float64 oracle."""
+    if name == "mimo":
+        return Reference(write_random_checkpoint(folder, "mimo", dtype=torch.bfloat16, seed=5))
+    if name.startswith("deepseek"):
+        fp8 = name.endswith("fp8")
+        write_deepseek_checkpoint(folder, "deepseek-v3", dtype=torch.bfloat16, seed=5, fp8=fp8)
+        return DeepseekReference(folder)
+    extra = {"n_group": 2, "topk_group": 1} if name == "glm-4.5" else {}
+    write_family_checkpoint(folder, name, dtype=torch.bfloat16, seed=5, **extra)
+    return FamilyReference(folder)
+
+
+def sessions(ref, client, name: str, dtype: str, seeds=(1, 2)) -> Tally:
+    """Random sessions on states of `name`'s prompt length; their tallies summed."""
+    total = Tally()
+    for seed in seeds:
+        seq = Sequence(ref, client, FAMILIES[name][0], seed, dtype, rounding(dtype))
+        total.add(random_session(seq, STEPS, K, seed))
+    return total
+
+
+SERVED = [(name, dtype) for name, (_, dtypes) in FAMILIES.items() for dtype in dtypes]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("name", "dtype"), SERVED, ids=["-".join(s) for s in SERVED])
+def test_served_drafts_match_the_oracle_in_the_dtype(tmp_path, name: str, dtype: str) -> None:
+    ref = write_checkpoint(tmp_path, name)
+    proc = start_server(tmp_path, "--device", "cuda", "--dtype", dtype, *SERVER)
+    try:
+        with DrafterClient(proc.address, timeout=120) as client:
+            assert client.info().compute_dtype == dtype
+            tally = sessions(ref, client, name, dtype)
+            assert client.info().live_states == 0
+    finally:
+        proc.stop()
+    assert tally.checked + tally.flipped == 2 * STEPS * K
+    assert tally.flipped <= 0.1 * 2 * STEPS * K
+
+
+@contextmanager
+def later_steps_perturbed(head: MTPHead, scale: float):
+    """The head with every chain step after the first fed its hidden times (1 + scale * z),
+    z standard normal: a later step that reads its input a little wrong."""
+    chain, decode = head.decode_chain, head.decode
+    gen = torch.Generator(head.device).manual_seed(0)
+
+    def perturbed_chain(kv, inputs, meanwhile=None):
+        steps = 0
+
+        def decode_step(batch, kv, bitmask):
+            nonlocal steps
+            if steps:
+                noise = torch.randn(batch.hiddens.shape, generator=gen, device=head.device)
+                hiddens = (batch.hiddens.float() * (1 + scale * noise)).to(batch.hiddens.dtype)
+                batch = dataclasses.replace(batch, hiddens=hiddens)
+            steps += 1
+            return decode(batch, kv, bitmask)
+
+        head.decode = decode_step
+        try:
+            return chain(kv, inputs, meanwhile)
+        finally:
+            del head.decode
+
+    head.decode_chain = perturbed_chain
+    try:
+        yield head
+    finally:
+        del head.decode_chain
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [("cpu", "float32"), pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu)],
+)
+def test_a_perturbed_later_chain_step_fails_the_check(tmp_path, device: str, dtype: str):
+    """The same sessions pass as served, and fail once chain steps 2..K read their hidden
+    off by 3% (about eight bf16 roundings): the tolerance leaves no room for that."""
+    ref = write_checkpoint(tmp_path, "deepseek-v3")
+    ops = "triton" if device == "cuda" else "torch"
+    head = MTPHead(load_mtp_weights(tmp_path), torch.device(device), getattr(torch, dtype), ops)
+    server = InProcessServer(DraftEngine(head, kv_blocks=64, block_size=16, max_drafts=8))
+    try:
+        with DrafterClient(server.address, timeout=120) as client:
+            seq = Sequence(ref, client, 40, 3, dtype, rounding(dtype))
+            assert random_session(seq, STEPS, K, seed=3).checked > STEPS * K // 2
+            with (
+                later_steps_perturbed(head, 0.03),
+                pytest.raises(AssertionError, match=r"draft [1-9]"),
+            ):
+                random_session(Sequence(ref, client, 40, 3, dtype, rounding(dtype)), STEPS, K, 3)
+    finally:
+        server.stop()
