@@ -35,10 +35,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from deepseek_checkpoints import write_deepseek_checkpoint
-from deepseek_reference import DeepseekReference
-from family_checkpoints import write_family_checkpoint
-from family_reference import FamilyReference
 from precision import (
     ROUTING_ROUNDINGS,
     UNIT_ROUNDOFF,
@@ -48,29 +44,15 @@ from precision import (
     tie_gap,
 )
 from results_file import write_results
+from served_chains import PROMPT_ROWS, bf16_checkpoint
 
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.engine.types import ProposeArgs, Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
 
-# name: (writer options, prompt rows), as tests/service/model/test_routing_precision.py.
-FAMILIES = {
-    "deepseek-v3": ({}, 1100),
-    "deepseek-v3-fp8": ({"fp8": True}, 1100),
-    "glm-4.5": ({"n_group": 2, "topk_group": 1}, 240),
-    "qwen3-next": ({}, 240),
-}
+FAMILIES = ("deepseek-v3", "deepseek-v3-fp8", "glm-4.5", "qwen3-next")  # the MoE ones
 U = UNIT_ROUNDOFF["bfloat16"]
-
-
-def reference(folder: Path, name: str):
-    options = FAMILIES[name][0]
-    if name.startswith("deepseek"):
-        write_deepseek_checkpoint(folder, "deepseek-v3", dtype=torch.bfloat16, seed=5, **options)
-        return DeepseekReference(folder)
-    write_family_checkpoint(folder, name, dtype=torch.bfloat16, seed=5, **options)
-    return FamilyReference(folder)
 
 
 class Own:
@@ -262,15 +244,15 @@ def main() -> int:
         routing_roundings=ROUTING_ROUNDINGS,
         families={},
     )
-    for name, (_, rows) in FAMILIES.items():
+    for name in FAMILIES:
         with tempfile.TemporaryDirectory() as folder:
-            ref = reference(Path(folder), name)
+            ref = bf16_checkpoint(Path(folder), name)
             head = MTPHead(load_mtp_weights(folder), device, torch.bfloat16, ops)
         engine = DraftEngine(head, kv_blocks=160, block_size=16, max_drafts=8)
         records, seen = [], {}
         with ServiceRouting(head) as routed:
             for seed in range(args.sessions):
-                records += session(ref, engine, routed, rows, args.steps, seed, seen)
+                records += session(ref, engine, routed, PROMPT_ROWS[name], args.steps, seed, seen)
         report["families"][name] = dict(summary=summary(records, seen), drafts=records)
         print(name, report["families"][name]["summary"], flush=True)
     write_results(args.out_dir, "precision_routing", report, markdown(report))

@@ -20,9 +20,40 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+from deepseek_checkpoints import write_deepseek_checkpoint
+from deepseek_reference import DeepseekReference
+from family_checkpoints import write_family_checkpoint
+from family_reference import FamilyReference
+from mtp_reference import Reference
 from precision import UNIT_ROUNDOFF, Margins, tie_gap
 
 from mtpdraft.client import Verdict
+from mtpdraft.service.model.synthetic import write_random_checkpoint
+
+# Each family's tiny checkpoint, and prompts long enough to reach its RoPE regime: past
+# the YaRN band's original_max_position_embeddings (1024 in DeepSeek's tiny config).
+PROMPT_ROWS = {
+    "mimo": 240,
+    "glm-4.5": 240,
+    "qwen3-next": 240,
+    "qwen3.6-dense": 240,
+    "deepseek-v3": 1100,
+    "deepseek-v3-fp8": 1100,
+}
+
+
+def bf16_checkpoint(folder, name: str):
+    """A tiny checkpoint of `name` (a PROMPT_ROWS key) in `folder`, in bf16 as published
+    (DeepSeek's "-fp8": its FP8 weights); returns its float64 oracle."""
+    if name == "mimo":
+        return Reference(write_random_checkpoint(folder, "mimo", dtype=torch.bfloat16, seed=5))
+    if name.startswith("deepseek"):
+        fp8 = name.endswith("fp8")
+        write_deepseek_checkpoint(folder, "deepseek-v3", dtype=torch.bfloat16, seed=5, fp8=fp8)
+        return DeepseekReference(folder)
+    extra = {"n_group": 2, "topk_group": 1} if name == "glm-4.5" else {}  # group-limited
+    write_family_checkpoint(folder, name, dtype=torch.bfloat16, seed=5, **extra)
+    return FamilyReference(folder)
 
 
 @dataclass

@@ -22,63 +22,35 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from deepseek_checkpoints import write_deepseek_checkpoint
-from deepseek_reference import DeepseekReference
-from family_checkpoints import write_family_checkpoint
-from family_reference import FamilyReference
-from mtp_reference import Reference
 from precision import rounding
-from served_chains import Sequence, Tally, random_session
+from served_chains import PROMPT_ROWS, Sequence, Tally, bf16_checkpoint, random_session
 from servers import InProcessServer, start_server
 
 from mtpdraft.client import DrafterClient
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
-from mtpdraft.service.model.synthetic import write_random_checkpoint
 
-# name: (prompt rows, the dtypes it is served in)
-FAMILIES = {
-    "mimo": (240, ("bfloat16", "float32")),
-    "glm-4.5": (240, ("bfloat16", "float32")),
-    "qwen3-next": (240, ("bfloat16", "float32")),
-    "qwen3.6-dense": (240, ("bfloat16", "float32")),
-    "deepseek-v3": (1100, ("bfloat16", "float32")),
-    "deepseek-v3-fp8": (1100, ("bfloat16", "float32")),
-}
 SERVER = ("--kv-blocks", "512", "--block-size", "16", "--max-drafts", "8", "--max-batch", "8")
 STEPS, K = 12, 4
-
-
-def write_checkpoint(folder, name: str):
-    """A tiny bf16 checkpoint of `name` in `folder`, and its float64 oracle."""
-    if name == "mimo":
-        return Reference(write_random_checkpoint(folder, "mimo", dtype=torch.bfloat16, seed=5))
-    if name.startswith("deepseek"):
-        fp8 = name.endswith("fp8")
-        write_deepseek_checkpoint(folder, "deepseek-v3", dtype=torch.bfloat16, seed=5, fp8=fp8)
-        return DeepseekReference(folder)
-    extra = {"n_group": 2, "topk_group": 1} if name == "glm-4.5" else {}
-    write_family_checkpoint(folder, name, dtype=torch.bfloat16, seed=5, **extra)
-    return FamilyReference(folder)
 
 
 def sessions(ref, client, name: str, dtype: str, seeds=(1, 2)) -> Tally:
     """Random sessions on states of `name`'s prompt length; their tallies summed."""
     total = Tally()
     for seed in seeds:
-        seq = Sequence(ref, client, FAMILIES[name][0], seed, dtype, rounding(dtype))
+        seq = Sequence(ref, client, PROMPT_ROWS[name], seed, dtype, rounding(dtype))
         total.add(random_session(seq, STEPS, K, seed))
     return total
 
 
-SERVED = [(name, dtype) for name, (_, dtypes) in FAMILIES.items() for dtype in dtypes]
+SERVED = [(name, dtype) for name in PROMPT_ROWS for dtype in ("bfloat16", "float32")]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("name", "dtype"), SERVED, ids=["-".join(s) for s in SERVED])
 def test_served_drafts_match_the_oracle_in_the_dtype(tmp_path, name: str, dtype: str) -> None:
-    ref = write_checkpoint(tmp_path, name)
+    ref = bf16_checkpoint(tmp_path, name)
     proc = start_server(tmp_path, "--device", "cuda", "--dtype", dtype, *SERVER)
     try:
         with DrafterClient(proc.address, timeout=120) as client:
@@ -130,7 +102,7 @@ def later_steps_perturbed(head: MTPHead, scale: float):
 def test_a_perturbed_later_chain_step_fails_the_check(tmp_path, device: str, dtype: str):
     """The same sessions pass as served, and fail once chain steps 2..K read their hidden
     off by 3% (about eight bf16 roundings): the tolerance leaves no room for that."""
-    ref = write_checkpoint(tmp_path, "deepseek-v3")
+    ref = bf16_checkpoint(tmp_path, "deepseek-v3")
     ops = "triton" if device == "cuda" else "torch"
     head = MTPHead(load_mtp_weights(tmp_path), torch.device(device), getattr(torch, dtype), ops)
     server = InProcessServer(DraftEngine(head, kv_blocks=64, block_size=16, max_drafts=8))

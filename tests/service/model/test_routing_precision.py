@@ -21,12 +21,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepseek_checkpoints import write_deepseek_checkpoint
-from deepseek_reference import DeepseekReference
-from family_checkpoints import write_family_checkpoint
-from family_reference import FamilyReference
 from precision import ROUTING_ROUNDINGS, UNIT_ROUNDOFF, Forced, ServiceRouting, rounding
-from served_chains import Sequence, random_session
+from served_chains import PROMPT_ROWS, Sequence, bf16_checkpoint, random_session
 from servers import InProcessServer
 
 from mtpdraft.client import DrafterClient
@@ -34,30 +30,14 @@ from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
 
-# name: (writer options, prompt rows). DeepSeek's tiny YaRN config keeps the published
-# factor's band at original_max_position_embeddings = 1024.
-FAMILIES = {
-    "deepseek-v3": ({}, 1100),
-    "deepseek-v3-fp8": ({"fp8": True}, 1100),
-    "glm-4.5": ({"n_group": 2, "topk_group": 1}, 240),
-    "qwen3-next": ({}, 240),
-}
+FAMILIES = ("deepseek-v3", "deepseek-v3-fp8", "glm-4.5", "qwen3-next")  # the MoE ones
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-def _checkpoint(folder, name: str):
-    options = FAMILIES[name][0]
-    if name.startswith("deepseek"):
-        write_deepseek_checkpoint(folder, "deepseek-v3", dtype=torch.bfloat16, seed=5, **options)
-        return DeepseekReference(folder)
-    write_family_checkpoint(folder, name, dtype=torch.bfloat16, seed=5, **options)
-    return FamilyReference(folder)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_bf16_drafts_differ_from_float64_only_by_routing_near_ties(tmp_path, name, device):
-    ref = _checkpoint(tmp_path, name)
+    ref = bf16_checkpoint(tmp_path, name)
     ops = "triton" if device == "cuda" else "torch"
     head = MTPHead(load_mtp_weights(tmp_path), torch.device(device), torch.bfloat16, ops)
     engine = DraftEngine(head, kv_blocks=160, block_size=16, max_drafts=8)
@@ -67,7 +47,7 @@ def test_bf16_drafts_differ_from_float64_only_by_routing_near_ties(tmp_path, nam
     try:
         with DrafterClient(server.address, timeout=120) as client, ServiceRouting(head) as routed:
             seq = Sequence(
-                ref, client, FAMILIES[name][1], seed=1, dtype="bfloat16",
+                ref, client, PROMPT_ROWS[name], seed=1, dtype="bfloat16",
                 u=rounding("bfloat16"), route=lambda: Forced(routed, seen, u),
             )  # fmt: skip
             tally = random_session(seq, steps=12, k=4, seed=2)
