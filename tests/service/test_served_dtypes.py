@@ -33,13 +33,14 @@ from mtpdraft.service.model.mtp_head import MTPHead
 
 SERVER = ("--kv-blocks", "512", "--block-size", "16", "--max-drafts", "8", "--max-batch", "8")
 STEPS, K = 12, 4
+SUM_TERMS = 2048  # the longest fp32 sum: attention over the context (1100 rows and more)
 
 
 def sessions(ref, client, name: str, dtype: str, seeds=(1, 2)) -> Tally:
     """Random sessions on states of `name`'s prompt length; their tallies summed."""
     total = Tally()
     for seed in seeds:
-        seq = Sequence(ref, client, PROMPT_ROWS[name], seed, dtype, rounding(dtype))
+        seq = Sequence(ref, client, PROMPT_ROWS[name], seed, dtype, rounding(dtype, SUM_TERMS))
         total.add(random_session(seq, STEPS, K, seed))
     return total
 
@@ -108,12 +109,14 @@ def test_a_perturbed_later_chain_step_fails_the_check(tmp_path, device: str, dty
     server = InProcessServer(DraftEngine(head, kv_blocks=64, block_size=16, max_drafts=8))
     try:
         with DrafterClient(server.address, timeout=120) as client:
-            seq = Sequence(ref, client, 40, 3, dtype, rounding(dtype))
+            seq = Sequence(ref, client, 40, 3, dtype, rounding(dtype, SUM_TERMS))
             assert random_session(seq, STEPS, K, seed=3).checked > STEPS * K // 2
             with (
                 later_steps_perturbed(head, 0.03),
                 pytest.raises(AssertionError, match=r"draft [1-9]"),
             ):
-                random_session(Sequence(ref, client, 40, 3, dtype, rounding(dtype)), STEPS, K, 3)
+                random_session(
+                    Sequence(ref, client, 40, 3, dtype, rounding(dtype, SUM_TERMS)), STEPS, K, 3
+                )
     finally:
         server.stop()
