@@ -248,7 +248,8 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as folder:
             ref = bf16_checkpoint(Path(folder), name)
             head = MTPHead(load_mtp_weights(folder), device, torch.bfloat16, ops)
-        engine = DraftEngine(head, kv_blocks=160, block_size=16, max_drafts=8)
+        # Eager: the recorder sees every forward (a graph's replay would hide the chain's).
+        engine = DraftEngine(head, kv_blocks=160, block_size=16, max_drafts=8, cuda_graphs=False)
         records, seen = [], {}
         with ServiceRouting(head) as routed:
             for seed in range(args.sessions):

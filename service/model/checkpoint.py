@@ -201,8 +201,12 @@ class _Reader:
         self.used.add(scale_name)
         return scale.float()
 
-    def _dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return dequantize_blocks(weight, scale, self.fp8_block).to(self.dtype)
+    def _dequantize(
+        self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """fp32 by default: the head rounds it to its compute dtype, which may be fp32 (a
+        bf16 copy would carry bf16's rounding into an fp32 head's kv_b_proj)."""
+        return dequantize_blocks(weight, scale, self.fp8_block).to(dtype)
 
 
 def _experts(read: _Reader, layout: Layout, c: MTPConfig) -> dict[str, torch.Tensor]:
@@ -239,7 +243,8 @@ def _experts(read: _Reader, layout: Layout, c: MTPConfig) -> dict[str, torch.Ten
         }
 
     def plain(w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
-        return w if s is None else read._dequantize(w, s)
+        # In the checkpoint's dtype: every expert's fp32 copy would double their memory.
+        return w if s is None else read._dequantize(w, s, read.dtype)
 
     return {
         "experts_gate_up": torch.stack(

@@ -106,7 +106,9 @@ def test_a_perturbed_later_chain_step_fails_the_check(tmp_path, device: str, dty
     ref = bf16_checkpoint(tmp_path, "deepseek-v3")
     ops = "triton" if device == "cuda" else "torch"
     head = MTPHead(load_mtp_weights(tmp_path), torch.device(device), getattr(torch, dtype), ops)
-    server = InProcessServer(DraftEngine(head, kv_blocks=64, block_size=16, max_drafts=8))
+    # Eager, so that the chain's steps run through head.decode (a graph replays them).
+    engine = DraftEngine(head, kv_blocks=64, block_size=16, max_drafts=8, cuda_graphs=False)
+    server = InProcessServer(engine)
     try:
         with DrafterClient(server.address, timeout=120) as client:
             seq = Sequence(ref, client, 40, 3, dtype, rounding(dtype, SUM_TERMS))

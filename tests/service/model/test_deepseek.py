@@ -56,3 +56,18 @@ def test_an_fp8_weight_without_its_scales_is_refused(tmp_path) -> None:
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="an FP8 weight without its scales"):
         load_mtp_weights(tmp_path)
+
+
+def test_fp8_weights_dequantized_at_load_stay_exact_in_a_float32_head(tmp_path) -> None:
+    """DeepSeek's FP8 checkpoints keep their other tensors in bf16. Served in float32, an
+    FP8 weight dequantized at load (kv_b_proj, split into W_UK and W_UV) is fp8 x scale in
+    float32, not rounded to the checkpoint's bf16 on the way (2**-9, against 2**-24)."""
+    write_deepseek_checkpoint(tmp_path, fp8=True, dtype=torch.bfloat16)
+    head = MTPHead(load_mtp_weights(tmp_path), torch.device("cpu"), torch.float32, ops="torch")
+    ref = DeepseekReference(tmp_path)
+    m = head.config.mla
+    kv_b = ref.t(ref.prefix() + "self_attn.kv_b_proj").view(ref.heads, -1, m.kv_lora_rank)
+    exact = (kv_b[:, : m.qk_nope_head_dim], kv_b[:, m.qk_nope_head_dim :].transpose(1, 2))
+    for got, want in zip((head.mla.w_uk, head.mla.w_uv_t), exact, strict=True):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=2**-23, atol=0)
