@@ -158,7 +158,7 @@ def main() -> int:
         del weights
         report["families"][name] = compare(*runs)
         print(name, report["families"][name], flush=True)
-    write_results(args.out_dir, "precision", report, markdown(report))
+        write_results(args.out_dir, "precision", report, markdown(report))  # each family's
     return 0
 
 

@@ -256,7 +256,7 @@ def main() -> int:
                 records += session(ref, engine, routed, PROMPT_ROWS[name], args.steps, seed, seen)
         report["families"][name] = dict(summary=summary(records, seen), drafts=records)
         print(name, report["families"][name]["summary"], flush=True)
-    write_results(args.out_dir, "precision_routing", report, markdown(report))
+        write_results(args.out_dir, "precision_routing", report, markdown(report))
     return 0
 
 
