@@ -390,7 +390,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         try:
             if type(request) is Undecodable:
                 raise _malformed.refused(request, context.peer())
-            asked = request.max_chunk_bytes if request.max_chunk_bytes > 0 else KV_CHUNK_BYTES
+            if request.max_chunk_bytes < 0:
+                raise errors.InvalidArgument(
+                    f"max_chunk_bytes: {request.max_chunk_bytes} is negative (0: the default)",
+                    reason="CHUNK_SIZE_OUT_OF_RANGE",
+                    field="max_chunk_bytes",
+                )
+            asked = request.max_chunk_bytes or KV_CHUNK_BYTES
             size = min(asked, self.max_message_bytes - KV_CHUNK_OVERHEAD)
             chunks = self.backend.export_kv(request.handle_id, size, request.keep_handle)
             async for chunk in chunks:

@@ -13,21 +13,14 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from ..model.mtp_head import MTPHead
 from . import validation as check
-from .admission import (
-    Limits,
-    admit,
-    not_finite,
-    num_accepted_out_of_range,
-    position_mismatch,
-    position_too_large,
-)
+from .admission import Limits, admit
 from .block_pool import BlockPool
 from .drafting import ChainPlan, draft
 from .errors import (
@@ -35,13 +28,18 @@ from .errors import (
     FailedPrecondition,
     ResourceExhausted,
     Unavailable,
+    not_finite,
+    num_accepted_out_of_range,
+    position_mismatch,
+    position_out_of_range,
+    position_too_large,
 )
 from .ids import Ids
-from .kv_transfer import KVExport, KVHeader, KVImport, model_fingerprint
+from .kv_transfer import KVChunk, KVExport, KVImport, model_fingerprint
 from .prefill import PrefillSession
 from .rows import Segment, run_segments
 from .state import DrafterState, KVHandle, StateTable
-from .step import Step, StepResult, refeed_rows
+from .step import Step, StepResult, verdict_refeed
 from .types import EngineInfo, Proposal, ProposeArgs, RowCount, TakenKV, Verdict
 
 
@@ -249,10 +247,34 @@ class DraftEngine:
 
     # ---- prefill -----------------------------------------------------------
 
-    def begin_prefill(self, state_id: int, start_position: int) -> PrefillSession:
+    def begin_prefill(
+        self,
+        state_id: int,
+        start_position: int,
+        tokens: Sequence[int] = (),
+        hiddens: torch.Tensor | None = None,
+    ) -> PrefillSession:
+        """Opens a Prefill with its first chunk's rows (`tokens`, `hiddens`), if it has
+        any: the chunk's values are checked before the state."""
+        if start_position < 1:
+            raise position_out_of_range(start_position, "start_position")
+        rows = None if hiddens is None else self.prefill_rows(tokens, hiddens)
         state = self._idle_state(state_id, "prefill")
         self._check_position(start_position, state.next_position, "start_position")
-        return PrefillSession(self, state)
+        session = PrefillSession(self, state)
+        if rows is not None:
+            try:
+                session.append_rows(tokens, rows)
+            except BaseException:
+                session.abort()
+                raise
+        return session
+
+    def prefill_rows(self, tokens: Sequence[int], hiddens: torch.Tensor) -> torch.Tensor:
+        """A Prefill chunk's hiddens as [len(tokens), H], its tokens and hiddens checked."""
+        c = self.head.config
+        check.check_tokens(tokens, c.vocab_size, "tokens")
+        return check.check_hiddens(hiddens, len(tokens), c.hidden_size, "hiddens")
 
     def compute_rows(self, state: DrafterState, tokens: np.ndarray, hiddens: torch.Tensor) -> None:
         """Appends committed rows to the state (its blocks must hold them), in forwards
@@ -296,7 +318,11 @@ class DraftEngine:
         return recompute
 
     def after_verify(self, state_id: int, verdict: Verdict) -> RowCount:
-        state = self.state(state_id)
+        a = verdict.num_accepted
+        refeed = verdict_refeed(verdict, self.head.config.hidden_size, "verdict")
+        if refeed is not None and not check.is_finite(refeed):
+            raise not_finite("verdict.refeed_hiddens")
+        state = self.state(state_id)  # the arguments are right whatever the state: now it
         self._check_not_prefilling(state, "apply a verdict")
         t, slot = self.table, state.slot
         if t.pending_row[slot] < 0:
@@ -304,17 +330,9 @@ class DraftEngine:
                 f"state {state.id} has no proposal awaiting a verdict",
                 reason="NO_PENDING_PROPOSAL",
             )
-        k, a = int(t.pending_count[slot]), verdict.num_accepted
-        if not 0 <= a <= k:
+        k = int(t.pending_count[slot])
+        if a > k:
             raise num_accepted_out_of_range(a, k, "verdict")
-        refeed = verdict.refeed_hiddens
-        if refeed is not None and refeed.numel() == 0 and a == 0:
-            refeed = None
-        if refeed is not None:
-            field = "verdict.refeed_hiddens"
-            refeed = refeed_rows(refeed, a, self.head.config.hidden_size, field)
-            if not check.is_finite(refeed):
-                raise not_finite(field)
         rows_after = int(t.pending_row[slot]) + 1 + a
         self.reserve(state, rows_after, "verdict")
         refeeds = {} if refeed is None else {0: refeed}
@@ -507,9 +525,10 @@ class DraftEngine:
         """Reads a handle's rows out, chunk by chunk (kv_transfer.py)."""
         return KVExport(self, handle_id)
 
-    def import_kv(self, state_id: int, header: KVHeader) -> KVImport:
-        """Opens an import of exported KV into an empty state (kv_transfer.py)."""
-        return KVImport(self, state_id, header)
+    def import_kv(self, first: KVChunk) -> KVImport:
+        """Opens an import of exported KV into the empty state its first chunk names,
+        with that chunk's header and rows (kv_transfer.py)."""
+        return KVImport(self, first)
 
     def install_kv(self, state_id: int, handle_id: int) -> RowCount:
         state = self.state(state_id)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from .errors import DrafterError, InvalidArgument
-from .types import Proposal, ProposeArgs
+from .errors import DrafterError, InvalidArgument, num_accepted_negative
+from .types import Proposal, ProposeArgs, Verdict
 
 
 @dataclass
@@ -71,11 +71,9 @@ class Step:
             hiddens.append(_row(args.hidden, hidden_size))
             a, refeed = -1, None
             if args.previous is not None:
-                a, refeed = args.previous.num_accepted, args.previous.refeed_hiddens
-                if refeed is not None and refeed.numel() == 0 and a == 0:
-                    refeed = None
+                a = args.previous.num_accepted
+                refeed = verdict_refeed(args.previous, hidden_size, "previous")
                 if refeed is not None:
-                    refeed = refeed_rows(refeed, a, hidden_size, "previous.refeed_hiddens")
                     refeeds.append(refeed)
             accepted.append(a)
             refeed_counts.append(0 if refeed is None else a)
@@ -136,6 +134,17 @@ def _row(hidden: torch.Tensor, hidden_size: int) -> torch.Tensor:
         raise _bad_shape("hidden", f"[1, {hidden_size}]", hidden)
     _floating(hidden, "hidden")
     return hidden.reshape(1, hidden_size)
+
+
+def verdict_refeed(verdict: Verdict, hidden_size: int, field: str) -> torch.Tensor | None:
+    """A verdict's refeed hiddens as [num_accepted, H], or None for no refeed; its count
+    and shape checked (INVALID_ARGUMENT), whatever the state it is for."""
+    a, refeed = verdict.num_accepted, verdict.refeed_hiddens
+    if a < 0:
+        raise num_accepted_negative(a, field)
+    if refeed is None or (refeed.numel() == 0 and a == 0):
+        return None
+    return refeed_rows(refeed, a, hidden_size, f"{field}.refeed_hiddens")
 
 
 def refeed_rows(refeed: torch.Tensor, rows: int, hidden_size: int, field: str) -> torch.Tensor:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from .errors import InvalidArgument
 
 
-def check_tokens(tokens: list[int], vocab_size: int, field: str) -> None:
+def check_tokens(tokens: Sequence[int], vocab_size: int, field: str) -> None:
     for i, token in enumerate(tokens):
         if not 0 <= token < vocab_size:
             where = field if len(tokens) == 1 else f"{field}[{i}]"

@@ -22,7 +22,9 @@
 //                        outside the vocabulary, a position that does not
 //                        continue the state, K or a count out of range, a
 //                        message whose bytes do not parse as the method's
-//                        (reason MALFORMED_MESSAGE)
+//                        (reason MALFORMED_MESSAGE). A request's own values
+//                        are checked before its state: a value no state
+//                        accepts is INVALID_ARGUMENT whatever the state
 //   FAILED_PRECONDITION  the call does not fit the state's step (e.g. Propose
 //                        while a proposal awaits AfterVerify, InstallKV into
 //                        a state that holds rows), or ImportKV of KV another
@@ -575,16 +577,18 @@ type PrefillChunk struct {
 
 	// Required on the first chunk; later chunks may leave it 0.
 	StateId uint64 `protobuf:"varint,1,opt,name=state_id,json=stateId,proto3" json:"state_id,omitempty"`
-	// Position of tokens[0] of the first chunk; later chunks may leave it 0.
+	// Position of tokens[0] of the first chunk (1 or more); later chunks may
+	// leave it 0.
 	StartPosition int64   `protobuf:"varint,2,opt,name=start_position,json=startPosition,proto3" json:"start_position,omitempty"`
 	Tokens        []int32 `protobuf:"varint,3,rep,packed,name=tokens,proto3" json:"tokens,omitempty"`
 	// [len(tokens), hidden_size], bf16, fp16 or fp32: hiddens[i] is the
 	// target hidden at position (position of tokens[i]) - 1.
 	Hiddens *Tensor `protobuf:"bytes,4,opt,name=hiddens,proto3" json:"hiddens,omitempty"`
-	// Optional, on the first chunk: how many rows the whole stream carries. When
-	// set, the rows are kept only if exactly that many arrived (INVALID_ARGUMENT
-	// otherwise), so a stream its client cut short, which gRPC may end like a
-	// finished one, is always rolled back. Clients should set it.
+	// Optional, on the first chunk: how many rows the whole stream carries (0:
+	// not said; negative: INVALID_ARGUMENT). When set, the rows are kept only if
+	// exactly that many arrived (INVALID_ARGUMENT otherwise), so a stream its
+	// client cut short, which gRPC may end like a finished one, is always rolled
+	// back. Clients should set it.
 	TotalRows int64 `protobuf:"varint,5,opt,name=total_rows,json=totalRows,proto3" json:"total_rows,omitempty"`
 }
 
@@ -718,6 +722,7 @@ type Verdict struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
+	// 0 .. the number of drafts the proposal returned (negative: INVALID_ARGUMENT).
 	NumAccepted int32 `protobuf:"varint,1,opt,name=num_accepted,json=numAccepted,proto3" json:"num_accepted,omitempty"`
 	// Optional: the target's hiddens h[p] .. h[p + a - 1], shape
 	// [num_accepted, hidden_size]. Absent: no refeed (with num_accepted 0, an empty
@@ -1255,7 +1260,8 @@ type ColumnsRequest struct {
 	// B values, or one value for every state: K, 1 <= K <= GetInfo.max_drafts.
 	NumDrafts []int32 `protobuf:"varint,6,rep,packed,name=num_drafts,json=numDrafts,proto3" json:"num_drafts,omitempty"`
 	// The verdicts on the states' pending proposals, applied first: B values,
-	// -1 where a state has none; empty: no verdicts.
+	// -1 where a state has none (below -1: INVALID_ARGUMENT, the row fails);
+	// empty: no verdicts.
 	NumAccepted []int32 `protobuf:"varint,7,rep,packed,name=num_accepted,json=numAccepted,proto3" json:"num_accepted,omitempty"`
 	// Refeed: B values, each 0 or the state's num_accepted; state i's rows of
 	// refeed_hiddens follow state i - 1's. Empty: no refeed.
@@ -1903,8 +1909,9 @@ type ExportKVRequest struct {
 	unknownFields protoimpl.UnknownFields
 
 	HandleId uint64 `protobuf:"varint,1,opt,name=handle_id,json=handleId,proto3" json:"handle_id,omitempty"`
-	// The largest chunk, in bytes of K and V; 0: 1 MiB. At least one row a chunk,
-	// and never past the server's max_message_bytes.
+	// The largest chunk, in bytes of K and V; 0: 1 MiB; negative:
+	// INVALID_ARGUMENT. At least one row a chunk, and never past the server's
+	// max_message_bytes.
 	MaxChunkBytes int64 `protobuf:"varint,2,opt,name=max_chunk_bytes,json=maxChunkBytes,proto3" json:"max_chunk_bytes,omitempty"`
 	// Leave the handle once exported (to install it here, or export it again).
 	KeepHandle bool `protobuf:"varint,3,opt,name=keep_handle,json=keepHandle,proto3" json:"keep_handle,omitempty"`
