@@ -125,7 +125,10 @@ func (DType) EnumDescriptor() ([]byte, []int) {
 
 // A dense tensor as raw little-endian bytes in row-major order (the KServe /
 // Open Inference Protocol raw_input_contents convention). len(data) must be
-// product(shape) * itemsize(dtype).
+// product(shape) * itemsize(dtype). One rule in every RPC: a tensor of rows
+// ([n, hidden_size] hiddens, [n, words] bitmasks) that holds one row may
+// also be sent flat, as [hidden_size] or [words]; a flat tensor is never more
+// than one row.
 type Tensor struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
@@ -581,8 +584,9 @@ type PrefillChunk struct {
 	// leave it 0.
 	StartPosition int64   `protobuf:"varint,2,opt,name=start_position,json=startPosition,proto3" json:"start_position,omitempty"`
 	Tokens        []int32 `protobuf:"varint,3,rep,packed,name=tokens,proto3" json:"tokens,omitempty"`
-	// [len(tokens), hidden_size], bf16, fp16 or fp32: hiddens[i] is the
-	// target hidden at position (position of tokens[i]) - 1.
+	// [len(tokens), hidden_size] ([hidden_size] for one token), bf16, fp16 or
+	// fp32: hiddens[i] is the target hidden at position (position of
+	// tokens[i]) - 1.
 	Hiddens *Tensor `protobuf:"bytes,4,opt,name=hiddens,proto3" json:"hiddens,omitempty"`
 	// Optional, on the first chunk: how many rows the whole stream carries (0:
 	// not said; negative: INVALID_ARGUMENT). When set, the rows are kept only if
@@ -725,8 +729,9 @@ type Verdict struct {
 	// 0 .. the number of drafts the proposal returned (negative: INVALID_ARGUMENT).
 	NumAccepted int32 `protobuf:"varint,1,opt,name=num_accepted,json=numAccepted,proto3" json:"num_accepted,omitempty"`
 	// Optional: the target's hiddens h[p] .. h[p + a - 1], shape
-	// [num_accepted, hidden_size]. Absent: no refeed (with num_accepted 0, an empty
-	// tensor is the same; with num_accepted > 0 its shape must match).
+	// [num_accepted, hidden_size] ([hidden_size] when num_accepted is 1). Absent:
+	// no refeed (with num_accepted 0, an empty tensor is the same; with
+	// num_accepted > 0 its shape must match).
 	RefeedHiddens *Tensor `protobuf:"bytes,2,opt,name=refeed_hiddens,json=refeedHiddens,proto3" json:"refeed_hiddens,omitempty"`
 }
 
@@ -1255,7 +1260,8 @@ type ColumnsRequest struct {
 	Tokens []int32 `protobuf:"varint,3,rep,packed,name=tokens,proto3" json:"tokens,omitempty"`
 	// B values: each last token's position.
 	Positions []int64 `protobuf:"varint,4,rep,packed,name=positions,proto3" json:"positions,omitempty"`
-	// [B, hidden_size]: the target hidden of each last token, at position - 1.
+	// [B, hidden_size] ([hidden_size] when B is 1): the target hidden of each
+	// last token, at position - 1.
 	Hiddens *Tensor `protobuf:"bytes,5,opt,name=hiddens,proto3" json:"hiddens,omitempty"`
 	// B values, or one value for every state: K, 1 <= K <= GetInfo.max_drafts.
 	NumDrafts []int32 `protobuf:"varint,6,rep,packed,name=num_drafts,json=numDrafts,proto3" json:"num_drafts,omitempty"`
@@ -1266,12 +1272,14 @@ type ColumnsRequest struct {
 	// Refeed: B values, each 0 or the state's num_accepted; state i's rows of
 	// refeed_hiddens follow state i - 1's. Empty: no refeed.
 	RefeedRows []int32 `protobuf:"varint,8,rep,packed,name=refeed_rows,json=refeedRows,proto3" json:"refeed_rows,omitempty"`
-	// [sum(refeed_rows), hidden_size]: the target's h[p] .. h[p + a - 1] per state.
+	// [sum(refeed_rows), hidden_size] (one row may be flat): the target's
+	// h[p] .. h[p + a - 1] per state.
 	RefeedHiddens *Tensor `protobuf:"bytes,9,opt,name=refeed_hiddens,json=refeedHiddens,proto3" json:"refeed_hiddens,omitempty"`
 	// Bitmasks: B values, each 0 (no mask) or 1 .. K rows of `bitmasks` for the
 	// state, in order. Empty: no masks.
 	BitmaskRows []int32 `protobuf:"varint,10,rep,packed,name=bitmask_rows,json=bitmaskRows,proto3" json:"bitmask_rows,omitempty"`
-	// [sum(bitmask_rows), GetInfo.bitmask_words] int32, as ProposeRequest.bitmask.
+	// [sum(bitmask_rows), GetInfo.bitmask_words] int32 (one row may be flat), as
+	// ProposeRequest.bitmask.
 	Bitmasks *Tensor `protobuf:"bytes,11,opt,name=bitmasks,proto3" json:"bitmasks,omitempty"`
 	// B values, one value for every state, or empty (0: draft all K).
 	MinConfidence []float32 `protobuf:"fixed32,12,rep,packed,name=min_confidence,json=minConfidence,proto3" json:"min_confidence,omitempty"`
