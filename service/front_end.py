@@ -10,20 +10,22 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from mtpdraft.v1 import drafter_pb2 as pb
 
 from .config import DEFAULTS
 from .security import TokenAuthInterceptor, TokenSource
-from .servicer import DrafterServicer, add_to_server
+from .servicer import DrafterServicer, add_library_service, add_to_server
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
     from .backend import LocalBackend
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
+HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"]
+REFLECTION = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
 # How long a connection to a Unix socket file may take to tell whether a server accepts
 # on it (a live one answers at once, even when busy).
 UNIX_PROBE_S = 1.0
@@ -137,10 +139,10 @@ class FrontEnd:
         )
         servicer = DrafterServicer(backend, telemetry, max_message_bytes)
         add_to_server(servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        add_library_service(HEALTH, self.health, self.server)
         if reflection_enabled:
-            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
-            reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), self.server)
+            names = (SERVICE_NAME, HEALTH.full_name, reflection.SERVICE_NAME)
+            add_library_service(REFLECTION, reflection.aio.ReflectionServicer(names), self.server)
         self.port = self._bind(address, credentials)
         if unix_socket is not None:
             self._bind(f"unix:{unix_socket}", credentials)

@@ -13,12 +13,15 @@ raise: bytes that do not parse as the method's message reach the handler as an
 `Undecodable`, which it refuses as INVALID_ARGUMENT (reason MALFORMED_MESSAGE)
 like any other bad request, with at most one log line per MALFORMED_LOG_PERIOD_S
 (grpc would answer UNKNOWN and log a traceback for each, and end nothing on a stream).
+`add_library_service` registers the health and reflection servicers so too, each
+method behind a check that refuses an `Undecodable` the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf import any_pb2, message_factory
+from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -434,8 +438,23 @@ _HANDLERS = {
 
 def add_to_server(servicer: DrafterServicer, server: grpc.aio.Server) -> None:
     """As the generated add_DrafterServicer_to_server, but every method's request
-    deserializer hands bytes that do not parse to the handler as an `Undecodable`."""
+    deserializer hands bytes that do not parse to the handler as an `Undecodable`
+    (which the Drafter's handlers refuse themselves)."""
     service = pb.DESCRIPTOR.services_by_name["Drafter"]
+    _add_service(service, servicer, server, lambda method, streamed: method)
+
+
+def add_library_service(service: ServiceDescriptor, servicer, server: grpc.aio.Server) -> None:
+    """A library's servicer (health, reflection) registered as the Drafter service is:
+    bytes that do not parse are refused as INVALID_ARGUMENT (MALFORMED_MESSAGE) before
+    the servicer sees them, where its generated registration would answer UNKNOWN and
+    log a traceback."""
+    _add_service(service, servicer, server, _refusing_undecodable)
+
+
+def _add_service(service: ServiceDescriptor, servicer, server: grpc.aio.Server, guard) -> None:
+    """Registers `guard(method, streamed)` for each of the service's methods (`streamed`:
+    it takes a stream of requests), their requests read by `_parser`."""
     handlers = {}
     for method in service.methods:
         make = _HANDLERS[method.client_streaming, method.server_streaming]
@@ -443,7 +462,7 @@ def add_to_server(servicer: DrafterServicer, server: grpc.aio.Server) -> None:
             message_factory.GetMessageClass, (method.input_type, method.output_type)
         )
         handlers[method.name] = make(
-            getattr(servicer, method.name),
+            guard(getattr(servicer, method.name), method.client_streaming),
             request_deserializer=_parser(request),
             response_serializer=response.SerializeToString,
         )
@@ -451,3 +470,50 @@ def add_to_server(servicer: DrafterServicer, server: grpc.aio.Server) -> None:
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
     server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _refusing_undecodable(method: Callable, streamed: bool) -> Callable:
+    """`method` (a library servicer's: a coroutine or an async generator) behind a check
+    that refuses an `Undecodable` request. A stream of requests ends for `method` at the
+    first one, and the call with its error once `method` is done."""
+
+    async def checked(request, context) -> tuple[object, list[Undecodable]]:
+        refused: list[Undecodable] = []
+        if streamed:
+            return _until_undecodable(request, refused), refused
+        if type(request) is Undecodable:
+            await _refuse(request, context)
+        return request, refused
+
+    if inspect.isasyncgenfunction(method):
+
+        async def guarded(request, context):
+            request, refused = await checked(request, context)
+            async for answer in method(request, context):
+                yield answer
+            if refused:
+                await _refuse(refused[0], context)
+
+    else:
+
+        async def guarded(request, context):
+            request, refused = await checked(request, context)
+            result = await method(request, context)
+            if refused:
+                await _refuse(refused[0], context)
+            return result
+
+    return functools.wraps(method)(guarded)
+
+
+async def _until_undecodable(requests: AsyncIterator, refused: list) -> AsyncIterator:
+    """The requests up to the first that does not parse, which goes into `refused`."""
+    async for request in requests:
+        if type(request) is Undecodable:
+            refused.append(request)
+            return
+        yield request
+
+
+async def _refuse(message: Undecodable, context: grpc.aio.ServicerContext) -> None:
+    await context.abort_with_status(_status_of(_malformed.refused(message, context.peer())))
