@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 from .config import ServeConfig
 
+log = logging.getLogger("mtpdraft.cli")
+
 # Without --kv-blocks on the CPU: 256 MiB of host memory (on a GPU, --kv-memory-fraction).
 # A CPU server is for trying the service and for tests; the pool is zeroed, so all of it is
 # resident from the start: 1 GiB made the embedded model's server take 1.3 GB.
@@ -253,6 +255,8 @@ async def _serve(config: ServeConfig, security: dict, telemetry: Telemetry) -> i
     )
     print(f"mtpdraft: security: {_describe_security(config)}", flush=True)
     print(f"mtpdraft: listening on {config.host}:{server.port}", flush=True)
+    if config.unix_socket:
+        print(f"mtpdraft: listening on unix:{config.unix_socket}", flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -301,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mtpdraft: {exc}", file=sys.stderr)
         return 2
     _configure_logging(config.log_level)
+    log.debug("configuration: %s", config)
     try:
         telemetry = Telemetry(*providers_from_env(prometheus=config.metrics_port is not None))
     except ValueError as exc:  # a bad OTEL_* value, named

@@ -43,6 +43,7 @@ from . import wire
 from .engine import errors
 from .engine.step import StepResult
 from .engine.types import Proposal
+from .refusals import Throttle, refusals
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -109,6 +110,15 @@ def _row_error(err: errors.DrafterError) -> pb.Error:
     return error
 
 
+def _log_refused(
+    err: errors.DrafterError, context: grpc.aio.ServicerContext, field: str | None = None
+) -> None:
+    """A refused request's debug line (refusals.py); nothing to do unless debug is on."""
+    if refusals.enabled():
+        code = _CODES[type(err)].name
+        refusals.refused(code, err.reason, field or err.field, context.peer(), err.message)
+
+
 def _client_host(peer: str) -> str:
     """The client's host from a gRPC peer string ("ipv4:1.2.3.4:5678", "ipv6:[::1]:5678")."""
     kind, _, address = peer.partition(":")
@@ -145,23 +155,20 @@ class _MalformedLog:
 
     def __init__(self, period: float) -> None:
         self.period = period
-        self._count = 0
-        self._next = 0.0  # monotonic time from which the next line may go
+        self._throttle = Throttle(rate=1 / period, burst=1)
 
     def refused(self, message: Undecodable, peer: str) -> errors.InvalidArgument:
         """The error that answers `message`, logged."""
-        self._count += 1
-        now = time.monotonic()
-        if now >= self._next:
+        held = self._throttle.take("malformed")
+        if held is not None:
             log.warning(
                 "%d request message(s) refused since the last such line: they do not parse "
                 "(the last as a %s, from %s); at most one such line every %g s",
-                self._count,
+                held + 1,
                 message.message_type,
                 peer,
                 self.period,
             )
-            self._count, self._next = 0, now + self.period
         return errors.InvalidArgument(
             f"the request's bytes do not parse as {message.message_type}",
             reason="MALFORMED_MESSAGE",
@@ -194,6 +201,7 @@ def rpc(handler: Handler) -> Handler:
             return await handler(self, request, context)
         except errors.DrafterError as err:
             code = _CODES[type(err)]
+            _log_refused(err, context)
             span = trace.get_current_span()
             span.set_attribute("rpc.grpc.status_code", code.value[0])
             span.set_status(Status(StatusCode.ERROR, err.message))
@@ -284,7 +292,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         step = wire.columns(request)
         caller = self.telemetry.span_context()
         result = await self.backend.propose_columns(step, context.time_remaining(), caller)
-        return self._columns_answer(request, result)
+        return self._columns_answer(request, result, context)
 
     async def ProposeColumnsStream(self, request_iterator: AsyncIterator, context):
         """Each message a verifier's step, answered as ProposeColumns is; a message that
@@ -299,13 +307,21 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         def refuse(request_id: int, error: pb.Error):
             return pb.ColumnsResponse(request_id=request_id, error=error)
 
+        def reply(msg: pb.ColumnsRequest, result: StepResult) -> pb.ColumnsResponse:
+            return self._columns_answer(msg, result, context)
+
         async for answer in self._answer_stream(
-            "ProposeColumnsStream", request_iterator, context, submit, self._columns_answer, refuse
+            "ProposeColumnsStream", request_iterator, context, submit, reply, refuse
         ):
             yield answer
 
-    def _columns_answer(self, msg: pb.ColumnsRequest, result: StepResult) -> pb.ColumnsResponse:
+    def _columns_answer(
+        self, msg: pb.ColumnsRequest, result: StepResult, context: grpc.aio.ServicerContext
+    ) -> pb.ColumnsResponse:
         failed = {row: _row_error(err) for row, err in result.errors.items()}
+        if failed and refusals.enabled():
+            for row, err in result.errors.items():
+                _log_refused(err, context, f"{failed[row].field or 'row'}[{row}]")
         return wire.columns_answer(msg.request_id, result, failed)
 
     async def _answer_stream(self, name, request_iterator, context, submit, reply, refuse):
@@ -329,6 +345,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             if job.cancelled():  # the stream is going away
                 return
             if (err := job.exception()) is not None:
+                if isinstance(err, errors.DrafterError):
+                    _log_refused(err, context)
                 answers.put_nowait(refuse(msg.request_id, _stream_error(err)))
             else:
                 answers.put_nowait(reply(msg, job.result()))
@@ -338,11 +356,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 async for msg in request_iterator:
                     if type(msg) is Undecodable:  # its request_id cannot be read: 0
                         err = _malformed.refused(msg, context.peer())
+                        _log_refused(err, context)
                         answers.put_nowait(refuse(0, _error_value(err)))
                         continue
                     try:
                         job = submit(msg)
                     except errors.DrafterError as err:
+                        _log_refused(err, context)
                         answers.put_nowait(refuse(msg.request_id, _error_value(err)))
                         continue
                     in_flight.add(job)
@@ -407,6 +427,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 yield wire.kv_chunk(chunk)
         except errors.DrafterError as err:
             code = _CODES[type(err)]
+            _log_refused(err, context)
             await context.abort_with_status(_status_of(err))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
@@ -516,4 +537,6 @@ async def _until_undecodable(requests: AsyncIterator, refused: list) -> AsyncIte
 
 
 async def _refuse(message: Undecodable, context: grpc.aio.ServicerContext) -> None:
-    await context.abort_with_status(_status_of(_malformed.refused(message, context.peer())))
+    err = _malformed.refused(message, context.peer())
+    _log_refused(err, context)
+    await context.abort_with_status(_status_of(err))

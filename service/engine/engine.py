@@ -12,6 +12,7 @@ refeed the rows of d1..d(a) are recomputed with the target's hiddens.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -41,6 +42,10 @@ from .rows import Segment, run_segments
 from .state import DrafterState, KVHandle, StateTable
 from .step import Step, StepResult, verdict_refeed
 from .types import EngineInfo, Proposal, ProposeArgs, RowCount, TakenKV, Verdict
+
+# A debug line per event of a state's or a KV handle's life (alloc, free, lease expiry,
+# KV take / install / export / import): never per step.
+log = logging.getLogger("mtpdraft.engine")
 
 
 class DraftEngine:
@@ -205,19 +210,29 @@ class DraftEngine:
         slot = self.table.take_slot(self.clock())
         self.states[state_id] = DrafterState(state_id, owner, slot, self.table)
         self._owned[owner] = owned + 1
+        log.debug("state %d allocated for %s (%d live)", state_id, owner or "-", len(self.states))
         return state_id
 
     def free_state(self, state_id: int) -> bool:
+        rows = self._free(state_id)
+        if rows is None:
+            return False
+        log.debug("state %d freed with %d rows (%d live)", state_id, rows, len(self.states))
+        return True
+
+    def _free(self, state_id: int) -> int | None:
+        """Frees the state and its blocks; the rows it held (None: no such state)."""
         state = self.states.pop(state_id, None)
         if state is None:
-            return False
+            return None
+        rows = state.num_rows
         left = self._owned[state.owner] - 1
         if left:
             self._owned[state.owner] = left
         else:
             del self._owned[state.owner]
         self.table.release_slot(state.slot)
-        return True
+        return rows
 
     def reap_expired(self) -> tuple[int, int]:
         """Frees states idle past the TTL and handles past their lease: (states, handles)."""
@@ -227,11 +242,14 @@ class DraftEngine:
         used = self.table.last_used
         stale = [s.id for s in self.states.values() if now - used[s.slot] > self.state_ttl]
         for state_id in stale:
-            self.free_state(state_id)
+            rows = self._free(state_id)
             self.ids.expired(state_id)
+            log.debug("state %d: lease expired, freed with %d rows", state_id, rows)
         expired = [h.id for h in self.handles.values() if now > h.expires_at]
         for handle_id in expired:
-            self.pool.free(self.handles.pop(handle_id).blocks)
+            handle = self.handles.pop(handle_id)
+            self.pool.free(handle.blocks)
+            log.debug("KV handle %d: lease expired, freed with %d rows", handle_id, handle.num_rows)
         return len(stale), len(expired)
 
     def close(self) -> int:
@@ -239,7 +257,7 @@ class DraftEngine:
         self.draining = True
         count = len(self.states)
         for state_id in list(self.states):
-            self.free_state(state_id)
+            self._free(state_id)
         for handle in self.handles.values():
             self.pool.free(handle.blocks)
         self.handles.clear()
@@ -506,6 +524,13 @@ class DraftEngine:
         )
         self.handles[handle.id] = handle
         state.num_rows = 0
+        log.debug(
+            "state %d: KV taken into handle %d, %d rows in %d blocks",
+            state_id,
+            handle.id,
+            handle.num_rows,
+            len(handle.blocks),
+        )
         return TakenKV(handle.id, handle.num_rows, self.state_ttl)
 
     def handle(self, handle_id: int) -> KVHandle:
@@ -545,6 +570,7 @@ class DraftEngine:
         self.pool.free(self.table.detach_blocks(state.slot))
         self.table.attach_blocks(state.slot, handle.blocks)
         state.num_rows = handle.num_rows
+        log.debug("state %d: KV handle %d installed, %d rows", state_id, handle_id, state.num_rows)
         return RowCount(state.num_rows, state.next_position)
 
 

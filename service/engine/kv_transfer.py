@@ -14,6 +14,7 @@ and its blocks free (`abort`).
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from ..model.mtp_head import MTPHead
     from .engine import DraftEngine
     from .state import DrafterState, KVHandle
+
+log = logging.getLogger("mtpdraft.engine")  # the lifecycle's debug lines, as engine.py's
 
 # Elements of each weight tensor the fingerprint reads: enough to tell two fine-tunes of
 # one architecture apart, few enough to take milliseconds on a GPU.
@@ -151,6 +154,12 @@ class KVExport:
         """The export is complete: frees the handle unless asked to keep it."""
         if not keep_handle:
             self.engine.release_handle(self.handle_id)
+        log.debug(
+            "KV handle %d exported, %d rows; %s",
+            self.handle_id,
+            self.header.num_rows,
+            "kept" if keep_handle else "freed",
+        )
 
 
 class KVImport:
@@ -260,6 +269,7 @@ class KVImport:
             )
         state.prefilling = False
         state.num_rows = self.header.num_rows
+        log.debug("state %d: KV imported, %d rows", self.state_id, state.num_rows)
         return RowCount(state.num_rows, state.next_position)
 
     def abort(self) -> None:
@@ -270,6 +280,12 @@ class KVImport:
         state.prefilling = False
         state.num_rows = 0
         state.trim()
+        log.debug(
+            "state %d: KV import undone after %d of %d rows",
+            self.state_id,
+            self.received,
+            self.header.num_rows,
+        )
 
 
 def _check_header(engine: DraftEngine, header: KVHeader) -> None:
