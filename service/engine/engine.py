@@ -276,6 +276,9 @@ class DraftEngine:
         any: the chunk's values are checked before the state."""
         if start_position < 1:
             raise position_out_of_range(start_position, "start_position")
+        last_row = start_position - 2 + len(tokens)
+        if last_row >= self.limits.max_position:
+            raise position_too_large(last_row, self.limits.max_position, "start_position")
         rows = None if hiddens is None else self.prefill_rows(tokens, hiddens)
         state = self._idle_state(state_id, "prefill")
         self._check_position(start_position, state.next_position, "start_position")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..model.tensors import FP8Matrix
-from .errors import FailedPrecondition, InvalidArgument
+from .errors import FailedPrecondition, InvalidArgument, position_too_large
 from .types import RowCount
 from .validation import is_finite
 
@@ -176,6 +176,9 @@ class KVImport:
                 reason="BAD_SHAPE",
                 field="header.num_rows",
             )
+        if header.num_rows > engine.limits.max_position:
+            last_row = header.num_rows - 1
+            raise position_too_large(last_row, engine.limits.max_position, "header.num_rows")
         self.engine, self.state_id, self.header = engine, state_id, header
         self.received = 0
         if first.k is not None:

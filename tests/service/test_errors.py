@@ -357,6 +357,11 @@ def test_an_after_verify_value_no_state_accepts_is_refused_whatever_the_state(
     [
         ({"start_position": 0}, "POSITION_OUT_OF_RANGE", "start_position"),
         ({"start_position": -4}, "POSITION_OUT_OF_RANGE", "start_position"),
+        (
+            {"start_position": 4096, "tokens": [3, 4], "hiddens": _row(8, 2)},
+            "POSITION_TOO_LARGE",
+            "start_position",
+        ),
         ({"total_rows": -1}, "BAD_SHAPE", "total_rows"),
         ({"tokens": [V]}, "TOKEN_OUT_OF_RANGE", "tokens"),
         ({"hiddens": T("FP32", [1, H], NAN_ROW.data)}, "NOT_FINITE", "hiddens"),
@@ -384,6 +389,7 @@ def test_an_import_value_no_state_accepts_is_refused_whatever_the_state(
     nan = T("FP32", row, k.data[:-4] + b"\x00\x00\xc0\x7f")
     cases = [
         ({"header": pb.KVHeader(**ours, num_rows=-1)}, "BAD_SHAPE", "header.num_rows"),
+        ({"header": pb.KVHeader(**ours, num_rows=4097)}, "POSITION_TOO_LARGE", "header.num_rows"),
         ({"k": nan, "v": k}, "NOT_FINITE", "k"),
         ({"k": T("FP32", [1, H], bytes(4 * H)), "v": k}, "BAD_SHAPE", "k"),
         ({"k": k, "v": k, "first_row": 3}, "CHUNK_MISMATCH", "first_row"),
