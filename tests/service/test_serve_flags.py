@@ -7,6 +7,7 @@ scheduler's queue; a server per test, since each test's flags differ.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import shutil
@@ -172,8 +173,12 @@ def test_no_grpc_server_can_share_the_port(serve, mimo_checkpoint, monkeypatch) 
     monkeypatch.setattr(front_end, "check_free", lambda address: None)
     config = serve_args("--model", str(mimo_checkpoint), "--device", "cpu", *SMALL)
     config = dataclasses.replace(config, port=first.server.port)
-    with pytest.raises(ListenError, match=f"cannot listen on {first.address}: gRPC could not"):
+
+    async def second() -> None:  # gRPC's aio server is made on an event loop
         cli.build_server(config, cli.build_engine(config), Telemetry())
+
+    with pytest.raises(ListenError, match=f"cannot listen on {first.address}: gRPC could not"):
+        asyncio.run(second())
 
 
 def test_a_live_unix_socket_is_not_replaced(serve, mimo_checkpoint, tmp_path) -> None:
