@@ -148,3 +148,34 @@ def test_a_flat_tensor_is_never_more_than_one_row(client: DrafterClient, stub) -
         client.after_verify(state, 0)
     finally:
         client.free_state(state)
+
+
+def test_the_python_client_takes_one_row_flat_too(client: DrafterClient, ref: Reference) -> None:
+    """Its eager checks follow the same rule: Prefill's hiddens, a verdict's refeed and
+    ProposeColumns' hiddens, refeed and bitmask rows, each one row given as [X]."""
+    state, exp = client.alloc_state(), Expected(ref)
+    words, allow = mask()
+    try:
+        toks, hid = tokens(1, 11), hiddens(1, 11)
+        assert client.prefill(state, toks, hid[0], 1).num_rows == 1
+        exp.add(toks, hid)
+        x, h = 5, hiddens(1, 12)
+        assert client.propose(state, x, h[0], 2, 3).tokens == exp.propose(x, h, 3)[0]
+        refeed = hiddens(1, 13)
+        client.after_verify(state, 1, refeed_hiddens=refeed[0])
+        exp.verdict(1, refeed)
+        x, h = 6, hiddens(1, 14)
+        step = client.propose_columns(
+            [state], [x], [exp.next_position], h[0], 2, bitmask_rows=[1], bitmasks=words
+        )
+        assert step.drafts[0, : step.counts[0]].tolist() == exp.propose(x, h, 2, allow)[0]
+        x, h, refeed = 8, hiddens(1, 15), hiddens(1, 16)
+        exp.verdict(1, refeed)
+        step = client.propose_columns(
+            [state], [x], [exp.next_position], h[0], 2,
+            num_accepted=[1], refeed_rows=[1], refeed_hiddens=refeed[0],
+        )  # fmt: skip
+        assert step.drafts[0, : step.counts[0]].tolist() == exp.propose(x, h, 2)[0]
+        client.after_verify(state, 0)
+    finally:
+        client.free_state(state)
