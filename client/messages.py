@@ -136,7 +136,9 @@ def prefill_chunks(
         if toks:
             raise ValueError("hiddens: required when tokens is not empty")
         return iter([pb.PrefillChunk(state_id=state_id, start_position=start)])
-    raw, dtype = wire.as_raw(hiddens, allowed=wire.HIDDEN_DTYPES, ndims=(2,), name="hiddens")
+    raw, dtype = wire.as_raw(hiddens, allowed=wire.HIDDEN_DTYPES, ndims=(1, 2), name="hiddens")
+    if raw.ndim == 1:  # one row may come flat, as the server takes it
+        raw = raw.reshape(1, -1)
     n = raw.shape[0]
     if n != len(toks):
         raise ValueError(f"hiddens has {n} rows but there are {len(toks)} tokens")
@@ -173,7 +175,7 @@ def verdict_message(previous: Verdict | int, into: pb.Verdict | None = None) -> 
     msg.num_accepted = _int(previous.num_accepted, "num_accepted", 0, _INT32_MAX)
     if previous.refeed_hiddens is not None:
         refeed = previous.refeed_hiddens
-        wire.encode_hidden(refeed, ndims=(2,), name="refeed_hiddens", into=msg.refeed_hiddens)
+        wire.encode_hidden(refeed, ndims=(1, 2), name="refeed_hiddens", into=msg.refeed_hiddens)
     return msg
 
 
@@ -266,7 +268,7 @@ def columns_request(
         positions=_column(positions, "positions", np.int64, size, one_for_all=False),
         num_drafts=_column(num_drafts, "num_drafts", np.int32, size, one_for_all=True),
     )
-    wire.encode_hidden(hiddens, ndims=(2,), name="hiddens", into=req.hiddens)
+    wire.encode_hidden(hiddens, ndims=(1, 2), name="hiddens", into=req.hiddens)
     if num_accepted is not None:
         req.num_accepted.extend(
             _column(num_accepted, "num_accepted", np.int32, size, one_for_all=False)
@@ -278,14 +280,14 @@ def columns_request(
         )
     if refeed_hiddens is not None:
         wire.encode_hidden(
-            refeed_hiddens, ndims=(2,), name="refeed_hiddens", into=req.refeed_hiddens
+            refeed_hiddens, ndims=(1, 2), name="refeed_hiddens", into=req.refeed_hiddens
         )
     if bitmask_rows is not None:
         rows = _column(bitmask_rows, "bitmask_rows", np.int32, size, one_for_all=False)
         req.bitmask_rows.extend(rows)
     if bitmasks is not None:
         allowed = wire.BITMASK_DTYPES
-        wire.encode(bitmasks, allowed=allowed, ndims=(2,), name="bitmasks", into=req.bitmasks)
+        wire.encode(bitmasks, allowed=allowed, ndims=(1, 2), name="bitmasks", into=req.bitmasks)
     if min_confidence is not None:
         req.min_confidence.extend(
             _column(min_confidence, "min_confidence", np.float32, size, one_for_all=True)

@@ -138,14 +138,14 @@ class LocalBackend:
                             field="header",
                         )
                     state_id = chunk.state_id
-                    session = await self._opened(self.engine.import_kv, state_id, chunk.header)
+                    session = await self._opened(self.engine.import_kv, chunk)
                 elif chunk.state_id not in (0, state_id) or chunk.header is not None:
                     raise errors.InvalidArgument(
                         "a later chunk names another state, or a header again",
                         reason="CHUNK_MISMATCH",
                         field="state_id",
                     )
-                if chunk.k is not None:
+                elif chunk.k is not None:
                     await self.runner.call(session.write, chunk.first_row, chunk.k, chunk.v)
             if session is None:
                 raise errors.InvalidArgument(
@@ -166,15 +166,24 @@ class LocalBackend:
                 if session is None:
                     state_id, start = chunk.state_id, chunk.start_position
                     total = chunk.total_rows
-                    session = await self._opened(self.engine.begin_prefill, state_id, start)
+                    if total < 0:
+                        raise errors.InvalidArgument(
+                            f"total_rows: {total} is negative",
+                            reason="BAD_SHAPE",
+                            field="total_rows",
+                        )
+                    session = await self._opened(
+                        self.engine.begin_prefill, state_id, start, chunk.tokens, chunk.hiddens
+                    )
                 elif chunk.state_id not in (0, state_id) or chunk.start_position not in (0, start):
                     raise errors.InvalidArgument(
                         "a later chunk names another state or start_position than the first",
                         reason="CHUNK_MISMATCH",
                         field="state_id",
                     )
-                if chunk.hiddens is not None:
+                elif chunk.hiddens is not None:
                     await self.runner.call(session.append, chunk.tokens, chunk.hiddens)
+                if chunk.hiddens is not None:
                     received += len(chunk.tokens)
             if session is None:
                 raise errors.InvalidArgument(

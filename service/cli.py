@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 from .config import ServeConfig
 
+log = logging.getLogger("mtpdraft.cli")
+
 # Without --kv-blocks on the CPU: 256 MiB of host memory (on a GPU, --kv-memory-fraction).
 # A CPU server is for trying the service and for tests; the pool is zeroed, so all of it is
 # resident from the start: 1 GiB made the embedded model's server take 1.3 GB.
@@ -28,13 +30,14 @@ def _load_serving() -> None:
     parser needs none of it, so `--help` and `--version` answer without a second of imports."""
     global torch, DraftEngine, GIL_SWITCH_INTERVAL_S, load_mtp_weights, CheckpointError
     global KVCache, MTPHead, TokenSource, server_credentials, DrafterServer, create_server
-    global Telemetry, providers_from_env, serve_metrics
+    global Telemetry, providers_from_env, serve_metrics, ListenError, check_free
     if "torch" in globals():
         return
     import torch
 
     from .engine.engine import DraftEngine
     from .engine.runner import GIL_SWITCH_INTERVAL_S
+    from .front_end import ListenError, check_free
     from .model.checkpoint import load_mtp_weights
     from .model.errors import CheckpointError
     from .model.kv_cache import KVCache
@@ -145,6 +148,12 @@ def _security(parser: argparse.ArgumentParser, config: ServeConfig) -> dict:
     return options
 
 
+def listen_addresses(config: ServeConfig) -> list[str]:
+    """Every address `mtpdraft serve` listens on, as gRPC names them."""
+    unix = [f"unix:{config.unix_socket}"] if config.unix_socket else []
+    return [config.address, *unix]
+
+
 def _describe_security(config: ServeConfig) -> str:
     transport = "plaintext"
     if config.tls_cert:
@@ -246,6 +255,8 @@ async def _serve(config: ServeConfig, security: dict, telemetry: Telemetry) -> i
     )
     print(f"mtpdraft: security: {_describe_security(config)}", flush=True)
     print(f"mtpdraft: listening on {config.host}:{server.port}", flush=True)
+    if config.unix_socket:
+        print(f"mtpdraft: listening on unix:{config.unix_socket}", flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -287,7 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     _check_kv(serve_parser, config)
     _load_serving()
     security = _security(serve_parser, config)  # bad flags or files end here, before loading
+    try:  # an address in use ends it here too, not once the model has loaded
+        for address in listen_addresses(config):
+            check_free(address)
+    except ListenError as exc:
+        print(f"mtpdraft: {exc}", file=sys.stderr)
+        return 2
     _configure_logging(config.log_level)
+    log.debug("configuration: %s", config)
     try:
         telemetry = Telemetry(*providers_from_env(prometheus=config.metrics_port is not None))
     except ValueError as exc:  # a bad OTEL_* value, named
@@ -309,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as exc:  # its message begins with the file at fault
         telemetry.shutdown()
         print(f"mtpdraft: cannot load {exc}", file=sys.stderr)
+        return 2
+    except ListenError as exc:  # taken while the model loaded
+        telemetry.shutdown()
+        print(f"mtpdraft: {exc}", file=sys.stderr)
         return 2
 
 

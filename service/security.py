@@ -36,6 +36,8 @@ from pathlib import Path
 
 import grpc
 
+from .refusals import refusals
+
 log = logging.getLogger("mtpdraft.security")
 
 # Calls to these method prefixes need no token: liveness / readiness probes.
@@ -172,6 +174,13 @@ class TokenSource:
         return any(matches)
 
 
+async def _unauthenticated(context: grpc.aio.ServicerContext, message: str) -> None:
+    """Ends the call with UNAUTHENTICATED; a debug line says so (refusals.py)."""
+    if refusals.enabled():
+        refusals.refused("UNAUTHENTICATED", None, "authorization", context.peer(), message)
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+
 def _abort_handler(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind as `handler` that only aborts.
 
@@ -179,7 +188,7 @@ def _abort_handler(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.
     """
 
     async def abort(_request, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await _unauthenticated(context, message)
 
     # An unknown method is answered as a bidirectional stream: the abort goes out at
     # once whatever the client's kind, and an unauthenticated caller cannot probe
@@ -204,7 +213,7 @@ def _rechecking_handler(
     async def while_accepted(requests: AsyncIterator, context: grpc.aio.ServicerContext):
         async for request in requests:
             if not tokens.accepts(token):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REVOKED)
+                await _unauthenticated(context, _REVOKED)
             yield request
 
     behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary

@@ -13,12 +13,15 @@ raise: bytes that do not parse as the method's message reach the handler as an
 `Undecodable`, which it refuses as INVALID_ARGUMENT (reason MALFORMED_MESSAGE)
 like any other bad request, with at most one log line per MALFORMED_LOG_PERIOD_S
 (grpc would answer UNKNOWN and log a traceback for each, and end nothing on a stream).
+`add_library_service` registers the health and reflection servicers so too, each
+method behind a check that refuses an `Undecodable` the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf import any_pb2, message_factory
+from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -39,6 +43,7 @@ from . import wire
 from .engine import errors
 from .engine.step import StepResult
 from .engine.types import Proposal
+from .refusals import Throttle, refusals
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -105,6 +110,15 @@ def _row_error(err: errors.DrafterError) -> pb.Error:
     return error
 
 
+def _log_refused(
+    err: errors.DrafterError, context: grpc.aio.ServicerContext, field: str | None = None
+) -> None:
+    """A refused request's debug line (refusals.py); nothing to do unless debug is on."""
+    if refusals.enabled():
+        code = _CODES[type(err)].name
+        refusals.refused(code, err.reason, field or err.field, context.peer(), err.message)
+
+
 def _client_host(peer: str) -> str:
     """The client's host from a gRPC peer string ("ipv4:1.2.3.4:5678", "ipv6:[::1]:5678")."""
     kind, _, address = peer.partition(":")
@@ -141,23 +155,20 @@ class _MalformedLog:
 
     def __init__(self, period: float) -> None:
         self.period = period
-        self._count = 0
-        self._next = 0.0  # monotonic time from which the next line may go
+        self._throttle = Throttle(rate=1 / period, burst=1)
 
     def refused(self, message: Undecodable, peer: str) -> errors.InvalidArgument:
         """The error that answers `message`, logged."""
-        self._count += 1
-        now = time.monotonic()
-        if now >= self._next:
+        held = self._throttle.take("malformed")
+        if held is not None:
             log.warning(
                 "%d request message(s) refused since the last such line: they do not parse "
                 "(the last as a %s, from %s); at most one such line every %g s",
-                self._count,
+                held + 1,
                 message.message_type,
                 peer,
                 self.period,
             )
-            self._count, self._next = 0, now + self.period
         return errors.InvalidArgument(
             f"the request's bytes do not parse as {message.message_type}",
             reason="MALFORMED_MESSAGE",
@@ -190,6 +201,7 @@ def rpc(handler: Handler) -> Handler:
             return await handler(self, request, context)
         except errors.DrafterError as err:
             code = _CODES[type(err)]
+            _log_refused(err, context)
             span = trace.get_current_span()
             span.set_attribute("rpc.grpc.status_code", code.value[0])
             span.set_status(Status(StatusCode.ERROR, err.message))
@@ -280,7 +292,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         step = wire.columns(request)
         caller = self.telemetry.span_context()
         result = await self.backend.propose_columns(step, context.time_remaining(), caller)
-        return self._columns_answer(request, result)
+        return self._columns_answer(request, result, context)
 
     async def ProposeColumnsStream(self, request_iterator: AsyncIterator, context):
         """Each message a verifier's step, answered as ProposeColumns is; a message that
@@ -295,13 +307,21 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         def refuse(request_id: int, error: pb.Error):
             return pb.ColumnsResponse(request_id=request_id, error=error)
 
+        def reply(msg: pb.ColumnsRequest, result: StepResult) -> pb.ColumnsResponse:
+            return self._columns_answer(msg, result, context)
+
         async for answer in self._answer_stream(
-            "ProposeColumnsStream", request_iterator, context, submit, self._columns_answer, refuse
+            "ProposeColumnsStream", request_iterator, context, submit, reply, refuse
         ):
             yield answer
 
-    def _columns_answer(self, msg: pb.ColumnsRequest, result: StepResult) -> pb.ColumnsResponse:
+    def _columns_answer(
+        self, msg: pb.ColumnsRequest, result: StepResult, context: grpc.aio.ServicerContext
+    ) -> pb.ColumnsResponse:
         failed = {row: _row_error(err) for row, err in result.errors.items()}
+        if failed and refusals.enabled():
+            for row, err in result.errors.items():
+                _log_refused(err, context, f"{failed[row].field or 'row'}[{row}]")
         return wire.columns_answer(msg.request_id, result, failed)
 
     async def _answer_stream(self, name, request_iterator, context, submit, reply, refuse):
@@ -325,6 +345,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             if job.cancelled():  # the stream is going away
                 return
             if (err := job.exception()) is not None:
+                if isinstance(err, errors.DrafterError):
+                    _log_refused(err, context)
                 answers.put_nowait(refuse(msg.request_id, _stream_error(err)))
             else:
                 answers.put_nowait(reply(msg, job.result()))
@@ -334,11 +356,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 async for msg in request_iterator:
                     if type(msg) is Undecodable:  # its request_id cannot be read: 0
                         err = _malformed.refused(msg, context.peer())
+                        _log_refused(err, context)
                         answers.put_nowait(refuse(0, _error_value(err)))
                         continue
                     try:
                         job = submit(msg)
                     except errors.DrafterError as err:
+                        _log_refused(err, context)
                         answers.put_nowait(refuse(msg.request_id, _error_value(err)))
                         continue
                     in_flight.add(job)
@@ -390,13 +414,20 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         try:
             if type(request) is Undecodable:
                 raise _malformed.refused(request, context.peer())
-            asked = request.max_chunk_bytes if request.max_chunk_bytes > 0 else KV_CHUNK_BYTES
+            if request.max_chunk_bytes < 0:
+                raise errors.InvalidArgument(
+                    f"max_chunk_bytes: {request.max_chunk_bytes} is negative (0: the default)",
+                    reason="CHUNK_SIZE_OUT_OF_RANGE",
+                    field="max_chunk_bytes",
+                )
+            asked = request.max_chunk_bytes or KV_CHUNK_BYTES
             size = min(asked, self.max_message_bytes - KV_CHUNK_OVERHEAD)
             chunks = self.backend.export_kv(request.handle_id, size, request.keep_handle)
             async for chunk in chunks:
                 yield wire.kv_chunk(chunk)
         except errors.DrafterError as err:
             code = _CODES[type(err)]
+            _log_refused(err, context)
             await context.abort_with_status(_status_of(err))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
@@ -428,8 +459,23 @@ _HANDLERS = {
 
 def add_to_server(servicer: DrafterServicer, server: grpc.aio.Server) -> None:
     """As the generated add_DrafterServicer_to_server, but every method's request
-    deserializer hands bytes that do not parse to the handler as an `Undecodable`."""
+    deserializer hands bytes that do not parse to the handler as an `Undecodable`
+    (which the Drafter's handlers refuse themselves)."""
     service = pb.DESCRIPTOR.services_by_name["Drafter"]
+    _add_service(service, servicer, server, lambda method, streamed: method)
+
+
+def add_library_service(service: ServiceDescriptor, servicer, server: grpc.aio.Server) -> None:
+    """A library's servicer (health, reflection) registered as the Drafter service is:
+    bytes that do not parse are refused as INVALID_ARGUMENT (MALFORMED_MESSAGE) before
+    the servicer sees them, where its generated registration would answer UNKNOWN and
+    log a traceback."""
+    _add_service(service, servicer, server, _refusing_undecodable)
+
+
+def _add_service(service: ServiceDescriptor, servicer, server: grpc.aio.Server, guard) -> None:
+    """Registers `guard(method, streamed)` for each of the service's methods (`streamed`:
+    it takes a stream of requests), their requests read by `_parser`."""
     handlers = {}
     for method in service.methods:
         make = _HANDLERS[method.client_streaming, method.server_streaming]
@@ -437,7 +483,7 @@ def add_to_server(servicer: DrafterServicer, server: grpc.aio.Server) -> None:
             message_factory.GetMessageClass, (method.input_type, method.output_type)
         )
         handlers[method.name] = make(
-            getattr(servicer, method.name),
+            guard(getattr(servicer, method.name), method.client_streaming),
             request_deserializer=_parser(request),
             response_serializer=response.SerializeToString,
         )
@@ -445,3 +491,52 @@ def add_to_server(servicer: DrafterServicer, server: grpc.aio.Server) -> None:
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
     server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _refusing_undecodable(method: Callable, streamed: bool) -> Callable:
+    """`method` (a library servicer's: a coroutine or an async generator) behind a check
+    that refuses an `Undecodable` request. A stream of requests ends for `method` at the
+    first one, and the call with its error once `method` is done."""
+
+    async def checked(request, context) -> tuple[object, list[Undecodable]]:
+        refused: list[Undecodable] = []
+        if streamed:
+            return _until_undecodable(request, refused), refused
+        if type(request) is Undecodable:
+            await _refuse(request, context)
+        return request, refused
+
+    if inspect.isasyncgenfunction(method):
+
+        async def guarded(request, context):
+            request, refused = await checked(request, context)
+            async for answer in method(request, context):
+                yield answer
+            if refused:
+                await _refuse(refused[0], context)
+
+    else:
+
+        async def guarded(request, context):
+            request, refused = await checked(request, context)
+            result = await method(request, context)
+            if refused:
+                await _refuse(refused[0], context)
+            return result
+
+    return functools.wraps(method)(guarded)
+
+
+async def _until_undecodable(requests: AsyncIterator, refused: list) -> AsyncIterator:
+    """The requests up to the first that does not parse, which goes into `refused`."""
+    async for request in requests:
+        if type(request) is Undecodable:
+            refused.append(request)
+            return
+        yield request
+
+
+async def _refuse(message: Undecodable, context: grpc.aio.ServicerContext) -> None:
+    err = _malformed.refused(message, context.peer())
+    _log_refused(err, context)
+    await context.abort_with_status(_status_of(err))

@@ -152,12 +152,11 @@ def columns(msg: pb.ColumnsRequest) -> Columns:
     message's bytes)."""
     if not msg.HasField("hiddens"):
         raise InvalidArgument("hiddens: required", reason="MISSING_FIELD", field="hiddens")
-    hiddens = read_tensor(msg.hiddens, "hiddens", HIDDEN_DTYPES)
     return Columns(
         state_ids=list(msg.state_ids),
         tokens=list(msg.tokens),
         positions=list(msg.positions),
-        hiddens=hiddens if hiddens.dim() != 1 else hiddens.reshape(1, -1),
+        hiddens=read_tensor(msg.hiddens, "hiddens", HIDDEN_DTYPES),
         num_drafts=list(msg.num_drafts),
         num_accepted=list(msg.num_accepted),
         refeed_rows=list(msg.refeed_rows),

@@ -1,7 +1,8 @@
 """Which rows of a step may run: every check of a Propose, over the step's columns at once.
 
 Each check is an array operation over the B rows, made in the order a single
-Propose is checked, so a row fails with its first problem. A group fails with
+Propose is checked (its own values first, whatever its state, then against its
+state), so a row fails with its first problem. A group fails with
 the first error among its rows; then the groups that passed are given their KV
 blocks in order, all or nothing per group. Nothing here changes a state.
 """
@@ -19,6 +20,11 @@ from .errors import (
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
+    not_finite,
+    num_accepted_out_of_range,
+    position_mismatch,
+    position_out_of_range,
+    position_too_large,
 )
 from .state import StateTable
 from .step import Step
@@ -51,119 +57,92 @@ def _refused_rows(
     step: Step, slots: np.ndarray, table: StateTable, limits: Limits, not_found: NotFoundError
 ) -> tuple[np.ndarray, np.ndarray, Callable[[int, int], DrafterError]]:
     """(the first failed check of each row, 0 for none; base rows; the error of check c
-    at row i). Rows of unknown states get check 1 and their other checks are moot."""
-    b = len(step)
+    at row i). A row's own values are checked first, whatever its state (INVALID_ARGUMENT
+    for a value no state accepts), then against its state. Rows of unknown states fail at
+    the first check of the state; its other checks are moot for them."""
     known = slots >= 0
-    s = np.where(known, slots, 0)  # unknown rows read slot 0, their verdict is check 1
-    a = step.num_accepted
+    s = np.where(known, slots, 0)  # unknown rows read slot 0, their state checks are moot
+    a, k, positions = step.num_accepted, step.num_drafts, step.positions
+    tokens, confidence, state = step.tokens, step.min_confidence, step.state_ids
     verdict = a >= 0
     pending_row, pending_count = table.pending_row[s], table.pending_count[s]
     has_pending = pending_row >= 0
     base = np.where(verdict, pending_row + 1 + a, table.num_rows[s])
-    hidden_ok = _finite(step.hiddens)
-    refeed_ok = _refeed_finite(step)
-    k = step.num_drafts
-    confidence = step.min_confidence
-    mask_empty = _empty_masks(step)
-    checks = [
-        ~known,
-        _duplicates(step),
-        table.prefilling[s],
-        verdict & ~has_pending,
-        ~verdict & has_pending,
-        verdict & has_pending & (a > pending_count),
-        ~refeed_ok,
-        step.positions != base + 1,
-        (step.tokens < 0) | (step.tokens >= limits.vocab_size),
-        ~hidden_ok,
-        (k < 1) | (k > limits.max_drafts),
-        np.isnan(confidence) | (confidence < 0) | (confidence > 1),
-        step.mask_counts > k,
-        mask_empty,
-        base + k >= limits.max_position,
-        np.zeros(b, bool) if limits.max_rows_per_state is None
-        else base + k > limits.max_rows_per_state,
+    limit = limits.max_rows_per_state
+    checks: list[tuple[np.ndarray, Callable[[int], DrafterError]]] = [
+        # --- the request's own values
+        (_duplicates(step), lambda i: duplicate_state(step, i)),
+        (a < -1, lambda i: InvalidArgument(
+            f"num_accepted: {a[i]} is neither a count of drafts nor -1 (no verdict)",
+            reason="NUM_ACCEPTED_OUT_OF_RANGE",
+            field="previous.num_accepted",
+        )),
+        (~_refeed_finite(step), lambda i: not_finite("previous.refeed_hiddens")),
+        (positions < 1, lambda i: position_out_of_range(int(positions[i]), "position")),
+        ((tokens < 0) | (tokens >= limits.vocab_size), lambda i: InvalidArgument(
+            f"token: token {tokens[i]} is outside the vocabulary [0, {limits.vocab_size})",
+            reason="TOKEN_OUT_OF_RANGE",
+            field="token",
+        )),
+        (~_finite(step.hiddens), lambda i: not_finite("hidden")),
+        ((k < 1) | (k > limits.max_drafts), lambda i: InvalidArgument(
+            f"num_drafts: {k[i]} is outside [1, {limits.max_drafts}]",
+            reason="NUM_DRAFTS_OUT_OF_RANGE",
+            field="num_drafts",
+        )),
+        (np.isnan(confidence) | (confidence < 0) | (confidence > 1), lambda i: InvalidArgument(
+            f"min_confidence: {confidence[i]} is outside [0, 1]",
+            reason="MIN_CONFIDENCE_OUT_OF_RANGE",
+            field="min_confidence",
+        )),
+        (step.mask_counts > k, lambda i: InvalidArgument(
+            f"bitmask: {step.mask_counts[i]} rows for num_drafts {k[i]}: expected 1 to "
+            "num_drafts rows",
+            reason="BAD_SHAPE",
+            field="bitmask",
+        )),
+        (_empty_masks(step), lambda i: InvalidArgument(
+            "bitmask: a row allows no token of the vocabulary",
+            reason="EMPTY_BITMASK",
+            field="bitmask",
+        )),
+        # The last draft's row, at index position - 1 + K, stays below the limit.
+        (positions > limits.max_position - k, lambda i: position_too_large(
+            int(positions[i] - 1 + k[i]), limits.max_position, "position"
+        )),
+        # --- against the state
+        (~known, lambda i: not_found(int(state[i]))),
+        (table.prefilling[s], lambda i: FailedPrecondition(
+            f"cannot propose: a Prefill or ImportKV stream is open on state {state[i]}",
+            reason="PREFILL_IN_PROGRESS",
+        )),
+        (verdict & ~has_pending, lambda i: FailedPrecondition(
+            f"state {state[i]} has no proposal awaiting a verdict",
+            reason="NO_PENDING_PROPOSAL",
+        )),
+        (~verdict & has_pending, lambda i: FailedPrecondition(
+            f"cannot propose: state {state[i]} has a proposal awaiting its verdict "
+            "(call AfterVerify, or pass it as Propose.previous)",
+            reason="PROPOSAL_PENDING",
+        )),
+        (verdict & has_pending & (a > pending_count), lambda i: num_accepted_out_of_range(
+            int(a[i]), int(pending_count[i]), "previous"
+        )),
+        (positions != base + 1, lambda i: position_mismatch(
+            int(positions[i]), int(base[i]) + 1, "position"
+        )),
+        (np.zeros(len(step), bool) if limit is None else base + k > limit,
+         lambda i: ResourceExhausted(
+            f"state {state[i]} would hold {base[i] + k[i]} rows; the limit per state is {limit}",
+            reason="ROWS_PER_STATE_EXCEEDED",
+        )),
     ]  # fmt: skip
-    first = np.zeros(b, np.int64)
+    first = np.zeros(len(step), np.int64)
     for c in range(len(checks), 0, -1):  # the first failing check wins
-        first[checks[c - 1]] = c
+        first[checks[c - 1][0]] = c
 
     def error(c: int, i: int) -> DrafterError:
-        state = step.state_ids[i]
-        match c:
-            case 1:
-                return not_found(int(state))
-            case 2:
-                in_group = i - int(np.searchsorted(step.groups, step.groups[i]))
-                return InvalidArgument(
-                    f"requests[{in_group}]: state {state} appears twice in one batch",
-                    reason="DUPLICATE_STATE",
-                    field="requests",
-                )
-            case 3:
-                return FailedPrecondition(
-                    f"cannot propose: a Prefill or ImportKV stream is open on state {state}",
-                    reason="PREFILL_IN_PROGRESS",
-                )
-            case 4:
-                return FailedPrecondition(
-                    f"state {state} has no proposal awaiting a verdict",
-                    reason="NO_PENDING_PROPOSAL",
-                )
-            case 5:
-                return FailedPrecondition(
-                    f"cannot propose: state {state} has a proposal awaiting its verdict "
-                    "(call AfterVerify, or pass it as Propose.previous)",
-                    reason="PROPOSAL_PENDING",
-                )
-            case 6:
-                return num_accepted_out_of_range(int(a[i]), int(pending_count[i]), "previous")
-            case 7:
-                return not_finite("previous.refeed_hiddens")
-            case 8:
-                return position_mismatch(int(step.positions[i]), int(base[i]) + 1, "position")
-            case 9:
-                return InvalidArgument(
-                    f"token: token {step.tokens[i]} is outside the vocabulary "
-                    f"[0, {limits.vocab_size})",
-                    reason="TOKEN_OUT_OF_RANGE",
-                    field="token",
-                )
-            case 10:
-                return not_finite("hidden")
-            case 11:
-                return InvalidArgument(
-                    f"num_drafts: {k[i]} is outside [1, {limits.max_drafts}]",
-                    reason="NUM_DRAFTS_OUT_OF_RANGE",
-                    field="num_drafts",
-                )
-            case 12:
-                return InvalidArgument(
-                    f"min_confidence: {confidence[i]} is outside [0, 1]",
-                    reason="MIN_CONFIDENCE_OUT_OF_RANGE",
-                    field="min_confidence",
-                )
-            case 13:
-                return InvalidArgument(
-                    f"bitmask: {step.mask_counts[i]} rows for num_drafts {k[i]}: expected 1 "
-                    "to num_drafts rows",
-                    reason="BAD_SHAPE",
-                    field="bitmask",
-                )
-            case 14:
-                return InvalidArgument(
-                    "bitmask: a row allows no token of the vocabulary",
-                    reason="EMPTY_BITMASK",
-                    field="bitmask",
-                )
-            case 15:
-                return position_too_large(int(base[i] + k[i]), limits.max_position, "position")
-            case _:
-                return ResourceExhausted(
-                    f"state {state} would hold {base[i] + k[i]} rows; the limit per state is "
-                    f"{limits.max_rows_per_state}",
-                    reason="ROWS_PER_STATE_EXCEEDED",
-                )
+        return checks[c - 1][1](i)
 
     return first, base, error
 
@@ -244,32 +223,11 @@ def _empty_masks(step: Step) -> np.ndarray:
     return empty
 
 
-def not_finite(field: str) -> InvalidArgument:
+def duplicate_state(step: Step, i: int) -> InvalidArgument:
+    """Row i's state came earlier in its batch (named by its index in its call)."""
+    in_group = i - int(np.searchsorted(step.groups, step.groups[i]))
     return InvalidArgument(
-        f"{field}: holds NaN or infinite values", reason="NOT_FINITE", field=field
-    )
-
-
-def position_mismatch(position: int, expected: int, field: str) -> InvalidArgument:
-    return InvalidArgument(
-        f"{field}: position {position} does not continue the state, which expects {expected}",
-        reason="POSITION_MISMATCH",
-        field=field,
-    )
-
-
-def position_too_large(last_row: int, limit: int, field: str) -> InvalidArgument:
-    return InvalidArgument(
-        f"{field}: row at position {last_row + 1} exceeds the model's "
-        f"max_position_embeddings ({limit})",
-        reason="POSITION_TOO_LARGE",
-        field=field,
-    )
-
-
-def num_accepted_out_of_range(a: int, k: int, field: str) -> InvalidArgument:
-    return InvalidArgument(
-        f"{field}.num_accepted: {a} is outside [0, {k}] (the proposal had {k} drafts)",
-        reason="NUM_ACCEPTED_OUT_OF_RANGE",
-        field=f"{field}.num_accepted",
+        f"requests[{in_group}]: state {step.state_ids[i]} appears twice in one batch",
+        reason="DUPLICATE_STATE",
+        field="requests",
     )

@@ -15,7 +15,7 @@ import torch
 
 from .errors import InvalidArgument
 from .step import Step, padded_mask, refeed_rows
-from .validation import check_batch_size
+from .validation import as_rows, check_batch_size
 
 
 @dataclass
@@ -25,7 +25,7 @@ class Columns:
     state_ids: Sequence[int]
     tokens: Sequence[int]
     positions: Sequence[int]
-    hiddens: torch.Tensor  # [B, H]
+    hiddens: torch.Tensor  # [B, H] ([H] for B = 1)
     num_drafts: Sequence[int]  # B values, or one for all
     num_accepted: Sequence[int]  # B values (-1: no verdict), or empty
     refeed_rows: Sequence[int]  # B values, or empty
@@ -56,9 +56,18 @@ def _counts(values: Sequence[int], field: str, size: int) -> np.ndarray:
     return counts
 
 
+def _row_count(tensor: torch.Tensor | None) -> int:
+    """The rows of a ragged column's tensor: [n, X], or one row flat, [X] (-1: neither)."""
+    if tensor is None:
+        return 0
+    if tensor.dim() == 1:
+        return int(tensor.numel() > 0)
+    return tensor.shape[0] if tensor.dim() else -1
+
+
 def _ragged(tensor: torch.Tensor | None, counts: np.ndarray, field: str) -> torch.Tensor | None:
     total = int(counts.sum())
-    rows = 0 if tensor is None else (tensor.shape[0] if tensor.dim() else -1)
+    rows = _row_count(tensor)
     if rows != total:
         raise _mismatch(field, f"{rows} rows where the counts add up to {total}")
     return tensor if total else None
@@ -72,12 +81,7 @@ def step(columns: Columns, hidden_size: int, vocab_size: int, max_batch: int) ->
     check_batch_size(size, max_batch)
     if not len(c.num_drafts):
         raise _mismatch("num_drafts", "required: one value for every state, or one for all")
-    if tuple(c.hiddens.shape) != (size, hidden_size):
-        raise InvalidArgument(
-            f"hiddens: expected shape [{size}, {hidden_size}], got {list(c.hiddens.shape)}",
-            reason="BAD_SHAPE",
-            field="hiddens",
-        )
+    hiddens = as_rows(c.hiddens, size, hidden_size, "hiddens")
     accepted = np.full(size, -1, np.int64)
     if len(c.num_accepted):
         accepted = _column(c.num_accepted, "num_accepted", size, np.int64)
@@ -91,7 +95,7 @@ def step(columns: Columns, hidden_size: int, vocab_size: int, max_batch: int) ->
         )
     refeeds = _ragged(c.refeed_hiddens, refeed_counts, "refeed_hiddens")
     if refeeds is not None:
-        refeeds = refeed_rows(refeeds, refeeds.shape[0], hidden_size, "refeed_hiddens")
+        refeeds = refeed_rows(refeeds, int(refeed_counts.sum()), hidden_size, "refeed_hiddens")
     mask_counts = _counts(c.bitmask_rows, "bitmask_rows", size)
     masks = _ragged(c.bitmasks, mask_counts, "bitmasks")
     if masks is not None:
@@ -100,7 +104,7 @@ def step(columns: Columns, hidden_size: int, vocab_size: int, max_batch: int) ->
         state_ids=_column(c.state_ids, "state_ids", size, np.uint64),
         tokens=_column(c.tokens, "tokens", size, np.int64),
         positions=_column(c.positions, "positions", size, np.int64),
-        hiddens=c.hiddens,
+        hiddens=hiddens,
         num_drafts=_column(c.num_drafts, "num_drafts", size, np.int64, default=0),
         num_accepted=accepted,
         refeed_counts=refeed_counts,

@@ -12,22 +12,16 @@ refeed the rows of d1..d(a) are recomputed with the target's hiddens.
 from __future__ import annotations
 
 import functools
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from ..model.mtp_head import MTPHead
 from . import validation as check
-from .admission import (
-    Limits,
-    admit,
-    not_finite,
-    num_accepted_out_of_range,
-    position_mismatch,
-    position_too_large,
-)
+from .admission import Limits, admit
 from .block_pool import BlockPool
 from .drafting import ChainPlan, draft
 from .errors import (
@@ -35,14 +29,23 @@ from .errors import (
     FailedPrecondition,
     ResourceExhausted,
     Unavailable,
+    not_finite,
+    num_accepted_out_of_range,
+    position_mismatch,
+    position_out_of_range,
+    position_too_large,
 )
 from .ids import Ids
-from .kv_transfer import KVExport, KVHeader, KVImport, model_fingerprint
+from .kv_transfer import KVChunk, KVExport, KVImport, model_fingerprint
 from .prefill import PrefillSession
 from .rows import Segment, run_segments
 from .state import DrafterState, KVHandle, StateTable
-from .step import Step, StepResult, refeed_rows
+from .step import Step, StepResult, verdict_refeed
 from .types import EngineInfo, Proposal, ProposeArgs, RowCount, TakenKV, Verdict
+
+# A debug line per event of a state's or a KV handle's life (alloc, free, lease expiry,
+# KV take / install / export / import): never per step.
+log = logging.getLogger("mtpdraft.engine")
 
 
 class DraftEngine:
@@ -207,19 +210,29 @@ class DraftEngine:
         slot = self.table.take_slot(self.clock())
         self.states[state_id] = DrafterState(state_id, owner, slot, self.table)
         self._owned[owner] = owned + 1
+        log.debug("state %d allocated for %s (%d live)", state_id, owner or "-", len(self.states))
         return state_id
 
     def free_state(self, state_id: int) -> bool:
+        rows = self._free(state_id)
+        if rows is None:
+            return False
+        log.debug("state %d freed with %d rows (%d live)", state_id, rows, len(self.states))
+        return True
+
+    def _free(self, state_id: int) -> int | None:
+        """Frees the state and its blocks; the rows it held (None: no such state)."""
         state = self.states.pop(state_id, None)
         if state is None:
-            return False
+            return None
+        rows = state.num_rows
         left = self._owned[state.owner] - 1
         if left:
             self._owned[state.owner] = left
         else:
             del self._owned[state.owner]
         self.table.release_slot(state.slot)
-        return True
+        return rows
 
     def reap_expired(self) -> tuple[int, int]:
         """Frees states idle past the TTL and handles past their lease: (states, handles)."""
@@ -229,11 +242,14 @@ class DraftEngine:
         used = self.table.last_used
         stale = [s.id for s in self.states.values() if now - used[s.slot] > self.state_ttl]
         for state_id in stale:
-            self.free_state(state_id)
+            rows = self._free(state_id)
             self.ids.expired(state_id)
+            log.debug("state %d: lease expired, freed with %d rows", state_id, rows)
         expired = [h.id for h in self.handles.values() if now > h.expires_at]
         for handle_id in expired:
-            self.pool.free(self.handles.pop(handle_id).blocks)
+            handle = self.handles.pop(handle_id)
+            self.pool.free(handle.blocks)
+            log.debug("KV handle %d: lease expired, freed with %d rows", handle_id, handle.num_rows)
         return len(stale), len(expired)
 
     def close(self) -> int:
@@ -241,7 +257,7 @@ class DraftEngine:
         self.draining = True
         count = len(self.states)
         for state_id in list(self.states):
-            self.free_state(state_id)
+            self._free(state_id)
         for handle in self.handles.values():
             self.pool.free(handle.blocks)
         self.handles.clear()
@@ -249,10 +265,37 @@ class DraftEngine:
 
     # ---- prefill -----------------------------------------------------------
 
-    def begin_prefill(self, state_id: int, start_position: int) -> PrefillSession:
+    def begin_prefill(
+        self,
+        state_id: int,
+        start_position: int,
+        tokens: Sequence[int] = (),
+        hiddens: torch.Tensor | None = None,
+    ) -> PrefillSession:
+        """Opens a Prefill with its first chunk's rows (`tokens`, `hiddens`), if it has
+        any: the chunk's values are checked before the state."""
+        if start_position < 1:
+            raise position_out_of_range(start_position, "start_position")
+        last_row = start_position - 2 + len(tokens)
+        if last_row >= self.limits.max_position:
+            raise position_too_large(last_row, self.limits.max_position, "start_position")
+        rows = None if hiddens is None else self.prefill_rows(tokens, hiddens)
         state = self._idle_state(state_id, "prefill")
         self._check_position(start_position, state.next_position, "start_position")
-        return PrefillSession(self, state)
+        session = PrefillSession(self, state)
+        if rows is not None:
+            try:
+                session.append_rows(tokens, rows)
+            except BaseException:
+                session.abort()
+                raise
+        return session
+
+    def prefill_rows(self, tokens: Sequence[int], hiddens: torch.Tensor) -> torch.Tensor:
+        """A Prefill chunk's hiddens as [len(tokens), H], its tokens and hiddens checked."""
+        c = self.head.config
+        check.check_tokens(tokens, c.vocab_size, "tokens")
+        return check.check_hiddens(hiddens, len(tokens), c.hidden_size, "hiddens")
 
     def compute_rows(self, state: DrafterState, tokens: np.ndarray, hiddens: torch.Tensor) -> None:
         """Appends committed rows to the state (its blocks must hold them), in forwards
@@ -296,7 +339,11 @@ class DraftEngine:
         return recompute
 
     def after_verify(self, state_id: int, verdict: Verdict) -> RowCount:
-        state = self.state(state_id)
+        a = verdict.num_accepted
+        refeed = verdict_refeed(verdict, self.head.config.hidden_size, "verdict")
+        if refeed is not None and not check.is_finite(refeed):
+            raise not_finite("verdict.refeed_hiddens")
+        state = self.state(state_id)  # the arguments are right whatever the state: now it
         self._check_not_prefilling(state, "apply a verdict")
         t, slot = self.table, state.slot
         if t.pending_row[slot] < 0:
@@ -304,17 +351,9 @@ class DraftEngine:
                 f"state {state.id} has no proposal awaiting a verdict",
                 reason="NO_PENDING_PROPOSAL",
             )
-        k, a = int(t.pending_count[slot]), verdict.num_accepted
-        if not 0 <= a <= k:
+        k = int(t.pending_count[slot])
+        if a > k:
             raise num_accepted_out_of_range(a, k, "verdict")
-        refeed = verdict.refeed_hiddens
-        if refeed is not None and refeed.numel() == 0 and a == 0:
-            refeed = None
-        if refeed is not None:
-            field = "verdict.refeed_hiddens"
-            refeed = refeed_rows(refeed, a, self.head.config.hidden_size, field)
-            if not check.is_finite(refeed):
-                raise not_finite(field)
         rows_after = int(t.pending_row[slot]) + 1 + a
         self.reserve(state, rows_after, "verdict")
         refeeds = {} if refeed is None else {0: refeed}
@@ -488,6 +527,13 @@ class DraftEngine:
         )
         self.handles[handle.id] = handle
         state.num_rows = 0
+        log.debug(
+            "state %d: KV taken into handle %d, %d rows in %d blocks",
+            state_id,
+            handle.id,
+            handle.num_rows,
+            len(handle.blocks),
+        )
         return TakenKV(handle.id, handle.num_rows, self.state_ttl)
 
     def handle(self, handle_id: int) -> KVHandle:
@@ -507,9 +553,10 @@ class DraftEngine:
         """Reads a handle's rows out, chunk by chunk (kv_transfer.py)."""
         return KVExport(self, handle_id)
 
-    def import_kv(self, state_id: int, header: KVHeader) -> KVImport:
-        """Opens an import of exported KV into an empty state (kv_transfer.py)."""
-        return KVImport(self, state_id, header)
+    def import_kv(self, first: KVChunk) -> KVImport:
+        """Opens an import of exported KV into the empty state its first chunk names,
+        with that chunk's header and rows (kv_transfer.py)."""
+        return KVImport(self, first)
 
     def install_kv(self, state_id: int, handle_id: int) -> RowCount:
         state = self.state(state_id)
@@ -526,6 +573,7 @@ class DraftEngine:
         self.pool.free(self.table.detach_blocks(state.slot))
         self.table.attach_blocks(state.slot, handle.blocks)
         state.num_rows = handle.num_rows
+        log.debug("state %d: KV handle %d installed, %d rows", state_id, handle_id, state.num_rows)
         return RowCount(state.num_rows, state.next_position)
 
 

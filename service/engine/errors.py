@@ -40,3 +40,53 @@ class Unavailable(DrafterError):
 
 class DeadlineExceeded(DrafterError):
     """The caller's deadline passed before the request was computed."""
+
+
+# --- refusals that several calls share, each naming its field
+
+
+def not_finite(field: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{field}: holds NaN or infinite values", reason="NOT_FINITE", field=field
+    )
+
+
+def position_mismatch(position: int, expected: int, field: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{field}: position {position} does not continue the state, which expects {expected}",
+        reason="POSITION_MISMATCH",
+        field=field,
+    )
+
+
+def position_out_of_range(position: int, field: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{field}: {position} is before a state's first row, at position 1",
+        reason="POSITION_OUT_OF_RANGE",
+        field=field,
+    )
+
+
+def position_too_large(last_row: int, limit: int, field: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{field}: row at position {last_row + 1} exceeds the model's "
+        f"max_position_embeddings ({limit})",
+        reason="POSITION_TOO_LARGE",
+        field=field,
+    )
+
+
+def num_accepted_negative(a: int, field: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{field}.num_accepted: {a} is negative",
+        reason="NUM_ACCEPTED_OUT_OF_RANGE",
+        field=f"{field}.num_accepted",
+    )
+
+
+def num_accepted_out_of_range(a: int, k: int, field: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{field}.num_accepted: {a} is outside [0, {k}] (the proposal had {k} drafts)",
+        reason="NUM_ACCEPTED_OUT_OF_RANGE",
+        field=f"{field}.num_accepted",
+    )

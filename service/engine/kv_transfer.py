@@ -14,6 +14,7 @@ and its blocks free (`abort`).
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,14 +22,16 @@ import numpy as np
 import torch
 
 from ..model.tensors import FP8Matrix
-from .errors import FailedPrecondition, InvalidArgument
+from .errors import FailedPrecondition, InvalidArgument, position_too_large
 from .types import RowCount
 from .validation import is_finite
 
 if TYPE_CHECKING:
     from ..model.mtp_head import MTPHead
     from .engine import DraftEngine
-    from .state import KVHandle
+    from .state import DrafterState, KVHandle
+
+log = logging.getLogger("mtpdraft.engine")  # the lifecycle's debug lines, as engine.py's
 
 # Elements of each weight tensor the fingerprint reads: enough to tell two fine-tunes of
 # one architecture apart, few enough to take milliseconds on a GPU.
@@ -151,13 +154,36 @@ class KVExport:
         """The export is complete: frees the handle unless asked to keep it."""
         if not keep_handle:
             self.engine.release_handle(self.handle_id)
+        log.debug(
+            "KV handle %d exported, %d rows; %s",
+            self.handle_id,
+            self.header.num_rows,
+            "kept" if keep_handle else "freed",
+        )
 
 
 class KVImport:
-    """An open ImportKV into an empty state: the header checked and every announced row's
-    blocks reserved at the start, rows written as they come, the state's own at finish."""
+    """An open ImportKV into an empty state: opened with the first chunk (its header and
+    rows checked before the state, every announced row's blocks reserved), later rows
+    written as they come, the state's own at finish."""
 
-    def __init__(self, engine: DraftEngine, state_id: int, header: KVHeader) -> None:
+    def __init__(self, engine: DraftEngine, first: KVChunk) -> None:
+        header, state_id = first.header, first.state_id
+        assert header is not None, "the first chunk carries the header"
+        if header.num_rows < 0:
+            raise InvalidArgument(
+                f"header.num_rows: {header.num_rows} is negative",
+                reason="BAD_SHAPE",
+                field="header.num_rows",
+            )
+        if header.num_rows > engine.limits.max_position:
+            last_row = header.num_rows - 1
+            raise position_too_large(last_row, engine.limits.max_position, "header.num_rows")
+        self.engine, self.state_id, self.header = engine, state_id, header
+        self.received = 0
+        if first.k is not None:
+            self._check_rows(first.first_row, first.k, first.v)
+        _check_header(engine, header)
         state = engine.state(state_id)
         if state.prefilling:
             raise FailedPrecondition(
@@ -170,22 +196,24 @@ class KVImport:
                 "empty state",
                 reason="STATE_NOT_EMPTY",
             )
-        _check_header(engine, header)
-        if header.num_rows < 0:
-            raise InvalidArgument(
-                f"header.num_rows: {header.num_rows} is negative",
-                reason="BAD_SHAPE",
-                field="header.num_rows",
-            )
         engine.reserve(state, header.num_rows, "header.num_rows")
         state.prefilling = True  # no other call may touch it until finish or abort
-        self.engine, self.state_id, self.header = engine, state_id, header
-        self.received = 0
+        if first.k is not None:
+            try:
+                self._store(state, first.k, first.v)
+            except BaseException:
+                self.abort()
+                raise
 
     def write(self, first_row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores the next rows; each chunk must continue the one before."""
+        self._check_rows(first_row, k, v)
+        self._store(self.engine.state(self.state_id), k, v)
+
+    def _check_rows(self, first_row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A chunk's rows continue the ones received, within the header's, in its shape and
+        dtype, finite."""
         engine, h = self.engine, self.header
-        state = engine.state(self.state_id)
         if first_row != self.received:
             raise InvalidArgument(
                 f"first_row: {first_row} does not continue the rows received ({self.received})",
@@ -209,11 +237,10 @@ class KVImport:
                     reason="BAD_DTYPE",
                     field=name,
                 )
-        count = k.shape[0]
-        if self.received + count > h.num_rows:
+        if self.received + k.shape[0] > h.num_rows:
             raise InvalidArgument(
-                f"first_row: rows up to {self.received + count} where the header announced "
-                f"{h.num_rows}",
+                f"first_row: rows up to {self.received + k.shape[0]} where the header "
+                f"announced {h.num_rows}",
                 reason="CHUNK_MISMATCH",
                 field="first_row",
             )
@@ -222,9 +249,12 @@ class KVImport:
                 raise InvalidArgument(
                     f"{name}: holds NaN or infinite values", reason="NOT_FINITE", field=name
                 )
+
+    def _store(self, state: DrafterState, k: torch.Tensor, v: torch.Tensor) -> None:
+        count = k.shape[0]
         if not count:
             return
-        kv, t = engine.kv, engine.table
+        kv, t = self.engine.kv, self.engine.table
         rows = np.arange(self.received, self.received + count)
         slots = _row_slots(t.blocks[state.slot], rows, kv.block_size)
         kv.write(k.to(kv.k.device), v.to(kv.v.device), torch.from_numpy(slots).to(kv.k.device))
@@ -242,6 +272,7 @@ class KVImport:
             )
         state.prefilling = False
         state.num_rows = self.header.num_rows
+        log.debug("state %d: KV imported, %d rows", self.state_id, state.num_rows)
         return RowCount(state.num_rows, state.next_position)
 
     def abort(self) -> None:
@@ -252,6 +283,12 @@ class KVImport:
         state.prefilling = False
         state.num_rows = 0
         state.trim()
+        log.debug(
+            "state %d: KV import undone after %d of %d rows",
+            self.state_id,
+            self.received,
+            self.header.num_rows,
+        )
 
 
 def _check_header(engine: DraftEngine, header: KVHeader) -> None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from . import validation as check
 from .types import RowCount
 
 if TYPE_CHECKING:
@@ -24,11 +24,13 @@ class PrefillSession:
         self.rows_before = state.num_rows
         state.prefilling = True
 
-    def append(self, tokens: list[int], hiddens: torch.Tensor) -> None:
-        engine, state = self.engine, self.engine.state(self.state_id)
-        c = engine.head.config
-        check.check_tokens(tokens, c.vocab_size, "tokens")
-        hiddens = check.check_hiddens(hiddens, len(tokens), c.hidden_size, "hiddens")
+    def append(self, tokens: Sequence[int], hiddens: torch.Tensor) -> None:
+        """Appends a chunk's rows, its values checked before the state."""
+        self.append_rows(tokens, self.engine.prefill_rows(tokens, hiddens))
+
+    def append_rows(self, tokens: Sequence[int], hiddens: torch.Tensor) -> None:
+        """Appends checked rows ([len(tokens), H] hiddens)."""
+        engine, state = self.engine, self.engine.state(self.state_id)  # renews its lease
         if not tokens:
             return
         engine.reserve(state, state.num_rows + len(tokens), "tokens")

@@ -14,8 +14,9 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from .errors import DrafterError, InvalidArgument
-from .types import Proposal, ProposeArgs
+from .errors import DrafterError, InvalidArgument, num_accepted_negative
+from .types import Proposal, ProposeArgs, Verdict
+from .validation import as_rows, check_floating
 
 
 @dataclass
@@ -71,11 +72,9 @@ class Step:
             hiddens.append(_row(args.hidden, hidden_size))
             a, refeed = -1, None
             if args.previous is not None:
-                a, refeed = args.previous.num_accepted, args.previous.refeed_hiddens
-                if refeed is not None and refeed.numel() == 0 and a == 0:
-                    refeed = None
+                a = args.previous.num_accepted
+                refeed = verdict_refeed(args.previous, hidden_size, "previous")
                 if refeed is not None:
-                    refeed = refeed_rows(refeed, a, hidden_size, "previous.refeed_hiddens")
                     refeeds.append(refeed)
             accepted.append(a)
             refeed_counts.append(0 if refeed is None else a)
@@ -113,38 +112,28 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.cat(tensors)
 
 
-def _bad_shape(field: str, expected: str, got: torch.Tensor) -> InvalidArgument:
-    return InvalidArgument(
-        f"{field}: expected shape {expected}, got {list(got.shape)}",
-        reason="BAD_SHAPE",
-        field=field,
-    )
-
-
-def _floating(tensor: torch.Tensor, field: str) -> None:
-    if not tensor.is_floating_point():
-        raise InvalidArgument(
-            f"{field}: expected a floating-point tensor, got {tensor.dtype}",
-            reason="BAD_DTYPE",
-            field=field,
-        )
-
-
 def _row(hidden: torch.Tensor, hidden_size: int) -> torch.Tensor:
     """A Propose's hidden, [H] or [1, H], as [1, H]."""
-    if tuple(hidden.shape) not in ((hidden_size,), (1, hidden_size)):
-        raise _bad_shape("hidden", f"[1, {hidden_size}]", hidden)
-    _floating(hidden, "hidden")
-    return hidden.reshape(1, hidden_size)
+    hidden = as_rows(hidden, 1, hidden_size, "hidden")
+    check_floating(hidden, "hidden")
+    return hidden
+
+
+def verdict_refeed(verdict: Verdict, hidden_size: int, field: str) -> torch.Tensor | None:
+    """A verdict's refeed hiddens as [num_accepted, H], or None for no refeed; its count
+    and shape checked (INVALID_ARGUMENT), whatever the state it is for."""
+    a, refeed = verdict.num_accepted, verdict.refeed_hiddens
+    if a < 0:
+        raise num_accepted_negative(a, field)
+    if refeed is None or (refeed.numel() == 0 and a == 0):
+        return None
+    return refeed_rows(refeed, a, hidden_size, f"{field}.refeed_hiddens")
 
 
 def refeed_rows(refeed: torch.Tensor, rows: int, hidden_size: int, field: str) -> torch.Tensor:
-    """A verdict's refeed hiddens as [rows, H]; a single row may also come as [H]."""
-    if rows == 1 and tuple(refeed.shape) == (hidden_size,):
-        refeed = refeed.reshape(1, hidden_size)
-    if tuple(refeed.shape) != (rows, hidden_size):
-        raise _bad_shape(field, f"[{rows}, {hidden_size}]", refeed)
-    _floating(refeed, field)
+    """A verdict's refeed hiddens as [rows, H] (see validation.as_rows)."""
+    refeed = as_rows(refeed, rows, hidden_size, field)
+    check_floating(refeed, field)
     return refeed
 
 
@@ -157,7 +146,7 @@ def padded_mask(bitmask: torch.Tensor, vocab_size: int, field: str) -> torch.Ten
         raise InvalidArgument(
             f"{field}: expected int32, got {bitmask.dtype}", reason="BAD_DTYPE", field=field
         )
-    mask = bitmask.reshape(1, -1) if bitmask.dim() == 1 else bitmask
+    mask = bitmask.reshape(1, -1) if bitmask.dim() == 1 else bitmask  # one row, flat
     if mask.dim() != 2 or mask.shape[0] < 1 or not 1 <= mask.shape[1] <= words:
         raise InvalidArgument(
             f"{field}: expected shape [words] or [n, words] with 1 <= n <= num_drafts and "

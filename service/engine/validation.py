@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from .errors import InvalidArgument
 
 
-def check_tokens(tokens: list[int], vocab_size: int, field: str) -> None:
+def check_tokens(tokens: Sequence[int], vocab_size: int, field: str) -> None:
     for i, token in enumerate(tokens):
         if not 0 <= token < vocab_size:
             where = field if len(tokens) == 1 else f"{field}[{i}]"
@@ -49,23 +51,34 @@ def finite_rows(rows: torch.Tensor) -> np.ndarray:
     return rows.view(as_int).bitwise_and(exponent).amax(dim=1).ne(exponent).cpu().numpy()
 
 
-def check_hiddens(hiddens: torch.Tensor, rows: int, hidden_size: int, field: str) -> torch.Tensor:
-    """Returns hiddens as [rows, hidden_size]; a single row may also come as [hidden_size]."""
-    if rows == 1 and tuple(hiddens.shape) == (hidden_size,):
-        hiddens = hiddens.reshape(1, hidden_size)
-    shape = tuple(hiddens.shape)
-    if shape != (rows, hidden_size):
+def as_rows(tensor: torch.Tensor, rows: int, width: int, field: str) -> torch.Tensor:
+    """`tensor` as [rows, width]. One row may also come flat, as [width]: the rule of every
+    tensor of rows the wire carries (hiddens here; bitmasks in step.padded_mask)."""
+    if rows == 1 and tuple(tensor.shape) == (width,):
+        return tensor.reshape(1, width)
+    if tuple(tensor.shape) != (rows, width):
+        flat = f" (or [{width}])" if rows == 1 else ""
         raise InvalidArgument(
-            f"{field}: expected shape [{rows}, {hidden_size}], got {list(shape)}",
+            f"{field}: expected shape [{rows}, {width}]{flat}, got {list(tensor.shape)}",
             reason="BAD_SHAPE",
             field=field,
         )
-    if not hiddens.is_floating_point():
+    return tensor
+
+
+def check_floating(tensor: torch.Tensor, field: str) -> None:
+    if not tensor.is_floating_point():
         raise InvalidArgument(
-            f"{field}: expected a floating-point tensor, got {hiddens.dtype}",
+            f"{field}: expected a floating-point tensor, got {tensor.dtype}",
             reason="BAD_DTYPE",
             field=field,
         )
+
+
+def check_hiddens(hiddens: torch.Tensor, rows: int, hidden_size: int, field: str) -> torch.Tensor:
+    """Returns hiddens as [rows, hidden_size] (see as_rows), floating-point and finite."""
+    hiddens = as_rows(hiddens, rows, hidden_size, field)
+    check_floating(hiddens, field)
     if not is_finite(hiddens):
         raise InvalidArgument(
             f"{field}: holds NaN or infinite values", reason="NOT_FINITE", field=field

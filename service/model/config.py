@@ -111,13 +111,35 @@ class ConfigReader:
     def int(self, key: str, default: int | None = None) -> int:
         return int(self.need(key) if default is None else self.get(key, default))
 
+    def positive(self, key: str, default: int | None = None) -> int:
+        """A size or a count: an integer of at least 1."""
+        value = self.int(key, default)
+        if value < 1:
+            raise CheckpointError(f"config.json: {key}={value} is not a positive integer")
+        return value
+
+    def head_dim(self, hidden_size: int, heads: int) -> tuple[int, str]:
+        """(the attention head's width, the key(s) it comes from): head_dim, or
+        hidden_size / num_attention_heads where it is not given."""
+        if "head_dim" in self:
+            return self.positive("head_dim"), "head_dim"
+        if hidden_size % heads:
+            raise CheckpointError(
+                f"config.json: hidden_size={hidden_size} is not divisible by "
+                f"num_attention_heads={heads}, and no head_dim is given"
+            )
+        return hidden_size // heads, "hidden_size / num_attention_heads"
+
     def refuse_unless(self, key: str, allowed: tuple, why: str) -> None:
         """A key whose other values change the computation in ways not implemented."""
         if key in self and self.raw[key] not in allowed:
             raise CheckpointError(f"config.json: {key}={self.raw[key]!r} is not supported ({why})")
 
-    def rope(self, head_dim: int, yarn_ok: bool = False) -> tuple[float, int, Yarn | None]:
-        """(theta, rotary dims, YaRN scaling or None), from either spelling.
+    def rope(
+        self, head_dim: int, head_dim_keys: str, yarn_ok: bool = False
+    ) -> tuple[float, int, Yarn | None]:
+        """(theta, rotary dims, YaRN scaling or None), from either spelling; `head_dim`:
+        the dims RoPE may rotate, read from `head_dim_keys` (named where it is wrong).
 
         Plain RoPE everywhere; YaRN where the family implements it (`yarn_ok`).
         Qwen3.5's multimodal RoPE (mrope_section) rotates text tokens, whose three
@@ -149,11 +171,28 @@ class ConfigReader:
                 if not thetas
                 else f"config.json: rope_theta and rope_parameters.rope_theta disagree {thetas}"
             )
-        factor = float(params.get("partial_rotary_factor", self.get("partial_rotary_factor", 1)))
+        return float(thetas.pop()), self._rotary_dims(head_dim, head_dim_keys), yarn
+
+    def _rotary_dims(self, head_dim: int, head_dim_keys: str) -> int:
+        """The dims RoPE rotates: an even number, 2 to head_dim (it rotates pairs)."""
+        params = self.get("rope_parameters") or {}
+        key = "rope_parameters.partial_rotary_factor"
+        if "partial_rotary_factor" not in params:
+            key = "partial_rotary_factor" if "partial_rotary_factor" in self else None
+        if key is None:
+            if head_dim % 2:
+                raise CheckpointError(
+                    f"config.json: {head_dim_keys}={head_dim} is odd (RoPE rotates pairs of dims)"
+                )
+            return head_dim
+        factor = float(params.get("partial_rotary_factor", self.get("partial_rotary_factor")))
         rotary = int(head_dim * factor)
         if not 0 < rotary <= head_dim or rotary % 2:
-            raise CheckpointError(f"config.json: partial_rotary_factor {factor} is not usable")
-        return float(thetas.pop()), rotary, yarn
+            raise CheckpointError(
+                f"config.json: {key}={factor} of {head_dim_keys}={head_dim} rotates {rotary} "
+                f"dims: RoPE needs an even number from 2 to {head_dim}"
+            )
+        return rotary
 
     def dtype(self) -> torch.dtype:
         name = str(self.get("torch_dtype") or self.get("dtype") or "bfloat16")

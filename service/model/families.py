@@ -108,27 +108,31 @@ def read_config(raw: dict, family: str) -> MTPConfig:
     """The family's keys as an MTPConfig; a key whose value is not implemented is refused."""
     c = ConfigReader(raw)
     c.refuse_common()
-    hidden, heads = c.int("hidden_size"), c.int("num_attention_heads")
+    hidden, heads = c.positive("hidden_size"), c.positive("num_attention_heads")
     mla = _mla(c) if family == "deepseek" else None
-    head_dim = mla.qk_head_dim if mla else c.int("head_dim", hidden // heads)
-    theta, rotary, yarn = c.rope(mla.qk_rope_head_dim if mla else head_dim, yarn_ok=bool(mla))
+    if mla:  # RoPE rotates the rope part of each q/k head only
+        head_dim, rope_dim, rope_keys = mla.qk_head_dim, mla.qk_rope_head_dim, "qk_rope_head_dim"
+    else:
+        head_dim, rope_keys = c.head_dim(hidden, heads)
+        rope_dim = head_dim
+    theta, rotary, yarn = c.rope(rope_dim, rope_keys, yarn_ok=bool(mla))
     common = dict(
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_key_value_heads=heads if mla else c.int("num_key_value_heads", heads),
+        num_key_value_heads=heads if mla else _kv_heads(c, heads),
         head_dim=head_dim,
-        vocab_size=c.int("vocab_size"),
+        vocab_size=c.positive("vocab_size"),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rotary_dim=rotary,
-        max_position_embeddings=c.int("max_position_embeddings", 32768),
+        max_position_embeddings=c.positive("max_position_embeddings", 32768),
         num_hidden_layers=c.int("num_hidden_layers"),
         num_mtp_layers=c.int("num_nextn_predict_layers", c.int("mtp_num_hidden_layers", 1)),
         dtype=c.dtype(),
     )
     if family == "mimo":  # Qwen2's block: q/k/v biases always, dense MLP
         return MTPConfig(
-            **common, intermediate_size=c.int("intermediate_size"), attention_bias=True
+            **common, intermediate_size=c.positive("intermediate_size"), attention_bias=True
         )
     if family == "qwen3_next":
         if c.get("mtp_use_dedicated_embeddings"):
@@ -136,7 +140,7 @@ def read_config(raw: dict, family: str) -> MTPConfig:
         moe = _qwen_moe(c)
         return MTPConfig(
             **common,
-            intermediate_size=0 if moe else c.int("intermediate_size"),
+            intermediate_size=0 if moe else c.positive("intermediate_size"),
             # transformers names it attention_bias, vLLM qkv_bias: either adds q/k/v biases.
             attention_bias=bool(c.get("attention_bias") or c.get("qkv_bias")),
             qk_norm=True,
@@ -147,7 +151,7 @@ def read_config(raw: dict, family: str) -> MTPConfig:
     moe = _deepseek_moe(c)
     return MTPConfig(
         **common,
-        intermediate_size=0 if moe else c.int("intermediate_size"),
+        intermediate_size=0 if moe else c.positive("intermediate_size"),
         attention_bias=bool(c.get("attention_bias", False)),
         qk_norm=bool(c.get("use_qk_norm", False)),
         moe=moe,
@@ -157,16 +161,35 @@ def read_config(raw: dict, family: str) -> MTPConfig:
     )
 
 
+def _kv_heads(c: ConfigReader, heads: int) -> int:
+    """num_key_value_heads: each KV head serves an equal share of the query heads (GQA)."""
+    kv_heads = c.positive("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise CheckpointError(
+            f"config.json: num_attention_heads={heads} is not a multiple of "
+            f"num_key_value_heads={kv_heads}"
+        )
+    return kv_heads
+
+
+def _top_k(c: ConfigReader, choosable: int, among: str) -> int:
+    """num_experts_per_tok: at most the experts a row may choose from."""
+    top_k = c.positive("num_experts_per_tok")
+    if top_k > choosable:
+        raise CheckpointError(f"config.json: num_experts_per_tok={top_k} exceeds {among}")
+    return top_k
+
+
 def _mla(c: ConfigReader) -> MLAConfig | None:
     """DeepSeek-V3's attention, when the config describes it (kv_lora_rank)."""
     if "kv_lora_rank" not in c:
         return None
     return MLAConfig(
         q_lora_rank=c.int("q_lora_rank", 0),
-        kv_lora_rank=c.int("kv_lora_rank"),
+        kv_lora_rank=c.positive("kv_lora_rank"),
         qk_nope_head_dim=c.int("qk_nope_head_dim"),
-        qk_rope_head_dim=c.int("qk_rope_head_dim"),
-        v_head_dim=c.int("v_head_dim"),
+        qk_rope_head_dim=c.positive("qk_rope_head_dim"),
+        v_head_dim=c.positive("v_head_dim"),
     )
 
 
@@ -181,20 +204,31 @@ def _deepseek_moe(c: ConfigReader) -> MoEConfig | None:
     c.refuse_unless("moe_layer_freq", (1,), "the MTP layer would be dense")
     c.refuse_unless("scoring_func", ("sigmoid",), "GLM / DeepSeek-V3 routing only")
     c.refuse_unless("topk_method", ("noaux_tc",), "GLM / DeepSeek-V3 routing only")
-    inter = c.int("moe_intermediate_size")
-    groups = c.int("n_group", 1)
-    experts = c.int("n_routed_experts")
+    inter = c.positive("moe_intermediate_size")
+    groups = c.positive("n_group", 1)
+    experts = c.positive("n_routed_experts")
     if experts % groups:
-        raise CheckpointError(f"config.json: n_group={groups} does not divide {experts} experts")
+        raise CheckpointError(
+            f"config.json: n_group={groups} does not divide n_routed_experts={experts}"
+        )
+    topk_group = c.positive("topk_group", 1)
+    if topk_group > groups:
+        raise CheckpointError(f"config.json: topk_group={topk_group} exceeds n_group={groups}")
+    # A row chooses among the experts of its topk_group best groups.
+    choosable = topk_group * experts // groups
+    among = f"n_routed_experts={experts}"
+    if groups > 1:
+        among = f"the {choosable} experts of topk_group={topk_group} of n_group={groups} groups"
+    top_k = _top_k(c, choosable, among)
     return MoEConfig(
         num_experts=experts,
-        top_k=c.int("num_experts_per_tok"),
+        top_k=top_k,
         intermediate_size=inter,
         scoring="sigmoid",
         norm_topk_prob=bool(c.get("norm_topk_prob", True)),
         routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
         n_group=groups,
-        topk_group=c.int("topk_group", 1),
+        topk_group=topk_group,
         shared_intermediate_size=inter * c.int("n_shared_experts", 0),
         shared_expert_gate=False,
     )
@@ -204,13 +238,14 @@ def _qwen_moe(c: ConfigReader) -> MoEConfig | None:
     """Qwen3-Next routing: softmax over all experts, top-k, a sigmoid-gated shared expert."""
     experts = c.int("num_experts", 0)
     # As vLLM builds the MTP block (layer index 0): a MoE unless 0 is an MLP-only layer.
-    if not experts or 0 in c.get("mlp_only_layers", []) or 1 % c.int("decoder_sparse_step", 1):
+    sparse_step = c.positive("decoder_sparse_step", 1)
+    if not experts or 0 in c.get("mlp_only_layers", []) or 1 % sparse_step:
         return None
     shared = c.int("shared_expert_intermediate_size", 0)
     return MoEConfig(
         num_experts=experts,
-        top_k=c.int("num_experts_per_tok"),
-        intermediate_size=c.int("moe_intermediate_size"),
+        top_k=_top_k(c, experts, f"num_experts={experts}"),
+        intermediate_size=c.positive("moe_intermediate_size"),
         scoring="softmax",
         norm_topk_prob=bool(c.get("norm_topk_prob", True)),
         routed_scaling_factor=1.0,

@@ -139,8 +139,12 @@ def test_propose_request_rejects_bad_arguments() -> None:
         messages.propose_request(1, 2.5, h, 3, 1)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         messages.propose_request(1, 2, h, 3, 1, bitmask=np.zeros(4, np.int64))
-    with pytest.raises(ValueError):
-        messages.propose_request(1, 2, h, 3, 1, previous=Verdict(1, np.zeros(8, np.float32)))
+    with pytest.raises(ValueError):  # a refeed is [a, H], or [H] for one row
+        messages.propose_request(
+            1, 2, h, 3, 1, previous=Verdict(1, np.zeros((1, 1, 8), np.float32))
+        )
+    flat = messages.propose_request(1, 2, h, 3, 1, previous=Verdict(1, np.zeros(8, np.float32)))
+    assert tuple(flat.previous.refeed_hiddens.shape) == (8,)
 
 
 def test_propose_batch_request_keeps_order() -> None:

@@ -18,7 +18,8 @@ import pytest
 import torch
 from servers import PATIENCE, SERVER_ARGS, start_server
 
-from mtpdraft.client import DrafterClient
+from mtpdraft.client import DrafterClient, InvalidArgument
+from mtpdraft.client import messages as m
 from mtpdraft.service import cli
 from mtpdraft.service.backend import LocalBackend
 from mtpdraft.service.config import DEFAULTS, ServeConfig
@@ -137,6 +138,60 @@ def test_log_level_applies_to_the_services_loggers(mimo_checkpoint, level, shown
         assert server.stop() == 0
     output = "".join(server.lines) + server.process.stdout.read()
     assert ("lease expired: freed 1 states" in output) == shown, output
+    assert " DEBUG " not in output, output  # --log-level debug's lines alone
+
+
+def test_log_level_debug_logs_lifecycles_refusals_and_every_address(
+    mimo_checkpoint, tmp_path
+) -> None:
+    """At debug: a line per event of a state's or a KV handle's life, a line per refused
+    request (code, reason, field, the client), the configuration; every address the
+    server listens on is printed at start, its Unix socket's too."""
+    path = tmp_path / "drafter.sock"
+    argv = ("--log-level", "debug", "--state-ttl", "5", "--unix-socket", str(path))
+    server = start_server(mimo_checkpoint, *SERVER_ARGS, *argv)
+    try:
+        with DrafterClient(f"unix:{path}", timeout=PATIENCE) as c:
+            taken = c.alloc_state()
+            c.prefill(taken, [1, 2, 3], torch.zeros(3, 64), 1)
+            handle = c.take_kv(taken).handle_id
+            kv = c.export_kv(handle, keep_handle=True)
+            imported = c.alloc_state()
+            c.import_kv(imported, kv)
+            c.install_kv(taken, handle)
+            with pytest.raises(InvalidArgument):
+                c.propose(taken, 1, torch.zeros(64), 0, 2)
+            header = next(m.kv_chunks(kv))
+            header.ClearField("k")
+            header.ClearField("v")
+            cut = c.alloc_state()
+            with pytest.raises(InvalidArgument):  # the rows it announces never come
+                c.import_kv(cut, [header])
+            for state in (taken, imported, cut):
+                c.free_state(state)
+            idle = c.alloc_state()
+            deadline = time.monotonic() + PATIENCE
+            while c.info().live_states:
+                assert time.monotonic() < deadline, "the idle state was not reaped"
+                time.sleep(0.1)
+    finally:
+        assert server.stop() == 0
+    output = "".join(server.lines) + server.process.stdout.read()
+    lines = [
+        f"mtpdraft: listening on unix:{path}",
+        "DEBUG mtpdraft.cli: configuration: ServeConfig(",
+        f"state {taken} allocated for ",
+        f"state {taken}: KV taken into handle {handle}, 3 rows in 1 blocks",
+        f"KV handle {handle} exported, 3 rows; kept",
+        f"state {imported}: KV imported, 3 rows",
+        f"state {taken}: KV handle {handle} installed, 3 rows",
+        "refused INVALID_ARGUMENT POSITION_OUT_OF_RANGE (field position) from unix:",
+        f"state {cut}: KV import undone after 0 of 3 rows",
+        f"state {imported} freed with 3 rows",
+        f"state {idle}: lease expired, freed with 0 rows",
+    ]
+    for line in lines:
+        assert line in output, f"{line!r} not in:\n{output}"
 
 
 def test_a_second_ctrl_c_while_draining_exits_at_once(mimo_checkpoint) -> None:

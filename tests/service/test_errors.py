@@ -7,12 +7,15 @@ the pool holds the same number of free blocks.
 
 from __future__ import annotations
 
+import math
+
 import grpc
 import numpy as np
 import pytest
 import torch
 from drafting import Expected, H, V, hiddens, tokens
 from mtp_reference import Reference
+from servers import PATIENCE
 
 from mtpdraft.client import (
     DrafterClient,
@@ -238,6 +241,169 @@ def test_bad_batches_are_invalid_argument(client: DrafterClient, prepared: Prepa
     for args in too_many:
         client.free_state(args.state)
     client.free_state(other)
+
+
+# ---- arguments before the state ----------------------------------------------
+# A value no state accepts is INVALID_ARGUMENT naming its field, whatever the state the
+# request names: an unknown one, one with a proposal pending, one without.
+
+INT32_MIN = -(2**31)
+NAN_ROW = T("FP32", [H], bytes(4 * H - 4) + b"\x00\x00\xc0\x7f")
+
+
+def _row(seed: int, rows: int | None = None) -> pb.Tensor:
+    """A wire tensor of target hiddens: [H], or [rows, H]."""
+    shape = [H] if rows is None else [rows, H]
+    return T("FP32", shape, hiddens(rows or 1, seed).numpy().tobytes())
+
+
+def _verdict(accepted: int, refeed: pb.Tensor | None = None) -> pb.Verdict:
+    return pb.Verdict(num_accepted=accepted, refeed_hiddens=refeed)
+
+
+def assert_refused(err: DrafterError, reason: str, field: str) -> None:
+    assert (err.code, err.reason, err.field) == (
+        grpc.StatusCode.INVALID_ARGUMENT, reason, field
+    ), err.details  # fmt: skip
+
+
+@pytest.fixture
+def states(client: DrafterClient, prepared: Prepared):
+    """An unknown state, one with a proposal pending, one without (freed after)."""
+    fresh = client.alloc_state()
+    yield UNKNOWN, prepared.state, fresh
+    client.free_state(fresh)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason", "field"),
+    [
+        ({"previous": _verdict(-1)}, "NUM_ACCEPTED_OUT_OF_RANGE", "previous.num_accepted"),
+        ({"previous": _verdict(INT32_MIN)}, "NUM_ACCEPTED_OUT_OF_RANGE", "previous.num_accepted"),
+        ({"previous": _verdict(1, NAN_ROW)}, "NOT_FINITE", "previous.refeed_hiddens"),
+        ({"previous": _verdict(2, _row(5, 3))}, "BAD_SHAPE", "previous.refeed_hiddens"),
+        ({"position": 0}, "POSITION_OUT_OF_RANGE", "position"),
+        ({"position": -3}, "POSITION_OUT_OF_RANGE", "position"),
+        ({"position": 4095}, "POSITION_TOO_LARGE", "position"),  # draft 2's row: 4096, past 4095
+        ({"token": -1}, "TOKEN_OUT_OF_RANGE", "token"),
+        ({"token": V}, "TOKEN_OUT_OF_RANGE", "token"),
+        ({"hidden": NAN_ROW}, "NOT_FINITE", "hidden"),
+        ({"num_drafts": 0}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
+        ({"num_drafts": INT32_MIN}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
+        ({"num_drafts": 9}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
+        ({"min_confidence": -0.5}, "MIN_CONFIDENCE_OUT_OF_RANGE", "min_confidence"),
+        ({"min_confidence": float("nan")}, "MIN_CONFIDENCE_OUT_OF_RANGE", "min_confidence"),
+        ({"bitmask": T("INT32", [7], bytes(28))}, "EMPTY_BITMASK", "bitmask"),
+        ({"bitmask": T("INT32", [3, 7], b"\xff" * 84)}, "BAD_SHAPE", "bitmask"),  # 3 rows, K 2
+    ],
+)
+def test_a_propose_value_no_state_accepts_is_refused_whatever_the_state(
+    stub, states, change: dict, reason: str, field: str
+) -> None:
+    """Once, `previous.num_accepted = -1` on a state with a proposal pending answered
+    FAILED_PRECONDITION (PROPOSAL_PENDING): the verdict was read as none."""
+    for state in states:
+        request = {"state_id": state, "token": 5, "hidden": _row(4), "position": 8}
+        request = pb.ProposeRequest(**request | {"num_drafts": 2} | change)
+        assert_refused(raw(stub.Propose, request), reason, field)
+        batch = pb.ProposeBatchRequest(requests=[request])
+        assert_refused(raw(stub.ProposeBatch, batch), reason, field)
+        (answer,) = stub.ProposeStream(iter([request]), timeout=PATIENCE)
+        assert (answer.error.reason, answer.error.field) == (reason, field)
+
+
+def test_a_columns_value_no_state_accepts_fails_its_row_whatever_the_state(
+    stub, states, client: DrafterClient
+) -> None:
+    unknown, pending, fresh = states
+    request = pb.ColumnsRequest(
+        state_ids=[pending, unknown, fresh],
+        tokens=[5, 5, 5],
+        positions=[8, 0, 8],  # the unknown state's position is before any state's first
+        hiddens=_row(6, 3),
+        num_drafts=[2, 2, 0],  # the state without a proposal asks for no drafts
+        num_accepted=[-2, -1, -1],  # the pending one's verdict is neither none nor a count
+    )
+    answer = stub.ProposeColumns(request, timeout=PATIENCE)
+    errors = {e.row: (e.error.code, e.error.reason, e.error.field) for e in answer.errors}
+    invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert errors == {
+        0: (invalid, "NUM_ACCEPTED_OUT_OF_RANGE", "num_accepted"),
+        1: (invalid, "POSITION_OUT_OF_RANGE", "positions"),
+        2: (invalid, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
+    }
+    assert not client.info().queued_calls
+
+
+@pytest.mark.parametrize(
+    ("verdict", "reason", "field"),
+    [
+        (_verdict(-1), "NUM_ACCEPTED_OUT_OF_RANGE", "verdict.num_accepted"),
+        (_verdict(INT32_MIN), "NUM_ACCEPTED_OUT_OF_RANGE", "verdict.num_accepted"),
+        (_verdict(1, NAN_ROW), "NOT_FINITE", "verdict.refeed_hiddens"),
+        (_verdict(2, _row(7, 3)), "BAD_SHAPE", "verdict.refeed_hiddens"),
+    ],
+)
+def test_an_after_verify_value_no_state_accepts_is_refused_whatever_the_state(
+    stub, states, verdict: pb.Verdict, reason: str, field: str
+) -> None:
+    for state in states:
+        request = pb.AfterVerifyRequest(state_id=state, verdict=verdict)
+        assert_refused(raw(stub.AfterVerify, request), reason, field)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason", "field"),
+    [
+        ({"start_position": 0}, "POSITION_OUT_OF_RANGE", "start_position"),
+        ({"start_position": -4}, "POSITION_OUT_OF_RANGE", "start_position"),
+        (
+            {"start_position": 4096, "tokens": [3, 4], "hiddens": _row(8, 2)},
+            "POSITION_TOO_LARGE",
+            "start_position",
+        ),
+        ({"total_rows": -1}, "BAD_SHAPE", "total_rows"),
+        ({"tokens": [V]}, "TOKEN_OUT_OF_RANGE", "tokens"),
+        ({"hiddens": T("FP32", [1, H], NAN_ROW.data)}, "NOT_FINITE", "hiddens"),
+        ({"hiddens": _row(8, 2)}, "BAD_SHAPE", "hiddens"),
+    ],
+)
+def test_a_prefill_value_no_state_accepts_is_refused_whatever_the_state(
+    stub, states, change: dict, reason: str, field: str
+) -> None:
+    """The first chunk's values, before the state it names is looked at."""
+    for state in states:
+        chunk = {"state_id": state, "start_position": 1, "tokens": [3], "hiddens": _row(8, 1)}
+        assert_refused(raw(stub.Prefill, iter([pb.PrefillChunk(**chunk | change)])), reason, field)
+
+
+def test_an_import_value_no_state_accepts_is_refused_whatever_the_state(
+    stub, states, client: DrafterClient
+) -> None:
+    info = client.info()
+    kv = {"num_key_value_heads": info.num_key_value_heads, "head_dim": info.head_dim}
+    ours = {"model_fingerprint": info.model_fingerprint, "dtype": pb.DTYPE_FP32} | kv
+    header = pb.KVHeader(**ours, num_rows=1)
+    row = [1, info.num_key_value_heads, info.head_dim]
+    k = T("FP32", row, bytes(4 * math.prod(row)))
+    nan = T("FP32", row, k.data[:-4] + b"\x00\x00\xc0\x7f")
+    cases = [
+        ({"header": pb.KVHeader(**ours, num_rows=-1)}, "BAD_SHAPE", "header.num_rows"),
+        ({"header": pb.KVHeader(**ours, num_rows=4097)}, "POSITION_TOO_LARGE", "header.num_rows"),
+        ({"k": nan, "v": k}, "NOT_FINITE", "k"),
+        ({"k": T("FP32", [1, H], bytes(4 * H)), "v": k}, "BAD_SHAPE", "k"),
+        ({"k": k, "v": k, "first_row": 3}, "CHUNK_MISMATCH", "first_row"),
+    ]
+    for change, reason, field in cases:
+        for state in states:
+            chunk = pb.KVChunk(**{"state_id": state, "header": header} | change)
+            assert_refused(raw(stub.ImportKV, iter([chunk])), reason, field)
+
+
+def test_an_export_chunk_size_no_handle_accepts_is_refused_whatever_the_handle(stub) -> None:
+    request = pb.ExportKVRequest(handle_id=UNKNOWN, max_chunk_bytes=-1)
+    err = raw(lambda r: list(stub.ExportKV(r, timeout=PATIENCE)), request)
+    assert_refused(err, "CHUNK_SIZE_OUT_OF_RANGE", "max_chunk_bytes")
 
 
 # ---- FAILED_PRECONDITION ----------------------------------------------------

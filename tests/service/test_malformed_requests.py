@@ -17,6 +17,8 @@ import grpc
 import pytest
 from drafting import hiddens, tokens
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_status import rpc_status
 from servers import SERVER_ARGS, ServerProcess, start_server
 
@@ -181,3 +183,38 @@ def test_much_junk_writes_a_bounded_log(served: Served, channel, client: Drafter
     lines = [line for line in log.splitlines() if "do not parse" in line]
     # One line at first, then one per period at most.
     assert len(lines) <= 1 + elapsed / MALFORMED_LOG_PERIOD_S, log[-3000:]
+
+
+def test_health_and_reflection_refuse_junk_as_the_drafter_does(served: Served, channel) -> None:
+    """INVALID_ARGUMENT (MALFORMED_MESSAGE) and no traceback, where the stock servicers'
+    registration answered UNKNOWN and logged one; a valid request still answers."""
+    served.new_log()
+    check = channel.unary_unary("/grpc.health.v1.Health/Check")
+    watch = channel.unary_stream("/grpc.health.v1.Health/Watch")
+    reflect = channel.stream_stream(
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    )
+    for junk in JUNK:
+        with pytest.raises(grpc.RpcError) as err:
+            check(junk, timeout=TIMEOUT)
+        assert_malformed(err.value)
+        with pytest.raises(grpc.RpcError) as err:
+            list(watch(junk, timeout=TIMEOUT))
+        assert_malformed(err.value)
+        with pytest.raises(grpc.RpcError) as err:
+            list(reflect(iter([junk]), timeout=TIMEOUT))
+        assert_malformed(err.value)
+    # A reflection stream answers the requests before the junk, then ends refusing it.
+    list_services = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+    answers = []
+    with pytest.raises(grpc.RpcError) as err:
+        answers.extend(reflect(iter([list_services, JUNK[0]]), timeout=TIMEOUT))
+    assert_malformed(err.value)
+    listed = reflection_pb2.ServerReflectionResponse.FromString(answers[0])
+    assert "grpc.health.v1.Health" in {s.name for s in listed.list_services_response.service}
+    healthy = health_pb2.HealthCheckResponse.FromString(
+        check(health_pb2.HealthCheckRequest().SerializeToString(), timeout=TIMEOUT)
+    )
+    assert healthy.status == health_pb2.HealthCheckResponse.SERVING
+    log = served.new_log()
+    assert "Traceback" not in log and "DecodeError" not in log, log[-3000:]

@@ -7,12 +7,18 @@ scheduler's queue; a server per test, since each test's flags differ.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import shutil
+import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from cli_server import CliServer, hold_the_engine, serve_args
@@ -21,8 +27,10 @@ from mtp_reference import Reference
 from safetensors.torch import save_file
 
 from mtpdraft.client import DrafterClient, ProposeArgs, ResourceExhausted, Unavailable
-from mtpdraft.service import cli
+from mtpdraft.service import cli, front_end
+from mtpdraft.service.front_end import ListenError
 from mtpdraft.service.model.synthetic import write_random_checkpoint
+from mtpdraft.service.telemetry import Telemetry
 
 SMALL = ("--kv-blocks", "64", "--block-size", "4", "--max-drafts", "8", "--max-batch", "8")
 
@@ -119,6 +127,76 @@ def test_unix_socket_serves_there_too(serve, tmp_path) -> None:
     server = serve("--unix-socket", str(path))
     assert path.is_socket()
     assert _draft(f"unix:{path}").tokens == _draft(f"127.0.0.1:{server.server.port}").tokens
+
+
+def test_a_stale_unix_socket_is_replaced(serve, tmp_path) -> None:
+    """A socket file whose server is gone (it was not removed) stands in nobody's way."""
+    path = tmp_path / "drafter.sock"
+    with socket.socket(socket.AF_UNIX) as gone:
+        gone.bind(str(path))
+    server = serve("--unix-socket", str(path))
+    assert _draft(f"unix:{path}").tokens == _draft(f"127.0.0.1:{server.server.port}").tokens
+
+
+# --- an address in use --------------------------------------------------------------------
+
+
+def _serve_again(model: Path, *argv: str) -> subprocess.CompletedProcess:
+    """`mtpdraft serve ARGV` in a process of its own, which must exit by itself."""
+    cmd = [sys.executable, "-m", "mtpdraft", "serve", "--model", str(model), "--device", "cpu"]
+    return subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=60)
+
+
+def _assert_refused(done: subprocess.CompletedProcess, address: str, why: str) -> None:
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr == f"mtpdraft: cannot listen on {address}: {why}\n"
+    assert "listening" not in done.stdout
+
+
+def test_a_port_in_use_is_refused(serve, mimo_checkpoint) -> None:
+    """A second server on a port in use exits at once (gRPC would share the port by
+    SO_REUSEPORT, and split the clients' calls, and their states, between the two)."""
+    first = serve()
+    done = _serve_again(mimo_checkpoint, "--port", str(first.server.port))
+    _assert_refused(done, first.address, "the port is in use (another server?)")
+    assert len(_draft(first.address).tokens) == 4  # the first serves on
+
+
+def test_no_grpc_server_can_share_the_port(serve, mimo_checkpoint, monkeypatch) -> None:
+    """SO_REUSEPORT is off, so the bind itself fails where the check before it did not
+    look (the port taken meanwhile): for a stock gRPC server (SO_REUSEPORT on) and for
+    a second DrafterServer."""
+    first = serve()
+    stock = grpc.server(ThreadPoolExecutor(1))
+    with pytest.raises(RuntimeError, match="Failed to bind"):
+        stock.add_insecure_port(first.address)
+    monkeypatch.setattr(front_end, "check_free", lambda address: None)
+    config = serve_args("--model", str(mimo_checkpoint), "--device", "cpu", *SMALL)
+    config = dataclasses.replace(config, port=first.server.port)
+
+    async def second() -> None:  # gRPC's aio server is made on an event loop
+        cli.build_server(config, cli.build_engine(config), Telemetry())
+
+    with pytest.raises(ListenError, match=f"cannot listen on {first.address}: gRPC could not"):
+        asyncio.run(second())
+
+
+def test_a_live_unix_socket_is_not_replaced(serve, mimo_checkpoint, tmp_path) -> None:
+    path = tmp_path / "drafter.sock"
+    first = serve("--unix-socket", str(path))
+    inode = path.stat().st_ino
+    done = _serve_again(mimo_checkpoint, "--port", "0", "--unix-socket", str(path))
+    _assert_refused(done, f"unix:{path}", "a server accepts connections on this socket")
+    assert path.stat().st_ino == inode
+    assert _draft(f"unix:{path}").tokens == _draft(first.address).tokens
+
+
+def test_a_file_in_the_unix_sockets_place_is_not_replaced(mimo_checkpoint, tmp_path) -> None:
+    path = tmp_path / "drafter.sock"
+    path.write_text("not a socket")
+    done = _serve_again(mimo_checkpoint, "--port", "0", "--unix-socket", str(path))
+    _assert_refused(done, f"unix:{path}", "the path exists and is not a socket")
+    assert path.read_text() == "not a socket"
 
 
 # --- --dtype --------------------------------------------------------------------------

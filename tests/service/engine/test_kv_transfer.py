@@ -17,7 +17,7 @@ from mtpdraft.service.engine.errors import (
     InvalidArgument,
     NotFound,
 )
-from mtpdraft.service.engine.kv_transfer import KVHeader, model_fingerprint
+from mtpdraft.service.engine.kv_transfer import KVChunk, KVHeader, KVImport, model_fingerprint
 from mtpdraft.service.engine.step import Step
 from mtpdraft.service.engine.types import ProposeArgs, Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
@@ -72,9 +72,14 @@ def exported(engine: DraftEngine, state: int, chunk_rows: int = 3):
     return export.header, chunks
 
 
+def opened(engine: DraftEngine, state: int, header: KVHeader) -> KVImport:
+    """An import into `state` opened with a first chunk of no rows (rows follow by write)."""
+    return engine.import_kv(KVChunk(header, 0, None, None, state_id=state))
+
+
 def imported(engine: DraftEngine, header: KVHeader, chunks) -> int:
     state = engine.alloc_state()
-    session = engine.import_kv(state, header)
+    session = opened(engine, state, header)
     for first, k, v in chunks:
         session.write(first, k, v)
     session.finish()
@@ -198,7 +203,7 @@ def refused(engine: DraftEngine, state: int, header: KVHeader, chunks, finish=Tr
     """The error of an import, and the engine left as it was: the state empty, no
     block held, the state usable again."""
     with pytest.raises(DrafterError) as info:
-        session = engine.import_kv(state, header)
+        session = opened(engine, state, header)
         try:
             for first, k, v in chunks:
                 session.write(first, k, v)
@@ -248,7 +253,7 @@ def test_mismatched_or_broken_imports_install_nothing(head: MTPHead, tmp_path: P
     err = refused(elsewhere, elsewhere.alloc_state(), header, chunks)
     assert err.reason == "KV_MODEL_MISMATCH" and header.model_fingerprint in err.message
     # After all that, the state takes the KV.
-    session = destination.import_kv(state, header)
+    session = opened(destination, state, header)
     for chunk in chunks:
         session.write(*chunk)
     assert session.finish().num_rows == 9
@@ -262,10 +267,10 @@ def test_import_only_into_an_empty_idle_state(head: MTPHead) -> None:
     full = prefilled(destination, 2, 4)
     free = destination.pool.num_free
     with pytest.raises(FailedPrecondition) as err:
-        destination.import_kv(full, header)
+        opened(destination, full, header)
     assert err.value.reason == "STATE_NOT_EMPTY" and destination.pool.num_free == free
     empty = destination.alloc_state()
-    session = destination.import_kv(empty, header)
+    session = opened(destination, empty, header)
     with pytest.raises(FailedPrecondition) as err:  # busy until the import ends
         destination.propose(ProposeArgs(empty, 1, h(1, 1), 1, 2))
     assert err.value.reason == "PREFILL_IN_PROGRESS"

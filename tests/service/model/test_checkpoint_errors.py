@@ -1,15 +1,18 @@
-"""Broken checkpoint folders: every error names the file at fault, and `mtpdraft serve`
-says so in one line on stderr, without a traceback."""
+"""Broken checkpoint folders: every error names the file at fault (a config's, the keys at
+fault), and `mtpdraft serve` says so in one line on stderr, without a traceback."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from deepseek_checkpoints import write_deepseek_checkpoint
+from family_checkpoints import write_family_checkpoint
 from safetensors.torch import load_file, save_file
 from servers import PATIENCE
 
@@ -128,3 +131,89 @@ def test_serve_says_it_in_one_line_without_a_traceback(tmp_path, how: str) -> No
     assert done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(f"mtpdraft: cannot load {expected}"), done.stderr
     assert "listening" not in done.stdout
+
+
+# Configs whose values do not fit together, each written by a family's writer with some
+# keys changed, and the refusal, which must name the keys at fault (and no other).
+MIMO = "mimo"  # hidden_size 64, 4 heads of 16, 2 KV heads
+CONFIG_REFUSALS = {
+    "hidden-not-divisible-by-heads": (
+        MIMO, {"num_attention_heads": 3},
+        "hidden_size=64 is not divisible by num_attention_heads=3, and no head_dim is given",
+    ),
+    "no-heads": (MIMO, {"num_attention_heads": 0}, "num_attention_heads=0 is not a positive"),
+    "no-vocabulary": (MIMO, {"vocab_size": 0}, "vocab_size=0 is not a positive integer"),
+    "heads-not-a-multiple-of-kv-heads": (
+        MIMO, {"num_key_value_heads": 3},
+        "num_attention_heads=4 is not a multiple of num_key_value_heads=3",
+    ),
+    "odd-head-dim": (MIMO, {"head_dim": 15}, r"head_dim=15 is odd \(RoPE rotates pairs"),
+    "odd-derived-head-dim": (
+        MIMO, {"hidden_size": 60}, "hidden_size / num_attention_heads=15 is odd"
+    ),
+    "rotary-factor-too-small": (
+        MIMO, {"partial_rotary_factor": 0.05},
+        "partial_rotary_factor=0.05 of hidden_size / num_attention_heads=16 rotates 0 dims",
+    ),
+    "odd-mla-rope-dims": ("deepseek-v3", {"qk_rope_head_dim": 7}, "qk_rope_head_dim=7 is odd"),
+    "groups-do-not-divide-experts": (
+        "glm-4.5", {"n_group": 3}, "n_group=3 does not divide n_routed_experts=8"
+    ),
+    "more-groups-picked-than-there-are": (
+        "glm-4.5", {"n_group": 2, "topk_group": 3}, "topk_group=3 exceeds n_group=2"
+    ),
+    "top-k-past-the-experts": (
+        "glm-4.5", {"num_experts_per_tok": 9},
+        "num_experts_per_tok=9 exceeds n_routed_experts=8",
+    ),
+    "top-k-past-the-picked-groups": (
+        "glm-4.5", {"n_group": 4, "topk_group": 1},
+        "num_experts_per_tok=3 exceeds the 2 experts of topk_group=1 of n_group=4 groups",
+    ),
+    "qwen-top-k-past-the-experts": (
+        "qwen3-next", {"num_experts_per_tok": 9},
+        "num_experts_per_tok=9 exceeds num_experts=8",
+    ),
+}  # fmt: skip
+
+
+def _written(folder: Path, name: str) -> Path:
+    if name == "mimo":
+        return write_random_checkpoint(folder, "mimo")
+    if name.startswith("deepseek"):
+        return write_deepseek_checkpoint(folder, name)
+    return write_family_checkpoint(folder, name)
+
+
+def _config_keys(raw: dict) -> set[str]:
+    return set(raw) | set(raw.get("text_config", {})) | set(raw.get("rope_parameters") or {})
+
+
+@pytest.mark.parametrize("case", CONFIG_REFUSALS)
+def test_each_config_refusal_names_the_keys_at_fault(tmp_path, case: str) -> None:
+    """Keys that do not fit together are named, with their values; no key the config does
+    not hold is (hidden_size not divisible by the heads once blamed partial_rotary_factor)."""
+    family, changes, expected = CONFIG_REFUSALS[case]
+    folder = _written(tmp_path, family)
+    path = folder / "config.json"
+    raw = json.loads(path.read_text())
+    (raw.get("text_config") or raw).update(changes)
+    path.write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError) as error:
+        load_mtp_weights(folder)
+    message = str(error.value)
+    assert message.startswith(f"{path}: ") and re.search(expected, message), message
+    named = set(re.findall(r"([a-z_]+)=", message))
+    assert named and named <= _config_keys(raw), message
+
+
+def test_serve_names_the_keys_at_fault_in_one_line(tmp_path) -> None:
+    folder = write_random_checkpoint(tmp_path / "checkpoint", "mimo")
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(raw | {"num_attention_heads": 3}))
+    cmd = [sys.executable, "-m", "mtpdraft", "serve", "--model", str(folder), "--port", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=PATIENCE)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "is not divisible by num_attention_heads=3" in done.stderr
+    assert "partial_rotary_factor" not in done.stderr

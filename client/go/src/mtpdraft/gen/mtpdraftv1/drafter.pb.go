@@ -22,7 +22,9 @@
 //                        outside the vocabulary, a position that does not
 //                        continue the state, K or a count out of range, a
 //                        message whose bytes do not parse as the method's
-//                        (reason MALFORMED_MESSAGE)
+//                        (reason MALFORMED_MESSAGE). A request's own values
+//                        are checked before its state: a value no state
+//                        accepts is INVALID_ARGUMENT whatever the state
 //   FAILED_PRECONDITION  the call does not fit the state's step (e.g. Propose
 //                        while a proposal awaits AfterVerify, InstallKV into
 //                        a state that holds rows), or ImportKV of KV another
@@ -123,7 +125,10 @@ func (DType) EnumDescriptor() ([]byte, []int) {
 
 // A dense tensor as raw little-endian bytes in row-major order (the KServe /
 // Open Inference Protocol raw_input_contents convention). len(data) must be
-// product(shape) * itemsize(dtype).
+// product(shape) * itemsize(dtype). One rule in every RPC: a tensor of rows
+// ([n, hidden_size] hiddens, [n, words] bitmasks) that holds one row may
+// also be sent flat, as [hidden_size] or [words]; a flat tensor is never more
+// than one row.
 type Tensor struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
@@ -575,16 +580,19 @@ type PrefillChunk struct {
 
 	// Required on the first chunk; later chunks may leave it 0.
 	StateId uint64 `protobuf:"varint,1,opt,name=state_id,json=stateId,proto3" json:"state_id,omitempty"`
-	// Position of tokens[0] of the first chunk; later chunks may leave it 0.
+	// Position of tokens[0] of the first chunk (1 or more); later chunks may
+	// leave it 0.
 	StartPosition int64   `protobuf:"varint,2,opt,name=start_position,json=startPosition,proto3" json:"start_position,omitempty"`
 	Tokens        []int32 `protobuf:"varint,3,rep,packed,name=tokens,proto3" json:"tokens,omitempty"`
-	// [len(tokens), hidden_size], bf16, fp16 or fp32: hiddens[i] is the
-	// target hidden at position (position of tokens[i]) - 1.
+	// [len(tokens), hidden_size] ([hidden_size] for one token), bf16, fp16 or
+	// fp32: hiddens[i] is the target hidden at position (position of
+	// tokens[i]) - 1.
 	Hiddens *Tensor `protobuf:"bytes,4,opt,name=hiddens,proto3" json:"hiddens,omitempty"`
-	// Optional, on the first chunk: how many rows the whole stream carries. When
-	// set, the rows are kept only if exactly that many arrived (INVALID_ARGUMENT
-	// otherwise), so a stream its client cut short, which gRPC may end like a
-	// finished one, is always rolled back. Clients should set it.
+	// Optional, on the first chunk: how many rows the whole stream carries (0:
+	// not said; negative: INVALID_ARGUMENT). When set, the rows are kept only if
+	// exactly that many arrived (INVALID_ARGUMENT otherwise), so a stream its
+	// client cut short, which gRPC may end like a finished one, is always rolled
+	// back. Clients should set it.
 	TotalRows int64 `protobuf:"varint,5,opt,name=total_rows,json=totalRows,proto3" json:"total_rows,omitempty"`
 }
 
@@ -718,10 +726,12 @@ type Verdict struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
+	// 0 .. the number of drafts the proposal returned (negative: INVALID_ARGUMENT).
 	NumAccepted int32 `protobuf:"varint,1,opt,name=num_accepted,json=numAccepted,proto3" json:"num_accepted,omitempty"`
 	// Optional: the target's hiddens h[p] .. h[p + a - 1], shape
-	// [num_accepted, hidden_size]. Absent: no refeed (with num_accepted 0, an empty
-	// tensor is the same; with num_accepted > 0 its shape must match).
+	// [num_accepted, hidden_size] ([hidden_size] when num_accepted is 1). Absent:
+	// no refeed (with num_accepted 0, an empty tensor is the same; with
+	// num_accepted > 0 its shape must match).
 	RefeedHiddens *Tensor `protobuf:"bytes,2,opt,name=refeed_hiddens,json=refeedHiddens,proto3" json:"refeed_hiddens,omitempty"`
 }
 
@@ -1250,22 +1260,26 @@ type ColumnsRequest struct {
 	Tokens []int32 `protobuf:"varint,3,rep,packed,name=tokens,proto3" json:"tokens,omitempty"`
 	// B values: each last token's position.
 	Positions []int64 `protobuf:"varint,4,rep,packed,name=positions,proto3" json:"positions,omitempty"`
-	// [B, hidden_size]: the target hidden of each last token, at position - 1.
+	// [B, hidden_size] ([hidden_size] when B is 1): the target hidden of each
+	// last token, at position - 1.
 	Hiddens *Tensor `protobuf:"bytes,5,opt,name=hiddens,proto3" json:"hiddens,omitempty"`
 	// B values, or one value for every state: K, 1 <= K <= GetInfo.max_drafts.
 	NumDrafts []int32 `protobuf:"varint,6,rep,packed,name=num_drafts,json=numDrafts,proto3" json:"num_drafts,omitempty"`
 	// The verdicts on the states' pending proposals, applied first: B values,
-	// -1 where a state has none; empty: no verdicts.
+	// -1 where a state has none (below -1: INVALID_ARGUMENT, the row fails);
+	// empty: no verdicts.
 	NumAccepted []int32 `protobuf:"varint,7,rep,packed,name=num_accepted,json=numAccepted,proto3" json:"num_accepted,omitempty"`
 	// Refeed: B values, each 0 or the state's num_accepted; state i's rows of
 	// refeed_hiddens follow state i - 1's. Empty: no refeed.
 	RefeedRows []int32 `protobuf:"varint,8,rep,packed,name=refeed_rows,json=refeedRows,proto3" json:"refeed_rows,omitempty"`
-	// [sum(refeed_rows), hidden_size]: the target's h[p] .. h[p + a - 1] per state.
+	// [sum(refeed_rows), hidden_size] (one row may be flat): the target's
+	// h[p] .. h[p + a - 1] per state.
 	RefeedHiddens *Tensor `protobuf:"bytes,9,opt,name=refeed_hiddens,json=refeedHiddens,proto3" json:"refeed_hiddens,omitempty"`
 	// Bitmasks: B values, each 0 (no mask) or 1 .. K rows of `bitmasks` for the
 	// state, in order. Empty: no masks.
 	BitmaskRows []int32 `protobuf:"varint,10,rep,packed,name=bitmask_rows,json=bitmaskRows,proto3" json:"bitmask_rows,omitempty"`
-	// [sum(bitmask_rows), GetInfo.bitmask_words] int32, as ProposeRequest.bitmask.
+	// [sum(bitmask_rows), GetInfo.bitmask_words] int32 (one row may be flat), as
+	// ProposeRequest.bitmask.
 	Bitmasks *Tensor `protobuf:"bytes,11,opt,name=bitmasks,proto3" json:"bitmasks,omitempty"`
 	// B values, one value for every state, or empty (0: draft all K).
 	MinConfidence []float32 `protobuf:"fixed32,12,rep,packed,name=min_confidence,json=minConfidence,proto3" json:"min_confidence,omitempty"`
@@ -1903,8 +1917,9 @@ type ExportKVRequest struct {
 	unknownFields protoimpl.UnknownFields
 
 	HandleId uint64 `protobuf:"varint,1,opt,name=handle_id,json=handleId,proto3" json:"handle_id,omitempty"`
-	// The largest chunk, in bytes of K and V; 0: 1 MiB. At least one row a chunk,
-	// and never past the server's max_message_bytes.
+	// The largest chunk, in bytes of K and V; 0: 1 MiB; negative:
+	// INVALID_ARGUMENT. At least one row a chunk, and never past the server's
+	// max_message_bytes.
 	MaxChunkBytes int64 `protobuf:"varint,2,opt,name=max_chunk_bytes,json=maxChunkBytes,proto3" json:"max_chunk_bytes,omitempty"`
 	// Leave the handle once exported (to install it here, or export it again).
 	KeepHandle bool `protobuf:"varint,3,opt,name=keep_handle,json=keepHandle,proto3" json:"keep_handle,omitempty"`

@@ -76,7 +76,8 @@ type DrafterClient interface {
 	// holds the rows of x and of d1..d_a (positions p .. p + a), and the next
 	// Propose is (bonus token, h[p + a], p + a + 1). Without refeed the rows of
 	// accepted drafts keep the MTP head's own hiddens; with refeed_hiddens
-	// (the target's h[p] .. h[p + a - 1], shape [a, hidden_size]) they are
+	// (the target's h[p] .. h[p + a - 1], shape [a, hidden_size], or
+	// [hidden_size] when a is 1) they are
 	// recomputed as committed rows, as vLLM and SGLang do.
 	// NOT_FOUND, INVALID_ARGUMENT (a > k, refeed shape), FAILED_PRECONDITION
 	// (no pending proposal), RESOURCE_EXHAUSTED.
@@ -423,7 +424,8 @@ type DrafterServer interface {
 	// holds the rows of x and of d1..d_a (positions p .. p + a), and the next
 	// Propose is (bonus token, h[p + a], p + a + 1). Without refeed the rows of
 	// accepted drafts keep the MTP head's own hiddens; with refeed_hiddens
-	// (the target's h[p] .. h[p + a - 1], shape [a, hidden_size]) they are
+	// (the target's h[p] .. h[p + a - 1], shape [a, hidden_size], or
+	// [hidden_size] when a is 1) they are
 	// recomputed as committed rows, as vLLM and SGLang do.
 	// NOT_FOUND, INVALID_ARGUMENT (a > k, refeed shape), FAILED_PRECONDITION
 	// (no pending proposal), RESOURCE_EXHAUSTED.
