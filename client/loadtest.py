@@ -782,7 +782,8 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     _option(
         p, "--warmup-steps", "steps per verifier before the measured window opens (its first "
-        "prefill among them), left out of the figures; 0: none", type=int, metavar="N",
+        "prefill among them), left out of the figures; in open loop about N times the "
+        "verifiers' arrivals; 0: none", type=int, metavar="N",
     )  # fmt: skip
     _option(
         p, "--max-duration", "the longest duration allowed, a guard against a typing slip",
