@@ -3,7 +3,8 @@ PYTHON ?= python3
 PROTO_DIR := protos
 PROTOS := $(wildcard $(PROTO_DIR)/mtpdraft/v1/*.proto)
 
-.PHONY: install proto test test-gpu lint serve bench bench-service bench-precision loadtest
+.PHONY: install proto test test-gpu lint serve bench bench-service bench-precision loadtest \
+	image deploy-validate deploy-check
 
 install:
 	$(PYTHON) -m pip install -e '.[dev]'
@@ -51,6 +52,25 @@ bench-service:
 loadtest:
 	mtpdraft loadtest --target 127.0.0.1:50051 --verifiers 16 --duration 10 \
 		--out loadtest.json --plot loadtest.png
+
+# The drafter's image, from the Dockerfile, tagged with the name deploy/kustomization.yaml
+# gives it (its images: entry, the one place to name a registry). Needs a Docker engine (with
+# the NVIDIA container toolkit to run it).
+IMAGE = $(shell $(PYTHON) -c 'import yaml; (i,) = yaml.safe_load(open("deploy/kustomization.yaml"))["images"]; print(i["newName"], i["newTag"], sep=":")')
+image:
+	docker build -t $(IMAGE) .
+
+# The Kubernetes manifests checked offline, no cluster or kubectl needed: each document against
+# the API's schemas (kubernetes-validate, strict), then tests/deploy's cross-checks (selectors,
+# ports, probes, the image and its Dockerfile, the proxy's upstreams, `mtpdraft serve`'s flags;
+# the kustomization as rendered, where kubectl is installed).
+K8S_VERSION ?= 1.30.0
+DEPLOY_MANIFESTS ?= $(wildcard deploy/k8s/*.yaml)
+deploy-validate:
+	$(PYTHON) -m kubernetes_validate --strict --quiet -k $(K8S_VERSION) $(DEPLOY_MANIFESTS)
+
+deploy-check: deploy-validate
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests/deploy
 
 lint:
 	$(PYTHON) -m ruff check .

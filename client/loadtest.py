@@ -1,17 +1,24 @@
-"""``mtpdraft loadtest``: many simulated verifiers against a drafter on this host.
+"""``mtpdraft loadtest``: many simulated verifiers against a drafter.
 
-    mtpdraft loadtest --target 127.0.0.1:50051 --mode stream --verifiers 64 \\
+    mtpdraft loadtest --target drafter.internal:50051 --mode stream --verifiers 64 \\
         --duration 10 --accept geometric:0.7 --num-drafts 4 --prompt-len 64:512 \\
         --out report.json --plot report.png
+
+The target is any server a client reaches: HOST:PORT or unix:PATH, over TLS or
+mutual TLS and with a bearer token as the clients' options say (``--tls-ca``,
+``--tls-cert`` / ``--tls-key``, ``--token-file``; see `command_line`).
 
 Each verifier (see `loadtest_verifier`) runs sequences of verify steps on its
 own state: ``--mode stream`` (one ProposeStream per verifier, the hot path),
 ``unary`` (Propose carrying the previous verdict: one round trip per step) or
 ``split`` (AfterVerify then Propose: two). Closed loop by default (each
 verifier's next step starts when the last is answered, after ``--verify-ms``);
-``--rate R`` makes it open loop: Poisson arrivals at R steps/s in all. After
-``--warmup`` seconds, whose steps are counted apart, the run lasts
-``--duration`` seconds or ``--requests`` steps, whichever comes first.
+``--rate R`` makes it open loop: Poisson arrivals at R steps/s in all. The
+warm-up lasts until every verifier is through its first ``--warmup-steps``
+steps (its first prefill among them, however slow the machine); they are counted
+apart. Then the run lasts ``--duration`` seconds or ``--requests`` steps,
+whichever comes first, and the report says why its measured window is not
+``--duration`` long when it is not.
 
 The report gives propose latency percentiles (from the send and, in open loop,
 from the scheduled arrival), drafts and steps per second, errors by status code
@@ -32,8 +39,8 @@ stream as one call, so steps are not parents of server work there; use
 ``--mode unary`` to see each step's server spans. ``run_load(...,
 tracer_provider=...)`` injects a provider instead (tests).
 
-Only loopback targets are accepted (127.0.0.0/8, ::1, localhost): this is a
-tool to load one's own server, and it is bounded (600 s, 1024 verifiers).
+A run is bounded, against a typing slip: ``--max-duration`` (600 s) and
+``--max-verifiers`` (1024) raise the bounds.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.util
-import ipaddress
+import math
 import multiprocessing
 import os
 import queue
@@ -61,6 +68,14 @@ import grpc
 import numpy as np
 
 from .async_client import AsyncDrafterClient
+from .command_line import (
+    OptionError,
+    Security,
+    add_security_options,
+    add_target_option,
+    check_target,
+    security_from_args,
+)
 from .errors import DrafterError
 from .loadtest_report import build_report, summary, write_json, write_plot
 from .loadtest_verifier import (
@@ -74,17 +89,21 @@ from .loadtest_verifier import (
     Samples,
     Verifier,
     VerifierSettings,
+    WarmUp,
+    Window,
 )
+from .security import open_channel
 from .types import ServerInfo
 
-MAX_DURATION_S = 600.0
-MAX_VERIFIERS = 1024
+# The bounds of a run, which --max-duration and --max-verifiers raise.
+DEFAULT_MAX_DURATION_S = 600.0
+DEFAULT_MAX_VERIFIERS = 1024
 MAX_PROCESSES = 64
 MAX_PROMPT_LEN = 131_072
 DEFAULT_DURATION_S = 10.0
-# Long enough for connections, first batches and lazy allocations; short next to a run.
-DEFAULT_WARMUP_S = 1.0
-MAX_WARMUP_S = 60.0
+# Steps per verifier before the measured window: past its first prefill, the first
+# batches of each size and lazy allocations, short next to a run.
+DEFAULT_WARMUP_STEPS = 8
 DEFAULT_TARGET = "127.0.0.1:50051"
 # GetInfo failing this long means the server is gone: the run ends instead of
 # counting a refused connection every ERROR_BACKOFF_S per verifier.
@@ -104,51 +123,19 @@ class LoadTestError(Exception):
     """A configuration the load test refuses, or a server it cannot use."""
 
 
-def check_loopback(target: str) -> str:
-    """``target`` if it names a loopback address and a port; LoadTestError otherwise.
-
-    Accepts ``host:port`` with host 127.x.y.z, ``localhost`` or ``[::1]``, with or
-    without gRPC's ``dns:///``, ``ipv4:`` or ``ipv6:`` scheme.
-    """
-    rest = target.strip()
-    for scheme in ("dns:///", "ipv4:", "ipv6:"):
-        if rest.startswith(scheme):
-            rest = rest[len(scheme) :]
-            break
-    if rest.startswith("["):
-        host, _, port = rest[1:].partition("]")
-        port = port.removeprefix(":")
-    else:
-        host, _, port = rest.rpartition(":")
-    refused = LoadTestError(
-        f"refusing target {target!r}: the load test only targets this host "
-        "(127.0.0.0/8, [::1] or localhost, with a port, e.g. 127.0.0.1:50051)"
-    )
-    if not port.isdigit() or not 0 < int(port) < 65536 or any(c in host for c in "/,@"):
-        raise refused
-    if host.lower() == "localhost":
-        return target
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise refused from None
-    if not address.is_loopback:
-        raise refused
-    return target
-
-
 @dataclass
 class LoadTestConfig:
-    """One load test. ``duration`` None: 10 s, or up to 600 s when ``requests`` is set;
-    it and ``requests`` count after ``warmup`` seconds."""
+    """One load test. ``duration`` None: 10 s, or up to ``max_duration`` when ``requests``
+    is set; it and ``requests`` count after the warm-up (``warmup_steps`` per verifier)."""
 
     target: str = DEFAULT_TARGET
+    security: Security = field(default_factory=Security)
     mode: str = "stream"
     verifiers: int = 4
     rate: float | None = None
     duration: float | None = None
     requests: int | None = None
-    warmup: float = DEFAULT_WARMUP_S
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
     accept: Acceptance = field(default_factory=lambda: Acceptance("geometric", 0.7))
     prompt_len: IntRange = field(default_factory=lambda: IntRange(128, 128))
     num_drafts: int = 4
@@ -160,30 +147,34 @@ class LoadTestConfig:
     seed: int = 0
     timeout: float = 30.0
     info_interval: float = 0.25
+    max_duration: float = DEFAULT_MAX_DURATION_S
+    max_verifiers: int = DEFAULT_MAX_VERIFIERS
 
     @property
     def run_seconds(self) -> float:
         if self.duration is not None:
             return self.duration
-        return MAX_DURATION_S if self.requests is not None else DEFAULT_DURATION_S
+        return self.max_duration if self.requests is not None else DEFAULT_DURATION_S
 
     def validate(self) -> None:
-        check_loopback(self.target)
+        try:
+            check_target(self.target)
+        except OptionError as err:
+            raise LoadTestError(str(err)) from None
         checks = [
             (self.mode in MODES, f"--mode {self.mode!r}: use one of {', '.join(MODES)}"),
             (
-                1 <= self.verifiers <= MAX_VERIFIERS,
-                f"--verifiers {self.verifiers}: 1 to {MAX_VERIFIERS}",
+                1 <= self.verifiers <= self.max_verifiers,
+                f"--verifiers {self.verifiers}: 1 to {self.max_verifiers} "
+                "(--max-verifiers raises the bound)",
             ),
             (
-                0 < self.run_seconds <= MAX_DURATION_S,
-                f"--duration {self.run_seconds:g}: more than 0 and at most {MAX_DURATION_S:g} s",
+                0 < self.run_seconds <= self.max_duration,
+                f"--duration {self.run_seconds:g}: more than 0 and at most "
+                f"{self.max_duration:g} s (--max-duration raises the bound)",
             ),
             (self.requests is None or self.requests >= 1, "--requests: at least 1"),
-            (
-                0 <= self.warmup <= MAX_WARMUP_S,
-                f"--warmup {self.warmup:g}: 0 to {MAX_WARMUP_S:g} s",
-            ),
+            (self.warmup_steps >= 0, f"--warmup-steps {self.warmup_steps}: 0 or more"),
             (self.rate is None or self.rate > 0, "--rate: more than 0 steps/s"),
             (self.num_drafts >= 1, "--num-drafts: at least 1"),
             (self.seq_len >= 1, "--seq-len: at least 1 step"),
@@ -203,9 +194,18 @@ class LoadTestConfig:
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        out["security"] = self.security.describe()  # never a key or the token
         out["accept"], out["prompt_len"] = str(self.accept), str(self.prompt_len)
         out["duration"] = self.run_seconds
         return out
+
+    def client(self, channel: grpc.aio.Channel | None = None) -> AsyncDrafterClient:
+        """A client of the target (or of ``channel``, already secured)."""
+        if channel is not None:
+            return AsyncDrafterClient(channel=channel, timeout=self.timeout)
+        return AsyncDrafterClient(
+            self.target, timeout=self.timeout, **self.security.client_keywords()
+        )
 
     def share(self, index: int) -> LoadTestConfig:
         """This process's part of a ``--processes`` run: verifiers, rate and requests split."""
@@ -276,11 +276,22 @@ def _env_tracer_provider() -> Any:
     return tracer_provider
 
 
-def _traced_channel(target: str, tracer_provider: Any) -> grpc.aio.Channel:
+def _traced_channel(config: LoadTestConfig, tracer_provider: Any) -> grpc.aio.Channel:
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
     interceptors = aio_client_interceptors(tracer_provider=tracer_provider)
-    return grpc.aio.insecure_channel(target, interceptors=interceptors)
+    keywords = config.security.client_keywords()
+    options = keywords.pop("options")
+    return open_channel(grpc.aio, config.target, options, interceptors, **keywords)
+
+
+@dataclass
+class _Signals:
+    """What a process's verifiers share with the run's coordinator."""
+
+    window: Window  # the measured run, opened when every verifier is warm
+    begin: Callable[[], Awaitable[float]]  # waits for the start, returns it (time.monotonic())
+    stop: Any  # an Event (threading or multiprocessing): set, the run ends now
 
 
 async def _drive(
@@ -288,17 +299,16 @@ async def _drive(
     info: ServerInfo,
     tracer_provider: Any,
     samples: Samples,
-    stop: Any,
-    begin: Callable[[], Awaitable[float]],
+    warmup: WarmUp,
+    signals: _Signals,
 ) -> None:
-    """Runs this process's verifiers to the end, or until ``stop`` (an Event) is set.
+    """Runs this process's verifiers to the end, or until ``signals.stop`` is set.
 
-    ``begin`` returns the run's start (time.monotonic()) once connected: the
-    warm-up ends ``config.warmup`` seconds later and the run ``run_seconds`` after.
-    """
+    Connected, it waits for ``signals.begin``; the window opens then when there is no
+    warm-up, else once ``warmup`` has ended (its ``ended`` opens it or has it opened)."""
     channel = None
     if tracer_provider is not None:
-        channel = _traced_channel(config.target, tracer_provider)
+        channel = _traced_channel(config, tracer_provider)
     tracer = tracer_provider.get_tracer("mtpdraft.loadtest") if tracer_provider else None
     rows = min(config.prompt_len.hi, HIDDEN_POOL_ROWS) + config.num_drafts
     hiddens = HiddenPool(info.hidden_size, rows, config.dtype, config.seed)
@@ -313,16 +323,15 @@ async def _drive(
         timeout=config.timeout,
         seed=config.seed,
     )
-    client = AsyncDrafterClient(
-        None if channel else config.target, channel=channel, timeout=config.timeout
-    )
+    client = config.client(channel)
     try:
         # Connected before the clock starts (no RPC: no stray span in the traces).
         await asyncio.wait_for(client.channel.channel_ready(), config.timeout)
-        samples.warmup_until = await begin() + config.warmup
+        started = await signals.begin()
+        if warmup.steps == 0:
+            signals.window.open(started)
         pacer = Pacer(
-            deadline=samples.warmup_until + config.run_seconds,
-            warmup_until=samples.warmup_until,
+            window=signals.window,
             requests=config.requests,
             rate=config.rate,
             verify_s=config.verify_ms / 1e3,
@@ -335,18 +344,19 @@ async def _drive(
         verifiers = [
             Verifier(
                 i, client.keyed(f"loadtest-{os.getpid()}-{i}"), settings, pacer, hiddens,
-                samples, tracer,
+                samples, tracer, warmup,
             )
             for i in range(config.verifiers)
         ]  # fmt: skip
         pacer.start()
-        ender = asyncio.create_task(_end_when_set(stop, pacer))
+        ender = asyncio.create_task(_end_when_set(signals.stop, pacer))
         try:
             await asyncio.gather(*(v.run() for v in verifiers))
         finally:
             ender.cancel()
             await pacer.stop()
     finally:
+        samples.warmup_until = signals.window.opens
         await client.close()
         if channel is not None:
             await channel.close()
@@ -361,32 +371,35 @@ async def _end_when_set(stop: Any, pacer: Pacer) -> None:
 
 @dataclass
 class Tally:
-    """One process's progress, for the live line: totals, and the Propose round trips
-    (seconds) since its last tally."""
+    """One process's progress, for the live line: totals, its verifiers through their
+    warm-up, and the Propose round trips (seconds) since its last tally."""
 
     steps: int
     drafts: int
     errors: int
     warmup_steps: int
+    warm: int
     recent: array
 
 
 class _Tallier:
-    def __init__(self, samples: Samples) -> None:
-        self.samples, self.seen = samples, 0
+    def __init__(self, samples: Samples, warmup: WarmUp) -> None:
+        self.samples, self.warmup, self.seen = samples, warmup, 0
 
     def take(self) -> Tally:
         s = self.samples
         recent, self.seen = s.propose[self.seen :], len(s.propose)
-        return Tally(len(s.sent), s.drafts, sum(s.errors.values()), s.warmup_steps, recent)
+        errors = sum(s.errors.values())
+        return Tally(len(s.sent), s.drafts, errors, s.warmup_steps, self.warmup.through, recent)
 
 
 class Progress:
     """The live progress line, from every process's latest tally."""
 
-    def __init__(self, warmup: float) -> None:
-        self.warmup = warmup
-        self.warmup_until: float | None = None  # set when the run begins
+    def __init__(self, config: LoadTestConfig, window: Window) -> None:
+        self.verifiers, self.warmup_steps = config.verifiers, config.warmup_steps
+        self.window = window
+        self.begun = False  # set when the run begins
         self.tallies: dict[int, Tally] = {}
         self.recent = array("f")
         self._last_time, self._last_drafts = 0.0, 0
@@ -396,24 +409,24 @@ class Progress:
         self.recent.extend(tally.recent)
 
     def line(self, now: float) -> str | None:
-        if self.warmup_until is None:
+        if not self.begun:
             return None
 
         def total(name: str) -> int:
             return sum(getattr(t, name) for t in self.tallies.values())
 
-        errors = total("errors")
-        if now < self.warmup_until:
+        errors, opened = total("errors"), self.window.opens
+        if now < opened:
             return (
-                f"mtpdraft loadtest: warm-up {self.warmup - (self.warmup_until - now):.1f} of "
-                f"{self.warmup:g} s: {total('warmup_steps')} steps, errors {errors}"
+                f"mtpdraft loadtest: warm-up: {total('warmup_steps')} steps, {total('warm')} of "
+                f"{self.verifiers} verifiers through their {self.warmup_steps}, errors {errors}"
             )
-        drafts, since = total("drafts"), max(self._last_time, self.warmup_until)
+        drafts, since = total("drafts"), max(self._last_time, opened)
         rate = (drafts - self._last_drafts) / (now - since) if now > since else 0.0
         p50 = f"{np.median(self.recent) * 1e3:.3f} ms" if len(self.recent) else "-"
         self._last_time, self._last_drafts, self.recent = now, drafts, array("f")
         return (
-            f"mtpdraft loadtest: {now - self.warmup_until:5.1f} s: steps {total('steps')}, "
+            f"mtpdraft loadtest: {now - opened:5.1f} s: steps {total('steps')}, "
             f"drafts/s {rate:.0f}, p50 {p50}, errors {errors}"
         )
 
@@ -424,14 +437,19 @@ def _worker(
     info: ServerInfo,
     start: Any,
     stop: Any,
+    opens: Any,
     results: Any,
 ) -> None:
     """A ``--processes`` worker: runs its share once all are connected, sends tallies
-    while it runs and its samples at the end."""
+    while it runs, "warm" when its verifiers are through their warm-up, and its samples
+    at the end. ``opens``: the run's shared Window value."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's (via ``stop``)
     try:
         tracer_provider = _env_tracer_provider()
         samples = Samples()
+        warmup = WarmUp(
+            config.verifiers, config.warmup_steps, lambda: results.put(("warm", index, None))
+        )
 
         async def work() -> None:
             async def begin() -> float:
@@ -439,14 +457,15 @@ def _worker(
                 return time.monotonic()
 
             async def send_tallies() -> None:
-                tallier = _Tallier(samples)
+                tallier = _Tallier(samples, warmup)
                 while True:
                     await asyncio.sleep(PROGRESS_S / 2)
                     results.put(("tally", index, tallier.take()))
 
             sender = asyncio.create_task(send_tallies())
+            signals = _Signals(Window(config.run_seconds, opens), begin, stop)
             try:
-                await _drive(config, info, tracer_provider, samples, stop, begin)
+                await _drive(config, info, tracer_provider, samples, warmup, signals)
             finally:
                 sender.cancel()
 
@@ -467,7 +486,7 @@ async def _run_processes(config: LoadTestConfig, info: ServerInfo, run: _Run) ->
     workers = [
         ctx.Process(
             target=_worker,
-            args=(i, config.share(i), info, start, run.stop_event, results),
+            args=(i, config.share(i), info, start, run.stop_event, run.opens, results),
             daemon=True,
         )
         for i in range(config.processes)
@@ -484,19 +503,22 @@ async def _run_processes(config: LoadTestConfig, info: ServerInfo, run: _Run) ->
                 failure = "(no traceback)"
             raise LoadTestError(f"a load test process did not start:\n{failure}") from None
         await run.begin()
-        deadline = time.monotonic() + config.warmup + config.run_seconds + PROCESS_RESULT_GRACE_S
-        samples, pending = Samples(), set(range(config.processes))
+        samples, pending, warm = Samples(), set(range(config.processes)), set()
         while pending:
             try:
                 kind, index, got = await asyncio.to_thread(results.get, True, 0.2)
             except queue.Empty:
-                if time.monotonic() > deadline:
+                if time.monotonic() > run.window.closes + PROCESS_RESULT_GRACE_S:
                     raise LoadTestError("a load test process did not finish") from None
                 continue
             if kind == "failed":
                 raise LoadTestError(f"a load test process failed:\n{got}")
             if kind == "tally":
                 run.progress.add(index, got)
+            elif kind == "warm":
+                warm.add(index)
+                if len(warm) == config.processes:  # every verifier of every process
+                    run.warmed_up()
             else:
                 samples.merge(got)
                 pending.discard(index)
@@ -509,21 +531,23 @@ async def _run_processes(config: LoadTestConfig, info: ServerInfo, run: _Run) ->
 
 
 class _Run:
-    """One run's coordination: the end signal, the monitor of the server (GetInfo: queue
-    depth, its state at the warm-up's end and last seen, draining or gone) and progress."""
+    """One run's coordination: the end signal, the measured window, the monitor of the
+    server (GetInfo: queue depth, its state at the warm-up's end and last seen, draining
+    or gone) and progress."""
 
     def __init__(self, config: LoadTestConfig, client: AsyncDrafterClient) -> None:
         self.config, self.client = config, client
-        self.stop_event: Any = (
-            threading.Event()
-            if config.processes == 1
-            else multiprocessing.get_context("spawn").Event()
-        )
+        spawn = None if config.processes == 1 else multiprocessing.get_context("spawn")
+        self.stop_event: Any = threading.Event() if spawn is None else spawn.Event()
+        # Shared with the --processes workers: each opens it, or sees it opened.
+        self.opens = None if spawn is None else spawn.Value("d", math.inf)
+        self.window = Window(config.run_seconds, self.opens)
         self.cut_short: str | None = None
         self.depth: list[tuple[float, int]] = []
+        self.began: float | None = None
         self.baseline: ServerInfo | None = None  # GetInfo at the warm-up's end
         self.last: ServerInfo | None = None  # the last GetInfo answered
-        self.progress = Progress(config.warmup)
+        self.progress = Progress(config, self.window)
         self._tasks: list[asyncio.Task] = []
 
     def stop(self, reason: str) -> None:
@@ -532,15 +556,30 @@ class _Run:
             self.cut_short = reason
             self.stop_event.set()
 
-    async def begin(self) -> float:
-        t0 = time.monotonic()
-        self.progress.warmup_until = t0 + self.config.warmup
-        if self.config.warmup > 0:
-            self._tasks.append(asyncio.create_task(self._take_baseline(t0 + self.config.warmup)))
-        return t0
+    def signals(self) -> _Signals:
+        """The single-process run's signals."""
+        return _Signals(self.window, self.begin, self.stop_event)
 
-    async def _take_baseline(self, at: float) -> None:
-        await asyncio.sleep(at - time.monotonic())
+    async def begin(self) -> float:
+        self.began = time.monotonic()
+        self.progress.begun = True
+        return self.began
+
+    def warmed_up(self) -> None:
+        """Every verifier is through its warm-up: the window opens now."""
+        self.window.open(time.monotonic())
+        self._tasks.append(asyncio.create_task(self._take_baseline()))
+
+    @property
+    def warmup_seconds(self) -> float | None:
+        """How long the warm-up took (None if the window never opened)."""
+        if self.config.warmup_steps == 0:
+            return 0.0
+        if self.began is None or math.isinf(self.window.opens):
+            return None
+        return max(0.0, self.window.opens - self.began)
+
+    async def _take_baseline(self) -> None:
         with contextlib.suppress(DrafterError):
             self.baseline = await self.client.info()
 
@@ -560,7 +599,7 @@ class _Run:
                     self.stop(DRAINING)
             await asyncio.sleep(self.config.info_interval)
 
-    async def _print_progress(self, write: Callable[[str], None], pull: Any) -> None:
+    async def _print_progress(self, write: Callable[[str], None], pull: _Tallier | None) -> None:
         while True:
             await asyncio.sleep(PROGRESS_S)
             if pull is not None:
@@ -571,13 +610,12 @@ class _Run:
 
     @contextlib.asynccontextmanager
     async def watching(
-        self, write: Callable[[str], None] | None, samples: Samples | None
+        self, write: Callable[[str], None] | None, pull: _Tallier | None
     ) -> AsyncIterator[None]:
-        """The monitor, the progress lines (from ``samples`` when in this process) and
-        Ctrl-C's handler, for the time of the run."""
+        """The monitor, the progress lines (from ``pull`` when the verifiers run in this
+        process) and Ctrl-C's handler, for the time of the run."""
         self._tasks.append(asyncio.create_task(self._monitor()))
         if write is not None:
-            pull = _Tallier(samples) if samples is not None else None
             self._tasks.append(asyncio.create_task(self._print_progress(write, pull)))
         restore = self._catch_sigint()
         try:
@@ -627,15 +665,16 @@ async def run_load_async(
     if tracer_provider is None and config.processes == 1:
         tracer_provider = owned = _env_tracer_provider()
     # GetInfo travels on its own, untraced channel: the monitor's calls are not load.
-    info_client = AsyncDrafterClient(config.target, timeout=config.timeout)
+    info_client = config.client()
     run = _Run(config, info_client)
     try:
         before = await info_client.info()
         warnings = _check_server(config, before)
         if config.processes == 1:
             samples = Samples()
-            async with run.watching(progress, samples):
-                await _drive(config, before, tracer_provider, samples, run.stop_event, run.begin)
+            warmup = WarmUp(config.verifiers, config.warmup_steps, run.warmed_up)
+            async with run.watching(progress, _Tallier(samples, warmup)):
+                await _drive(config, before, tracer_provider, samples, warmup, run.signals())
         else:
             async with run.watching(progress, None):
                 samples = await _run_processes(config, before, run)
@@ -660,6 +699,7 @@ async def run_load_async(
         # A refusal for draining explains more than the silence that may follow it.
         cut_short=samples.cut_short or run.cut_short,
         answered_after=answered,
+        warmup_seconds=run.warmup_seconds,
     )
     return LoadTestResult(report, samples)
 
@@ -676,6 +716,9 @@ def run_load(
 
 # --- the command line --------------------------------------------------------------------------
 
+LOADTEST_HELP = "load a drafter with simulated verifiers"
+_DEFAULTS = LoadTestConfig()
+
 
 def _arg(parse: Any) -> Any:
     def convert(text: str) -> Any:
@@ -688,13 +731,25 @@ def _arg(parse: Any) -> Any:
     return convert
 
 
+def _option(p: Any, flag: str, help: str, *, shown: Any = None, **kwargs: Any) -> None:
+    """An option whose help ends with its default, as `mtpdraft serve --help` shows them:
+    LoadTestConfig's field of the flag's name, unless ``default`` is given."""
+    field_name = flag.removeprefix("--").replace("-", "_")
+    if "default" not in kwargs and hasattr(_DEFAULTS, field_name):
+        kwargs["default"] = getattr(_DEFAULTS, field_name)
+    shown = kwargs.get("default") if shown is None else shown
+    p.add_argument(flag, help=f"{help} (default: {shown})", **kwargs)
+
+
 def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``loadtest`` to the ``mtpdraft`` command's subcommands."""
     p = subparsers.add_parser(
         "loadtest",
-        help="load a drafter on this host with simulated verifiers",
-        description="Simulated verifiers against a drafter on this host: propose latency, "
-        "drafts/s, errors and the server's batch sizes.",
+        help=LOADTEST_HELP,
+        description="Simulated verifiers against a drafter: propose latency, drafts/s, errors "
+        "and the server's batch sizes. After a warm-up of --warmup-steps steps per verifier, "
+        "the run lasts --duration seconds or --requests steps; the report says why its "
+        "measured window is not --duration long when it is not.",
         epilog="Exit status: 0 the run ended as planned (failed calls are counted, not fatal); "
         "1 a call failed and --fail-on-error, or no server at the start; 2 a refused "
         f"configuration; {EXIT_CUT_SHORT} the run was cut short because the server drained "
@@ -702,63 +757,84 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
         "at once). Cut short or interrupted, the report and plot hold what was measured "
         "up to then.",
     )
-    p.add_argument("--target", default=DEFAULT_TARGET, help="loopback host:port")
-    p.add_argument(
-        "--mode",
-        choices=MODES,
-        default="stream",
-        help="stream: ProposeStream; unary: Propose(previous=...); split: AfterVerify+Propose",
+    add_target_option(p, DEFAULT_TARGET)
+    _option(
+        p, "--mode", "stream: ProposeStream; unary: Propose(previous=...); split: "
+        "AfterVerify+Propose", choices=MODES,
+    )  # fmt: skip
+    _option(
+        p, "--verifiers", "simulated verifiers, each on a state of its own", type=int, metavar="N"
     )
-    p.add_argument("--verifiers", type=int, default=4, help=f"at most {MAX_VERIFIERS}")
-    p.add_argument("--rate", type=float, help="open loop: Poisson steps/s in all (default closed)")
-    p.add_argument(
-        "--duration", type=float, help=f"seconds (default {DEFAULT_DURATION_S:g}, at most 600)"
-    )
-    p.add_argument("--requests", type=int, help="stop after this many steps")
-    p.add_argument(
-        "--warmup",
+    _option(
+        p,
+        "--rate",
+        "open loop: Poisson steps/s in all",
         type=float,
-        default=DEFAULT_WARMUP_S,
-        help=f"seconds of load before measuring, left out of the figures (default "
-        f"{DEFAULT_WARMUP_S:g}; not part of --duration or --requests)",
+        metavar="STEPS_PER_S",
+        shown="closed loop",
     )
-    p.add_argument(
-        "--accept",
+    _option(
+        p, "--duration", "seconds measured, after the warm-up", type=float, metavar="SECONDS",
+        shown=f"{DEFAULT_DURATION_S:g}; with --requests, up to --max-duration",
+    )  # fmt: skip
+    _option(
+        p, "--requests", "stop after this many measured steps", type=int, metavar="N", shown="none"
+    )
+    _option(
+        p, "--warmup-steps", "steps per verifier before the measured window opens (its first "
+        "prefill among them), left out of the figures; in open loop about N times the "
+        "verifiers' arrivals; 0: none", type=int, metavar="N",
+    )  # fmt: skip
+    _option(
+        p, "--max-duration", "the longest duration allowed, a guard against a typing slip",
+        type=float, metavar="SECONDS",
+    )  # fmt: skip
+    _option(p, "--max-verifiers", "the most verifiers allowed", type=int, metavar="N")
+    _option(
+        p, "--accept", "drafts accepted per step: geometric:P, fixed:N or uniform", metavar="SPEC",
         type=_arg(Acceptance.parse),
-        default=Acceptance("geometric", 0.7),
-        help="drafts accepted per step: geometric:P, fixed:N or uniform (default geometric:0.7)",
-    )
-    p.add_argument(
-        "--prompt-len",
+    )  # fmt: skip
+    _option(
+        p, "--prompt-len", "prompt tokens: N or LO:HI", metavar="N|LO:HI",
         type=_arg(lambda t: IntRange.parse(t, "--prompt-len", 1, MAX_PROMPT_LEN)),
-        default=IntRange(128, 128),
-        help="prompt tokens: N or LO:HI (default 128)",
+    )  # fmt: skip
+    _option(p, "--num-drafts", "K, drafts asked per step", type=int, metavar="K")
+    _option(p, "--seq-len", "steps per sequence", type=int, metavar="N")
+    _option(p, "--refeed", "send the target hiddens of accepts", action="store_true", shown="off")
+    _option(p, "--dtype", "the hiddens' dtype", choices=("fp32", "bf16"))
+    _option(p, "--verify-ms", "closed loop: the target's time per step", type=float, metavar="MS")
+    _option(p, "--processes", "spread the verifiers over processes", type=int, metavar="N")
+    _option(p, "--seed", "of the random prompts, hiddens and verdicts", type=int, metavar="N")
+    _option(p, "--timeout", "deadline of each call", type=float, metavar="SECONDS")
+    _option(p, "--out", "write the JSON report here", metavar="FILE", default=None, shown="none")
+    _option(
+        p,
+        "--plot",
+        "write a PNG plot here (needs matplotlib)",
+        metavar="FILE",
+        default=None,
+        shown="none",
     )
-    p.add_argument("--num-drafts", type=int, default=4, help="K per step")
-    p.add_argument("--seq-len", type=int, default=64, help="steps per sequence")
-    p.add_argument("--refeed", action="store_true", help="send the target hiddens of accepts")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="hiddens' dtype")
-    p.add_argument("--verify-ms", type=float, default=0.0, help="closed loop: target time/step")
-    p.add_argument("--processes", type=int, default=1, help="spread verifiers over processes")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=30.0, help="deadline of each call, seconds")
-    p.add_argument("--out", help="write the JSON report here")
-    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
-    p.add_argument("--fail-on-error", action="store_true", help="exit 1 if any call failed")
-    p.add_argument(
-        "--quiet", action="store_true", help="no progress on stderr, no summary on stdout"
-    )
+    _option(p, "--fail-on-error", "exit 1 if any call failed", action="store_true", shown="off")
+    _option(
+        p, "--quiet", "no progress on stderr, no summary on stdout", action="store_true",
+        shown="off",
+    )  # fmt: skip
+    add_security_options(p)
 
 
 def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
+    """The LoadTestConfig of parsed ``loadtest`` arguments; OptionError for a security
+    option that cannot be used."""
     return LoadTestConfig(
         target=args.target,
+        security=security_from_args(args),
         mode=args.mode,
         verifiers=args.verifiers,
         rate=args.rate,
         duration=args.duration,
         requests=args.requests,
-        warmup=args.warmup,
+        warmup_steps=args.warmup_steps,
         accept=args.accept,
         prompt_len=args.prompt_len,
         num_drafts=args.num_drafts,
@@ -769,6 +845,8 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         processes=args.processes,
         seed=args.seed,
         timeout=args.timeout,
+        max_duration=args.max_duration,
+        max_verifiers=args.max_verifiers,
     )
 
 
@@ -778,17 +856,20 @@ def _stderr(line: str) -> None:
 
 def run_loadtest(args: argparse.Namespace) -> int:
     """The ``loadtest`` command; its exit statuses are in its parser's epilog."""
+    security = Security()
     try:
         config = config_from_args(args)
+        security = config.security
         config.validate()
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise LoadTestError("--plot needs matplotlib: pip install 'mtpdraft[loadtest]'")
         result = run_load(config, progress=None if args.quiet else _stderr)
-    except LoadTestError as err:
+    except (LoadTestError, OptionError) as err:
         _stderr(f"mtpdraft loadtest: {err}")
         return 2
     except DrafterError as err:
-        _stderr(f"mtpdraft loadtest: cannot use the server at {args.target}: {err}")
+        hint = security.hint()
+        _stderr(f"mtpdraft loadtest: cannot use the server at {args.target}: {err}{hint}")
         return 1
     except KeyboardInterrupt:  # the second Ctrl-C
         _stderr("mtpdraft loadtest: interrupted again; exiting now, no report")

@@ -7,6 +7,7 @@ queueing behind a slow server counts: coordinated omission corrected), errors
 by status code name (the warm-up's included), the server's batch-size histogram
 over the measured run (GetInfo's ``batch_size_counts`` at the end minus at the
 warm-up's end) and queue depth, the warm-up's steps (left out of every figure),
+the measured window (and why it is not ``--duration`` long, when it is not),
 why the run was cut short if it was, and a timeline in bins for plotting.
 matplotlib is imported only by `plot_figure`.
 """
@@ -99,6 +100,38 @@ def timeline(
     return out
 
 
+def measured_window(
+    config: dict[str, Any], samples: Samples, cut_short: str | None
+) -> dict[str, Any]:
+    """The measured window: planned (``--duration``) and measured (the first measured
+    step's start to the last answer), and ``note``, why they differ when they do by more
+    than 1%."""
+    planned = config.get("duration")
+    steps = len(samples.sent)
+    measured = samples.finished - samples.started if steps else 0.0
+    window = {"planned_s": planned, "measured_s": measured, "note": None}
+    if planned is None:
+        return window
+    requests = config.get("requests")
+    if cut_short is not None:
+        note = f"cut short after {measured:.2f} s of the {planned:g} s planned: {cut_short}"
+    elif requests is not None and steps >= requests:
+        note = f"--requests {requests} answered in {measured:.2f} s"
+    elif not steps:
+        note = f"no step was answered in the {planned:g} s of --duration"
+    elif abs(measured - planned) <= 0.01 * planned:
+        note = None
+    else:
+        first = samples.started - samples.warmup_until  # after the window opened
+        last = samples.finished - (samples.warmup_until + planned)  # after it closed
+        note = (
+            f"{measured:.2f} s measured of --duration {planned:g} s: from the first measured "
+            f"step, {first:.2f} s into the window, to the last answer, {last:+.2f} s from its "
+            "end (steps under way then are waited for)"
+        )
+    return window | {"note": note}
+
+
 def build_report(
     config: dict[str, Any],
     before: ServerInfo,
@@ -109,12 +142,14 @@ def build_report(
     *,
     cut_short: str | None = None,
     answered_after: bool = True,
+    warmup_seconds: float | None = None,
 ) -> dict[str, Any]:
     """The whole report; ``queue`` holds (time.monotonic(), queued_calls) samples.
 
     ``before``: GetInfo at the warm-up's end (or the start); ``after``: at the end, or
     the last answered when the server no longer answered (``answered_after`` False).
-    ``cut_short``: why the run ended early, if it did.
+    ``cut_short``: why the run ended early, if it did; ``warmup_seconds``: how long the
+    warm-up took (None: it never ended).
     """
     steps = len(samples.sent)
     elapsed = samples.finished - samples.started if steps else 0.0
@@ -145,7 +180,12 @@ def build_report(
             "max_drafts": before.max_drafts,
         },
         "cut_short": cut_short,
-        "warmup": {"seconds": config.get("warmup", 0.0), "steps": samples.warmup_steps},
+        "warmup": {
+            "steps_per_verifier": config.get("warmup_steps", 0),
+            "steps": samples.warmup_steps,
+            "seconds": warmup_seconds,
+        },
+        "window": measured_window(config, samples, cut_short),
         "elapsed_s": elapsed,
         "steps": steps,
         "sequences": samples.sequences,
@@ -197,19 +237,32 @@ def _loop(config: dict[str, Any]) -> str:
     return f"open loop {config['rate']:g}/s" if config.get("rate") is not None else "closed loop"
 
 
+def _warmup(warmup: dict[str, Any]) -> str:
+    if not warmup["steps_per_verifier"]:
+        return "no warm-up"
+    took = "did not end" if warmup["seconds"] is None else f"{warmup['seconds']:.2f} s"
+    return (
+        f"after a warm-up of {warmup['steps_per_verifier']} steps per verifier: "
+        f"{warmup['steps']} steps, {took}, left out"
+    )
+
+
 def summary(report: dict[str, Any]) -> str:
     """A few lines for the terminal."""
-    c, lat, warmup = report["config"], report["latency_ms"], report["warmup"]
+    c, lat = report["config"], report["latency_ms"]
     lines = [
         f"mtpdraft loadtest: {c['verifiers']} verifiers, {c['mode']}, {_loop(c)}, "
         f"K={c['num_drafts']}, accept {c['accept']}, {report['elapsed_s']:.2f} s "
-        f"(after a {warmup['seconds']:g} s warm-up of {warmup['steps']} steps, left out)",
+        f"({_warmup(report['warmup'])})",
         f"  steps {report['steps']} ({report['steps_per_s']:.1f}/s), drafts "
         f"{report['drafts']} ({report['drafts_per_s']:.1f}/s), acceptance "
         f"{report['acceptance_rate']:.3f}, sequences {report['sequences']}",
     ]
     if report["cut_short"] is not None:
         lines.insert(1, f"  cut short: {report['cut_short']}")
+    note = report.get("window", {}).get("note")
+    if note is not None:
+        lines.insert(1, f"  window: {note}")
     for name, stats in lat.items():
         lines.append(
             f"  {name:<12} ms  p50 {_ms(stats['p50'])}  p90 {_ms(stats['p90'])}  "

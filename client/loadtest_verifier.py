@@ -11,9 +11,11 @@ prefill are part of the load but not of the latency percentiles.
 Steps are paced by a `Pacer`: closed loop (the next step starts when the last
 one is answered, after an optional simulated verify time) or open loop
 (Poisson arrivals shared by all verifiers of the process: an arrival is served
-by whichever verifier is idle, so overload shows as queueing time). Steps
-scheduled before the warm-up's end are counted apart and left out of the
-figures; `Pacer.end` ends a run early (the server went away, or Ctrl-C).
+by whichever verifier is idle, so overload shows as queueing time). The
+measured `Window` opens when the `WarmUp` ends, once every verifier is through
+its first steps (its first prefill among them, however slow the machine): the
+steps scheduled before are counted apart and left out of the figures.
+`Pacer.end` ends a run early (the server went away, or Ctrl-C).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import random
 import time
 from array import array
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -143,9 +146,9 @@ class Samples:
     ``step`` (the step's round trips: AfterVerify + Propose in split mode, else =
     propose) and ``waited`` (from the step's scheduled arrival to its answer:
     open loop queueing included, so coordinated omission is corrected; closed
-    loop = step); and ``drafts_per_step``. Steps scheduled before
-    ``warmup_until`` only count in ``warmup_steps``; errors count all along
-    (``error_times``: when each happened).
+    loop = step); and ``drafts_per_step``. Steps scheduled before the measured
+    window opened (``warmup_until``, set at the end) only count in ``warmup_steps``;
+    errors count all along (``error_times``: when each happened).
     """
 
     sent: array = field(default_factory=lambda: array("d"))
@@ -179,9 +182,11 @@ class Samples:
         accepted: int,
         verdict: bool,
         first: bool,
+        measured: bool = True,
     ) -> None:
-        """One answered step: its scheduled arrival, start, Propose send and answer times."""
-        if scheduled < self.warmup_until:
+        """One answered step: its scheduled arrival, start, Propose send and answer times;
+        ``measured`` False for a warm-up step."""
+        if not measured:
             self.warmup_steps += 1
             return
         self.sent.append(started)
@@ -218,22 +223,64 @@ class Samples:
         self.finished = max(self.finished, other.finished)
 
 
+class Window:
+    """The measured run: it opens when the warm-up ends (a time.monotonic(); inf until
+    then) and closes ``seconds`` later. ``shared``: a multiprocessing Value("d") through
+    which the processes of a ``--processes`` run open one window together."""
+
+    def __init__(self, seconds: float, shared: Any = None) -> None:
+        self.seconds = seconds
+        self._shared = shared
+        self._opens = math.inf
+
+    @property
+    def opens(self) -> float:
+        return self._opens if self._shared is None else self._shared.value
+
+    @property
+    def closes(self) -> float:
+        return self.opens + self.seconds
+
+    def open(self, at: float) -> None:
+        """Opens it at ``at``, unless it opened earlier."""
+        if self._shared is None:
+            self._opens = min(self._opens, at)
+            return
+        with self._shared.get_lock():
+            self._shared.value = min(self._shared.value, at)
+
+
+class WarmUp:
+    """Each verifier's first ``steps`` verify steps, answered or failed (a failed sequence
+    counts as one): ``ended`` is called once every verifier is through them."""
+
+    def __init__(self, verifiers: int, steps: int, ended: Callable[[], None]) -> None:
+        self.steps = steps
+        self.verifiers = verifiers
+        self.through = 0  # verifiers through their warm-up
+        self._ended = ended
+
+    def verifier_through(self) -> None:
+        self.through += 1
+        if self.through == self.verifiers:
+            self._ended()
+
+
 class Pacer:
     """When each verify step may start; None once the run is over.
 
     Closed loop: now, after ``verify_s`` of simulated target work between the
-    steps of a sequence, until the deadline or until ``requests`` tickets are
+    steps of a sequence, until the window closes or until ``requests`` tickets are
     taken. Open loop: Poisson arrivals at ``rate`` per second for the whole
     process, handed to idle verifiers in order; the step's scheduled time is
     returned so that queueing behind busy verifiers counts in its latency.
-    Steps scheduled before ``warmup_until`` take no ticket of ``requests``.
+    Steps scheduled before the window opens take no ticket of ``requests``.
     """
 
     def __init__(
         self,
         *,
-        deadline: float,
-        warmup_until: float = -math.inf,
+        window: Window,
         requests: int | None,
         rate: float | None,
         verify_s: float,
@@ -241,13 +288,13 @@ class Pacer:
         samples: Samples,
         seed: int,
     ) -> None:
-        self.deadline = deadline
-        self.warmup_until = warmup_until
+        self.window = window
         self.remaining = requests
         self.rate = rate
         self.verify_s = verify_s
         self.verifiers = verifiers
         self.samples = samples
+        self._ended = math.inf  # when `end` ended the run
         self._rng = random.Random(seed)
         self._arrivals: asyncio.Queue[float | None] = asyncio.Queue()
         # A bounded backlog keeps memory bounded when the server cannot keep up;
@@ -255,13 +302,22 @@ class Pacer:
         self._max_backlog = max(1000, 16 * verifiers)
         self._generator: asyncio.Task | None = None
 
+    @property
+    def deadline(self) -> float:
+        """No step starts from then on: the window's close (inf during the warm-up)."""
+        return min(self.window.closes, self._ended)
+
+    def measures(self, scheduled: float) -> bool:
+        """Whether a step scheduled then is measured (else it is the warm-up's)."""
+        return scheduled >= self.window.opens
+
     def start(self) -> None:
         if self.rate is not None:
             self._generator = asyncio.create_task(self._generate())
 
     def end(self) -> None:
         """Ends the run now: no step starts after this; queued arrivals go unserved."""
-        self.deadline = min(self.deadline, time.monotonic())
+        self._ended = min(self._ended, time.monotonic())
         if self._generator is not None:
             self._generator.cancel()  # its finally wakes the waiting verifiers
 
@@ -282,7 +338,7 @@ class Pacer:
                 delay = next_at - time.monotonic()
                 if delay > 0:  # late arrivals go out at once, keeping their scheduled time
                     await asyncio.sleep(delay)
-                if self.remaining is not None and next_at >= self.warmup_until:
+                if self.remaining is not None and self.measures(next_at):
                     self.remaining -= 1
                 if self._arrivals.qsize() >= self._max_backlog:
                     self.samples.arrivals_dropped += 1
@@ -307,7 +363,7 @@ class Pacer:
             now = time.monotonic()
             if now >= self.deadline:
                 return None
-            if self.remaining is not None and now >= self.warmup_until:
+            if self.remaining is not None and self.measures(now):
                 if self.remaining <= 0:
                     return None
                 self.remaining -= 1
@@ -384,6 +440,7 @@ class Verifier:
         hiddens: HiddenPool,
         samples: Samples,
         tracer: Tracer | None,
+        warmup: WarmUp | None = None,
     ) -> None:
         self.index = index
         self.client = client
@@ -392,9 +449,16 @@ class Verifier:
         self.hiddens = hiddens
         self.samples = samples
         self.tracer = tracer
+        self.warmup = warmup
+        self.attempts = 0  # steps answered and sequences failed, for the warm-up
         self.rng = random.Random(settings.seed * 1_000_003 + index)
         self._stream: AsyncProposeStream | None = None
         self._done = False
+
+    def _attempted(self) -> None:
+        self.attempts += 1
+        if self.warmup is not None and self.attempts == self.warmup.steps:
+            self.warmup.verifier_through()
 
     def _span(self, name: str, **attributes: Any) -> contextlib.AbstractContextManager:
         if self.tracer is None:
@@ -415,6 +479,7 @@ class Verifier:
                 except (DrafterError, grpc.RpcError):
                     # Counted where it was raised. The stream that carried it is
                     # replaced, since a broken stream fails every later message.
+                    self._attempted()
                     await self._close_stream()
                     await asyncio.sleep(ERROR_BACKOFF_S)
         finally:
@@ -478,7 +543,9 @@ class Verifier:
                 accepted=accepted,
                 verdict=verdict is not None,
                 first=step == 0,
+                measured=self.pacer.measures(scheduled),
             )
+            self._attempted()
             refeed = self.hiddens.block(rng, accepted) if s.refeed and accepted else None
             verdict = Verdict(accepted, refeed_hiddens=refeed)
             position += accepted + 1  # the bonus token's position

@@ -16,28 +16,33 @@ PG_VECTOR := tests/conformance/vector.json
 # that installs it (examples/clients/node).
 PG_NODE_EXAMPLE_DIR := examples/clients/node
 
-# Go: the module mtpdraft (client/go/src/mtpdraft, its go.mod), with its protobuf package
-# gen/mtpdraftv1 committed (`make -f client/polyglot.mk polyglot-go-gen` after changing the
-# proto; every build checks that it is current). Built offline from Debian's sources in
-# /usr/share/gocode (no module proxy): the runners in GOPATH mode, the module itself and the
-# example (examples/clients/go, a module of its own that requires it by a replace directive) in
-# module mode, through client/go/gomod-debian.sh.
+# Go: the module github.com/mtpdraft/mtpdraft/client/go (client/go, its go.mod), with its
+# protobuf package gen/mtpdraftv1 committed (`make -f client/polyglot.mk polyglot-go-gen` after
+# changing the proto; every build checks that it is current). Built offline, in module mode,
+# from Debian's sources in /usr/share/gocode (no module proxy): client/go/gomod-debian.sh writes
+# a copy of a go.mod that takes every dependency from there, for the module itself (its runners
+# and tests) and for the example (examples/clients/go, a module of its own that requires it by a
+# replace directive).
 PG_GO_DIR := client/go
-PG_GO_MODULE := $(PG_GO_DIR)/src/mtpdraft
+PG_GO_MODULE_PATH := github.com/mtpdraft/mtpdraft/client/go
 PG_GO_BUILD := $(PG_GO_DIR)/build
-PG_GO_GEN := $(PG_GO_MODULE)/gen/mtpdraftv1
+PG_GO_GEN := $(PG_GO_DIR)/gen/mtpdraftv1
 PG_GO_BIN := $(PG_GO_BUILD)/bin/mtpdraft-conformance
 # A Go verifier's view of the hot path (bench/bench_service.py --go-hotpath runs it).
 PG_GO_HOTPATH := $(PG_GO_BUILD)/bin/mtpdraft-hotpath
 PG_GO_EXAMPLE_DIR := examples/clients/go
 PG_GO_EXAMPLE := $(PG_GO_BUILD)/bin/drafter-example
-PG_GO_SRCS := $(wildcard $(PG_GO_MODULE)/go.mod $(PG_GO_MODULE)/*/*.go $(PG_GO_MODULE)/cmd/*/*.go \
+PG_GO_SRCS := $(wildcard $(PG_GO_DIR)/go.mod $(PG_GO_DIR)/*/*.go $(PG_GO_DIR)/cmd/*/*.go \
 	$(PG_GO_GEN)/*.go)
-PG_GO_ENV = GO111MODULE=off GOFLAGS= GOCACHE=$(abspath $(PG_GO_BUILD)/cache) \
-	GOPATH=$(abspath $(PG_GO_DIR)):/usr/share/gocode
 PG_GO_MOD_ENV = GO111MODULE=on GOFLAGS=-mod=readonly GOPROXY=off GOSUMDB=off \
 	GOCACHE=$(abspath $(PG_GO_BUILD)/cache) GOPATH=$(abspath $(PG_GO_BUILD)/modpath)
-PG_GO_PROTOC = protoc -I$(PG_PROTO_DIR) --go_out=$(1) --go-grpc_out=$(1) $(PG_PROTO)
+# The module's go.mod, offline; `go` runs in the module's folder with it.
+PG_GO_MODFILE := $(PG_GO_BUILD)/gomod/mtpdraft.mod
+PG_GO = cd $(PG_GO_DIR) && $(PG_GO_MOD_ENV) go
+PG_GO_MODFLAG = -modfile=$(abspath $(PG_GO_MODFILE))
+# protoc writes gen/mtpdraftv1 under $(1) (the module's path taken off the go_package).
+PG_GO_PROTOC = protoc -I$(PG_PROTO_DIR) --go_out=$(1) --go_opt=module=$(PG_GO_MODULE_PATH) \
+	--go-grpc_out=$(1) --go-grpc_opt=module=$(PG_GO_MODULE_PATH) $(PG_PROTO)
 
 # C++: client/cpp/CMakeLists.txt, the CMake package mtpdraft_client (the library
 # mtpdraft::client), built with the conformance runner and installed into
@@ -81,39 +86,41 @@ $(PG_NODE_EXAMPLE_DIR)/node_modules/.package-lock.json: $(PG_NODE_EXAMPLE_DIR)/p
 polyglot-go: $(PG_GO_BIN) $(PG_GO_HOTPATH) $(PG_GO_EXAMPLE)
 
 # The Go client's unit tests (a fake server in the test process).
-polyglot-go-test: $(PG_GO_BUILD)/gen.stamp
-	$(PG_GO_ENV) go test mtpdraft/drafter
+polyglot-go-test: $(PG_GO_MODFILE)
+	$(PG_GO) test $(PG_GO_MODFLAG) ./drafter
 
 # Regenerates the committed protobuf package from the proto.
 polyglot-go-gen:
-	$(call PG_GO_PROTOC,$(PG_GO_DIR)/src)
+	$(call PG_GO_PROTOC,$(PG_GO_DIR))
 
-# The committed protobuf package must be what the proto generates.
+# The committed protobuf package must be what the proto generates (into _gen: a folder the go
+# tool leaves out of the module's packages).
 $(PG_GO_BUILD)/gen.stamp: $(PG_PROTO) $(wildcard $(PG_GO_GEN)/*.go)
-	rm -rf $(PG_GO_BUILD)/gen && mkdir -p $(PG_GO_BUILD)/gen
-	$(call PG_GO_PROTOC,$(PG_GO_BUILD)/gen)
-	@diff -r $(PG_GO_BUILD)/gen/mtpdraft/gen/mtpdraftv1 $(PG_GO_GEN) >/dev/null || { \
+	rm -rf $(PG_GO_BUILD)/_gen && mkdir -p $(PG_GO_BUILD)/_gen
+	$(call PG_GO_PROTOC,$(PG_GO_BUILD)/_gen)
+	@diff -r $(PG_GO_BUILD)/_gen/gen/mtpdraftv1 $(PG_GO_GEN) >/dev/null || { \
 		echo "$(PG_GO_GEN) is not what $(PG_PROTO) generates:" \
 			"run make -f client/polyglot.mk polyglot-go-gen and commit it"; exit 1; }
 	touch $@
 
-# Module mode, offline: the module mtpdraft vetted (tests included), then the example built.
-$(PG_GO_EXAMPLE): $(PG_GO_BUILD)/gen.stamp $(PG_GO_SRCS) $(PG_GO_DIR)/gomod-debian.sh \
-		$(PG_GO_EXAMPLE_DIR)/go.mod $(wildcard $(PG_GO_EXAMPLE_DIR)/*.go)
-	$(PG_GO_MOD_ENV) bash $(PG_GO_DIR)/gomod-debian.sh $(PG_GO_MODULE) $(PG_GO_BUILD)/gomod/mtpdraft.mod
-	cd $(PG_GO_MODULE) && $(PG_GO_MOD_ENV) go vet -modfile=$(abspath $(PG_GO_BUILD)/gomod/mtpdraft.mod) ./...
+# The module, offline: every dependency from Debian's sources; then vetted (tests included).
+$(PG_GO_MODFILE): $(PG_GO_BUILD)/gen.stamp $(PG_GO_SRCS) $(PG_GO_DIR)/gomod-debian.sh
+	$(PG_GO_MOD_ENV) bash $(PG_GO_DIR)/gomod-debian.sh $(PG_GO_DIR) $@
+	$(PG_GO) vet $(PG_GO_MODFLAG) ./...
+
+$(PG_GO_BIN): $(PG_GO_MODFILE)
+	$(PG_GO) build $(PG_GO_MODFLAG) -o $(abspath $@) ./cmd/mtpdraft-conformance
+
+# Static (no cgo), so that it runs on a machine without Go or gRPC installed.
+$(PG_GO_HOTPATH): $(PG_GO_MODFILE)
+	cd $(PG_GO_DIR) && $(PG_GO_MOD_ENV) CGO_ENABLED=0 go build $(PG_GO_MODFLAG) -o $(abspath $@) \
+		./cmd/mtpdraft-hotpath
+
+# The example, a module of its own requiring the client's path (a replace directive).
+$(PG_GO_EXAMPLE): $(PG_GO_MODFILE) $(PG_GO_EXAMPLE_DIR)/go.mod $(wildcard $(PG_GO_EXAMPLE_DIR)/*.go)
 	$(PG_GO_MOD_ENV) bash $(PG_GO_DIR)/gomod-debian.sh $(PG_GO_EXAMPLE_DIR) $(PG_GO_BUILD)/gomod/example.mod
 	cd $(PG_GO_EXAMPLE_DIR) && $(PG_GO_MOD_ENV) go vet -modfile=$(abspath $(PG_GO_BUILD)/gomod/example.mod) . && \
 		$(PG_GO_MOD_ENV) go build -modfile=$(abspath $(PG_GO_BUILD)/gomod/example.mod) -o $(abspath $@) .
-
-$(PG_GO_BIN): $(PG_GO_BUILD)/gen.stamp $(PG_GO_SRCS)
-	$(PG_GO_ENV) go vet mtpdraft/drafter mtpdraft/cmd/mtpdraft-conformance
-	$(PG_GO_ENV) go build -o $@ mtpdraft/cmd/mtpdraft-conformance
-
-# Static (no cgo), so that it runs on a machine without Go or gRPC installed.
-$(PG_GO_HOTPATH): $(PG_GO_BUILD)/gen.stamp $(PG_GO_SRCS)
-	$(PG_GO_ENV) go vet mtpdraft/cmd/mtpdraft-hotpath
-	$(PG_GO_ENV) CGO_ENABLED=0 go build -o $@ mtpdraft/cmd/mtpdraft-hotpath
 
 polyglot-cpp: $(PG_CPP_BIN) $(PG_CPP_EXAMPLES)
 

@@ -8,7 +8,9 @@ loopback behind Debian's nginx, which routes every call by its x-mtpdraft-affini
 
 Arguments after `--` go to every `mtpdraft serve`. Ctrl-C or SIGTERM stops nginx and
 drains the replicas. nginx runs as this user with everything under a temporary folder
-(config, pid, logs); `apt-get install nginx` (or nginx-light) provides it.
+(config, pid, logs); `apt-get install nginx` provides it. What the topology needs and this
+host lacks (nginx, the package, torch) is named before anything starts, each with how to
+get it, in one line.
 
 The tests and bench/bench_proxy.py start the same topology with `start_replicas` and
 `start_proxy`.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import re
 import shutil
@@ -37,14 +40,33 @@ HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "nginx" / "local.conf.template"
 ROUTES = HERE / "nginx" / "routes.conf"
 START_TIMEOUT = 120.0
+# Where Debian puts nginx: /usr/sbin is not on every user's PATH.
+NGINX_ELSEWHERE = ("/usr/sbin/nginx",)
+# The modules a replica (`python -m mtpdraft serve`, this interpreter) imports, and how to
+# get each.
+REPLICA_MODULES = {
+    "mtpdraft": "pip install -e . (from the repository's root)",
+    "torch": "pip install torch (README.md, Set up)",
+}
 
 
 def find_nginx() -> str | None:
-    """nginx's path: on PATH, or where Debian puts it (/usr/sbin is not on every PATH)."""
+    """nginx's path: on PATH, or where Debian puts it."""
     found = shutil.which("nginx")
     if found:
         return found
-    return "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
+    return next((path for path in NGINX_ELSEWHERE if os.access(path, os.X_OK)), None)
+
+
+def missing_requirements() -> list[str]:
+    """What the topology needs and this host lacks, one line each, with how to get it."""
+    missing = []
+    if find_nginx() is None:
+        missing.append("nginx is not installed (not on PATH, nor /usr/sbin): apt-get install nginx")
+    for module, install in REPLICA_MODULES.items():
+        if importlib.util.find_spec(module) is None:
+            missing.append(f"{module} cannot be imported by {sys.executable}: {install}")
+    return missing
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -229,15 +251,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=50050, help="the proxy's port (0: free)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
     args = parser.parse_args(argv)
-    replicas = start_replicas(args.replicas, serve_args, args.host)
+    missing = missing_requirements()
+    for line in missing:
+        print(f"local: {line}", file=sys.stderr)
+    if missing:
+        return 2
+    try:
+        replicas = start_replicas(args.replicas, serve_args, args.host)
+    except RuntimeError as err:  # a replica that exits says why in its output
+        print(f"local: {err}", file=sys.stderr)
+        return 1
     for r in replicas:
         print(f"local: replica {r.address}", flush=True)
     with tempfile.TemporaryDirectory(prefix="mtpdraft-nginx-") as tmp:
         try:
             proxy = start_proxy([r.address for r in replicas], Path(tmp), args.port, args.host)
-        except BaseException:
+        except BaseException as err:
             stop_all(replicas)
-            raise
+            if not isinstance(err, RuntimeError):
+                raise
+            print(f"local: {err}", file=sys.stderr)  # nginx's own words
+            return 1
         print(f"local: proxy {proxy.address} (nginx, routing by x-mtpdraft-affinity)", flush=True)
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(True))

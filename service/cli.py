@@ -1,11 +1,12 @@
 """The `mtpdraft` command: `mtpdraft serve` runs the drafter service, `mtpdraft loadtest`
-drives one with simulated verifiers."""
+drives one with simulated verifiers, `mtpdraft info` prints one's health and GetInfo."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import importlib
 import logging
 import os
 import signal
@@ -22,7 +23,12 @@ log = logging.getLogger("mtpdraft.cli")
 # resident from the start: 1 GiB made the embedded model's server take 1.3 GB.
 _CPU_KV_BYTES = 256 << 20
 
-_LOADTEST_HELP = "load a drafter on this host with simulated verifiers"
+# The client commands: (module, help). A module's `add_<name>_parser` and `run_<name>` import
+# grpc: loaded only for the command named.
+_CLIENT_COMMANDS = {
+    "loadtest": ("mtpdraft.client.loadtest", "load a drafter with simulated verifiers"),
+    "info": ("mtpdraft.client.info", "print a server's health and GetInfo"),
+}
 
 
 def _load_serving() -> None:
@@ -120,12 +126,11 @@ def _parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Argu
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser = _serve_parser(sub)
-    if "loadtest" in argv:  # its parser's module imports grpc: only when it may run
-        from mtpdraft.client.loadtest import add_loadtest_parser
-
-        add_loadtest_parser(sub)
-    else:
-        sub.add_parser("loadtest", help=_LOADTEST_HELP, add_help=False)
+    for name, (module, summary) in _CLIENT_COMMANDS.items():
+        if name in argv:
+            getattr(importlib.import_module(module), f"add_{name}_parser")(sub)
+        else:
+            sub.add_parser(name, help=summary, add_help=False)
     return parser, serve_parser
 
 
@@ -289,11 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, serve_parser = _parser(argv)
     args = parser.parse_args(argv)
-    if args.command == "loadtest":
-        from mtpdraft.client.loadtest import run_loadtest
-
+    if args.command in _CLIENT_COMMANDS:
         _configure_logging("info")
-        return run_loadtest(args)
+        module = importlib.import_module(_CLIENT_COMMANDS[args.command][0])
+        return getattr(module, f"run_{args.command}")(args)
     config = serve_config(args)
     _check_kv(serve_parser, config)
     _load_serving()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
+from secured_servers import SecuredServers, start_secured_servers
 
 
 def rich_status(
@@ -41,3 +43,11 @@ def _pack(msg: Any) -> any_pb2.Any:
 def make_status() -> Callable[..., status_pb2.Status]:
     """Builds a google.rpc.Status with an ErrorInfo and a BadRequest, as the server sends."""
     return rich_status
+
+
+@pytest.fixture(scope="module")
+def secured_servers(
+    mimo_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SecuredServers]:
+    with start_secured_servers(mimo_checkpoint, tmp_path_factory.mktemp("secured")) as servers:
+        yield servers

@@ -1,4 +1,5 @@
-"""`mtpdraft loadtest` against a real server on loopback: reports, modes, tracing, refusals.
+"""`mtpdraft loadtest` against a real server on loopback: reports, modes, tracing, refusals,
+targets of every kind (HOST:PORT, unix:PATH) with the clients' TLS, mutual TLS and token.
 
 Runs are short (1-2 s, a few verifiers, short prompts and sequences) so that the
 whole file stays well under a minute on two cores. Every run must leave the
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind
+from secured_servers import TOKEN, SecuredServers
 from servers import InProcessServer, ServerProcess, recording_tracer, small_engine
 
 from mtpdraft.client import DrafterClient
@@ -21,7 +23,6 @@ from mtpdraft.client.loadtest import (
     LoadTestConfig,
     LoadTestError,
     add_loadtest_parser,
-    check_loopback,
     run_load,
     run_loadtest,
 )
@@ -64,14 +65,16 @@ def _check_report(report: dict, *, k: int = 3) -> None:
     for stats in report["latency_ms"].values():
         assert stats["count"] == report["steps"]
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"]
-    warmup = report["warmup"]
-    assert warmup["seconds"] == report["config"]["warmup"]
-    assert (warmup["steps"] > 0) == (warmup["seconds"] > 0)
+    warmup, verifiers = report["warmup"], report["config"]["verifiers"]
+    assert warmup["steps_per_verifier"] == report["config"]["warmup_steps"]
+    # Closed or open loop, every verifier answers its warm-up steps before the window opens.
+    assert warmup["steps"] >= warmup["steps_per_verifier"] * verifiers
+    assert (warmup["seconds"] > 0) == (warmup["steps_per_verifier"] > 0)
     batches = report["server_batches"]
     # Every Propose (unary or stream message) runs in exactly one batched forward. After a
     # warm-up the server's count starts at a GetInfo at its end: the steps in flight
     # around it may fall on either side.
-    slack = 4 * report["config"]["verifiers"] if warmup["seconds"] else 0
+    slack = 4 * verifiers if warmup["steps_per_verifier"] else 0
     assert abs(batches["requests"] - report["steps"]) <= slack
     assert sum(batches["counts"].values()) == batches["batches"] > 0
     assert max(int(size) for size in batches["counts"]) <= report["config"]["verifiers"]
@@ -186,7 +189,7 @@ def test_unary_open_loop_with_refeed(server: ServerProcess) -> None:
 def test_split_mode_counts_requests_over_two_processes(server: ServerProcess) -> None:
     config = _config(
         server, mode="split", requests=60, duration=None, accept=Acceptance("fixed", 2),
-        processes=2, warmup=0.0,
+        processes=2, warmup_steps=0,
     )  # fmt: skip
     report = run_load(config).report
     _check_report(report)
@@ -230,7 +233,7 @@ def test_step_spans_are_ancestors_of_server_spans(mimo_checkpoint: Path) -> None
     try:
         config = LoadTestConfig(
             target=server.address, mode="unary", verifiers=2, requests=8, seq_len=4,
-            prompt_len=IntRange(6, 6), num_drafts=2, warmup=0.0,
+            prompt_len=IntRange(6, 6), num_drafts=2, warmup_steps=0,
         )  # fmt: skip
         report = run_load(config, tracer_provider=tracer_provider).report
     finally:
@@ -260,48 +263,124 @@ def test_step_spans_are_ancestors_of_server_spans(mimo_checkpoint: Path) -> None
     assert not [s for s in spans if s.name.endswith("GetInfo") and s.kind == SpanKind.CLIENT]
 
 
-@pytest.mark.parametrize(
-    "target",
-    ["127.0.0.1:50051", "127.3.2.1:1", "localhost:9", "[::1]:50051", "ipv4:127.0.0.1:5"],
-)
-def test_loopback_targets_are_accepted(target: str) -> None:
-    assert check_loopback(target) == target
+def test_a_run_over_mutual_tls_with_a_token(
+    secured_servers: SecuredServers, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    s, out = secured_servers, tmp_path / "report.json"
+    tls = ("--tls-ca", str(s.ca), "--tls-cert", str(s.client_cert), "--tls-key", str(s.client_key))
+    common = ("--target", s.tls_address, *SHORT, "--duration", "1", "--warmup-steps", "2")
+    token = ("--token-file", str(s.token_file))
+    assert _cli(*common, *tls, *token, "--tls-server-name", "localhost", "--out", str(out)) == 0
+    report = json.loads(out.read_text())
+    _check_report(report)
+    assert report["config"]["security"] == "mutual TLS, bearer token"
+    assert TOKEN not in out.read_text() and "PRIVATE KEY" not in out.read_text()
+    capsys.readouterr()
+    # Each missing part is refused by the server, in one line: no token, no certificate.
+    assert _cli(*common, *tls, "--quiet") == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert _cli(*common, "--tls-ca", str(s.ca), *token, "--quiet") == 1
+    assert f"cannot use the server at {s.tls_address}: " in capsys.readouterr().err
+    assert _cli(*common, "--tls-cert", str(s.client_cert), "--quiet") == 2
+    assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+    assert _cli(*common, *tls, "--token-file", str(tmp_path / "none")) == 2
+    assert "--token-file" in capsys.readouterr().err
+
+
+def test_a_run_over_a_unix_socket_in_two_processes(
+    secured_servers: SecuredServers, tmp_path: Path
+) -> None:
+    out = tmp_path / "report.json"
+    rc = _cli(
+        "--target", secured_servers.unix_target, *SHORT, "--requests", "40", "--processes", "2",
+        "--warmup-steps", "1", "--token-file", str(secured_servers.token_file), "--quiet",
+        "--out", str(out),
+    )  # fmt: skip
+    assert rc == 0
+    report = json.loads(out.read_text())
+    _check_report(report)
+    assert report["steps"] == 40 and report["config"]["target"] == secured_servers.unix_target
+    # A token without TLS goes only to a Unix socket or a loopback address.
+    assert report["config"]["security"] == "plaintext, bearer token"
+    assert report["window"]["note"] == f"--requests 40 answered in {report['elapsed_s']:.2f} s"
 
 
 @pytest.mark.parametrize(
     "target",
-    ["10.0.0.1:50051", "example.com:50051", "[2001:db8::1]:1", "0.0.0.0:50051", "127.0.0.1",
-     "dns://8.8.8.8/localhost:1", "ipv4:127.0.0.1:1,10.0.0.1:1", "unix:/tmp/sock"],
+    ["127.0.0.1:50051", "localhost:9", "[::1]:50051", "10.0.0.1:50051", "example.com:50051",
+     "drafter-0.drafter.mtpdraft.svc.cluster.local:50051", "[2001:db8::1]:1",
+     "unix:/tmp/sock", "unix:///tmp/sock", "dns:///drafter.internal:50051",
+     "ipv4:10.0.0.1:1,10.0.0.2:1"],
 )  # fmt: skip
-def test_other_targets_are_refused(target: str, capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(LoadTestError, match="only targets this host"):
-        check_loopback(target)
-    with pytest.raises(LoadTestError, match="only targets this host"):
+def test_any_target_a_client_reaches_is_accepted(target: str) -> None:
+    LoadTestConfig(target=target).validate()
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1", "example.com", "", "host:0", "host:port"])
+def test_a_target_without_a_port_is_refused(target: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(LoadTestError, match="give HOST:PORT"):
         run_load(LoadTestConfig(target=target, duration=1.0))
     assert _cli("--target", target, "--duration", "1") == 2
-    assert "refusing target" in capsys.readouterr().err
+    assert "give HOST:PORT" in capsys.readouterr().err
+
+
+def test_bounds_are_defaults_a_user_can_raise(capsys: pytest.CaptureFixture) -> None:
+    for options, bound in (
+        ({"duration": 601.0}, "--max-duration"),
+        ({"verifiers": 1025}, "--max-verifiers"),
+        ({"duration": 30.0, "max_duration": 20.0}, "--max-duration"),
+    ):
+        with pytest.raises(LoadTestError, match=bound):
+            LoadTestConfig(**options).validate()
+    LoadTestConfig(duration=3600.0, max_duration=3600.0).validate()
+    LoadTestConfig(verifiers=2048, max_verifiers=2048).validate()
+    assert LoadTestConfig(requests=10).run_seconds == 600.0
+    assert LoadTestConfig(requests=10, max_duration=900.0).run_seconds == 900.0
+    # Raised from the command line too: refused (2) below the bound, past the check above it.
+    assert _cli("--target", "127.0.0.1:1", "--duration", "900") == 2
+    assert "--max-duration" in capsys.readouterr().err
+    assert _cli("--target", "127.0.0.1:1", "--duration", "900", "--max-duration", "900") == 1
+    assert "cannot use the server at 127.0.0.1:1" in capsys.readouterr().err
 
 
 def test_bounds_and_arguments_are_checked(capsys: pytest.CaptureFixture) -> None:
     for options in (
-        {"duration": 601.0},
-        {"verifiers": 1025},
         {"verifiers": 0},
         {"processes": 5, "verifiers": 4},
         {"rate": 0.0},
         {"mode": "batch"},
-        {"warmup": -1.0},
-        {"warmup": 61.0},
+        {"warmup_steps": -1},
     ):
         with pytest.raises(LoadTestError):
             LoadTestConfig(**options).validate()
-    assert LoadTestConfig(requests=10).run_seconds == 600.0
     assert LoadTestConfig().run_seconds == 10.0
     with pytest.raises(SystemExit):
         _cli("--accept", "geometric:1.5")
     with pytest.raises(SystemExit):
         _cli("--prompt-len", "64:8")
     assert "--accept" in capsys.readouterr().err
+
+
+def test_help_shows_every_default() -> None:
+    parser = argparse.ArgumentParser(prog="mtpdraft")
+    add_loadtest_parser(parser.add_subparsers(dest="command"))
+    (loadtest,) = parser._subparsers._group_actions[0].choices.values()
+    options = [a for a in loadtest._actions if a.dest != "help"]
+    assert {"--max-duration", "--max-verifiers", "--warmup-steps", "--tls-ca", "--token-file"} <= {
+        flag for a in options for flag in a.option_strings
+    }
+    for action in options:
+        assert "(default: " in action.help, action.option_strings
+    shown = " ".join(loadtest.format_help().split("options:", 1)[1].split())
+    for flag, default in [
+        ("--verifiers N", "(default: 4)"),
+        ("--duration SECONDS", "(default: 10;"),
+        ("--max-duration SECONDS", "(default: 600.0)"),
+        ("--max-verifiers N", "(default: 1024)"),
+        ("--warmup-steps N", "(default: 8)"),
+        ("--target HOST:PORT", "(default: 127.0.0.1:50051)"),
+    ]:
+        assert default in shown.split(flag, 1)[1].split(" --", 1)[0], flag
 
 
 def test_acceptance_distributions() -> None:

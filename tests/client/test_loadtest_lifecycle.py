@@ -41,6 +41,8 @@ from mtpdraft.client.loadtest_verifier import (
     Samples,
     Verifier,
     VerifierSettings,
+    WarmUp,
+    Window,
 )
 from mtpdraft.client.types import Proposal, ServerInfo
 
@@ -49,6 +51,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 # A measured progress line (warm-up lines say "warm-up" instead of the seconds).
 PROGRESS = re.compile(
     r"mtpdraft loadtest: +(\d+\.\d) s: steps (\d+), drafts/s (\d+), p50 [\d.]+ ms, errors (\d+)"
+)
+WARMUP = re.compile(
+    r"mtpdraft loadtest: warm-up: \d+ steps, \d+ of \d+ verifiers through their \d+, errors \d+"
 )
 
 
@@ -74,7 +79,7 @@ def test_server_killed_mid_run_ends_it_with_what_was_measured(
     try:
         rc = _cli(
             "--target", server.address, *SHORT, "--mode", mode, "--duration", "120",
-            "--warmup", "0.5", "--out", str(out), "--plot", str(plot),
+            "--warmup-steps", "2", "--out", str(out), "--plot", str(plot),
         )  # fmt: skip
     finally:
         killer.cancel()
@@ -88,6 +93,7 @@ def test_server_killed_mid_run_ends_it_with_what_was_measured(
 
     report = json.loads(out.read_text())
     assert report["cut_short"] == "the server stopped answering (UNAVAILABLE)"
+    assert report["window"]["note"].startswith("cut short after ")
     assert report["steps"] > 0 and report["drafts"] > 0
     assert report["latency_ms"]["propose"]["count"] == report["steps"]
     # Errors by status code name: the refused connections, nothing else's name.
@@ -113,7 +119,7 @@ def test_server_draining_ends_the_run_and_gets_its_states_back(
     drain.start()
     try:
         rc = _cli(
-            "--target", server.address, *SHORT, "--duration", "120", "--warmup", "0.5",
+            "--target", server.address, *SHORT, "--duration", "120", "--warmup-steps", "2",
             "--out", str(out), "--quiet",
         )  # fmt: skip
         assert server.process.wait(60) == 0, "the server waited out its grace period"
@@ -133,7 +139,7 @@ def test_server_draining_ends_the_run_and_gets_its_states_back(
 def test_ctrl_c_ends_the_run_with_a_report(server: ServerProcess, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "mtpdraft", "loadtest", "--target", server.address, *SHORT]
-    cmd += ["--duration", "120", "--warmup", "0.2", "--out", str(out)]
+    cmd += ["--duration", "120", "--warmup-steps", "1", "--out", str(out)]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -158,14 +164,15 @@ def test_ctrl_c_ends_the_run_with_a_report(server: ServerProcess, tmp_path: Path
 def test_progress_lines_go_to_stderr_unless_quiet(
     server: ServerProcess, capsys: pytest.CaptureFixture
 ) -> None:
-    common = ("--target", server.address, *SHORT, "--warmup", "0.3", "--duration", "3.2")
+    common = ("--target", server.address, *SHORT, "--warmup-steps", "2", "--duration", "3.2")
     assert _cli(*common) == 0
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
-    # A slow start may show the warm-up; every other line is measured progress.
-    warmup = [line for line in lines if line.startswith("mtpdraft loadtest: warm-up ")]
-    progress = [PROGRESS.match(line) for line in lines if line not in warmup]
-    assert len(progress) >= 2 and all(progress) and len(warmup) <= 1, captured.err
+    # A slow start may show the warm-up first; every other line is measured progress.
+    warmup = [line for line in lines if WARMUP.match(line)]
+    assert lines[: len(warmup)] == warmup, captured.err
+    progress = [PROGRESS.match(line) for line in lines[len(warmup) :]]
+    assert len(progress) >= 2 and all(progress), captured.err
     seconds = [float(m[1]) for m in progress]
     steps = [int(m[2]) for m in progress]
     assert seconds == sorted(seconds) and steps == sorted(steps) and steps[-1] > 0
@@ -178,12 +185,14 @@ def test_progress_lines_go_to_stderr_unless_quiet(
 def test_warmup_steps_are_left_out_of_the_figures(server: ServerProcess) -> None:
     config = LoadTestConfig(
         target=server.address, verifiers=4, prompt_len=IntRange(4, 24), seq_len=6,
-        num_drafts=3, requests=40, warmup=0.5,
+        num_drafts=3, requests=40, warmup_steps=3,
     )  # fmt: skip
     result = run_load(config)
     report, samples = result.report, result.samples
     assert report["steps"] == 40  # --requests counts after the warm-up
-    assert report["warmup"]["seconds"] == 0.5 and report["warmup"]["steps"] > 0
+    warmup = report["warmup"]
+    assert warmup["steps_per_verifier"] == 3 and warmup["steps"] >= 3 * 4
+    assert warmup["seconds"] > 0
     assert min(samples.sent) >= samples.warmup_until  # no warm-up step among the figures
     assert report["latency_ms"]["propose"]["count"] == 40
     assert sum(b["steps"] for b in report["timeline"]) == 40
@@ -221,8 +230,10 @@ def test_open_loop_latency_counts_from_the_scheduled_arrival() -> None:
         )  # fmt: skip
         start = time.monotonic()
         samples.warmup_until = start + 0.2
+        window = Window(1.8)
+        window.open(samples.warmup_until)  # as a warm-up that ended then would
         pacer = Pacer(
-            deadline=start + 2.0, warmup_until=samples.warmup_until, requests=None,
+            window=window, requests=None,
             rate=4 / _SlowServer.SERVICE_S, verify_s=0.0, verifiers=1, samples=samples, seed=0,
         )  # fmt: skip
         hiddens = HiddenPool(8, 64, "fp32", 0)
@@ -242,17 +253,97 @@ def test_open_loop_latency_counts_from_the_scheduled_arrival() -> None:
     assert np.median(waited) > 5 * np.median(propose)
     assert samples.arrivals_unserved > 0
     info = _server_info()
-    report = build_report({"rate": 200.0, "warmup": 0.2}, info, info, samples, [], [])
+    report = build_report({"rate": 200.0, "warmup_steps": 8}, info, info, samples, [], [])
     lat = report["latency_ms"]
     assert lat["from_arrival"]["p50"] > 5 * lat["propose"]["p50"]
     text = summary(_full(report))
     assert "from the scheduled arrival" in text and "from the send" in text
 
 
+class _SlowPrefill(_SlowServer):
+    """A stand-in whose prefill takes PREFILL_S, many steps' time: a slow machine's start."""
+
+    PREFILL_S = 0.6
+
+    async def prefill(self, state, tokens, hiddens, start_position) -> None:
+        await asyncio.sleep(self.PREFILL_S)
+
+
+def test_the_warmup_ends_after_every_verifiers_prefill_and_first_steps() -> None:
+    """The window opens once every verifier has answered its warm-up steps, however long
+    their first prefill took: the measured second holds steps only, none of the start."""
+    verifiers, steps, seconds = 3, 4, 1.0
+
+    async def run() -> tuple[float, Window, Samples]:
+        samples, window = Samples(), Window(seconds)
+        settings = VerifierSettings(
+            mode="unary", num_drafts=2, seq_len=1000, prompt_len=IntRange(8, 8),
+            accept=Acceptance("fixed", 1), refeed=False, vocab_size=100, timeout=5.0, seed=0,
+        )  # fmt: skip
+        pacer = Pacer(
+            window=window, requests=None, rate=None, verify_s=0.0, verifiers=verifiers,
+            samples=samples, seed=0,
+        )  # fmt: skip
+        warmup = WarmUp(verifiers, steps, lambda: window.open(time.monotonic()))
+        hiddens = HiddenPool(8, 64, "fp32", 0)
+        start = time.monotonic()
+        pacer.start()
+        await asyncio.gather(
+            *(
+                Verifier(i, _SlowPrefill(), settings, pacer, hiddens, samples, None, warmup).run()
+                for i in range(verifiers)
+            )
+        )
+        await pacer.stop()
+        return start, window, samples
+
+    start, window, samples = asyncio.run(run())
+    assert window.opens >= start + _SlowPrefill.PREFILL_S + steps * _SlowServer.SERVICE_S
+    assert samples.warmup_steps >= verifiers * steps
+    assert min(samples.sent) >= window.opens
+    # The measured steps fill the window: from its start to its end, a step apart at most.
+    assert samples.started - window.opens < 0.1
+    assert abs(samples.finished - window.closes) < 0.1
+    assert len(samples.sent) > verifiers * seconds / _SlowServer.SERVICE_S / 4
+
+
+def _record(samples: Samples, at: float, seconds: float = 0.01) -> None:
+    samples.record(
+        scheduled=at, started=at, sent=at, done=at + seconds, drafts=2, accepted=1,
+        verdict=False, first=False,
+    )  # fmt: skip
+
+
+def test_the_report_explains_a_window_that_is_not_the_duration() -> None:
+    info = _server_info()
+
+    def window(samples: Samples, cut_short: str | None = None, **config) -> dict:
+        config = {"rate": None, "warmup_steps": 8, "duration": 2.0} | config
+        report = build_report(config, info, info, samples, [], [], cut_short=cut_short)
+        text = summary(_full(report))
+        note = report["window"]["note"]
+        assert (f"  window: {note}" in text) if note else ("window:" not in text)
+        return report["window"]
+
+    samples = Samples()
+    samples.warmup_until = 100.0
+    for i in range(200):
+        _record(samples, 100.0 + i / 100)
+    assert window(samples) == {"planned_s": 2.0, "measured_s": pytest.approx(2.0), "note": None}
+    # A step answered 1.5 s after the window closed: the window is longer, and says why.
+    _record(samples, 101.995, seconds=1.505)
+    note = window(samples)["note"]
+    assert note.startswith("3.50 s measured of --duration 2 s") and "+1.50 s from its end" in note
+    assert window(samples, requests=201)["note"] == "--requests 201 answered in 3.50 s"
+    cut = window(samples, cut_short="the server is draining")["note"]
+    assert cut == "cut short after 3.50 s of the 2 s planned: the server is draining"
+    assert window(Samples())["note"] == "no step was answered in the 2 s of --duration"
+
+
 def test_open_loop_plot_shows_latency_from_the_arrival(server: ServerProcess) -> None:
     config = LoadTestConfig(
         target=server.address, mode="unary", rate=150.0, verifiers=4, prompt_len=IntRange(4, 24),
-        seq_len=6, num_drafts=3, duration=1.5, warmup=0.3,
+        seq_len=6, num_drafts=3, duration=1.5, warmup_steps=2,
     )  # fmt: skip
     result = run_load(config)
     report = result.report
@@ -282,7 +373,7 @@ def test_a_run_with_nothing_measured_still_reports_and_plots(tmp_path: Path) -> 
     )
     info = _server_info()
     report = build_report(
-        {"rate": None, "warmup": 1.0}, info, info, samples, [], [],
+        {"rate": None, "warmup_steps": 8}, info, info, samples, [], [],
         cut_short="the server stopped answering (UNAVAILABLE)", answered_after=False,
     )  # fmt: skip
     assert report["steps"] == 0 and report["timeline"] == []

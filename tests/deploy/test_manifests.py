@@ -8,65 +8,30 @@ from __future__ import annotations
 import base64
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from google.rpc import error_details_pb2, status_pb2
+from manifests import (
+    DEPLOY,
+    HEALTH_SERVICE,
+    KUBERNETES_VERSION,
+    NGINX_VARIABLE,
+    container,
+    documents,
+    k8s_conf,
+    kustomization,
+    local,
+    one,
+    port_named,
+    selects,
+)
 
-from mtpdraft.client.messages import AFFINITY_HEADER
 from mtpdraft.service.cli import parse_serve
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-sys.path.insert(0, str(DEPLOY))
-import local  # noqa: E402  (deploy/local.py)
-
-KUBERNETES_VERSION = "1.30.0"  # the oldest release the manifests are checked against
 # What a drain takes past --grace-period: 5 s answering the queued calls, 1 s stopping
 # (LocalBackend.drain).
 DRAIN_AFTER_GRACE_S = 6
-HEALTH_SERVICE = "mtpdraft.v1.Drafter"
-NGINX_VARIABLE = "$http_" + AFFINITY_HEADER.replace("-", "_")
-
-
-def kustomization() -> dict:
-    return yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
-
-
-def documents() -> list[dict]:
-    docs = []
-    for resource in kustomization()["resources"]:
-        docs += [d for d in yaml.safe_load_all((DEPLOY / resource).read_text()) if d]
-    return docs
-
-
-def one(kind: str, name: str | None = None) -> dict:
-    found = [d for d in documents() if d["kind"] == kind]
-    if name is not None:
-        found = [d for d in found if d["metadata"]["name"] == name]
-    assert len(found) == 1, (kind, name, len(found))
-    return found[0]
-
-
-def selects(selector: dict, labels: dict) -> bool:
-    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-
-def container(workload: dict) -> dict:
-    (c,) = workload["spec"]["template"]["spec"]["containers"]
-    return c
-
-
-def port_named(c: dict, name_or_number) -> int:
-    for p in c["ports"]:
-        if name_or_number in (p.get("name"), p["containerPort"]):
-            return p["containerPort"]
-    raise AssertionError(f"{c['name']} has no port {name_or_number}")
-
-
-def k8s_conf() -> str:
-    return (DEPLOY / "nginx" / "k8s.conf").read_text()
 
 
 def test_every_manifest_matches_the_kubernetes_schema() -> None:
@@ -104,9 +69,8 @@ def test_the_replicas_selectors_ports_probes_gpus_and_drain() -> None:
     assert selects(svc["spec"]["selector"], labels)
     assert selects(one("PodDisruptionBudget")["spec"]["selector"]["matchLabels"], labels)
     c = container(sts)
-    command = c["command"]
-    assert command[:2] == ["mtpdraft", "serve"]
-    config = parse_serve(command[2:])  # the flags as `mtpdraft serve` reads them
+    assert "command" not in c  # the image's entrypoint, `mtpdraft serve` (test_image.py)
+    config = parse_serve(c["args"])  # the flags as `mtpdraft serve` reads them
     grpc_port = port_named(c, "grpc")
     assert config.port == grpc_port and config.host == "0.0.0.0"
     (service_port,) = svc["spec"]["ports"]

@@ -1,4 +1,5 @@
-"""README.md's grpcurl block, run against a server on loopback.
+"""README.md's grpcurl block, and the same check with `mtpdraft info`, run against a server
+on loopback.
 
 With grpcurl on PATH each line runs as written. Without it (it is packaged in neither
 Debian nor PyPI, so CI has none) each line is carried out as grpcurl carries it out:
@@ -25,13 +26,20 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 from servers import InProcessServer, small_engine
 
+from mtpdraft.service import cli
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def grpcurl_lines() -> list[str]:
+def bash_lines(command: str) -> list[str]:
+    """The lines of README.md's bash blocks that run `command`."""
     blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
     lines = [line for block in blocks for line in block.splitlines()]
-    return [line for line in lines if line.startswith("grpcurl ")]
+    return [line for line in lines if line.startswith(f"{command} ")]
+
+
+def grpcurl_lines() -> list[str]:
+    return bash_lines("grpcurl")
 
 
 def grpcurl_by_reflection(argv: list[str]) -> str:
@@ -84,3 +92,16 @@ def test_the_grpcurl_block_lists_calls_and_checks_health(server) -> None:
     info = json.loads(info)
     assert info["modelFamily"] == "mimo" and info["hiddenSize"] > 0
     assert json.loads(health) == {"status": "SERVING"}
+
+
+def test_the_readme_says_where_grpcurl_comes_from() -> None:
+    assert "go install github.com/fullstorydev/grpcurl/cmd/grpcurl@" in README.read_text()
+
+
+def test_mtpdraft_info_makes_the_same_check(server, capsys) -> None:
+    (line,) = bash_lines("mtpdraft info")
+    argv = shlex.split(line.replace("localhost:50051", server.address))
+    assert cli.main(argv[1:]) == 0
+    health, *fields = capsys.readouterr().out.splitlines()
+    assert health == "health: SERVING"
+    assert "model_family: mimo" in fields and any(f.startswith("hidden_size: ") for f in fields)

@@ -2,7 +2,7 @@ module example.com/drafter-example
 
 go 1.19
 
-require mtpdraft v0.0.0
+require github.com/mtpdraft/mtpdraft/client/go v0.0.0
 
 require (
 	github.com/golang/protobuf v1.5.2 // indirect
@@ -14,5 +14,6 @@ require (
 	google.golang.org/protobuf v1.28.1 // indirect
 )
 
-// The client from this repository (a path of your own in your module).
-replace mtpdraft => ../../../client/go/src/mtpdraft
+// The client from this checkout (in your module: the path of your checkout, or none where
+// the repository is published at the module's path).
+replace github.com/mtpdraft/mtpdraft/client/go => ../../../client/go

@@ -1,5 +1,6 @@
 // Command drafter-example is a verifier's decode loop in a module of its own, using the
-// mtpdraft Go client (module mtpdraft, client/go/src/mtpdraft) through a replace directive:
+// mtpdraft Go client (module github.com/mtpdraft/mtpdraft/client/go, the folder client/go)
+// through a replace directive:
 //
 //	go run . -address 127.0.0.1:50051
 //
@@ -15,7 +16,7 @@ import (
 	"math/rand"
 	"time"
 
-	"mtpdraft/drafter"
+	"github.com/mtpdraft/mtpdraft/client/go/drafter"
 )
 
 func main() {

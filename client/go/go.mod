@@ -1,4 +1,4 @@
-module mtpdraft
+module github.com/mtpdraft/mtpdraft/client/go
 
 go 1.19
 

@@ -37,7 +37,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
 
-	pb "mtpdraft/gen/mtpdraftv1"
+	pb "github.com/mtpdraft/mtpdraft/client/go/gen/mtpdraftv1"
 )
 
 // DefaultChunkBytes bounds one PrefillChunk when Prefill is given no chunk size.

@@ -4,7 +4,7 @@ import (
 	"context"
 	"fmt"
 
-	pb "mtpdraft/gen/mtpdraftv1"
+	pb "github.com/mtpdraft/mtpdraft/client/go/gen/mtpdraftv1"
 )
 
 // Columns is a verifier's whole step for B states, as columns: row i of every column belongs to

@@ -11,7 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	pb "mtpdraft/gen/mtpdraftv1"
+	pb "github.com/mtpdraft/mtpdraft/client/go/gen/mtpdraftv1"
 )
 
 // errorDomain is the ErrorInfo domain of the service's errors.

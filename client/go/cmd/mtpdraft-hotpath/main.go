@@ -23,7 +23,7 @@ import (
 	"sync"
 	"time"
 
-	"mtpdraft/drafter"
+	"github.com/mtpdraft/mtpdraft/client/go/drafter"
 )
 
 type verifier struct {

@@ -7,7 +7,7 @@ import (
 
 	"google.golang.org/grpc/status"
 
-	"mtpdraft/drafter"
+	"github.com/mtpdraft/mtpdraft/client/go/drafter"
 )
 
 // A verifier's decode step for B states in one call. Each state's row carries its last token

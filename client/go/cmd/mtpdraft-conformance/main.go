@@ -26,8 +26,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/reflect/protoreflect"
 
-	"mtpdraft/drafter"
-	pb "mtpdraft/gen/mtpdraftv1"
+	"github.com/mtpdraft/mtpdraft/client/go/drafter"
+	pb "github.com/mtpdraft/mtpdraft/client/go/gen/mtpdraftv1"
 )
 
 type tensorJSON struct {

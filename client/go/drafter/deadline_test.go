@@ -13,7 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/test/bufconn"
 
-	pb "mtpdraft/gen/mtpdraftv1"
+	pb "github.com/mtpdraft/mtpdraft/client/go/gen/mtpdraftv1"
 )
 
 const (
