@@ -241,6 +241,7 @@ def build_server(
         reflection_enabled=config.reflection,
         max_inflight=config.max_inflight,
         unix_socket=config.unix_socket,
+        engine_stall_timeout=config.engine_stall_timeout,
         telemetry=telemetry,
         **(security or {}),
     )

@@ -105,6 +105,12 @@ class ServeConfig:
     grace_period: float = _option(
         10.0, "seconds live states may go on after SIGTERM", metavar="SECONDS"
     )
+    engine_stall_timeout: float = _option(
+        30.0,
+        "health answers NOT_SERVING while a call has waited this long for the engine thread "
+        "(a stuck engine: liveness probes restart it; 0: never)",
+        metavar="SECONDS",
+    )
     metrics_port: int | None = _option(
         None,
         "serve the metrics for Prometheus at http://HOST:PORT/metrics (0 picks a free port, "

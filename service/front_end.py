@@ -19,6 +19,7 @@ from .config import DEFAULTS
 from .security import TokenAuthInterceptor, TokenSource
 from .servicer import DrafterServicer, add_library_service, add_to_server
 from .telemetry import Telemetry
+from .watchdog import EngineWatchdog
 
 if TYPE_CHECKING:
     from .backend import LocalBackend
@@ -101,6 +102,8 @@ class FrontEnd:
     `credentials` (e.g. `security.server_credentials(...)`) serves over TLS instead of
     plaintext; `tokens` (a `security.TokenSource` or the accepted tokens) makes every
     call but the health service's carry `authorization: Bearer <token>` metadata.
+    Health answers NOT_SERVING while the engine thread is stuck for `engine_stall_timeout`
+    seconds (watchdog.py; 0: never).
     """
 
     def __init__(
@@ -115,8 +118,12 @@ class FrontEnd:
         credentials: grpc.ServerCredentials | None = None,
         tokens: TokenSource | Sequence[str | bytes] | None = None,
         unix_socket: str | None = DEFAULTS.unix_socket,
+        engine_stall_timeout: float = DEFAULTS.engine_stall_timeout,
     ) -> None:
         self.health = health.aio.HealthServicer()
+        self.watchdog = EngineWatchdog(
+            backend.runner, self.health, ("", SERVICE_NAME), engine_stall_timeout
+        )
         # Authentication first, so that an unauthenticated call is refused before any
         # other interceptor (telemetry's) or handler sees it.
         interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -162,12 +169,15 @@ class FrontEnd:
 
     async def start(self) -> None:
         await self.server.start()
-        for service in ("", SERVICE_NAME):
+        for service in self.watchdog.services:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.watchdog.start()
 
     async def enter_graceful_shutdown(self) -> None:
         """Health answers NOT_SERVING from now on; calls are still served."""
+        await self.watchdog.stop()
         await self.health.enter_graceful_shutdown()
 
     async def stop(self, grace: float) -> None:
+        await self.watchdog.stop()
         await self.server.stop(grace)

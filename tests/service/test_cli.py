@@ -276,6 +276,7 @@ def test_the_servers_keyword_defaults_are_the_commands() -> None:
         "credentials": None,
         "tokens": None,
         "unix_socket": DEFAULTS.unix_socket,
+        "engine_stall_timeout": DEFAULTS.engine_stall_timeout,
     }
 
 
