@@ -1,16 +1,27 @@
 #!/usr/bin/env python3
-"""The replicated topology on one host, for development: N `mtpdraft serve` replicas on
-loopback behind Debian's nginx, which routes every call by its x-mtpdraft-affinity key
-(consistent hashing: one key, one replica).
+"""Replicas behind nginx on one host, for development and drills: N `mtpdraft serve`
+replicas on loopback behind Debian's nginx, which routes every call by its
+x-mtpdraft-affinity key (consistent hashing: one key, one replica).
 
     python3 deploy/local.py --replicas 3 --port 50050 -- --device cpu
     # verifiers: DrafterClient("127.0.0.1:50050", affinity_key="engine-7")
 
-Arguments after `--` go to every `mtpdraft serve`. Ctrl-C or SIGTERM stops nginx and
-drains the replicas. nginx runs as this user with everything under a temporary folder
-(config, pid, logs); `apt-get install nginx` provides it. What the topology needs and this
-host lacks (nginx, the package, torch) is named before anything starts, each with how to
-get it, in one line.
+Arguments after `--` go to every `mtpdraft serve`. It prints each replica's number, PID,
+address and log file, and nginx's PID and logs; all of them live in one folder (--dir, or
+a new temporary one, kept on exit). A replica that exits (killed, crashed or drained)
+leaves nginx and the others serving; these commands, one a line on stdin or written to
+the folder's `control` file, act on the topology:
+
+    status      each replica's PID, address, whether it runs, and the ring
+    restart N   replica N again, on its address
+    reload      nginx routes by the folder's `ring` file (SIGHUP to this process too)
+    quit        stop nginx, drain the replicas (Ctrl-C and SIGTERM too)
+
+A replica restarts on request, not by itself: a drill keeps the fault and the recovery
+apart, so that what the ring does meanwhile (its keys on the next replica) can be seen.
+nginx runs as this user, its config, pid and logs under the folder. What the topology
+needs and this host lacks (nginx, the package, torch) is named before anything starts,
+each with how to get it, in one line.
 
 The tests and bench/bench_proxy.py start the same topology with `start_replicas` and
 `start_proxy`.
@@ -22,6 +33,7 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import queue
 import re
 import shutil
 import signal
@@ -32,9 +44,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "nginx" / "local.conf.template"
@@ -48,6 +61,9 @@ REPLICA_MODULES = {
     "mtpdraft": "pip install -e . (from the repository's root)",
     "torch": "pip install torch (README.md, Set up)",
 }
+# When nginx stops sending a replica calls (its keys going to the next replica on the ring).
+SERVER_FAILURES = "max_fails=1 fail_timeout=5s"
+COMMANDS = "status | restart N | reload | quit"
 
 
 def find_nginx() -> str | None:
@@ -75,18 +91,101 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# A child's first lines, after exec: SIGTERM when the thread that started it ends (Linux;
+# PR_SET_PDEATHSIG survives exec), so that a killed test or script leaves no replica or
+# nginx behind. Not a preexec_fn: Python running in a forked child of a process whose gRPC
+# threads are live can break the child's own gRPC (seen as epoll_wait: Bad file descriptor).
+_STOP_WITH_PARENT = """
+import contextlib, ctypes, signal
+with contextlib.suppress(OSError, AttributeError):
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+"""
+_REPLICA = (
+    _STOP_WITH_PARENT
+    + """
+import runpy, sys
+sys.argv[0] = "mtpdraft"
+runpy.run_module("mtpdraft", run_name="__main__", alter_sys=True)
+"""
+)
+_EXEC = (
+    _STOP_WITH_PARENT
+    + """
+import os, sys
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+)
+
+
+def _stopping_with_parent(argv: list[str]) -> list[str]:
+    """`argv` (a program's path first) run so that it stops with this process's thread."""
+    return [sys.executable, "-c", _EXEC, *argv] if sys.platform == "linux" else argv
+
+
+def _launch(argv: Sequence[str], log: Path) -> subprocess.Popen:
+    """`argv` started with its output appended to `log`."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
+def _listening_port(process: subprocess.Popen, log: Path, offset: int) -> int:
+    """The port a replica prints in `log` (past `offset`) once it takes calls."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        with log.open("rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+        if match := re.search(r"listening on \S+:(\d+)", text):
+            return int(match.group(1))
+        if process.poll() is not None or time.monotonic() > deadline:
+            why = "exited" if process.poll() is not None else "did not listen in time"
+            raise RuntimeError(f"a replica {why} ({log}):\n{text}")
+        time.sleep(0.05)
+
+
+def _how_it_ended(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}"
+
+
 @dataclass
 class Replica:
-    """One `mtpdraft serve` process."""
+    """One `mtpdraft serve` process; its output goes to `log`, across restarts."""
 
     process: subprocess.Popen
     address: str
-    log: list[str] = field(default_factory=list)
+    log: Path
+    command: list[str] = field(repr=False)  # `mtpdraft serve` and its flags, but --port
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def running(self) -> bool:
+        """Whether the process is there (a stopped one, SIGSTOP, is)."""
+        return self.process.poll() is None
+
+    def restart(self) -> None:
+        """Starts it again on its address, as a StatefulSet's pod comes back under its name;
+        returns once it takes calls. RuntimeError while it runs, or if it cannot start."""
+        if self.running():
+            raise RuntimeError(f"{self.address} is running (pid {self.pid}): stop it first")
+        offset = self.log.stat().st_size
+        self.process = _launch([*self.command, "--port", self.address.rpartition(":")[2]], self.log)
+        _listening_port(self.process, self.log, offset)
 
     def stop(self, timeout: float = START_TIMEOUT) -> int:
-        """SIGTERM (the replica drains), then waits."""
-        if self.process.poll() is None:
+        """SIGTERM (the replica drains; SIGCONT, should it be stopped), then waits."""
+        if self.running():
             self.process.terminate()
+            self.process.send_signal(signal.SIGCONT)
         try:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -102,68 +201,45 @@ class Replica:
 def stop_all(replicas: Sequence[Replica]) -> None:
     """SIGTERM to every replica at once (each drains), then waits for each."""
     for r in replicas:
-        if r.process.poll() is None:
+        if r.running():
             r.process.terminate()
+            r.process.send_signal(signal.SIGCONT)
     for r in replicas:
         r.stop()
 
 
-# Run as the replica's own first lines, after exec: SIGTERM when the process that started it
-# dies (Linux; PR_SET_PDEATHSIG survives exec), so that a killed test or script leaves no
-# replica behind. Not a preexec_fn: Python running in a forked child of a process whose gRPC
-# threads are live can break the child's own gRPC (seen as epoll_wait: Bad file descriptor).
-_STOP_WITH_PARENT = """
-import contextlib, ctypes, runpy, signal, sys
-with contextlib.suppress(OSError, AttributeError):
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-sys.argv[0] = "mtpdraft"
-runpy.run_module("mtpdraft", run_name="__main__", alter_sys=True)
-"""
-
-
-def start_replicas(count: int, serve_args: Sequence[str] = (), host: str = "127.0.0.1") -> list:
-    """`count` replicas on free ports of `host`, started together; returns once all listen."""
-    launcher = ["-c", _STOP_WITH_PARENT] if sys.platform == "linux" else ["-m", "mtpdraft"]
-    cmd = [sys.executable, *launcher, "serve", "--host", host, "--port", "0"]
-    processes = [
-        subprocess.Popen(
-            [*cmd, *serve_args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for _ in range(count)
-    ]
-    replicas = []
+def start_replicas(
+    count: int,
+    serve_args: Sequence[str] = (),
+    host: str = "127.0.0.1",
+    log_dir: Path | None = None,
+) -> list[Replica]:
+    """`count` replicas on free ports of `host`, started together, replica N writing to
+    `log_dir`/replica-N.log (a new temporary folder if None); returns once all listen."""
+    log_dir = Path(tempfile.mkdtemp(prefix="mtpdraft-replicas-")) if log_dir is None else log_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    launcher = ["-c", _REPLICA] if sys.platform == "linux" else ["-m", "mtpdraft"]
+    command = [sys.executable, *launcher, "serve", "--host", host, *serve_args]
+    logs = [log_dir / f"replica-{n}.log" for n in range(count)]
+    for log in logs:
+        log.write_bytes(b"")
+    processes = [_launch([*command, "--port", "0"], log) for log in logs]
     try:
-        for process in processes:
-            lines = []
-            for line in process.stdout:  # a replica prints its port once it takes calls
-                lines.append(line)
-                if match := re.search(r"listening on (\S+):(\d+)", line):
-                    replicas.append(Replica(process, f"{host}:{match.group(2)}", lines))
-                    break
-            else:
-                raise RuntimeError("a replica exited before listening:\n" + "".join(lines))
-            _discard(process.stdout)  # read on, so that a chatty replica never blocks
+        ports = [_listening_port(p, log, 0) for p, log in zip(processes, logs, strict=True)]
     except BaseException:
         for process in processes:
             process.kill()
             process.wait()
         raise
-    return replicas
-
-
-def _discard(stream) -> None:
-    """Reads `stream` to its end on a thread of its own, keeping nothing."""
-    threading.Thread(target=stream.read, daemon=True).start()
+    return [
+        Replica(process, f"{host}:{port}", log, command)
+        for process, port, log in zip(processes, ports, logs, strict=True)
+    ]
 
 
 def render_config(replicas: Sequence[str], listen: str, prefix: Path) -> str:
     """The local proxy's nginx.conf: `replicas` (host:port) behind `listen` (host:port)."""
-    servers = "\n".join(
-        f"        server {address} max_fails=1 fail_timeout=5s;" for address in replicas
-    )
+    servers = "\n".join(f"        server {address} {SERVER_FAILURES};" for address in replicas)
     return string.Template(TEMPLATE.read_text()).substitute(
         prefix=prefix, servers=servers, listen=listen, routes=ROUTES
     )
@@ -176,19 +252,41 @@ class Proxy:
     process: subprocess.Popen
     address: str
     prefix: Path
+    nginx: str
+
+    @property
+    def config(self) -> Path:
+        return self.prefix / "nginx.conf"
+
+    @property
+    def log(self) -> Path:
+        return self.prefix / "error.log"
 
     def error_log(self) -> str:
-        path = self.prefix / "error.log"
-        return path.read_text() if path.exists() else ""
+        return self.log.read_text() if self.log.exists() else ""
 
     def reload(self, replicas: Sequence[str]) -> None:
-        """Routes to `replicas` from now on (a new ring): nginx re-reads its config."""
-        (self.prefix / "nginx.conf").write_text(render_config(replicas, self.address, self.prefix))
+        """Routes to `replicas` from now on (a new ring): the new config checked by
+        `nginx -t`, then re-read (SIGHUP; the old workers finish their calls).
+        RuntimeError, the running config kept, where nginx refuses the new one."""
+        candidate = self.prefix / "nginx.conf.new"
+        candidate.write_text(render_config(replicas, self.address, self.prefix))
+        done = subprocess.run(
+            [self.nginx, "-t", "-q", "-p", str(self.prefix), "-c", str(candidate)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if done.returncode != 0:
+            candidate.unlink()
+            raise RuntimeError(f"nginx refused the new config:\n{done.stderr.strip()}")
+        candidate.replace(self.config)
         self.process.send_signal(signal.SIGHUP)
 
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
+            self.process.send_signal(signal.SIGCONT)
             try:
                 self.process.wait(START_TIMEOUT)
             except subprocess.TimeoutExpired:
@@ -212,13 +310,14 @@ def start_proxy(
         config = prefix / "nginx.conf"
         config.write_text(render_config(replicas, listen, prefix))
         (prefix / "error.log").write_text("")
+        argv = [nginx, "-p", str(prefix), "-c", str(config), "-e", str(prefix / "error.log")]
         process = subprocess.Popen(
-            [nginx, "-p", str(prefix), "-c", str(config), "-e", str(prefix / "error.log")],
+            _stopping_with_parent(argv),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
-        proxy = Proxy(process, listen, prefix)
+        proxy = Proxy(process, listen, prefix, nginx)
         if _wait_listening(proxy):
             return proxy
         proxy.stop()
@@ -240,6 +339,155 @@ def _wait_listening(proxy: Proxy) -> bool:
     return False
 
 
+def say(line: str) -> None:
+    print(f"local: {line}", flush=True)
+
+
+class Drills:
+    """The running topology and the operator's commands on it: a replica that exits is
+    told of and leaves the others serving; `restart N` brings it back on its address;
+    `reload` routes by the ring file."""
+
+    def __init__(self, replicas: list[Replica], proxy: Proxy, folder: Path) -> None:
+        self.replicas, self.proxy = replicas, proxy
+        self.routed = [r.address for r in replicas]  # the ring nginx routes by
+        self.ring = folder / "ring"
+        self.ring.write_text(
+            "# The proxy's ring: one replica address (host:port) a line. A line removed or\n"
+            "# commented out (#) takes that replica off the ring, its keys going to the\n"
+            "# next replica on it. After an edit: `reload`, or SIGHUP to local.py\n"
+            f"# (pid {os.getpid()}).\n" + "".join(f"{address}\n" for address in self.routed)
+        )
+        self.told: set[subprocess.Popen] = set()  # the processes whose end was told
+
+    def watch(self) -> None:
+        """Tells of each replica, and nginx, that ended since the last look."""
+        for n, r in enumerate(self.replicas):
+            if not r.running() and r.process not in self.told:
+                self.told.add(r.process)
+                say(
+                    f"replica {n} (pid {r.pid}, {r.address}) ended, "
+                    f"{_how_it_ended(r.process.returncode)}; nginx and the others serve on "
+                    f"(`restart {n}` starts it again)"
+                )
+        nginx = self.proxy.process
+        if nginx.poll() is not None and nginx not in self.told:
+            self.told.add(nginx)
+            say(f"nginx ended, {_how_it_ended(nginx.returncode)}; see {self.proxy.log}")
+
+    def run(self, line: str) -> bool:
+        """Runs one command line; False for `quit`."""
+        match line.split():
+            case []:
+                pass
+            case ["status"]:
+                self.status()
+            case ["restart", n] if n.isdigit() and int(n) < len(self.replicas):
+                self.restart(int(n))
+            case ["reload"]:
+                self.reload()
+            case ["quit"]:
+                return False
+            case _:
+                say(f"unknown command {line.strip()!r}: {COMMANDS}")
+        return True
+
+    def status(self) -> None:
+        for n, r in enumerate(self.replicas):
+            state = "running" if r.running() else _how_it_ended(r.process.returncode)
+            ring = "on the ring" if r.address in self.routed else "off the ring"
+            say(f"replica {n} pid {r.pid} {r.address} {state}, {ring}; log {r.log}")
+        proxy = self.proxy
+        say(f"proxy pid {proxy.process.pid} {proxy.address}; ring {' '.join(self.routed)}")
+
+    def restart(self, n: int) -> None:
+        r = self.replicas[n]
+        try:
+            r.restart()
+        except RuntimeError as err:
+            say(f"replica {n} not restarted: {err}")
+            return
+        say(
+            f"replica {n} pid {r.pid} {r.address} restarted, a new instance (its old states "
+            f"answer STATE_LOST); log {r.log}"
+        )
+
+    def reload(self) -> None:
+        lines = (line.split("#", 1)[0].strip() for line in self.ring.read_text().splitlines())
+        ring = [line for line in lines if line]
+        malformed = [a for a in ring if not re.fullmatch(r"\S+:\d+", a)]
+        try:
+            if malformed:
+                raise RuntimeError(f"not host:port in {self.ring}: {' '.join(malformed)}")
+            self.proxy.reload(ring)
+        except RuntimeError as err:
+            say(f"ring not reloaded, nginx routes as before: {err}")
+            return
+        self.routed = ring
+        say(
+            f"ring reloaded: {len(ring)} replicas, {' '.join(ring)} (nginx's old workers finish "
+            "their calls)"
+        )
+
+
+def _read_commands(opened: Callable[[], TextIO], commands: queue.SimpleQueue) -> None:
+    """Each line of the stream `opened()` gives onto `commands`, from a thread of its own."""
+
+    def read() -> None:
+        with contextlib.suppress(OSError, ValueError), opened() as stream:
+            for line in stream:
+                commands.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+
+
+def _stdin_is_ours() -> bool:
+    """False where reading stdin would stop this process: a terminal it runs in the
+    background of (`local.py ... &`)."""
+    try:
+        return not os.isatty(0) or os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return False
+
+
+def _control_file(folder: Path) -> Path:
+    """A named pipe in `folder` that commands can be written to (`echo reload > FILE`)."""
+    path = folder / "control"
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+def _open_control(path: Path) -> TextIO:
+    """The control pipe, for reading and writing: with this process a writer, a reader
+    never meets its end between one `echo` and the next."""
+    return open(os.open(path, os.O_RDWR))
+
+
+def serve_drills(drills: Drills, folder: Path) -> None:
+    """Runs commands from stdin, the control file and signals until `quit`. Everything
+    happens on this thread: PR_SET_PDEATHSIG ties each child to the thread that started it."""
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+    signal.signal(signal.SIGHUP, lambda *_: commands.put("reload"))
+    signal.signal(signal.SIGTERM, lambda *_: commands.put("quit"))
+    control = _control_file(folder)
+    _read_commands(lambda: _open_control(control), commands)
+    if _stdin_is_ours():
+        _read_commands(lambda: sys.stdin, commands)
+    say(f"commands ({COMMANDS}) on stdin or to {control}; SIGHUP (pid {os.getpid()}) reloads")
+    try:
+        while True:
+            drills.watch()
+            try:
+                line = commands.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if not drills.run(line):
+                return
+    except KeyboardInterrupt:
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     serve_args: list[str] = []
@@ -250,39 +498,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=3, help="replicas (default: 3)")
     parser.add_argument("--port", type=int, default=50050, help="the proxy's port (0: free)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
+    parser.add_argument(
+        "--dir", type=Path, help="the replicas' logs, nginx's files, the ring (default: a new "
+        "temporary folder); kept on exit",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     missing = missing_requirements()
     for line in missing:
         print(f"local: {line}", file=sys.stderr)
     if missing:
         return 2
+    folder = args.dir or Path(tempfile.mkdtemp(prefix="mtpdraft-local-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    say(f"folder {folder}: the replicas' logs, nginx's config and logs, the ring")
     try:
-        replicas = start_replicas(args.replicas, serve_args, args.host)
+        replicas = start_replicas(args.replicas, serve_args, args.host, folder)
     except RuntimeError as err:  # a replica that exits says why in its output
         print(f"local: {err}", file=sys.stderr)
         return 1
-    for r in replicas:
-        print(f"local: replica {r.address}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="mtpdraft-nginx-") as tmp:
-        try:
-            proxy = start_proxy([r.address for r in replicas], Path(tmp), args.port, args.host)
-        except BaseException as err:
-            stop_all(replicas)
-            if not isinstance(err, RuntimeError):
-                raise
-            print(f"local: {err}", file=sys.stderr)  # nginx's own words
-            return 1
-        print(f"local: proxy {proxy.address} (nginx, routing by x-mtpdraft-affinity)", flush=True)
-        stop = []
-        signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-        try:
-            while not stop and all(r.process.poll() is None for r in replicas):
-                time.sleep(0.2)
-        except KeyboardInterrupt:
-            pass
-        print("local: stopping", flush=True)
+    for n, r in enumerate(replicas):
+        say(f"replica {n} pid {r.pid} {r.address} log {r.log}")
+    try:
+        proxy = start_proxy([r.address for r in replicas], folder / "nginx", args.port, args.host)
+    except BaseException as err:
+        stop_all(replicas)
+        if not isinstance(err, RuntimeError):
+            raise
+        print(f"local: {err}", file=sys.stderr)  # nginx's own words
+        return 1
+    say(
+        f"proxy {proxy.address} pid {proxy.process.pid} (nginx, routing by x-mtpdraft-affinity); "
+        f"config {proxy.config}, log {proxy.log}"
+    )
+    drills = Drills(replicas, proxy, folder)
+    say(f"ring {drills.ring}: edit it, then `reload`")
+    try:
+        serve_drills(drills, folder)
+    finally:
+        say("stopping: nginx, then the replicas drain")
         proxy.stop()
         stop_all(replicas)
+        say(f"logs kept in {folder}")
     return 0
 
 

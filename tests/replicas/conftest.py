@@ -71,9 +71,9 @@ class Topology:
 
 def start_topology(checkpoint: Path, prefix: Path, *extra: str) -> Topology:
     args = ["--model", str(checkpoint), "--device", "cpu", *SERVER_ARGS, *extra]
-    replicas = local.start_replicas(REPLICAS, args)
+    replicas = local.start_replicas(REPLICAS, args, log_dir=prefix)
     try:
-        proxy = local.start_proxy([r.address for r in replicas], prefix)
+        proxy = local.start_proxy([r.address for r in replicas], prefix / "nginx")
     except BaseException:
         local.stop_all(replicas)
         raise
