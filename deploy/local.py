@@ -19,9 +19,10 @@ the folder's `control` file, act on the topology:
 
 A replica restarts on request, not by itself: a drill keeps the fault and the recovery
 apart, so that what the ring does meanwhile (its keys on the next replica) can be seen.
-nginx runs as this user, its config, pid and logs under the folder. What the topology
-needs and this host lacks (nginx, the package, torch) is named before anything starts,
-each with how to get it, in one line.
+`--nginx-config k8s` runs nginx/k8s.conf instead of the local config, only what a cluster
+has replaced by this host's (render_k8s_config). nginx runs as this user, its config, pid
+and logs under the folder. What the topology needs and this host lacks (nginx, the
+package, torch) is named before anything starts, each with how to get it, in one line.
 
 The tests and bench/bench_proxy.py start the same topology with `start_replicas` and
 `start_proxy`.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import os
 import queue
@@ -52,6 +54,7 @@ from typing import TextIO
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "nginx" / "local.conf.template"
 ROUTES = HERE / "nginx" / "routes.conf"
+K8S_CONF = HERE / "nginx" / "k8s.conf"
 START_TIMEOUT = 120.0
 # Where Debian puts nginx: /usr/sbin is not on every user's PATH.
 NGINX_ELSEWHERE = ("/usr/sbin/nginx",)
@@ -83,6 +86,14 @@ def missing_requirements() -> list[str]:
         if importlib.util.find_spec(module) is None:
             missing.append(f"{module} cannot be imported by {sys.executable}: {install}")
     return missing
+
+
+@functools.cache
+def nginx_version(nginx: str) -> tuple[int, int, int]:
+    """`nginx -v`'s version, e.g. (1, 22, 1)."""
+    done = subprocess.run([nginx, "-v"], capture_output=True, text=True, timeout=60)
+    major, minor, patch = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", done.stderr).groups()
+    return int(major), int(minor), int(patch)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -245,6 +256,44 @@ def render_config(replicas: Sequence[str], listen: str, prefix: Path) -> str:
     )
 
 
+def _once(text: str, pattern: str, replacement: str) -> str:
+    """`text` with the one match of `pattern` replaced; ValueError where there is not one."""
+    new, found = re.subn(pattern, lambda _: replacement, text, flags=re.M)
+    if found != 1:
+        raise ValueError(f"{K8S_CONF.name}: {pattern!r} found {found} times, not once")
+    return new
+
+
+def render_k8s_config(replicas: Sequence[str], listen: str, prefix: Path) -> str:
+    """nginx/k8s.conf on this host, in front of `replicas` (host:port) on `listen`: only
+    what a cluster has is replaced. Its replicas' DNS names (server lines, `resolve`) by
+    the addresses, with the same parameters; the cluster's DNS resolver by 127.0.0.1
+    (nothing is resolved); its ports by `listen` and, for the status server, a socket
+    under `prefix`; its files by ones under `prefix`, nginx run in the foreground as the
+    image runs it; and, on an nginx before 1.25.1 (Debian 12's 1.22), `http2 on` by the
+    listen parameter. ValueError where k8s.conf no longer has a part as written."""
+    text = K8S_CONF.read_text()
+    (parameters,) = set(re.findall(r"^\s*server \S+ resolve (.+);$", text, re.M))
+    servers = "".join(f"        server {address} {parameters};\n" for address in replicas)
+    text = _once(text, r"(^\s*server \S+ resolve .+;\n)+", servers)
+    text = _once(text, r"resolver kube-dns\.kube-system\S* ", "resolver 127.0.0.1 ")
+    text = _once(text, r"^error_log /dev/stderr ", f"error_log {prefix}/error.log ")
+    text = _once(text, r"^pid \S+;", f"pid {prefix}/nginx.pid;")
+    text = _once(text, r"include /etc/nginx/mtpdraft/routes\.conf;", f"include {ROUTES};")
+    proxy_port, status_port = re.findall(r"^\s*listen (\d+);$", text, re.M)
+    http2 = ""
+    nginx = find_nginx()
+    if nginx is not None and nginx_version(nginx) < (1, 25, 1):
+        text, http2 = _once(text, r"^\s*http2 on;\n", ""), " http2"
+    text = _once(text, rf"listen {proxy_port};", f"listen {listen}{http2};")
+    text = _once(text, rf"listen {status_port};", f"listen unix:{prefix}/status.sock;")
+    temp = "".join(
+        f"    {kind}_temp_path {prefix}/temp/{kind.removeprefix('client_')};\n"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    return "daemon off;\n" + _once(text, r"^http \{\n", "http {\n" + temp)
+
+
 @dataclass
 class Proxy:
     """An nginx process in front of replicas."""
@@ -253,6 +302,7 @@ class Proxy:
     address: str
     prefix: Path
     nginx: str
+    render: Callable[[Sequence[str], str, Path], str] = render_config
 
     @property
     def config(self) -> Path:
@@ -270,7 +320,7 @@ class Proxy:
         `nginx -t`, then re-read (SIGHUP; the old workers finish their calls).
         RuntimeError, the running config kept, where nginx refuses the new one."""
         candidate = self.prefix / "nginx.conf.new"
-        candidate.write_text(render_config(replicas, self.address, self.prefix))
+        candidate.write_text(self.render(replicas, self.address, self.prefix))
         done = subprocess.run(
             [self.nginx, "-t", "-q", "-p", str(self.prefix), "-c", str(candidate)],
             capture_output=True,
@@ -295,11 +345,16 @@ class Proxy:
 
 
 def start_proxy(
-    replicas: Sequence[str], prefix: Path, port: int = 0, host: str = "127.0.0.1"
+    replicas: Sequence[str],
+    prefix: Path,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    render: Callable[[Sequence[str], str, Path], str] = render_config,
 ) -> Proxy:
     """nginx in front of `replicas` (host:port each) on `host`:`port` (0: a free one),
-    with its config, pid, logs and temporary files under `prefix`; returns once it takes
-    connections. RuntimeError if nginx is not installed or does not start."""
+    with its config (`render`'s: the local one, or render_k8s_config's), pid, logs and
+    temporary files under `prefix`; returns once it takes connections. RuntimeError if
+    nginx is not installed or does not start."""
     nginx = find_nginx()
     if nginx is None:
         raise RuntimeError("nginx is not installed (apt-get install nginx)")
@@ -308,7 +363,7 @@ def start_proxy(
         listen = f"{host}:{port or free_port(host)}"
         (prefix / "temp").mkdir(exist_ok=True)
         config = prefix / "nginx.conf"
-        config.write_text(render_config(replicas, listen, prefix))
+        config.write_text(render(replicas, listen, prefix))
         (prefix / "error.log").write_text("")
         argv = [nginx, "-p", str(prefix), "-c", str(config), "-e", str(prefix / "error.log")]
         process = subprocess.Popen(
@@ -317,7 +372,7 @@ def start_proxy(
             stderr=subprocess.PIPE,
             text=True,
         )
-        proxy = Proxy(process, listen, prefix, nginx)
+        proxy = Proxy(process, listen, prefix, nginx, render)
         if _wait_listening(proxy):
             return proxy
         proxy.stop()
@@ -337,6 +392,9 @@ def _wait_listening(proxy: Proxy) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+CONFIGS = {"local": render_config, "k8s": render_k8s_config}
 
 
 def say(line: str) -> None:
@@ -499,6 +557,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=50050, help="the proxy's port (0: free)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
     parser.add_argument(
+        "--nginx-config", choices=sorted(CONFIGS), default="local",
+        help="local: nginx/local.conf.template; k8s: nginx/k8s.conf, its cluster's names "
+        "replaced by this host's (default: local)",
+    )  # fmt: skip
+    parser.add_argument(
         "--dir", type=Path, help="the replicas' logs, nginx's files, the ring (default: a new "
         "temporary folder); kept on exit",
     )  # fmt: skip
@@ -519,7 +582,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n, r in enumerate(replicas):
         say(f"replica {n} pid {r.pid} {r.address} log {r.log}")
     try:
-        proxy = start_proxy([r.address for r in replicas], folder / "nginx", args.port, args.host)
+        addresses = [r.address for r in replicas]
+        render = CONFIGS[args.nginx_config]
+        proxy = start_proxy(addresses, folder / "nginx", args.port, args.host, render)
     except BaseException as err:
         stop_all(replicas)
         if not isinstance(err, RuntimeError):

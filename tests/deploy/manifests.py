@@ -3,9 +3,11 @@ and name, a workload's container and its ports; deploy/local.py as `local`."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from mtpdraft.client.messages import AFFINITY_HEADER
@@ -13,7 +15,7 @@ from mtpdraft.client.messages import AFFINITY_HEADER
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 sys.path.insert(0, str(DEPLOY))
-import local  # noqa: E402, F401  (deploy/local.py, for the tests)
+import local  # noqa: E402  (deploy/local.py, for the tests)
 
 KUBERNETES_VERSION = "1.30.0"  # the oldest release the manifests are checked against
 HEALTH_SERVICE = "mtpdraft.v1.Drafter"
@@ -57,3 +59,15 @@ def port_named(c: dict, name_or_number) -> int:
 
 def k8s_conf() -> str:
     return (DEPLOY / "nginx" / "k8s.conf").read_text()
+
+
+def nginx() -> str:
+    """nginx's path. Without nginx the test skips, or fails where MTPDRAFT_REQUIRE_NGINX is
+    set (CI, whose .ci/run installs it)."""
+    path = local.find_nginx()
+    if path is None:
+        why = "nginx is not installed (apt-get install nginx; .ci/run installs it)"
+        if os.environ.get("MTPDRAFT_REQUIRE_NGINX"):
+            pytest.fail(why)
+        pytest.skip(why)
+    return path

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import re
+import socket
 import subprocess
 from pathlib import Path
 
@@ -22,11 +23,13 @@ from manifests import (
     k8s_conf,
     kustomization,
     local,
+    nginx,
     one,
     port_named,
     selects,
 )
 
+from mtpdraft.client import DrafterClient, InvalidArgument
 from mtpdraft.service.cli import parse_serve
 
 # What a drain takes past --grace-period: 5 s answering the queued calls, 1 s stopping
@@ -137,17 +140,65 @@ def test_a_call_without_a_key_gets_the_clients_error_details() -> None:
     assert (info.reason, info.domain) == ("AFFINITY_KEY_MISSING", "mtpdraft.v1")
 
 
-def test_nginx_accepts_the_local_config(tmp_path: Path) -> None:
-    nginx = local.find_nginx()
-    if nginx is None:
-        pytest.skip("nginx is not installed")
-    (tmp_path / "temp").mkdir()
-    conf = tmp_path / "nginx.conf"
-    conf.write_text(local.render_config(["127.0.0.1:1", "127.0.0.1:2"], "127.0.0.1:3", tmp_path))
+def nginx_test(render, prefix: Path) -> tuple[str, subprocess.CompletedProcess]:
+    """`render`'s config for two replicas, and `nginx -t` on it."""
+    (prefix / "temp").mkdir()
+    conf = prefix / "nginx.conf"
+    conf.write_text(render(["127.0.0.1:1", "127.0.0.1:2"], "127.0.0.1:3", prefix))
     done = subprocess.run(
-        [nginx, "-t", "-p", str(tmp_path), "-c", str(conf), "-e", str(tmp_path / "error.log")],
+        [nginx(), "-t", "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")],
         capture_output=True,
         text=True,
         timeout=60,
     )
+    return conf.read_text(), done
+
+
+def test_nginx_accepts_the_local_config(tmp_path: Path) -> None:
+    _, done = nginx_test(local.render_config, tmp_path)
     assert done.returncode == 0, done.stderr
+
+
+# What render_k8s_config replaces in k8s.conf: what only a cluster has (DNS names and its
+# resolver, the image's paths and ports), and `http2 on` where nginx predates it.
+CLUSTER_ONLY = re.compile(
+    r"server \S+ resolve |resolver |error_log |pid |include |listen \d+;|http2 on;"
+)
+
+
+def test_nginx_runs_the_kubernetes_config_with_only_the_clusters_parts_replaced(
+    tmp_path: Path,
+) -> None:
+    """Debian 12's nginx (1.22, what CI installs) lacks `resolve` (1.27.3) and `http2 on`
+    (1.25.1) and cannot reach kube-dns: every other line is checked as written."""
+    rendered, done = nginx_test(local.render_k8s_config, tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = set(rendered.splitlines())
+    kept = [line for line in k8s_conf().splitlines() if not CLUSTER_ONLY.search(line)]
+    assert [line for line in kept if line not in lines] == []
+    assert "server 127.0.0.1:1 " in rendered and "server 127.0.0.1:2 " in rendered
+    raw = tmp_path / "raw.conf"
+    raw.write_text(k8s_conf())
+    unrendered = subprocess.run(
+        [nginx(), "-t", "-p", str(tmp_path), "-c", str(raw), "-e", str(tmp_path / "error.log")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert unrendered.returncode != 0  # as written, it needs the cluster (and 1.27.3)
+
+
+def test_the_kubernetes_proxy_serves_its_status_and_its_routes(tmp_path: Path) -> None:
+    nginx()
+    proxy = local.start_proxy(["127.0.0.1:1"], tmp_path, render=local.render_k8s_config)
+    try:
+        with socket.socket(socket.AF_UNIX) as status:
+            status.connect(str(tmp_path / "status.sock"))
+            status.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            answer = b"".join(iter(lambda: status.recv(4096), b""))
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\nok\n")
+        with DrafterClient(proxy.address, timeout=30) as c, pytest.raises(InvalidArgument) as err:
+            c.alloc_state()
+        assert err.value.reason == "AFFINITY_KEY_MISSING"
+    finally:
+        proxy.stop()

@@ -69,22 +69,26 @@ class Topology:
         local.stop_all(self.replicas)
 
 
-def start_topology(checkpoint: Path, prefix: Path, *extra: str) -> Topology:
+def start_topology(checkpoint: Path, prefix: Path, *extra: str, config: str = "local") -> Topology:
+    """Replicas of `checkpoint` (`extra`: more serve flags) behind nginx with `config`:
+    "local" (nginx/local.conf.template) or "k8s" (nginx/k8s.conf on loopback)."""
     args = ["--model", str(checkpoint), "--device", "cpu", *SERVER_ARGS, *extra]
     replicas = local.start_replicas(REPLICAS, args, log_dir=prefix)
     try:
-        proxy = local.start_proxy([r.address for r in replicas], prefix / "nginx")
+        addresses = [r.address for r in replicas]
+        proxy = local.start_proxy(addresses, prefix / "nginx", render=local.CONFIGS[config])
     except BaseException:
         local.stop_all(replicas)
         raise
     return Topology(replicas, proxy)
 
 
-@pytest.fixture(scope="module")
-def topology(nginx, mimo_checkpoint, tmp_path_factory) -> Iterator[Topology]:
-    """Three replicas behind nginx, shared by a module's tests, each of which must leave
-    them holding nothing."""
-    topo = start_topology(mimo_checkpoint, tmp_path_factory.mktemp("nginx"))
+@pytest.fixture(scope="module", params=sorted(local.CONFIGS))
+def topology(request, nginx, mimo_checkpoint, tmp_path_factory) -> Iterator[Topology]:
+    """Three replicas behind nginx, with each of its configs, shared by a module's tests,
+    each of which must leave them holding nothing."""
+    prefix = tmp_path_factory.mktemp("nginx")
+    topo = start_topology(mimo_checkpoint, prefix, config=request.param)
     yield topo
     topo.stop()
 

@@ -132,13 +132,14 @@ def test_a_draining_replicas_states_move_to_the_ring_without_it(
         topology.stop()
 
 
+@pytest.mark.parametrize("config", ["local", "k8s"])
 def test_killing_a_replica_mid_load_loses_no_other_state(
-    nginx, mimo_checkpoint, tmp_path, reference
+    nginx, mimo_checkpoint, tmp_path, reference, config
 ) -> None:
     """SIGKILL one replica while every verifier is mid-run: the others' verifiers never
     notice; the victim's see STATE_LOST (or their call cut off), re-prefill from their own
-    rows where the key now goes, and draft what one server drafts."""
-    topology = start_topology(mimo_checkpoint, tmp_path)
+    rows where the key now goes, and draft what one server drafts. Through each config."""
+    topology = start_topology(mimo_checkpoint, tmp_path, config=config)
     try:
         with DrafterClient(topology.proxy.address, timeout=PATIENCE) as proxy:
             keys = keys_by_replica(proxy, per_replica=2)
