@@ -64,8 +64,10 @@ REPLICA_MODULES = {
     "mtpdraft": "pip install -e . (from the repository's root)",
     "torch": "pip install torch (README.md, Set up)",
 }
-# When nginx stops sending a replica calls (its keys going to the next replica on the ring).
-SERVER_FAILURES = "max_fails=1 fail_timeout=5s"
+# When nginx stops sending a replica calls, its keys going to the next replica on the ring,
+# in both configs (tests/deploy checks k8s.conf's): after 3 failed connections within 10 s,
+# for 10 s. A refused connection moves only its own call, not the replica's keys.
+SERVER_FAILURES = "max_fails=3 fail_timeout=10s"
 COMMANDS = "status | restart N | reload | quit"
 
 

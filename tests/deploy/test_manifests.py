@@ -78,16 +78,94 @@ def test_the_replicas_selectors_ports_probes_gpus_and_drain() -> None:
     assert config.port == grpc_port and config.host == "0.0.0.0"
     (service_port,) = svc["spec"]["ports"]
     assert port_named(c, service_port["targetPort"]) == grpc_port
-    for probe in ("startupProbe", "readinessProbe"):
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         grpc = c[probe]["grpc"]
         assert (grpc["port"], grpc["service"]) == (grpc_port, HEALTH_SERVICE), probe
-    assert "grpc" not in c["livenessProbe"]  # a draining replica is NOT_SERVING, not dead
     for kind in ("requests", "limits"):
         assert int(c["resources"][kind]["nvidia.com/gpu"]) == 1
     grace = sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace >= config.grace_period + DRAIN_AFTER_GRACE_S
     pre_stop = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
     assert "kill -TERM 1" in pre_stop
+
+
+def test_each_replica_keeps_an_address_while_it_drains() -> None:
+    """The ring's names follow readiness, so a draining replica's goes; move_state and
+    GetInfo reach it by its own Service, which publishes its pod ready or not."""
+    sts = one("StatefulSet")
+    ring = one("Service", sts["spec"]["serviceName"])
+    assert not ring["spec"].get("publishNotReadyAddresses")  # the ring drops a draining one
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    name, c = sts["metadata"]["name"], container(sts)
+    for i in range(sts["spec"]["replicas"]):
+        direct = one("Service", f"{name}-{i}")["spec"]
+        assert direct["publishNotReadyAddresses"] is True and direct["clusterIP"] == "None"
+        # The StatefulSet names each pod's label so: the selector picks that pod alone.
+        pod_labels = {**labels, "statefulset.kubernetes.io/pod-name": f"{name}-{i}"}
+        assert direct["selector"] == {"statefulset.kubernetes.io/pod-name": f"{name}-{i}"}
+        assert selects(direct["selector"], pod_labels)
+        (port,) = direct["ports"]
+        assert port_named(c, port["targetPort"]) == port["port"] == port_named(c, "grpc")
+    names = {d["metadata"]["name"] for d in documents() if d["kind"] == "Service"}
+    directs = {n for n in names if re.fullmatch(rf"{name}-\d+", n)}
+    assert len(directs) == sts["spec"]["replicas"]  # scaled with the StatefulSet
+
+
+def test_probes_tolerate_a_slow_answer_and_liveness_outlasts_a_drain() -> None:
+    sts = one("StatefulSet")
+    c = container(sts)
+    config = parse_serve(c["args"])
+    ready = c["readinessProbe"]
+    # A health answer slower than 1 s, or one missed probe, keeps the replica on the ring.
+    assert ready.get("timeoutSeconds", 1) >= 2 and ready["failureThreshold"] >= 2
+    live = c["livenessProbe"]
+    # Liveness asks health, which the engine watchdog backs (on: a stall timeout > 0) ...
+    assert config.engine_stall_timeout > 0
+    # ... and a drain, NOT_SERVING from its start, ends before the failures needed to
+    # restart it can add up (the first may come at once).
+    failing_s = (live["failureThreshold"] - 1) * live["periodSeconds"]
+    assert failing_s > config.grace_period + DRAIN_AFTER_GRACE_S
+    assert live.get("timeoutSeconds", 1) >= 2
+
+
+def test_the_pods_go_to_gpu_nodes_and_spread_over_nodes() -> None:
+    spec = one("StatefulSet")["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[
+        "tolerations"
+    ]
+    for workload in (one("StatefulSet"), one("Deployment")):
+        template = workload["spec"]["template"]
+        (spread,) = template["spec"]["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
+        assert selects(spread["labelSelector"]["matchLabels"], template["metadata"]["labels"])
+
+
+def test_the_metrics_port_is_served_and_annotated_for_scraping() -> None:
+    sts = one("StatefulSet")
+    c = container(sts)
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    port = parse_serve(c["args"]).metrics_port  # --metrics-port, as the server reads it
+    assert port == port_named(c, "metrics") == int(annotations["prometheus.io/port"])
+    # The path `mtpdraft serve` prints for its metrics (service/cli.py).
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_nginx_moves_a_replicas_keys_only_after_several_failures() -> None:
+    parameters = re.findall(r"^\s*server \S+ resolve (.+);$", k8s_conf(), re.M)
+    assert set(parameters) == {local.SERVER_FAILURES}  # as the local config's
+    assert "server 127.0.0.1:1 " + local.SERVER_FAILURES in local.render_config(
+        ["127.0.0.1:1"], "127.0.0.1:2", Path("/tmp")
+    )
+    max_fails = int(re.search(r"max_fails=(\d+)", local.SERVER_FAILURES).group(1))
+    assert max_fails >= 2  # tests/replicas: one refused connection moves no key
+
+
+def test_the_proxys_workers_are_bounded_by_its_cpu_request() -> None:
+    (workers,) = re.findall(r"^worker_processes (\S+);$", k8s_conf(), re.M)
+    cpu = container(one("Deployment"))["resources"]["requests"]["cpu"]
+    assert workers.isdigit() and 1 <= int(workers) <= int(cpu)  # not `auto`: a node's cores
 
 
 def test_the_proxy_routes_to_every_replica_by_its_dns_name() -> None:

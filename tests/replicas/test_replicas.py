@@ -183,6 +183,22 @@ def test_killing_a_replica_mid_load_loses_no_other_state(
         topology.stop()
 
 
+def test_one_refused_connection_moves_one_call_not_the_replicas_keys(
+    topology: Topology, proxy_client: DrafterClient
+) -> None:
+    """A replica killed and back on its address: the one call nginx could not connect
+    for went to the next replica on the ring, and the very next call of the key reaches
+    the replica again; its keys did not move for fail_timeout after one error."""
+    keys = keys_by_replica(proxy_client, per_replica=1)
+    victim_epoch, (key,) = next(iter(keys.items()))
+    victim = topology.epochs()[victim_epoch]
+    keyed = proxy_client.keyed(key)
+    victim.kill()
+    assert keyed.info().instance_epoch != victim_epoch  # refused: answered by the next one
+    victim.restart()
+    assert keyed.info().instance_epoch in set(topology.epochs()) - set(keys)
+
+
 def test_ring_hash_without_a_proxy(topology: Topology, proxy_client, reference) -> None:
     """gRPC's ring_hash policy over the replicas' addresses, hashing the same key header:
     one replica per key, one server's drafts."""
