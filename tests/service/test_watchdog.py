@@ -26,8 +26,13 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 STALL_S = 0.4
 
 
-def status(servicer: health.aio.HealthServicer) -> set[int]:
-    return {servicer._server_status[s] for s in ("", SERVICE_NAME)}
+async def status(servicer: health.aio.HealthServicer) -> set[int]:
+    """What Check answers for the server and for the Drafter service, as a probe asks."""
+    statuses = set()
+    for service in ("", SERVICE_NAME):
+        request = health_pb2.HealthCheckRequest(service=service)
+        statuses.add((await servicer.Check(request, context=None)).status)
+    return statuses
 
 
 async def watched(stall_timeout: float = STALL_S):
@@ -39,10 +44,10 @@ async def watched(stall_timeout: float = STALL_S):
     return runner, servicer, watchdog
 
 
-async def until(predicate, timeout: float = 30.0) -> float:
-    """Seconds until `predicate()` holds."""
+async def until(servicer: health.aio.HealthServicer, want: int, timeout: float = 30.0) -> float:
+    """Seconds until health answers `want` for both services."""
     start = time.monotonic()
-    while not predicate():
+    while await status(servicer) != {want}:
         assert time.monotonic() - start < timeout, "timed out"
         await asyncio.sleep(0.01)
     return time.monotonic() - start
@@ -54,14 +59,14 @@ def test_a_stuck_engine_thread_turns_health_not_serving_until_it_moves() -> None
         release = threading.Event()
         try:
             await asyncio.sleep(3 * STALL_S)
-            assert status(servicer) == {SERVING}  # idle: the probe runs at once
+            assert await status(servicer) == {SERVING}  # idle: the probe runs at once
             runner.submit(release.wait, 60)  # the engine thread is stuck in a call
-            waited = await until(lambda: status(servicer) == {NOT_SERVING})
+            waited = await until(servicer, NOT_SERVING)
             assert waited >= STALL_S * 0.9  # not before the stall timeout
             await asyncio.sleep(2 * STALL_S)
-            assert status(servicer) == {NOT_SERVING}
+            assert await status(servicer) == {NOT_SERVING}
             release.set()
-            await until(lambda: status(servicer) == {SERVING})
+            await until(servicer, SERVING)
         finally:
             release.set()
             await watchdog.stop()
@@ -78,7 +83,7 @@ def test_a_busy_engine_thread_that_finishes_its_calls_stays_serving() -> None:
             deadline = time.monotonic() + 6 * STALL_S
             while time.monotonic() < deadline:  # back to back, each a third of the timeout
                 await runner.call(time.sleep, STALL_S / 3)
-                seen |= status(servicer)
+                seen |= await status(servicer)
             assert seen == {SERVING}
         finally:
             await watchdog.stop()
@@ -93,12 +98,12 @@ def test_a_drains_not_serving_outlasts_the_stall() -> None:
         release = threading.Event()
         try:
             runner.submit(release.wait, 60)
-            await until(lambda: status(servicer) == {NOT_SERVING})
+            await until(servicer, NOT_SERVING)
             await servicer.enter_graceful_shutdown()
             release.set()
             await runner.call(lambda: None)  # the thread has moved on
             await asyncio.sleep(3 * STALL_S)
-            assert status(servicer) == {NOT_SERVING}
+            assert await status(servicer) == {NOT_SERVING}
         finally:
             release.set()
             await watchdog.stop()
