@@ -41,9 +41,6 @@ class DeepseekV3(Family):
     def marker(self, config: ConfigReader) -> str:
         return f"model.layers.{config.get('num_hidden_layers')}.eh_proj.weight"
 
-    def recognises(self, config, names) -> bool:
-        return self.marker(config) in names
-
     def layout(self, config: ConfigReader) -> Layout:
         p = f"model.layers.{config.get('num_hidden_layers')}."
         return Layout(

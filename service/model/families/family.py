@@ -64,12 +64,13 @@ class Family:
     synthetic_config: ClassVar[dict] = {}
 
     def marker(self, config: ConfigReader) -> str:
-        """What tells a checkpoint of this family: the tensors `recognises` looks for."""
+        """What tells a checkpoint of this family: the tensor `recognises` looks for."""
         raise NotImplementedError
 
     def recognises(self, config: ConfigReader, names: Collection[str]) -> bool:
-        """Whether the checkpoint (its config and tensor names) is one of this family's."""
-        raise NotImplementedError
+        """Whether the checkpoint (its config and tensor names) is one of this family's: by
+        default, whether it holds the marker."""
+        return self.marker(config) in names
 
     def layout(self, config: ConfigReader) -> Layout:
         raise NotImplementedError

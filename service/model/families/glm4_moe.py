@@ -14,6 +14,7 @@ in FAMILIES.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import ClassVar
 
 from ..config import ConfigReader, MTPConfig
@@ -32,7 +33,7 @@ class Glm4Moe(DeepseekV3):
         head_dim=32,
     )  # fmt: skip
 
-    def recognises(self, config, names) -> bool:
+    def recognises(self, config: ConfigReader, names: Collection[str]) -> bool:
         glm = str(config.get("model_type", "")).startswith("glm")
         return glm and super().recognises(config, names)
 

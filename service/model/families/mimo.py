@@ -10,6 +10,8 @@ embedding and head are the target's (``model.embed_tokens``, ``lm_head``).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from ..config import ConfigReader, MTPConfig
 from .family import Family, Layout, inputs, shared_config
 
@@ -27,7 +29,7 @@ class Mimo(Family):
     def marker(self, config: ConfigReader) -> str:
         return f"{_PREFIX}*"
 
-    def recognises(self, config, names) -> bool:
+    def recognises(self, config: ConfigReader, names: Collection[str]) -> bool:
         return any(n.startswith("model.mtp_layers.") for n in names)
 
     def layout(self, config: ConfigReader) -> Layout:

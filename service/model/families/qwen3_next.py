@@ -53,9 +53,6 @@ class Qwen3Next(Family):
     def marker(self, config: ConfigReader) -> str:
         return "mtp.fc.weight"
 
-    def recognises(self, config, names) -> bool:
-        return "mtp.fc.weight" in names
-
     def layout(self, config: ConfigReader) -> Layout:
         return Layout(
             prefix="mtp.",
