@@ -23,7 +23,8 @@ import triton
 from bench_moe_kernel import copy_bandwidth, time_us
 from results_file import write_results
 
-from mtpdraft.kernels.gemv import SHARED_BYTES, _gemv_kernel, gemv_config
+from mtpdraft.kernels._shared import SHARED_BYTES, gemv_config
+from mtpdraft.kernels.gemv import _gemv_kernel
 
 # (name, N, K): the MTP layers' projections (fused q/k/v and gate/up as the service holds them).
 SHAPES = [

@@ -1,13 +1,15 @@
 """Triton kernels for the MTP head's forward pass.
 
 One op per module; each public launcher checks its arguments, allocates the output and
-launches. The kernels know nothing of models or states. On a machine without a GPU they run
+launches. The pieces several kernels are built from are in ``_shared``, the launchers'
+argument checks in ``_checks``: no kernel imports another. The kernels know nothing of
+models or states. On a machine without a GPU they run
 under ``TRITON_INTERPRET=1`` (set it before ``triton`` is imported).
 """
 
+from ._shared import GEMV_MAX_ROWS as gemv_max_rows
 from .chain_step import record_step, select_step
 from .fused_moe import fused_moe
-from .gemv import MAX_ROWS as gemv_max_rows
 from .gemv import gemv
 from .lm_head_drafts import lm_head_drafts
 from .mla_decode import mla_decode

@@ -7,7 +7,7 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_kind(
+def check_kind(
     name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] | None
 ) -> torch.Tensor:
     """Require ``t`` to be an ``ndim``-D tensor with one of ``dtypes``; returns it."""
@@ -25,7 +25,7 @@ def check_tensor(
     name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] | None = None
 ) -> None:
     """Require ``t`` to be a contiguous ``ndim``-D tensor with one of ``dtypes``."""
-    t = _check_kind(name, t, ndim, dtypes)
+    t = check_kind(name, t, ndim, dtypes)
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 
@@ -38,7 +38,7 @@ def check_rows(
     For views such as q, k and v split out of one fused projection, whose rows sit
     ``stride(0)`` elements apart.
     """
-    t = _check_kind(name, t, ndim, dtypes)
+    t = check_kind(name, t, ndim, dtypes)
     if t.shape[0] and not t[0].is_contiguous():
         raise ValueError(f"{name} must have contiguous rows, got strides {t.stride()}")
     if t.shape[0] > 1 and t.stride(0) < t[0].numel():

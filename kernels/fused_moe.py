@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
-from ._fp8 import dequantize_tile, scale_tiles
+from ._shared import dequantize_tile, scale_tiles
 
 __all__ = ["fused_moe", "fused_moe_config"]
 

@@ -16,8 +16,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_same_device, check_tensor
-from .gemv import _gemv_tile, check_gemv_args, gemv_config
-from .select_drafts import _INT32_MAX, _merge_splits_kernel
+from ._shared import INT32_MAX, check_gemv_args, gemv_config, gemv_tile, merge_draft_splits
 
 __all__ = ["lm_head_drafts"]
 
@@ -41,7 +40,7 @@ def _lm_head_tiles_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    acc = _gemv_tile(
+    acc = gemv_tile(
         x_ptr, w_ptr, M, N, K, pid, x_ptr, False, 1, 1, False, BLOCK_M, BLOCK_N, BLOCK_K,
         DOT_PRECISION,
     )  # fmt: skip
@@ -57,8 +56,8 @@ def _lm_head_tiles_kernel(
         allowed = allowed & (((words >> (rn & 31)[None, :]) & 1) != 0)
     x = tl.where(allowed, logits, float("-inf"))
     tile_max = tl.max(x, axis=1)
-    tile_idx = tl.min(tl.where(allowed & (x == tile_max[:, None]), rn[None, :], _INT32_MAX), axis=1)
-    tile_idx = tl.where(tile_idx == _INT32_MAX, -1, tile_idx)
+    tile_idx = tl.min(tl.where(allowed & (x == tile_max[:, None]), rn[None, :], INT32_MAX), axis=1)
+    tile_idx = tl.where(tile_idx == INT32_MAX, -1, tile_idx)
     ref = tl.where(tile_max == float("-inf"), 0.0, tile_max)
     tile_sum = tl.sum(tl.exp(x - ref[:, None]), axis=1)
     part = rm * P + pid
@@ -99,7 +98,7 @@ def lm_head_drafts(
         m, vocab, k, 0 if bitmask is None else bitmask.shape[1], tiles,
         HAS_MASK=bitmask is not None, **cfg,
     )  # fmt: skip
-    _merge_splits_kernel[(m,)](
+    merge_draft_splits[(m,)](
         part_idx, part_ms, tokens, probs, SPLITS=tiles,
         BLOCK_S=triton.next_power_of_2(tiles), num_warps=8,
     )  # fmt: skip

@@ -35,13 +35,13 @@ import triton.language as tl
 
 from ._checks import (
     FLOAT_DTYPES,
-    _check_kind,
+    check_kind,
     check_same_device,
     check_same_dtype,
     check_shape,
     check_tensor,
 )
-from .paged_attention import _merge_splits_kernel, _num_sms
+from ._shared import merge_attention_splits, num_sms
 
 __all__ = ["mla_decode"]
 
@@ -152,7 +152,7 @@ def _default_splits(device: torch.device, programs: int) -> int:
     """
     if device.type != "cuda":
         return 1
-    sms = _num_sms(device)
+    sms = num_sms(device)
     if programs >= sms:
         return 1
     return min(_MAX_SPLITS, triton.cdiv(2 * sms, programs))
@@ -164,7 +164,7 @@ def _check_heads(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> None:
     Rows and heads may sit at any stride: q_latent is often a transposed [H, N, R] batched
     matmul output, q_pe a column slice of the query projection.
     """
-    t = _check_kind(name, t, 3, dtypes)
+    t = check_kind(name, t, 3, dtypes)
     if t.shape[2] > 1 and t.stride(2) != 1:
         raise ValueError(f"{name}'s last dim must be contiguous, got strides {t.stride()}")
 
@@ -307,7 +307,7 @@ def _mla_decode(
         num_stages=num_stages,
     )
     if splits > 1:
-        _merge_splits_kernel[(n * h,)](  # paged attention's merge, over the latent width
+        merge_attention_splits[(n * h,)](  # the attention merge, over the latent width
             part,
             ml,
             out,

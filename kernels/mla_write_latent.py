@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ._checks import (
     FLOAT_DTYPES,
-    _check_kind,
+    check_kind,
     check_rows,
     check_same_device,
     check_same_dtype,
@@ -172,7 +172,7 @@ def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     Row i uses row ``positions[i]`` (int64) of ``cos_sin`` ([max_pos, P] fp32). Rows and
     heads may be strided; the last dim must be contiguous.
     """
-    x = _check_kind("x", x, 3, FLOAT_DTYPES)
+    x = check_kind("x", x, 3, FLOAT_DTYPES)
     if x.shape[2] > 1 and x.stride(2) != 1:
         raise ValueError(f"x's last dim must be contiguous, got strides {x.stride()}")
     check_tensor("positions", positions, 1, (torch.int64,))

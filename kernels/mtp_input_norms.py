@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
-from .rms_norm import _rms_norm_row, row_warps
+from ._shared import rms_norm_row, row_warps
 
 __all__ = ["mtp_input_norms"]
 
@@ -45,9 +45,9 @@ def _mtp_input_norms_kernel(
     e = tl.load(e_ptr + e_row * H + cols, mask=mask, other=0.0).to(tl.float32)
     if MASK_FIRST:
         e = tl.where(tl.load(pos_ptr + row) != 0, e, 0.0)
-    e = _rms_norm_row(e, ew_ptr, cols, mask, H, eps, UNIT_OFFSET)
+    e = rms_norm_row(e, ew_ptr, cols, mask, H, eps, UNIT_OFFSET)
     h = tl.load(h_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-    h = _rms_norm_row(h, hw_ptr, cols, mask, H, eps, UNIT_OFFSET)
+    h = rms_norm_row(h, hw_ptr, cols, mask, H, eps, UNIT_OFFSET)
 
     out_row = out_ptr + row * 2 * H
     if EMBED_FIRST:

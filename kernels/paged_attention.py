@@ -18,8 +18,6 @@ where it is written, rounded as the unfused ``attention * sigmoid(gate)`` would 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -32,19 +30,12 @@ from ._checks import (
     check_shape,
     check_tensor,
 )
+from ._shared import gated, merge_attention_splits, num_sms
 
 __all__ = ["paged_attention"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
-
-
-@triton.jit
-def _gated(out, g_ptrs, mask):
-    """out * sigmoid(gate) in out's dtype, each factor rounded to it first (as torch does)."""
-    gate = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
-    factor = tl.sigmoid(gate).to(out.dtype).to(tl.float32)
-    return (out.to(tl.float32) * factor).to(out.dtype)
 
 
 @triton.jit
@@ -129,7 +120,7 @@ def _attend(
         out = (acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
         if GATED:
             g_ptrs = g_ptr + (q_row * g_stride + head * D)[:, None] + dims[None, :]
-            out = _gated(out, g_ptrs, out_mask)
+            out = gated(out, g_ptrs, out_mask)
         tl.store(out_ptr + qo_off[:, None] + dims[None, :], out, mask=out_mask)
     else:
         part = (q_row * HQ + head) * SPLITS + split  # [BLOCK_M]
@@ -204,51 +195,11 @@ def _paged_attention_kernel(
                 )  # fmt: skip
 
 
-@triton.jit
-def _merge_splits_kernel(
-    part_ptr,  # [N, HQ, SPLITS, D] fp32 partial sums of p * v
-    ml_ptr,  # [N, HQ, SPLITS, 2] fp32 partial (max, sum of p), log2 units
-    out_ptr,  # [N, HQ, D] output
-    g_ptr,  # [N, HQ * D] output gate, rows g_stride apart (GATED only)
-    g_stride,
-    HQ,  # heads
-    D: tl.constexpr,  # head dim
-    SPLITS: tl.constexpr,  # number of partials per (row, head)
-    BLOCK_S: tl.constexpr,  # next power of two >= SPLITS
-    BLOCK_D: tl.constexpr,  # next power of two >= D
-    GATED: tl.constexpr,  # the output scaled by sigmoid(gate)
-):
-    rh = tl.program_id(0).to(tl.int64)  # row * HQ + head
-    sp = tl.arange(0, BLOCK_S)
-    s_ok = sp < SPLITS
-    dims = tl.arange(0, BLOCK_D)
-    d_ok = dims < D
-    m = tl.load(ml_ptr + (rh * SPLITS + sp) * 2, mask=s_ok, other=-1.0e30)
-    l_s = tl.load(ml_ptr + (rh * SPLITS + sp) * 2 + 1, mask=s_ok, other=0.0)
-    w = tl.exp2(m - tl.max(m, axis=0))
-    den = tl.sum(w * l_s, axis=0)
-    part = tl.load(
-        part_ptr + (rh * SPLITS + sp)[:, None] * D + dims[None, :],
-        mask=s_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    out = tl.sum(part * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
-    out = out.to(out_ptr.dtype.element_ty)
-    if GATED:
-        out = _gated(out, g_ptr + (rh // HQ) * g_stride + (rh % HQ) * D + dims, d_ok)
-    tl.store(out_ptr + rh * D + dims, out, mask=d_ok)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _default_splits(device: torch.device, programs: int) -> int:
     """Split the key range only when the (rows x kv heads) programs leave SMs idle."""
     if device.type != "cuda":
         return 1
-    sms = _num_sms(device)
+    sms = num_sms(device)
     if 2 * sms < programs <= 4 * sms:
         # Measured on an H200 (MiMo shape, bf16, CUDA graphs): batch 64 (512 programs)
         # takes 494 us at ctx 8192 and 134 us at ctx 2048 in 3 splits, against 567
@@ -409,7 +360,7 @@ def _paged_attention(
         num_stages=num_stages,
     )
     if splits > 1:
-        _merge_splits_kernel[(n * hq,)](
+        merge_attention_splits[(n * hq,)](
             part,
             ml,
             out,

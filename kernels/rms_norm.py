@@ -12,8 +12,8 @@ projection's output (strided views): one kernel for what would be two copies and
 norms.
 
 One program normalizes one row; the whole row is held in registers, which suits hidden
-sizes up to a few tens of thousands. ``_rms_norm_row`` is the per-row body, shared with
-the fused MTP input norms.
+sizes up to a few tens of thousands. The per-row body, ``rms_norm_row``, is in ``_shared``:
+the fused MTP input norms use it too.
 """
 
 from __future__ import annotations
@@ -23,32 +23,9 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_rows, check_same_device, check_shape, check_tensor
+from ._shared import rms_norm_row, row_warps
 
 __all__ = ["add_rms_norm", "qk_norm", "rms_norm"]
-
-
-def row_warps(block_h: int) -> int:
-    """Warps for one program holding a whole row of ``block_h`` columns: one per 512
-    columns (16 values a lane), from 1 to 16."""
-    return min(max(block_h // 512, 1), 16)
-
-
-@triton.jit
-def _rms_norm_row(
-    x,  # [BLOCK_H] fp32 row, zero beyond H
-    w_ptr,  # [H] scale
-    cols,  # [BLOCK_H] column indices
-    mask,  # [BLOCK_H] cols < H
-    H,  # hidden size
-    eps,  # variance epsilon
-    UNIT_OFFSET: tl.constexpr,  # scale by (1 + w) instead of w
-):
-    """Return the normalized, scaled fp32 row."""
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:
-        w = w + 1.0
-    return x * rstd * w
 
 
 @triton.jit
@@ -65,7 +42,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
     x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _rms_norm_row(x, w_ptr, cols, mask, H, eps, UNIT_OFFSET)
+    y = rms_norm_row(x, w_ptr, cols, mask, H, eps, UNIT_OFFSET)
     tl.store(y_ptr + row * H + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -113,7 +90,7 @@ def _add_rms_norm_kernel(
     d = tl.load(d_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
     total = (x + d).to(x_ptr.dtype.element_ty)
     tl.store(x_ptr + row * H + cols, total, mask=mask)
-    y = _rms_norm_row(total.to(tl.float32), w_ptr, cols, mask, H, eps, UNIT_OFFSET)
+    y = rms_norm_row(total.to(tl.float32), w_ptr, cols, mask, H, eps, UNIT_OFFSET)
     tl.store(y_ptr + row * H + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -176,7 +153,7 @@ def _qk_norm_kernel(
         ptrs = k_ptr + row * k_row + (head - HQ) * D + cols
         w_ptr = wk_ptr
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    y = _rms_norm_row(x, w_ptr, cols, mask, D, eps, UNIT_OFFSET)
+    y = rms_norm_row(x, w_ptr, cols, mask, D, eps, UNIT_OFFSET)
     tl.store(ptrs, y.to(q_ptr.dtype.element_ty), mask=mask)
 
 

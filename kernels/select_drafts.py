@@ -14,17 +14,14 @@ over ``SPLITS`` programs (each a contiguous token range) and a second kernel mer
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_same_device, check_tensor
+from ._shared import INT32_MAX, merge_draft_splits, num_sms
 
 __all__ = ["select_drafts"]
-
-_INT32_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit
@@ -60,9 +57,9 @@ def _select_drafts_kernel(
         x = tl.where(allowed, x, float("-inf"))
 
         tile_max = tl.max(x, axis=0)
-        tile_idx = tl.min(tl.where(allowed & (x == tile_max), offs, _INT32_MAX), axis=0)
+        tile_idx = tl.min(tl.where(allowed & (x == tile_max), offs, INT32_MAX), axis=0)
         # Strictly greater: an earlier tile keeps ties.
-        better = (tile_idx != _INT32_MAX) & ((best_idx < 0) | (tile_max > run_max))
+        better = (tile_idx != INT32_MAX) & ((best_idx < 0) | (tile_max > run_max))
         best_idx = tl.where(better, tile_idx, best_idx)
 
         new_max = tl.maximum(run_max, tile_max)
@@ -78,37 +75,6 @@ def _select_drafts_kernel(
         tl.store(tok_ptr + part, best_idx)
         tl.store(prob_ptr + part * 2, run_max)
         tl.store(prob_ptr + part * 2 + 1, run_sum)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    part_idx_ptr,  # [N, SPLITS] int32 partial argmax, -1 if the part allows nothing
-    part_ms_ptr,  # [N, SPLITS, 2] fp32 partial (max, sum of exp(l - max))
-    tok_ptr,  # [N] int64 output token, -1 if none allowed
-    prob_ptr,  # [N] fp32 output probability
-    SPLITS: tl.constexpr,  # parts per row, in increasing token order
-    BLOCK_S: tl.constexpr,  # next power of two >= SPLITS
-):
-    row = tl.program_id(0).to(tl.int64)
-    sp = tl.arange(0, BLOCK_S)
-    s_ok = sp < SPLITS
-    idx = tl.load(part_idx_ptr + row * SPLITS + sp, mask=s_ok, other=-1)
-    m = tl.load(part_ms_ptr + (row * SPLITS + sp) * 2, mask=s_ok, other=float("-inf"))
-    s = tl.load(part_ms_ptr + (row * SPLITS + sp) * 2 + 1, mask=s_ok, other=0.0)
-    valid = idx >= 0
-    m_all = tl.max(tl.where(valid, m, float("-inf")), axis=0)
-    # Parts cover increasing token ranges: the lowest index among the maxima wins ties.
-    winner = tl.min(tl.where(valid & (m == m_all), idx, _INT32_MAX), axis=0)
-    token = tl.where(winner == _INT32_MAX, -1, winner)
-    ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-    total = tl.sum(tl.where(s > 0.0, s * tl.exp(m - ref), 0.0), axis=0)
-    tl.store(tok_ptr + row, token.to(tl.int64))
-    tl.store(prob_ptr + row, 1.0 / tl.where(total > 0.0, total, float("inf")))
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def select_drafts(
@@ -141,7 +107,7 @@ def select_drafts(
     if num_splits is None:
         # One program per row walks ~38 tiles one dependent load after another, which
         # leaves a small batch latency-bound: spread the rows over about 2 waves of SMs.
-        sms = _num_sms(logits.device) if logits.is_cuda else 1
+        sms = num_sms(logits.device) if logits.is_cuda else 1
         num_splits = triton.cdiv(2 * sms, n)
     tiles_per_split = triton.cdiv(n_tiles, min(num_splits, n_tiles))
     splits = triton.cdiv(n_tiles, tiles_per_split)
@@ -164,7 +130,7 @@ def select_drafts(
         num_warps=8 if block_v >= 2048 else 4,
     )
     if splits > 1:
-        _merge_splits_kernel[(n,)](
+        merge_draft_splits[(n,)](
             part_idx,
             part_ms,
             tokens,

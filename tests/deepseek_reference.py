@@ -5,7 +5,9 @@ reads the safetensors itself (one file or a sharded set with model.safetensors.i
 dequantizes FP8 weights with their block scales, keeps no KV cache (every call recomputes
 the whole sequence with full causal attention, in the plain, non-absorbed MLA form) and
 has the interface of tests/family_reference.FamilyReference (`rows`, `logits`,
-`propose`, the `store` and `route` hooks).
+`propose`, the `store` and `route` hooks). What the oracles share (norms, RoPE, reading
+the checkpoint with its FP8 weights, routing, the chain of drafts) is
+tests/reference_common.py.
 
 Sources (as published):
 - vLLM vllm/model_executor/models/deepseek_mtp.py: DeepSeekMultiTokenPredictorLayer.forward
@@ -50,118 +52,33 @@ published and the tiny configs). The router logits are not passed through `store
 from __future__ import annotations
 
 import functools
-import json
-import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
-from family_reference import Route, sigmoid_grouped_topk  # DeepSeek-V3's routing is GLM's
-from mtp_reference import chain_drafts
-from safetensors.torch import load_file
-
-Store = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _same(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
-
-
-def dequant_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: list[int]) -> torch.Tensor:
-    """fp8 weight [M, N] times its scale_inv [ceil(M/b0), ceil(N/b1)], block by block."""
-    rows, cols = q.shape
-    s = scale_inv.double().repeat_interleave(block[0], 0)[:rows]
-    return q.double() * s.repeat_interleave(block[1], 1)[:, :cols]
-
-
-def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_inv_freq(
-    dim: int,
-    base: float,
-    factor: float,
-    original_max: int,
-    beta_fast: float = 32,
-    beta_slow: float = 1,
-) -> torch.Tensor:
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    mask = 1 - ramp
-    extra = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    inter = extra / factor
-    return inter * (1 - mask) + extra * mask
-
-
-def rope_interleaved(
-    x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, mscale: float, s: Store = _same
-) -> torch.Tensor:
-    """GPT-J RoPE of x [n, heads, d]: pairs (2i, 2i+1) rotate by pos * inv_freq[i]."""
-    ang = pos[:, None].double() * inv_freq[None]
-    cos, sin = s(ang.cos()[:, None] * mscale), s(ang.sin()[:, None] * mscale)
-    a, b = x[..., 0::2], x[..., 1::2]
-    return torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
-
-
-def rope_neox(
-    x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, mscale: float, s: Store = _same
-) -> torch.Tensor:
-    """NeoX RoPE (not DeepSeek's): dims (i, i + d/2) rotate by pos * inv_freq[i]."""
-    ang = pos[:, None].double() * inv_freq[None]
-    cos, sin = s(ang.cos()[:, None] * mscale), s(ang.sin()[:, None] * mscale)
-    h = x.shape[-1] // 2
-    a, b = x[..., :h], x[..., h:]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
-
-
-def load_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint as float64, FP8 weights dequantized."""
-    cfg = json.loads((folder / "config.json").read_text())
-    block = (cfg.get("quantization_config") or {}).get("weight_block_size") or [128, 128]
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = [f.name for f in sorted(folder.glob("*.safetensors"))]
-    raw: dict[str, torch.Tensor] = {}
-    for f in files:
-        raw |= load_file(folder / f)
-    out = {}
-    for k, v in raw.items():
-        if k.endswith("_scale_inv"):
-            continue
-        if v.element_size() == 1:  # FP8, as fp8_cast_bf16.py tells them
-            out[k] = dequant_fp8(v, raw[k + "_scale_inv"], block)
-        else:
-            out[k] = v.double()
-    return out
+from reference_common import (
+    Float64Checkpoint,
+    Route,
+    Store,
+    causal_attention,
+    input_projection,
+    inv_freq,
+    mixed_experts,
+    rms_norm,
+    rope_interleaved,
+    row_pick,
+    same,
+    sigmoid_routing,  # DeepSeek-V3's routing is GLM's
+    swiglu,
+    yarn_get_mscale,
+    yarn_inv_freq,
+)
 
 
 @dataclass
-class DeepseekReference:
-    folder: Path
-    cfg: dict = field(init=False)
-    w: dict = field(init=False)
-
+class DeepseekReference(Float64Checkpoint):
     def __post_init__(self) -> None:
-        self.folder = Path(self.folder)
-        c = self.cfg = json.loads((self.folder / "config.json").read_text())
-        self.text = c
-        self.w = load_tensors(self.folder)
+        super().__post_init__()
+        c = self.cfg
         self.hidden, self.heads = c["hidden_size"], c["num_attention_heads"]
         self.nope, self.rope = c["qk_nope_head_dim"], c["qk_rope_head_dim"]
         self.vd, self.kv_rank = c["v_head_dim"], c["kv_lora_rank"]
@@ -191,14 +108,9 @@ class DeepseekReference:
             if all_dim:
                 self.softmax_scale *= yarn_get_mscale(factor, all_dim) ** 2
         else:
-            self.inv_freq = 1.0 / theta ** (
-                torch.arange(0, self.rope, 2, dtype=torch.float64) / self.rope
-            )
+            self.inv_freq = inv_freq(self.rope, theta)
             self.cos_mscale = 1.0
         self.rotate = rope_interleaved
-
-    def t(self, name: str) -> torch.Tensor:
-        return self.w[name + ".weight"] if name + ".weight" in self.w else self.w[name]
 
     def prefix(self, step: int = 0) -> str:
         """The MTP layer of draft `step` (vLLM: spec_step_idx % num_nextn_predict_layers)."""
@@ -208,26 +120,19 @@ class DeepseekReference:
         return rms_norm(x, self.t(name), self.eps)
 
     def _swiglu(self, y: torch.Tensor, p: str, s: Store) -> torch.Tensor:
-        g, u = s(y @ self.t(p + "gate_proj").T), s(y @ self.t(p + "up_proj").T)
-        return s(s(torch.nn.functional.silu(g) * u) @ self.t(p + "down_proj").T)
+        return swiglu(y, self.t(p + "gate_proj"), self.t(p + "up_proj"), self.t(p + "down_proj"), s)
+
+    def _expert(self, row: torch.Tensor, p: str, s: Store, e: int) -> torch.Tensor:
+        """Routed expert e's output for the row."""
+        return self._swiglu(row[None], p + f"mlp.experts.{e}.", s)[0]
 
     def _moe(self, y: torch.Tensor, p: str, s: Store, route: Route | None) -> torch.Tensor:
-        c = self.cfg
         out = []
         for i, row in enumerate(y):
-            ids, wts = sigmoid_grouped_topk(
-                row @ self.t(p + "mlp.gate").T,
-                self.w[p + "mlp.gate.e_score_correction_bias"],
-                c["num_experts_per_tok"],
-                c.get("n_group") or 1,
-                c.get("topk_group") or 1,
-                c.get("norm_topk_prob", True),
-                c.get("routed_scaling_factor", 1.0),
-                None if route is None else functools.partial(route, i),
-            )
-            acc = torch.zeros_like(row)
-            for e, wt in zip(ids.tolist(), wts, strict=True):
-                acc = acc + wt * self._swiglu(row[None], p + f"mlp.experts.{e}.", s)[0]
+            bias = self.w[p + "mlp.gate.e_score_correction_bias"]
+            logits = row @ self.t(p + "mlp.gate").T
+            ids, wts = sigmoid_routing(self.cfg, logits, bias, row_pick(route, i))
+            acc = mixed_experts(row, ids, wts, functools.partial(self._expert, row, p, s))
             shared = self._swiglu(row[None], p + "mlp.shared_experts.", s)[0]
             out.append(s(s(acc) + shared))
         return torch.stack(out)
@@ -263,11 +168,8 @@ class DeepseekReference:
         return q, k, v
 
     def _attention(self, y: torch.Tensor, pos: torch.Tensor, p: str, s: Store) -> torch.Tensor:
-        n = len(y)
         q, k, v = self._qkv(y, pos, p, s)
-        att = torch.einsum("qhd,khd->hqk", q, k) * self.softmax_scale
-        att = att.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
-        a = s(torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(n, -1))
+        a = s(causal_attention(torch.einsum("qhd,khd->hqk", q, k) * self.softmax_scale, v))
         return s(a @ self.t(p + "self_attn.o_proj").T)
 
     def rows(
@@ -280,39 +182,20 @@ class DeepseekReference:
     ) -> torch.Tensor:
         """Output hiddens (the ones passed on: before shared_head.norm) of rows 0..n-1;
         `route` sees (and may change) each MoE row's choice of experts."""
-        s = store or _same
+        s = store or same
         n, p = len(tokens), self.prefix(step)
         pos = torch.arange(n)
-        own = p + "embed_tokens"
-        table = self.t(own if own + ".weight" in self.w else "model.embed_tokens")
-        e = table[torch.tensor(tokens)].clone()
+        e = self.own(p + "embed_tokens", "model.embed_tokens")[torch.tensor(tokens)].clone()
         e[pos == 0] = 0
-        e = s(self._norm(e, p + "enorm"))
-        h = s(self._norm(s(hiddens.double()), p + "hnorm"))
-        x = s(torch.cat([e, h], -1) @ self.t(p + "eh_proj").T)
+        weights = [self.t(p + m) for m in ("enorm", "hnorm", "eh_proj")]
+        x = input_projection(e, hiddens, weights, self.eps, True, s)
         y = s(self._norm(x, p + "input_layernorm"))
         x = s(x + self._attention(y, pos, p, s))
         y = s(self._norm(x, p + "post_attention_layernorm"))
         return s(x + self._mlp(y, p, s, route))
 
     def logits(self, out: torch.Tensor, store: Store | None = None, step: int = 0) -> torch.Tensor:
-        s = store or _same
+        s = store or same
         p = self.prefix(step)
         out = s(self._norm(out, p + "shared_head.norm"))
-        own = p + "shared_head.head"
-        return s(out @ self.t(own if own + ".weight" in self.w else "lm_head").T)
-
-    def propose(
-        self,
-        tokens: list[int],
-        hiddens: torch.Tensor,
-        num_drafts: int,
-        allowed: torch.Tensor | None = None,
-    ) -> tuple[list[int], list[float], list[torch.Tensor]]:
-        """Drafts after the rows (tokens, hiddens), whose last row is the committed R0.
-
-        Returns the drafts, their probabilities and the output hidden of every row of
-        the chain (m0 .. m(K-1)). `allowed` is a [n, V] bool mask per draft. Draft j
-        uses MTP layer j % num_nextn_predict_layers, as vLLM's spec_step_idx does.
-        """
-        return chain_drafts(self, tokens, hiddens, num_drafts, allowed)
+        return s(out @ self.own(p + "shared_head.head", "lm_head").T)

@@ -5,7 +5,8 @@ mtpdraft.service; it reads the safetensors itself (one file or a sharded set wit
 model.safetensors.index.json), keeps no KV cache (every call recomputes the whole
 sequence with full causal attention) and has the interface of
 tests/mtp_reference.Reference (`rows`, `logits`, `propose`, the `store` hook), and a
-`route` hook that sees, and may replace, each MoE row's choice of experts.
+`route` hook that sees, and may replace, each MoE row's choice of experts. What the
+oracles share (norms, RoPE, routing, the chain of drafts) is tests/reference_common.py.
 
 Sources (vLLM and transformers, as published):
 - GLM: vllm/model_executor/models/glm4_moe_mtp.py (Glm4MoeMultiTokenPredictorLayer.forward,
@@ -45,117 +46,31 @@ The GLM router's logits are computed in float32 by both; `store` is not applied 
 from __future__ import annotations
 
 import functools
-import json
-import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
-from mtp_reference import chain_drafts
-from safetensors.torch import load_file
-
-Store = Callable[[torch.Tensor], torch.Tensor]
-# pick(ids, margin, values) -> the expert ids a row uses, given the oracle's own choice, its
-# margin (how far that choice is from a tie: the last value kept minus the first left out)
-# and the values that choose (biased sigmoid scores, or router logits).
-Pick = Callable[[torch.Tensor, float, torch.Tensor], torch.Tensor]
-# route(row, ids, margin, values): a Pick for each row of a sequence, by its index.
-Route = Callable[[int, torch.Tensor, float, torch.Tensor], torch.Tensor]
-
-
-def _same(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
-    """x / rms(x) * w, or * (1 + w) for Qwen3-Next's zero-centred norm."""
-    y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
-    return y * (1 + w) if zero_centred else y * w
-
-
-def rope_neox(
-    x: torch.Tensor, pos: torch.Tensor, rot: int, theta: float, s: Store = _same
-) -> torch.Tensor:
-    """NeoX (rotate-half) RoPE on the first `rot` dims of each head of x [n, heads, d]."""
-    inv = 1.0 / theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
-    ang = pos[:, None].double() * inv[None]
-    cos, sin = s(ang.cos()[:, None]), s(ang.sin()[:, None])
-    a, b = x[..., : rot // 2], x[..., rot // 2 : rot]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin, x[..., rot:]], -1)
-
-
-def _margin(ranked: torch.Tensor, kept: int) -> float:
-    """How far a top-`kept` choice over `ranked` values is from a tie: the last value kept
-    minus the first left out (inf when nothing is left out)."""
-    top = ranked.sort(descending=True).values
-    if kept >= top.numel() or not torch.isfinite(top[kept]):
-        return math.inf
-    return float(top[kept - 1] - top[kept])
-
-
-def _picked(pick: Pick | None, ids: torch.Tensor, margin: float, values: torch.Tensor):
-    return ids if pick is None else torch.as_tensor(pick(ids, margin, values))
-
-
-def sigmoid_grouped_topk(
-    logits: torch.Tensor,
-    bias: torch.Tensor,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    renormalize: bool,
-    scaling: float,
-    pick: Pick | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GLM-4.5 / DeepSeek-V3 routing for one token: (expert ids, weights).
-
-    Its margin (see Pick) is the smaller of the group choice's and the expert choice's,
-    both in the biased scores that choose."""
-    scores = logits.sigmoid()
-    choice = scores + bias
-    groups = choice.view(n_group, -1)
-    group_score = groups.topk(min(2, groups.shape[1]), -1).values.sum(-1)
-    keep = torch.zeros(n_group, dtype=torch.bool)
-    keep[group_score.topk(topk_group).indices] = True
-    masked = choice.masked_fill(~keep.repeat_interleave(groups.shape[1]), float("-inf"))
-    ids = masked.topk(top_k).indices
-    margin = min(_margin(group_score, topk_group), _margin(masked, top_k))
-    ids = _picked(pick, ids, margin, choice)
-    w = scores[ids]
-    if renormalize:
-        w = w / w.sum()
-    return ids, w * scaling
-
-
-def softmax_topk(
-    logits: torch.Tensor, top_k: int, renormalize: bool, pick: Pick | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen MoE routing for one token: (expert ids, weights); its margin is in logits."""
-    p = logits.softmax(-1)
-    ids = _picked(pick, p.topk(top_k).indices, _margin(logits, top_k), logits)
-    w = p[ids]
-    return ids, (w / w.sum() if renormalize else w)
+from reference_common import (
+    Float64Checkpoint,
+    Route,
+    Store,
+    grouped_attention,
+    input_projection,
+    inv_freq,
+    mixed_experts,
+    rms_norm,
+    rope_neox,
+    row_pick,
+    same,
+    sigmoid_routing,
+    softmax_topk,
+    swiglu,
+)
 
 
 @dataclass
-class FamilyReference:
-    folder: Path
-    cfg: dict = field(init=False)
-    w: dict = field(init=False)
-
+class FamilyReference(Float64Checkpoint):
     def __post_init__(self) -> None:
-        self.folder = Path(self.folder)
-        self.cfg = json.loads((self.folder / "config.json").read_text())
-        self.text = self.cfg.get("text_config", self.cfg)
-        index = self.folder / "model.safetensors.index.json"
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = [f.name for f in sorted(self.folder.glob("*.safetensors"))]
-        self.w = {}
-        for f in files:
-            self.w |= {k: v.double() for k, v in load_file(self.folder / f).items()}
+        super().__post_init__()
         t = self.text
         self.qwen = any(k.startswith("mtp.") for k in self.w)
         self.hidden = t["hidden_size"]
@@ -180,9 +95,6 @@ class FamilyReference:
             self.n_layers = t.get("num_nextn_predict_layers", 1)
             self.first = t["num_hidden_layers"]
 
-    def t(self, name: str) -> torch.Tensor:
-        return self.w[name + ".weight"] if name + ".weight" in self.w else self.w[name]
-
     def prefix(self, step: int = 0) -> str:
         """The MTP layer used for draft `step` (vLLM: spec_step_idx % num_mtp_layers)."""
         k = step % self.n_layers
@@ -191,50 +103,35 @@ class FamilyReference:
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return rms_norm(x, self.t(name), self.eps, self.qwen)
 
-    def _swiglu(self, y: torch.Tensor, g: torch.Tensor, u: torch.Tensor, d: torch.Tensor, s: Store):
-        a = s(torch.nn.functional.silu(s(y @ g.T)) * s(y @ u.T))
-        return s(a @ d.T)
+    def _mlp_weights(self, p: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(self.t(p + m) for m in ("gate_proj", "up_proj", "down_proj"))
 
-    def _expert(self, p: str, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _expert(self, row: torch.Tensor, p: str, s: Store, e: int) -> torch.Tensor:
+        """Routed expert e's output for the row."""
         fused = p + "mlp.experts.gate_up_proj"
         if fused in self.w:  # transformers 5 / Qwen3.5 layout: [E, 2I, H], gate rows first
             g, u = self.w[fused][e].chunk(2, 0)
-            return g, u, self.w[p + "mlp.experts.down_proj"][e]
-        q = p + f"mlp.experts.{e}."
-        return self.t(q + "gate_proj"), self.t(q + "up_proj"), self.t(q + "down_proj")
+            return swiglu(row, g, u, self.w[p + "mlp.experts.down_proj"][e], s)
+        return swiglu(row, *self._mlp_weights(p + f"mlp.experts.{e}."), s)
 
     def _moe(self, y: torch.Tensor, p: str, s: Store, route: Route | None) -> torch.Tensor:
         t = self.text
         out = []
         for i, row in enumerate(y):
-            pick = None if route is None else functools.partial(route, i)
             if self.qwen:
                 ids, wts = softmax_topk(
                     s(row @ self.t(p + "mlp.gate").T),
                     t["num_experts_per_tok"],
                     t.get("norm_topk_prob", True),
-                    pick,
+                    row_pick(route, i),
                 )
             else:
-                ids, wts = sigmoid_grouped_topk(
-                    row @ self.t(p + "mlp.gate").T,
-                    self.w[p + "mlp.gate.e_score_correction_bias"],
-                    t["num_experts_per_tok"],
-                    t.get("n_group") or 1,
-                    t.get("topk_group") or 1,
-                    t.get("norm_topk_prob", True),
-                    t.get("routed_scaling_factor", 1.0),
-                    pick,
-                )
-            acc = torch.zeros_like(row)
-            for e, wt in zip(ids.tolist(), wts, strict=True):
-                acc = acc + wt * self._swiglu(row, *self._expert(p, e), s)
+                bias = self.w[p + "mlp.gate.e_score_correction_bias"]
+                logits = row @ self.t(p + "mlp.gate").T
+                ids, wts = sigmoid_routing(t, logits, bias, row_pick(route, i))
+            acc = mixed_experts(row, ids, wts, functools.partial(self._expert, row, p, s))
             shared = "shared_expert." if self.qwen else "shared_experts."
-            sh = self._swiglu(
-                row,
-                *(self.t(p + f"mlp.{shared}{m}") for m in ("gate_proj", "up_proj", "down_proj")),
-                s,
-            )
+            sh = swiglu(row, *self._mlp_weights(p + f"mlp.{shared}"), s)
             if self.qwen:
                 sh = torch.sigmoid(s(row @ self.t(p + "mlp.shared_expert_gate").T)) * sh
             out.append(s(s(acc) + sh))
@@ -243,17 +140,13 @@ class FamilyReference:
     def _mlp(self, y: torch.Tensor, p: str, s: Store, route: Route | None) -> torch.Tensor:
         if p + "mlp.gate.weight" in self.w:
             return self._moe(y, p, s, route)
-        return self._swiglu(
-            y, *(self.t(p + f"mlp.{m}") for m in ("gate_proj", "up_proj", "down_proj")), s
-        )
+        return swiglu(y, *self._mlp_weights(p + "mlp."), s)
 
     def _attention(self, y: torch.Tensor, pos: torch.Tensor, p: str, s: Store) -> torch.Tensor:
         n, heads, kv_heads, hd = len(y), self.heads, self.kv_heads, self.hd
 
         def proj(name: str) -> torch.Tensor:
-            out = y @ self.t(p + f"self_attn.{name}").T
-            bias = p + f"self_attn.{name}.bias"
-            return s(out + self.w[bias] if bias in self.w else out)
+            return self.linear(y, p + f"self_attn.{name}", s)
 
         q = proj("q_proj")
         gate = None
@@ -266,12 +159,8 @@ class FamilyReference:
         if p + "self_attn.q_norm.weight" in self.w:
             q = s(self._norm(q, p + "self_attn.q_norm"))
             k = s(self._norm(k, p + "self_attn.k_norm"))
-        q, k = (s(rope_neox(x, pos, self.rot, self.theta, s)) for x in (q, k))
-        k = k.repeat_interleave(heads // kv_heads, 1)
-        v = v.repeat_interleave(heads // kv_heads, 1)
-        att = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
-        att = att.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
-        a = s(torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(n, -1))
+        q, k = (s(rope_neox(x, pos, inv_freq(self.rot, self.theta), s=s)) for x in (q, k))
+        a = s(grouped_attention(q, k, v))
         if gate is not None:
             a = s(a * torch.sigmoid(gate))
         return s(a @ self.t(p + "self_attn.o_proj").T)
@@ -286,22 +175,18 @@ class FamilyReference:
     ) -> torch.Tensor:
         """Output hiddens (the ones passed on) of rows 0..n-1 of one sequence; `route` sees
         (and may change) each MoE row's choice of experts."""
-        s = store or _same
+        s = store or same
         n, p = len(tokens), self.prefix(step)
         pos = torch.arange(n)
         if self.qwen:
             e = self.t(self.embed)[torch.tensor(tokens)]
-            e = s(self._norm(e, "mtp.pre_fc_norm_embedding"))
-            h = s(self._norm(s(hiddens.double()), "mtp.pre_fc_norm_hidden"))
-            x = s(torch.cat([e, h], -1) @ self.t("mtp.fc").T)
+            inputs = ("mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.fc")
         else:
-            own = p + "embed_tokens"
-            table = self.t(own if own + ".weight" in self.w else "model.embed_tokens")
-            e = table[torch.tensor(tokens)].clone()
+            e = self.own(p + "embed_tokens", "model.embed_tokens")[torch.tensor(tokens)].clone()
             e[pos == 0] = 0
-            e = s(self._norm(e, p + "enorm"))
-            h = s(self._norm(s(hiddens.double()), p + "hnorm"))
-            x = s(torch.cat([e, h], -1) @ self.t(p + "eh_proj").T)
+            inputs = (p + "enorm", p + "hnorm", p + "eh_proj")
+        weights = [self.t(name) for name in inputs]
+        x = input_projection(e, hiddens, weights, self.eps, True, s, self.qwen)
         y = s(self._norm(x, p + "input_layernorm"))
         x = s(x + self._attention(y, pos, p, s))
         y = s(self._norm(x, p + "post_attention_layernorm"))
@@ -309,25 +194,9 @@ class FamilyReference:
         return s(self._norm(x, "mtp.norm")) if self.qwen else x
 
     def logits(self, out: torch.Tensor, store: Store | None = None, step: int = 0) -> torch.Tensor:
-        s = store or _same
+        s = store or same
         if self.qwen:
             return s(out @ self.t(self.head).T)
         p = self.prefix(step)
         out = s(self._norm(out, p + "shared_head.norm"))
-        own = p + "shared_head.head"
-        return s(out @ self.t(own if own + ".weight" in self.w else "lm_head").T)
-
-    def propose(
-        self,
-        tokens: list[int],
-        hiddens: torch.Tensor,
-        num_drafts: int,
-        allowed: torch.Tensor | None = None,
-    ) -> tuple[list[int], list[float], list[torch.Tensor]]:
-        """Drafts after the rows (tokens, hiddens), whose last row is the committed R0.
-
-        Returns the drafts, their probabilities and the output hidden of every
-        row of the chain (m0 .. m(K-1)). `allowed` is a [n, V] bool mask per draft.
-        Draft j uses MTP layer j % (number of MTP layers), as vLLM's spec_step_idx does.
-        """
-        return chain_drafts(self, tokens, hiddens, num_drafts, allowed)
+        return s(out @ self.own(p + "shared_head.head", "lm_head").T)

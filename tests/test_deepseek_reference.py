@@ -12,15 +12,15 @@ import math
 import pytest
 import torch
 from deepseek_checkpoints import quantize_fp8, write_deepseek_checkpoint
-from deepseek_reference import (
-    DeepseekReference,
+from deepseek_reference import DeepseekReference
+from drafting import all_drafts, prompts
+from reference_common import (
     dequant_fp8,
     rope_interleaved,
     rope_neox,
     yarn_get_mscale,
     yarn_inv_freq,
 )
-from drafting import all_drafts, prompts
 from safetensors.torch import load_file
 
 

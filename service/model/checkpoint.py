@@ -4,8 +4,9 @@ A folder holds config.json and safetensors files (one file, or shards listed by
 model.safetensors.index.json). Only the tensors the MTP layer needs are read, so a
 full target checkpoint can be pointed at directly; tensors under the MTP layer's
 prefix that the computation would not use are refused, as are config keys it
-would not honour (families.py says what each family computes). With several MTP
-layers the first is used and chained K times, as vLLM's MTP proposer does.
+would not honour (families/ says what each family computes and where it keeps it).
+With several MTP layers the first is used and chained K times, as vLLM's MTP proposer
+does.
 
 Every CheckpointError raised here begins with the path of the file (or folder)
 at fault: `mtpdraft serve` prints it as one line.
@@ -21,126 +22,30 @@ import torch
 
 from .config import ConfigReader, MTPConfig, read_config_json
 from .errors import CheckpointError
-from .families import Layout, layout_of, read_config
+from .families import Family, Layout, family_of
+from .layer import tensor_shapes
+from .moe import expert_names, stacked_expert_names
 from .tensors import TensorDict, TensorFiles, dequantize_blocks
 
 
 @dataclass
 class MTPWeights:
-    """One MTP layer's tensors under family-neutral names, in the checkpoint's layout.
+    """One MTP layer's tensors under family-neutral names (layer.py), in the checkpoint's
+    layout, with what the forward needs to know of its family.
 
     A MoE layer's experts are stacked: ``experts_gate_up`` [E, 2I, H] (each expert's
     gate rows, then its up rows) and ``experts_down`` [E, H, I].
     """
 
-    family: str
+    family: str  # its name, as GetInfo reports it
     config: MTPConfig
     embed_first: bool  # order of the concat feeding input_proj
     pass_normed_hidden: bool  # the final norm's output is passed on (else the pre-norm)
     tensors: dict[str, torch.Tensor]
     mask_first_embedding: bool = True  # the embedding is zeroed at position 0
-    # FP8 weights kept as stored (the experts, the matrices of FP8_MATRICES): ``NAME_scale``
+    # FP8 weights kept as stored (the experts, the family's fp8_matrices): ``NAME_scale``
     # holds NAME's fp32 scales, one per block of this shape.
     fp8_block: tuple[int, int] | None = None
-
-
-def _block_names(layout: Layout, c: MTPConfig) -> dict[str, str]:
-    """Family-neutral name -> published name of every non-expert tensor of the block."""
-    b = layout.block
-    names = {
-        "input_layernorm": f"{b}input_layernorm.weight",
-        "o_proj": f"{b}self_attn.o_proj.weight",
-        "post_attention_layernorm": f"{b}post_attention_layernorm.weight",
-    }
-    if c.mla is not None:
-        attn = ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"]
-        attn += ["q_a_proj", "q_a_layernorm", "q_b_proj"] if c.mla.q_lora_rank else ["q_proj"]
-        names |= {a: f"{b}self_attn.{a}.weight" for a in attn}
-    else:
-        names |= {p: f"{b}self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")}
-    if c.attention_bias:
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            names[f"{proj}_bias"] = f"{b}self_attn.{proj}.bias"
-    if c.qk_norm:
-        names |= {"q_norm": f"{b}self_attn.q_norm.weight", "k_norm": f"{b}self_attn.k_norm.weight"}
-    mlp = f"{b}mlp."
-    if c.moe is None:
-        return names | {p: f"{mlp}{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
-    names["router"] = f"{mlp}gate.weight"
-    if c.moe.scoring == "sigmoid":
-        names["router_bias"] = f"{mlp}gate.e_score_correction_bias"
-    if c.moe.shared_intermediate_size:
-        shared = f"{mlp}{layout.shared_expert}."
-        names |= {
-            f"shared_{p}": f"{shared}{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")
-        }
-    if c.moe.shared_expert_gate:
-        names["shared_expert_gate"] = f"{mlp}shared_expert_gate.weight"
-    return names
-
-
-def _expected_shapes(c: MTPConfig) -> dict[str, tuple[int, ...]]:
-    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
-    q_rows = 2 * c.q_size if c.attn_output_gate else c.q_size
-    shapes = {
-        "embed": (v, h),
-        "lm_head": (v, h),
-        "norm_embed": (h,),
-        "norm_hidden": (h,),
-        "input_proj": (h, 2 * h),
-        "final_norm": (h,),
-        "input_layernorm": (h,),
-        "q_proj": (q_rows, h),
-        "k_proj": (c.kv_size, h),
-        "v_proj": (c.kv_size, h),
-        "q_proj_bias": (q_rows,),
-        "k_proj_bias": (c.kv_size,),
-        "v_proj_bias": (c.kv_size,),
-        "q_norm": (c.head_dim,),
-        "k_norm": (c.head_dim,),
-        "o_proj": (h, c.q_size),
-        "post_attention_layernorm": (h,),
-        "gate_proj": (i, h),
-        "up_proj": (i, h),
-        "down_proj": (h, i),
-    }
-    if c.mla is not None:
-        m, heads = c.mla, c.num_attention_heads
-        shapes |= {
-            "q_proj": (heads * m.qk_head_dim, h),
-            "q_a_proj": (m.q_lora_rank, h),
-            "q_a_layernorm": (m.q_lora_rank,),
-            "q_b_proj": (heads * m.qk_head_dim, m.q_lora_rank),
-            "kv_a_proj_with_mqa": (m.kv_lora_rank + m.qk_rope_head_dim, h),
-            "kv_a_layernorm": (m.kv_lora_rank,),
-            "kv_b_proj": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
-            "o_proj": (h, heads * m.v_head_dim),
-        }
-    if c.moe is not None:
-        e, mi, si = c.moe.num_experts, c.moe.intermediate_size, c.moe.shared_intermediate_size
-        shapes |= {
-            "router": (e, h),
-            "router_bias": (e,),
-            "expert_gate_proj": (mi, h),
-            "expert_up_proj": (mi, h),
-            "expert_down_proj": (h, mi),
-            "experts_gate_up": (e, 2 * mi, h),
-            "experts_down": (e, h, mi),
-            "shared_gate_proj": (si, h),
-            "shared_up_proj": (si, h),
-            "shared_down_proj": (h, si),
-            "shared_expert_gate": (1, h),
-        }
-    return shapes
-
-
-# The matrices a forward multiplies as they are (so an FP8 one can stay FP8, with its
-# scales, beside the experts): not kv_b_proj, which MLA splits and absorbs at load.
-FP8_MATRICES = {
-    "input_proj", "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
-    "kv_a_proj_with_mqa", "gate_proj", "up_proj", "down_proj", "shared_gate_proj",
-    "shared_up_proj", "shared_down_proj",
-}  # fmt: skip
 
 
 class _Reader:
@@ -215,18 +120,16 @@ def _experts(read: _Reader, layout: Layout, c: MTPConfig) -> dict[str, torch.Ten
     Stored one tensor per expert and projection, or already stacked (Qwen3.5:
     ``experts.gate_up_proj`` [E, 2I, H] gate first, ``experts.down_proj`` [E, H, I]).
     """
-    fused = f"{layout.block}mlp.experts."
-    if f"{fused}gate_up_proj" in read.source.where:
-        return {
-            "experts_gate_up": read("experts_gate_up", f"{fused}gate_up_proj"),
-            "experts_down": read("experts_down", f"{fused}down_proj"),
-        }
+    mlp = f"{layout.block}mlp."
+    stacked = stacked_expert_names(mlp)
+    if stacked["experts_gate_up"] in read.source.where:
+        return {key: read(key, name) for key, name in stacked.items()}
     gate, up, down = [], [], []
     for e in range(c.moe.num_experts):
-        p = f"{layout.block}mlp.experts.{e}."
-        gate.append(read.scaled("expert_gate_proj", f"{p}gate_proj.weight"))
-        up.append(read.scaled("expert_up_proj", f"{p}up_proj.weight"))
-        down.append(read.scaled("expert_down_proj", f"{p}down_proj.weight"))
+        names = expert_names(mlp, e)
+        gate.append(read.scaled("expert_gate_proj", names["expert_gate_proj"]))
+        up.append(read.scaled("expert_up_proj", names["expert_up_proj"]))
+        down.append(read.scaled("expert_down_proj", names["expert_down_proj"]))
     # FP8 experts stay FP8 with their scales (the MoE kernel reads them so) when gate and
     # up rows stack on block boundaries; otherwise, or if mixed, they are dequantized.
     fp8 = all(s is not None for _, s in gate + up + down)
@@ -254,15 +157,13 @@ def _experts(read: _Reader, layout: Layout, c: MTPConfig) -> dict[str, torch.Ten
     }
 
 
-def _refuse_unknown_tensors(source, layout: Layout, c: MTPConfig, used: set[str]) -> None:
+def _refuse_unknown_tensors(source, family: Family, layout: Layout, used: set[str]) -> None:
     """A tensor of the MTP layer that nothing reads means a computation not implemented."""
-    later_layers = re.compile(rf"^{re.escape(layout.prefix)}(layers\.)?[1-9]\d*\.")
-    if layout.family == "mimo":
-        later_layers = re.compile(r"^model\.mtp_layers\.[1-9]\d*\.")
+    later = re.compile(layout.later_layers) if layout.later_layers else None
     unused = sorted(
         n
         for n in source.where
-        if n.startswith(layout.prefix) and n not in used and not later_layers.match(n)
+        if n.startswith(layout.prefix) and n not in used and not (later and later.match(n))
     )
     if not unused:
         return
@@ -274,15 +175,15 @@ def _refuse_unknown_tensors(source, layout: Layout, c: MTPConfig, used: set[str]
         )
     shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
     raise CheckpointError(
-        f"{source.where[unused[0]]}: tensors the {layout.family} MTP layer would not use "
+        f"{source.where[unused[0]]}: tensors the {family.name} MTP layer would not use "
         f"(a computation not implemented, or a config.json that does not match): {shown}"
     )
 
 
-def _config(path: Path, raw: dict, family: str) -> MTPConfig:
+def _config(path: Path, family: Family, keys: ConfigReader) -> MTPConfig:
     """The family's config; a missing key or a value of the wrong type names it and the file."""
     try:
-        return read_config(raw, family)
+        return family.read_config(keys)
     except CheckpointError as exc:  # its messages begin "config.json: "
         raise CheckpointError(f"{path}: {str(exc).removeprefix('config.json: ')}") from exc
     except (TypeError, ValueError, AttributeError) as exc:
@@ -292,42 +193,44 @@ def _config(path: Path, raw: dict, family: str) -> MTPConfig:
 def mtp_weights_from(raw: dict, source: TensorFiles | TensorDict) -> MTPWeights:
     """Reads and checks the first MTP layer, its embedding and its head from `source`."""
     config_path = source.folder / "config.json"
+    keys = ConfigReader(raw)
     try:
-        layout = layout_of(raw, source.where)
+        family = family_of(keys, source.where)
     except CheckpointError as exc:
         raise CheckpointError(f"{source.folder}: {exc}") from exc
-    config = _config(config_path, raw, layout.family)
+    layout = family.layout(keys)
+    config = _config(config_path, family, keys)
     experts = f"{layout.block}mlp.experts."
     if config.moe is None and any(n.startswith(experts) for n in source.where):
         raise CheckpointError(
             f"{config_path}: describes a dense MLP, but {experts[:-9]} has experts"
         )
-    read = _Reader(source, _expected_shapes(config), ConfigReader(raw).fp8_block(), config.dtype)
+    read = _Reader(source, tensor_shapes(config), keys.fp8_block(), config.dtype)
 
-    names = dict(layout.inputs) | _block_names(layout, config)
+    names = family.tensor_names(layout, config)
     embed = next((n for n in layout.embed if n in source.where), layout.embed[-1])
     head = next((n for n in layout.head if n in source.where), None)
-    if head is None and ConfigReader(raw).get("tie_word_embeddings"):
+    if head is None and keys.get("tie_word_embeddings"):
         head = embed
     names |= {"embed": embed, "lm_head": head or layout.head[-1]}
     tensors = {}
     for key, name in names.items():
         weight, scale = read.scaled(key, name)
-        if scale is not None and key in FP8_MATRICES:  # kept FP8 for the kernels that can
+        if scale is not None and key in family.fp8_matrices:  # FP8 for the kernels that can
             tensors[f"{key}_scale"] = scale
         elif scale is not None:
             weight = read._dequantize(weight, scale)
         tensors[key] = weight
     if config.moe is not None:
         tensors |= _experts(read, layout, config)
-    _refuse_unknown_tensors(source, layout, config, read.used)
+    _refuse_unknown_tensors(source, family, layout, read.used)
     return MTPWeights(
-        family=layout.family,
+        family=family.name,
         config=config,
-        embed_first=layout.embed_first,
-        pass_normed_hidden=layout.pass_normed_hidden,
+        embed_first=family.embed_first,
+        pass_normed_hidden=family.pass_normed_hidden,
         tensors=tensors,
-        mask_first_embedding=layout.mask_first_embedding,
+        mask_first_embedding=family.mask_first_embedding,
         fp8_block=read.fp8_block if any(k.endswith("_scale") for k in tensors) else None,
     )
 

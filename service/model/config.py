@@ -4,7 +4,7 @@ Every key that changes the computation is either honoured or refused by name:
 a checkpoint is never read silently wrong. Both spellings transformers has
 written are read: ``rope_theta`` / ``rope_scaling`` / ``torch_dtype`` (4.x) and
 ``rope_parameters`` / ``dtype`` (5.x); a multimodal config's ``text_config`` is
-the language model's. Which keys a family reads is its business (families.py);
+the language model's. Which keys a family reads is its business (families/);
 this module holds the result and the checks every family shares.
 """
 

@@ -8,6 +8,9 @@ into the latent space (q_latent = q_nope @ W_UK), scores are q_latent . c + q_pe
 and the attention output in the latent space is mapped back by W_UV. RoPE is
 DeepSeek's: interleaved pairs, YaRN-scaled, and the softmax scale carries YaRN's mscale
 squared (rope.py).
+
+Its config keys are DeepSeek's (kv_lora_rank, q_lora_rank, qk_nope_head_dim,
+qk_rope_head_dim, v_head_dim), its tensors those of DeepSeek-V2/V3's self_attn.
 """
 
 from __future__ import annotations
@@ -15,9 +18,41 @@ from __future__ import annotations
 import torch
 
 from .batch import RowBatch
-from .config import MTPConfig
+from .config import ConfigReader, MLAConfig, MTPConfig
 from .kv_cache import KVCache
 from .rope import yarn_mscale
+
+
+def read_mla(c: ConfigReader) -> MLAConfig:
+    """The latent attention's sizes, by DeepSeek's keys."""
+    return MLAConfig(
+        q_lora_rank=c.int("q_lora_rank", 0),
+        kv_lora_rank=c.positive("kv_lora_rank"),
+        qk_nope_head_dim=c.int("qk_nope_head_dim"),
+        qk_rope_head_dim=c.positive("qk_rope_head_dim"),
+        v_head_dim=c.positive("v_head_dim"),
+    )
+
+
+def mla_names(attention: str, m: MLAConfig) -> dict[str, str]:
+    """Family-neutral key -> published name of each tensor under `attention` (self_attn.)."""
+    keys = ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+    keys += ["q_a_proj", "q_a_layernorm", "q_b_proj"] if m.q_lora_rank else ["q_proj"]
+    return {k: f"{attention}{k}.weight" for k in keys}
+
+
+def mla_shapes(c: MTPConfig) -> dict[str, tuple[int, ...]]:
+    m, h, heads = c.mla, c.hidden_size, c.num_attention_heads
+    return {
+        "q_proj": (heads * m.qk_head_dim, h),
+        "q_a_proj": (m.q_lora_rank, h),
+        "q_a_layernorm": (m.q_lora_rank,),
+        "q_b_proj": (heads * m.qk_head_dim, m.q_lora_rank),
+        "kv_a_proj_with_mqa": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+        "kv_a_layernorm": (m.kv_lora_rank,),
+        "kv_b_proj": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+        "o_proj": (h, heads * m.v_head_dim),
+    }
 
 
 class LatentAttention:

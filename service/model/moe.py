@@ -14,6 +14,12 @@ the experts are, it is stored as one more expert, E, and every row routes to it 
 five small launches to a decode step. Qwen's gate row rides on the router's matrix (one
 product for both). Everything stays on the device (no host sync), so a step with a MoE is
 still one CUDA graph.
+
+Which config keys describe a MoE is each family's (families/); the tensors are named as
+every published family names them, under the block's ``mlp.``: ``gate`` (the router),
+``gate.e_score_correction_bias``, ``experts.{e}.{gate,up,down}_proj`` (or stacked:
+``experts.gate_up_proj``, ``experts.down_proj``), the shared expert's module (the family
+names it) and ``shared_expert_gate``.
 """
 
 from __future__ import annotations
@@ -21,8 +27,65 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import MoEConfig
+from .config import ConfigReader, MoEConfig, MTPConfig
+from .errors import CheckpointError
 from .tensors import FP8Matrix
+
+
+def read_top_k(c: ConfigReader, choosable: int, among: str) -> int:
+    """num_experts_per_tok: at most the experts a row may choose from (`among` names them)."""
+    top_k = c.positive("num_experts_per_tok")
+    if top_k > choosable:
+        raise CheckpointError(f"config.json: num_experts_per_tok={top_k} exceeds {among}")
+    return top_k
+
+
+def moe_names(mlp: str, moe: MoEConfig, shared_expert: str) -> dict[str, str]:
+    """Family-neutral key -> published name of each tensor under `mlp` (the block's mlp.)
+    but the routed experts' (expert_names), the shared expert's under its module's name."""
+    names = {"router": f"{mlp}gate.weight"}
+    if moe.scoring == "sigmoid":
+        names["router_bias"] = f"{mlp}gate.e_score_correction_bias"
+    if moe.shared_intermediate_size:
+        shared = f"{mlp}{shared_expert}."
+        names |= {
+            f"shared_{p}": f"{shared}{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")
+        }
+    if moe.shared_expert_gate:
+        names["shared_expert_gate"] = f"{mlp}shared_expert_gate.weight"
+    return names
+
+
+def expert_names(mlp: str, e: int) -> dict[str, str]:
+    """Routed expert e's projections, stored one tensor each."""
+    projections = ("gate_proj", "up_proj", "down_proj")
+    return {f"expert_{p}": f"{mlp}experts.{e}.{p}.weight" for p in projections}
+
+
+def stacked_expert_names(mlp: str) -> dict[str, str]:
+    """Every routed expert in one tensor per projection (Qwen3.5's layout)."""
+    return {
+        "experts_gate_up": f"{mlp}experts.gate_up_proj",
+        "experts_down": f"{mlp}experts.down_proj",
+    }
+
+
+def moe_shapes(c: MTPConfig) -> dict[str, tuple[int, ...]]:
+    h, moe = c.hidden_size, c.moe
+    e, mi, si = moe.num_experts, moe.intermediate_size, moe.shared_intermediate_size
+    return {
+        "router": (e, h),
+        "router_bias": (e,),
+        "expert_gate_proj": (mi, h),
+        "expert_up_proj": (mi, h),
+        "expert_down_proj": (h, mi),
+        "experts_gate_up": (e, 2 * mi, h),
+        "experts_down": (e, h, mi),
+        "shared_gate_proj": (si, h),
+        "shared_up_proj": (si, h),
+        "shared_down_proj": (h, si),
+        "shared_expert_gate": (1, h),
+    }
 
 
 def router_logits(x: torch.Tensor, router: torch.Tensor, moe: MoEConfig) -> torch.Tensor:

@@ -7,7 +7,7 @@ the same drafts here as there: the embedding is zeroed in the row at position 0
 (but for Qwen3-Next), the RoPE position of a row is its hidden's position, and the
 hidden passed on is what vLLM's MTP layer returns (MiMo, Qwen3-Next: after the final
 norm; DeepSeek/GLM: before shared_head.norm, which feeds the logits only). What each
-family computes is families.py; the attention is GQA here or MLA (mla.py), the MLP
+family computes is families/; the attention is GQA here or MLA (mla.py), the MLP
 dense here or a MoE (moe.py).
 """
 

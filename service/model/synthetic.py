@@ -15,27 +15,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .config import ConfigReader
+from .families import family_named
+from .layer import tensor_shapes
+from .moe import expert_names
+
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_ARCHITECTURES = {
-    "mimo": ("MiMoForCausalLM", "mimo"),
-    "deepseek": ("DeepseekV3ForCausalLM", "deepseek_v3"),
-    "glm4_moe": ("Glm4MoeForCausalLM", "glm4_moe"),
-    "qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next"),
-}
-# A small MoE for each MoE family's default test checkpoint (published key names).
-_SMALL_MOE = {
-    "glm4_moe": dict(
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-        n_group=1, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True,
-        first_k_dense_replace=1, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
-        head_dim=32,
-    ),
-    "qwen3_next": dict(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], partial_rotary_factor=0.25, head_dim=32,
-    ),
-}  # fmt: skip
 
 
 class _Random:
@@ -59,33 +44,15 @@ class _Random:
     def norm(self, size: int, zero_centred: bool = False) -> torch.Tensor:
         return ((0.0 if zero_centred else 1.0) + 0.1 * self._randn(size)).to(self.dtype)
 
-
-def _mlp(r: _Random, prefix: str, h: int, inter: int) -> dict[str, torch.Tensor]:
-    return {
-        f"{prefix}gate_proj.weight": r.matrix(inter, h),
-        f"{prefix}up_proj.weight": r.matrix(inter, h),
-        f"{prefix}down_proj.weight": r.matrix(h, inter),
-    }
-
-
-def _mla(r: _Random, p: str, cfg: dict) -> dict[str, torch.Tensor]:
-    h, heads, rank = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"]
-    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
-    t = {
-        f"{p}kv_a_proj_with_mqa.weight": r.matrix(rank + cfg["qk_rope_head_dim"], h),
-        f"{p}kv_a_layernorm.weight": r.norm(rank),
-        f"{p}kv_b_proj.weight": r.matrix(
-            heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), rank
-        ),
-        f"{p}o_proj.weight": r.matrix(h, heads * cfg["v_head_dim"]),
-    }
-    if q_rank := cfg.get("q_lora_rank"):
-        t[f"{p}q_a_proj.weight"] = r.matrix(q_rank, h)
-        t[f"{p}q_a_layernorm.weight"] = r.norm(q_rank)
-        t[f"{p}q_b_proj.weight"] = r.matrix(heads * qk, q_rank)
-    else:
-        t[f"{p}q_proj.weight"] = r.matrix(heads * qk, h)
-    return t
+    def draw(self, key: str, shape: tuple[int, ...], zero_centred: bool) -> torch.Tensor:
+        """A tensor of the kind its key names: a matrix, a bias or a norm's weight."""
+        if len(shape) > 1:
+            return self.matrix(*shape)
+        if key == "router_bias":  # positive, as the published correction biases are
+            return self.normal(*shape, scale=0.1).abs()
+        if key.endswith("_bias"):
+            return self.normal(*shape, scale=0.1)
+        return self.norm(shape[0], zero_centred)
 
 
 def random_tensors(
@@ -96,62 +63,26 @@ def random_tensors(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """The embedding, LM head and first MTP layer of `family`, shaped by config.json `cfg`."""
+    """The embedding, LM head and first MTP layer of `family`, shaped by config.json `cfg`:
+    every tensor the family's loader reads, under the names and shapes it reads them by."""
+    kind, keys = family_named(family), ConfigReader(cfg)
+    c, layout = kind.read_config(keys), kind.layout(keys)
+    shapes = tensor_shapes(c)
     r = _Random(seed, device, dtype)
-    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", heads)  # MLA configs may leave it out
-    head_dim = cfg.get("head_dim") or h // heads
-    q, kv = heads * head_dim, kv_heads * head_dim
-    qwen = family == "qwen3_next"
-    if family == "mimo":
-        p = block = "model.mtp_layers.0."
-        inputs = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")
-    elif qwen:
-        p, block = "mtp.", "mtp.layers.0."
-        inputs = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")
-    else:
-        p = block = f"model.layers.{cfg['num_hidden_layers']}."
-        inputs = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
+    # The target model's embedding and head, not the MTP layer's copies.
+    embed = next(n for n in layout.embed if not n.startswith(layout.prefix))
+    head = next(n for n in layout.head if not n.startswith(layout.prefix))
     t = {
-        "model.embed_tokens.weight": r.normal(cfg["vocab_size"], h),
+        embed: r.normal(*shapes["embed"]),
         # A head scaled so that logits spread over a few units: peaked, tie-free drafts.
-        "lm_head.weight": r.matrix(cfg["vocab_size"], h, gain=3.0),
-        f"{p}{inputs[0]}.weight": r.norm(h, qwen),
-        f"{p}{inputs[1]}.weight": r.norm(h, qwen),
-        f"{p}{inputs[2]}.weight": r.matrix(h, 2 * h),
-        f"{p}{inputs[3]}.weight": r.norm(h, qwen),
-        f"{block}input_layernorm.weight": r.norm(h, qwen),
-        f"{block}post_attention_layernorm.weight": r.norm(h, qwen),
+        head: r.matrix(*shapes["lm_head"], gain=3.0),
     }
-    if cfg.get("kv_lora_rank"):  # DeepSeek's MLA
-        t |= _mla(r, f"{block}self_attn.", cfg)
-    else:
-        t[f"{block}self_attn.q_proj.weight"] = r.matrix(2 * q if qwen else q, h)
-        t[f"{block}self_attn.k_proj.weight"] = r.matrix(kv, h)
-        t[f"{block}self_attn.v_proj.weight"] = r.matrix(kv, h)
-        t[f"{block}self_attn.o_proj.weight"] = r.matrix(h, q)
-    if family == "mimo" or cfg.get("attention_bias"):
-        for proj, size in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            t[f"{block}self_attn.{proj}.bias"] = r.normal(size, scale=0.1)
-    if qwen or cfg.get("use_qk_norm"):
-        t[f"{block}self_attn.q_norm.weight"] = r.norm(head_dim, qwen)
-        t[f"{block}self_attn.k_norm.weight"] = r.norm(head_dim, qwen)
-    mlp = f"{block}mlp."
-    experts = cfg.get("num_experts") if qwen else cfg.get("n_routed_experts")
-    if not experts:
-        return t | _mlp(r, mlp, h, cfg["intermediate_size"])
-    inter = cfg["moe_intermediate_size"]
-    t[f"{mlp}gate.weight"] = r.matrix(experts, h)
-    for e in range(experts):
-        t |= _mlp(r, f"{mlp}experts.{e}.", h, inter)
-    if qwen:
-        if shared := cfg.get("shared_expert_intermediate_size"):
-            t |= _mlp(r, f"{mlp}shared_expert.", h, shared)
-            t[f"{mlp}shared_expert_gate.weight"] = r.matrix(1, h)
-    else:
-        t[f"{mlp}gate.e_score_correction_bias"] = r.normal(experts, scale=0.1).abs()
-        if shared := cfg.get("n_shared_experts"):
-            t |= _mlp(r, f"{mlp}shared_experts.", h, inter * shared)
+    for key, name in kind.tensor_names(layout, c).items():
+        t[name] = r.draw(key, shapes[key], c.norm_unit_offset)
+        if key == "router":  # the routed experts follow it, one tensor each
+            for e in range(c.moe.num_experts):
+                for expert, n in expert_names(f"{layout.block}mlp.", e).items():
+                    t[n] = r.matrix(*shapes[expert])
     return t
 
 
@@ -172,16 +103,15 @@ def write_random_checkpoint(
 ) -> Path:
     """Writes config.json and safetensors for one MTP layer with random weights.
 
-    A MoE family gets a small MoE (8 experts, top 2) unless `extra_config` says otherwise.
+    A family's small checkpoint sets its synthetic_config's keys (a MoE family's: a small
+    MoE, 8 experts, top 2) unless `extra_config` says otherwise.
     """
-    if family not in _ARCHITECTURES:
-        raise ValueError(f"unknown family {family!r}")
+    kind = family_named(family)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    architecture, model_type = _ARCHITECTURES[family]
     cfg = {
-        "architectures": [architecture],
-        "model_type": model_type,
+        "architectures": [kind.architectures[0]],
+        "model_type": kind.model_type,
         "hidden_size": hidden_size,
         "num_attention_heads": num_attention_heads,
         "num_key_value_heads": num_key_value_heads,
@@ -196,7 +126,7 @@ def write_random_checkpoint(
         "tie_word_embeddings": False,
         "torch_dtype": _DTYPE_NAMES[dtype],
     }
-    cfg = cfg | _SMALL_MOE.get(family, {}) | (extra_config or {})
+    cfg = cfg | kind.synthetic_config | (extra_config or {})
     tensors = random_tensors(cfg, family, seed=seed, dtype=dtype)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
 

@@ -156,6 +156,13 @@ CONFIG_REFUSALS = {
         "partial_rotary_factor=0.05 of hidden_size / num_attention_heads=16 rotates 0 dims",
     ),
     "odd-mla-rope-dims": ("deepseek-v3", {"qk_rope_head_dim": 7}, "qk_rope_head_dim=7 is odd"),
+    # MLA has neither: read, they would be ignored.
+    "mla-with-biases": (
+        "deepseek-v3", {"attention_bias": True}, r"attention_bias=True is not supported \(MLA"
+    ),
+    "mla-with-qk-norms": (
+        "deepseek-v3", {"use_qk_norm": True}, r"use_qk_norm=True is not supported \(MLA"
+    ),
     "groups-do-not-divide-experts": (
         "glm-4.5", {"n_group": 3}, "n_group=3 does not divide n_routed_experts=8"
     ),

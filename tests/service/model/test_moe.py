@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_reference import sigmoid_grouped_topk, softmax_topk
+from reference_common import sigmoid_grouped_topk, softmax_topk
 
 from mtpdraft.service.model.config import MoEConfig
 from mtpdraft.service.model.moe import MoEMLP
