@@ -8,7 +8,7 @@ alternating round by round (--rounds), and the medians kept:
 1. batch 1: one verifier, one state, closed loop, K drafts a step, each step carrying
    the previous step's verdict (0 accepted: the same rows every step), over ProposeStream
    and over unary Propose: the round trip's p50 and mean, and what the proxy adds;
-2. a verifier of B states (--columns) stepping them as one ProposeColumns message:
+2. a verifier of B states (--columns) stepping them as one ProposeBatch message:
    its step's p50, direct and proxied;
 3. many verifiers (--streams concurrent ProposeStreams, one state each, each its own
    affinity key): drafts per second for --seconds, and the proxy's throughput ratio,
@@ -116,7 +116,7 @@ async def batch1(targets: dict[str, str], hidden: int, steps: int, unary: bool) 
 
 
 async def columns(targets: dict[str, str], hidden: int, steps: int, size: int) -> dict:
-    """Step times (s) of one verifier of `size` states, a ProposeColumns message a step,
+    """Step times (s) of one verifier of `size` states, a ProposeBatch message a step,
     for each target, taking turns."""
     clients = {n: AsyncDrafterClient(t, affinity_key="columns", timeout=CALL_TIMEOUT)
                for n, t in targets.items()}  # fmt: skip
@@ -128,7 +128,7 @@ async def columns(targets: dict[str, str], hidden: int, steps: int, size: int) -
         for n, c in clients.items():
             accepted = [0] * size if step else None
             t = time.perf_counter()
-            await c.propose_columns(
+            await c.propose_batch(
                 states[n], [7] * size, [PROMPT + step] * size, h, K, num_accepted=accepted
             )
             if step >= 10:
@@ -179,12 +179,13 @@ async def streams(target: str, hidden: int, count: int, seconds: float) -> dict:
 
 
 def _floor_request() -> bytes:
-    """A verifier's ProposeStream message of MiMo-7B's shape: a bf16 hidden of 4096."""
+    """A verifier's ProposeStream message of MiMo-7B's shape, one state (a batch of one): a
+    bf16 hidden of 4096."""
     from mtpdraft.client import messages as m
 
-    h = np.random.default_rng(5).standard_normal(FLOOR_HIDDEN, np.float32)
-    request = m.propose_request(1, 7, h.astype(np.float16), 2048, K, previous=Verdict(0))
-    request.hidden.dtype = m.pb.DTYPE_BF16  # the same bytes: only their size matters here
+    h = np.random.default_rng(5).standard_normal((1, FLOOR_HIDDEN), np.float32)
+    request = m.batch_request([1], [7], [2048], h.astype(np.float16), K, num_accepted=[0])
+    request.hiddens.dtype = m.pb.DTYPE_BF16  # the same bytes: only their size matters here
     return request.SerializeToString()
 
 
@@ -408,7 +409,7 @@ def render(data: dict) -> str:
             [
                 ("batch 1, ProposeStream", served["stream"]),
                 ("batch 1, unary Propose", served["unary"]),
-                (f"{env['columns']} states, one ProposeColumns", served["columns"]),
+                (f"{env['columns']} states, one ProposeBatch", served["columns"]),
             ]
         ),
         "",

@@ -5,8 +5,9 @@ Measured in the MiMo-7B MTP shape with random weights (bf16), every state holdin
 verdict (0 accepted: the same rows every step, on both sides):
 
 1. the in-process draft step at batch 1 (engine.propose), p50;
-2. the batch-1 hot path over gRPC on loopback: ProposeStream and unary Propose
-   (previous=...), p50, against (1) (DESIGN.md, "Targets": the stream at most 150 us above);
+2. the batch-1 hot path over gRPC on loopback: ProposeStream (a batch of one a message)
+   and unary Propose (previous=...), p50, against (1) (DESIGN.md, "Targets": the stream
+   at most 150 us above);
 3. 1, 8 and 64 concurrent streams (one state each) in drafts per second, against
    the in-process batched step (engine.propose_batch) at the same batch sizes
    (DESIGN.md, "Targets": at least 0.8x at 64), with the server's mean batch and, read from
@@ -149,9 +150,9 @@ async def prefilled_states(
     return states
 
 
-class ColumnsVerifier:
-    """One verifier of `size` prefilled states stepping them together, one ColumnsRequest
-    a step, each step carrying the last one's verdicts (0 accepted)."""
+class BatchVerifier:
+    """One verifier of `size` prefilled states stepping them together, one
+    ProposeBatchRequest a step, each step carrying the last one's verdicts (0 accepted)."""
 
     def __init__(self, client: Any, states: list[int], work: Workload) -> None:
         import numpy as np
@@ -162,7 +163,7 @@ class ColumnsVerifier:
         self.hiddens = _hiddens(len(states), work, 2)
 
     @classmethod
-    async def start(cls, target: str, size: int, work: Workload) -> ColumnsVerifier:
+    async def start(cls, target: str, size: int, work: Workload) -> BatchVerifier:
         from mtpdraft.client import AsyncDrafterClient
 
         client = AsyncDrafterClient(target, timeout=CALL_TIMEOUT_S)
@@ -170,13 +171,13 @@ class ColumnsVerifier:
         return cls(client, states, work)
 
     def request(self, index: int) -> Any:
-        """Step `index`'s ColumnsRequest (the first carries no verdicts)."""
+        """Step `index`'s ProposeBatchRequest (the first carries no verdicts)."""
         import numpy as np
 
         from mtpdraft.client import messages as m
 
         size, work = len(self.states), self.work
-        return m.columns_request(
+        return m.batch_request(
             self.ids, self.token, np.full(size, work.prompt + index), self.hiddens,
             work.num_drafts, num_accepted=np.zeros(size, dtype=np.int32) if index else None,
         )  # fmt: skip
@@ -444,13 +445,12 @@ def floor_suite(
 ) -> dict[str, Any]:
     """The grpc.aio floor for the same request bytes, at batch 1 (answers `step_s` late)
     and at each stream count."""
-    from mtpdraft.client import Verdict
+    from mtpdraft.client import ProposeArgs, Verdict
     from mtpdraft.client import messages as m
 
     hidden = _hiddens(1, work, seed=1)[0]
-    request = m.propose_request(
-        1, 7, hidden, work.prompt, work.num_drafts, previous=Verdict(0)
-    ).SerializeToString()
+    one = ProposeArgs(1, 7, hidden, work.prompt, work.num_drafts, previous=Verdict(0))
+    request = m.batch_request_of([one]).SerializeToString()
     return grpc_floor.floor(
         request,
         work.num_drafts,

@@ -2,14 +2,15 @@
 
 Each verifier steps its S states together, every step carrying the previous
 step's verdicts (0 accepted: the same rows every step on both sides), as:
-- `columns`: one ProposeColumns call a step (all S hiddens in one [S, H] tensor);
-- `columns-stream`: one message a step on a ProposeColumnsStream;
-- `batch`: one ProposeBatch call a step (one ProposeRequest per state).
+- `batch`: one ProposeBatch call a step (all S hiddens in one [S, H] tensor);
+- `stream`: one message a step on a ProposeStream;
+- `many`: one ProposeBatch call a step, built state by state (propose_many: the
+  client stacks S states' arguments into the columns).
 Verifiers are asyncio client processes (spawned), started together; a step's time
 is the verifier's round trip. Measured in the same run, as references:
 - the kernel-only chain: the K draft steps of B = V x S rows as one graph replay, with
   the host staging and the one wait (MTPHead.decode_chain), no engine around it;
-- the in-process engine: one ProposeColumns step as the server computes it (the
+- the in-process engine: one ProposeBatch step as the server computes it (the
   columns checked into a Step, then engine.propose_step), B = V x S;
 - the transport floor: a canned-reply grpc.aio server (grpc_floor.py) that answers the
   same request bytes one in-process step late, over TCP and a Unix socket; for V > 1,
@@ -17,11 +18,11 @@ is the verifier's round trip. Measured in the same run, as references:
   B = V x S) after the last arrives: what one batch a step allows with no server work;
 - one verifier of S states over the server's Unix socket (--unix-socket);
 - tracing on (a second server, with an SDK tracer and a no-op exporter) against off, at
-  the largest shapes: columns-stream on the two servers in turn, --rounds times, the
+  the largest shapes: stream on the two servers in turn, --rounds times, the
   median of each round's on/off ratio (one run of each moves by a few percent between
   runs: the verdict is taken from pairs measured back to back);
 - the Go client (client/go's mtpdraft-hotpath -states S, built by make polyglot-go):
-  V goroutines of one process, each a ProposeColumnsStream; skipped where not built.
+  V goroutines of one process, each a ProposeStream; skipped where not built.
 Writes verifier.json and verifier.md to --out-dir, with each target's verdict. Only
 ratios within one run count.
 
@@ -66,7 +67,7 @@ from results_file import write_results
 from scratch import scratch_folder
 from shapes import MIMO_7B, SMALL
 
-MODES = ("columns", "columns-stream", "batch")
+MODES = ("batch", "stream", "many")
 
 
 async def _verifier(target: str, mode: str, size: int, work: Workload, seed: int, barrier: Any):
@@ -85,12 +86,12 @@ async def _verifier(target: str, mode: str, size: int, work: Workload, seed: int
         states = await prefilled_states(client, size, work, rng, seed)
         ids = np.array(states, dtype=np.uint64)
         token = np.full(size, rng.randrange(work.vocab_size), dtype=np.int32)
-        if mode == "columns-stream":
-            stream = client.columns_stream(timeout=None)
+        if mode == "stream":
+            stream = client.stream(timeout=None)
 
         async def step(index: int) -> int:
             position = work.prompt + index  # 0 accepted: the bonus token is the next one
-            if mode == "batch":
+            if mode == "many":
                 requests = [
                     ProposeArgs(
                         state,
@@ -102,11 +103,12 @@ async def _verifier(target: str, mode: str, size: int, work: Workload, seed: int
                     )
                     for i, state in enumerate(states)
                 ]
-                return sum(len(p.tokens) for p in await client.propose_batch(requests))
-            columns = (ids, token, np.full(size, position), hiddens, work.num_drafts)
-            verdicts = np.zeros(size, dtype=np.int32) if index else None
-            send = stream.step if stream is not None else client.propose_columns
-            got = await send(*columns, num_accepted=verdicts)
+                got = await client.propose_many(requests)
+            else:
+                columns = (ids, token, np.full(size, position), hiddens, work.num_drafts)
+                verdicts = np.zeros(size, dtype=np.int32) if index else None
+                send = stream.step if stream is not None else client.propose_batch
+                got = await send(*columns, num_accepted=verdicts)
             assert not got.errors, got.errors
             return int(got.counts.sum())
 
@@ -150,7 +152,7 @@ def _prefilled(engine: Any, batch: int, work: Workload, seed: int) -> list[int]:
 
 
 def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, Any]:
-    """The engine alone on B = `batch` states: a ProposeColumns step as the server
+    """The engine alone on B = `batch` states: a ProposeBatch step as the server
     computes it (columns.step, then propose_step), and the kernel-only chain."""
     import numpy as np
 
@@ -207,11 +209,11 @@ def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, 
     return out
 
 
-def columns_request(size: int, work: Workload) -> bytes:
+def batch_request(size: int, work: Workload) -> bytes:
     """A verifier's step for `size` states as the wire carries it (the floor's payload)."""
     import numpy as np
 
-    from mtpdraft.client.messages import columns_request as build
+    from mtpdraft.client.messages import batch_request as build
 
     hiddens = _hiddens(size, work, 7)
     ids = np.arange(1, size + 1, dtype=np.uint64)
@@ -232,7 +234,7 @@ def late_floor(
     )
     try:
         target = f"unix:{unix}" if unix else server.target
-        request = columns_request(size, work)
+        request = batch_request(size, work)
         got = grpc_floor.measure(target, verifiers, verifiers, request, work.steps, work.warmup)
     finally:
         server.stop()
@@ -241,21 +243,21 @@ def late_floor(
     return {**got, "drafts_per_s": drafts, "step_us": step_s * 1e6, "over_step_us": over}
 
 
-SOCKET_MODE = "columns-stream, unix socket"
-TRACED_MODE = "columns-stream, tracing on (median round)"
-GO_MODE = "columns-stream, Go client"
+SOCKET_MODE = "stream, unix socket"
+TRACED_MODE = "stream, tracing on (median round)"
+GO_MODE = "stream, Go client"
 GO_HOTPATH = "client/go/build/bin/mtpdraft-hotpath"
 
 
 def tracing_rounds(
     off: str, on: str, verifiers: int, size: int, work: Workload, rounds: int
 ) -> dict[str, Any]:
-    """columns-stream on the tracing-off and tracing-on servers in turn, `rounds` times:
+    """stream on the tracing-off and tracing-on servers in turn, `rounds` times:
     the median round of tracing on, and the median of the rounds' on/off ratios."""
     pairs = []
     for _ in range(rounds):
-        got_off = _served(off, "columns-stream", verifiers, size, work)
-        got_on = _served(on, "columns-stream", verifiers, size, work)
+        got_off = _served(off, "stream", verifiers, size, work)
+        got_on = _served(on, "stream", verifiers, size, work)
         if "error" in got_off or "error" in got_on:
             return got_on if "error" in got_on else got_off
         pairs.append((got_off, got_on))
@@ -304,7 +306,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         verifiers, size = (int(n) for n in key.split("x"))
         slack = 150.0 if size == 1 else 300.0
         if verifiers == 1:
-            ways = (("columns-stream", "tcp"), (GO_MODE, "tcp"), (SOCKET_MODE, "unix"))
+            ways = (("stream", "tcp"), (GO_MODE, "tcp"), (SOCKET_MODE, "unix"))
             for mode, transport in ways:
                 if mode not in row:
                     continue
@@ -417,8 +419,7 @@ def main() -> int:
     parser.add_argument(
         "--ways",
         default=",".join((*MODES, "go", "unix", "tracing")),
-        help="the served ways to measure: columns, columns-stream, batch; go, unix, "
-        "tracing (each a columns-stream)",
+        help="the served ways to measure: batch, stream, many; go, unix, tracing (each a stream)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="off/on pairs measured for tracing")
     parser.add_argument("--num-drafts", type=int, default=4)
@@ -490,7 +491,7 @@ def main() -> int:
                 row[mode] = _served(server.target, mode, verifiers, size, work)
             if verifiers == 1 and "unix" in ways:
                 target = f"unix:{served_socket}"
-                row[SOCKET_MODE] = _served(target, "columns-stream", 1, size, work)
+                row[SOCKET_MODE] = _served(target, "stream", 1, size, work)
             if traced is not None and verifiers * size == largest:
                 row[TRACED_MODE] = tracing_rounds(
                     server.target, traced.target, verifiers, size, work, args.rounds

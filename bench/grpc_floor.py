@@ -7,8 +7,9 @@ Python grpc.aio service could reach on this machine. At batch 1 the server first
 waits as long as the in-process step takes (blocking its loop, as a computing
 engine would): both processes then idle between messages, and waking them costs
 more than a back-to-back echo. bench_service.py reports these next to the
-service's own figures. With STATES, the reply is a ColumnsResponse of STATES rows (a
-verifier's step, bench_verifier.py); with TOGETHER > 1 the server waits for that many
+service's own figures. The reply is a ProposeBatchResponse of STATES rows (1 by
+default: one state, a batch of one; more: a verifier's step, bench_verifier.py);
+with TOGETHER > 1 the server waits for that many
 messages (one per verifier), then answers them all one DELAY late (one batch a step,
 as the service batches its verifiers); with UNIX it listens there too.
 
@@ -31,26 +32,19 @@ START_TIMEOUT_S = 60.0
 
 
 def _canned_reply(num_drafts: int, states: int = 0) -> bytes:
+    """The answer to a batch of `states` states (0: one), num_drafts drafts each."""
     from mtpdraft.v1 import drafter_pb2 as pb
 
-    if states:
-        return pb.ColumnsResponse(
-            request_id=1,
-            width=num_drafts,
-            drafts=list(range(num_drafts)) * states,
-            probs=[0.5] * (num_drafts * states),
-            draft_counts=[num_drafts] * states,
-            confidences=[0.5] * states,
-            first_positions=[2048] * states,
-        ).SerializeToString()
-    proposal = pb.Proposal(
-        state_id=1,
-        tokens=list(range(num_drafts)),
-        probs=[0.5] * num_drafts,
-        confidence=0.5,
-        first_position=2048,
-    )
-    return pb.ProposeStreamResponse(request_id=1, proposal=proposal).SerializeToString()
+    states = max(states, 1)
+    return pb.ProposeBatchResponse(
+        request_id=1,
+        width=num_drafts,
+        drafts=list(range(num_drafts)) * states,
+        probs=[0.5] * (num_drafts * states),
+        draft_counts=[num_drafts] * states,
+        confidences=[0.5] * states,
+        first_positions=[2048] * states,
+    ).SerializeToString()
 
 
 def serve(

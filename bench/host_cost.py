@@ -1,6 +1,6 @@
 """The host's share of a served verifier step, stage by stage, on the CPU alone.
 
-One ProposeColumns step of B states (bf16 hiddens [B, H], K drafts, the verdicts fused)
+One ProposeBatch step of B states (bf16 hiddens [B, H], K drafts, the verdicts fused)
 through every stage that runs on a host, each timed alone (median of --iters calls):
 the client building and serializing the request, the server parsing it and reading it
 into the engine's columns and Step, the server making and serializing the answer, the
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from results_file import write_results
 
-from mtpdraft.client.messages import columns_request, parse_columns
+from mtpdraft.client.messages import batch_request, parse_batch
 from mtpdraft.service import wire
 from mtpdraft.service.engine.columns import step as columns_step
 from mtpdraft.service.engine.step import StepResult
@@ -67,13 +67,13 @@ def stages(batch: int, hidden: int, iters: int, before: Callable[[], object]) ->
     tokens, positions = np.ones(batch, np.int32), np.full(batch, 2048)
     verdicts = np.zeros(batch, np.int32)
 
-    def build() -> pb.ColumnsRequest:
-        return columns_request(ids, tokens, positions, hiddens, K, num_accepted=verdicts)
+    def build() -> pb.ProposeBatchRequest:
+        return batch_request(ids, tokens, positions, hiddens, K, num_accepted=verdicts)
 
     request = build()
     data = request.SerializeToString()
-    parsed = pb.ColumnsRequest.FromString(data)
-    columns = wire.columns(parsed)
+    parsed = pb.ProposeBatchRequest.FromString(data)
+    columns = wire.batch(parsed)
     result = StepResult(
         drafts=np.zeros((batch, K), np.int64),
         probs=np.full((batch, K), 0.5, np.float32),
@@ -82,7 +82,7 @@ def stages(batch: int, hidden: int, iters: int, before: Callable[[], object]) ->
         first_positions=positions.astype(np.int64),
         errors={},
     )
-    answer = wire.columns_answer(1, result, {}).SerializeToString()
+    answer = wire.batch_answer(1, result, {}).SerializeToString()
 
     def timed(fn: Callable[[], object]) -> float:
         return timed_us(fn, iters, before)
@@ -90,16 +90,16 @@ def stages(batch: int, hidden: int, iters: int, before: Callable[[], object]) ->
     out = {
         "client: build the request": timed(build),
         "client: serialize it": timed(request.SerializeToString),
-        "server: parse it": timed(lambda: pb.ColumnsRequest.FromString(data)),
-        "server: read the columns (wire.columns)": timed(lambda: wire.columns(parsed)),
+        "server: parse it": timed(lambda: pb.ProposeBatchRequest.FromString(data)),
+        "server: read the columns (wire.batch)": timed(lambda: wire.batch(parsed)),
         "server: check them into a Step": timed(
             lambda: columns_step(columns, hidden, VOCAB, max(batch, 1))
         ),
         "server: the answer, made and serialized": timed(
-            lambda: wire.columns_answer(1, result, {}).SerializeToString()
+            lambda: wire.batch_answer(1, result, {}).SerializeToString()
         ),
         "client: parse the answer": timed(
-            lambda: parse_columns(pb.ColumnsResponse.FromString(answer))
+            lambda: parse_batch(pb.ProposeBatchResponse.FromString(answer), ids)
         ),
     }
     out["all of them"] = sum(out.values())

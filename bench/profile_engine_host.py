@@ -1,4 +1,4 @@
-"""Where the engine's host time goes in one ProposeColumns step, beside its chain.
+"""Where the engine's host time goes in one ProposeBatch step, beside its chain.
 
 Builds the engine as `mtpdraft serve` does on a small random MiMo checkpoint, prefills
 B states, then profiles (cProfile) --steps steps of B rows, each checked into a Step

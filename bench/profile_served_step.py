@@ -1,6 +1,6 @@
-"""Where a served verifier step goes: one verifier, B states, ProposeColumns, profiled.
+"""Where a served verifier step goes: one verifier, B states, ProposeBatch, profiled.
 
-Starts the server as bench_service does, steps B states with ProposeColumns
+Starts the server as bench_service does, steps B states with ProposeBatch
 (0 accepted each step) and, over the measured steps, samples the server with
 py-spy (every thread, idle included, raw stacks) while the client times its
 own phases (building the request, the round trip, reading the answer). Writes
@@ -27,7 +27,7 @@ from bench_service import (
     BLOCK_SIZE,
     CALL_TIMEOUT_S,
     MAX_POSITIONS,
-    ColumnsVerifier,
+    BatchVerifier,
     Workload,
     log,
     serve_argv,
@@ -40,7 +40,7 @@ from shapes import MIMO_7B, SMALL
 async def steps(target: str, size: int, work: Workload, record_s: float, spy: list[str]):
     from mtpdraft.client import messages as m
 
-    verifier = await ColumnsVerifier.start(target, size, work)
+    verifier = await BatchVerifier.start(target, size, work)
     phases = collections.defaultdict(list)
     recorder = None
     for index in range(work.warmup + work.steps):
@@ -50,9 +50,9 @@ async def steps(target: str, size: int, work: Workload, record_s: float, spy: li
         t0 = time.perf_counter()
         request = verifier.request(index)
         t1 = time.perf_counter()
-        response = await verifier.client._stub.ProposeColumns(request, timeout=CALL_TIMEOUT_S)
+        response = await verifier.client._stub.ProposeBatch(request, timeout=CALL_TIMEOUT_S)
         t2 = time.perf_counter()
-        m.parse_columns(response)
+        m.parse_batch(response, verifier.states)
         t3 = time.perf_counter()
         if recorder is not None:
             for name, value in (("build", t1 - t0), ("round_trip", t2 - t1), ("read", t3 - t2)):

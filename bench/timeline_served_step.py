@@ -7,8 +7,8 @@ NaN/inf check, graph staging, the wait for the GPU; on the engine thread, or on
 the loop's where no other verifier is due: --batches-on compares the two; on a CPU,
 --chain-ms waits instead of computing each chain, as a GPU's chain is to the host), the
 answer and its serializer. The chain's GPU time is read from CUDA events around
-its replay. One verifier then steps B states, one ColumnsRequest a step (on a
-ProposeColumnsStream, or unary ProposeColumns with --unary), stamping its own
+its replay. One verifier then steps B states, one ProposeBatchRequest a step (on a
+ProposeStream, or unary ProposeBatch with --unary), stamping its own
 phases. --awake keeps both processes' event loops polling instead of sleeping between
 messages (the A/B of the serving threads kept awake; --awake server, the server's
 alone). Each hop's median over the steps is written, with the command, to --out-dir as
@@ -41,7 +41,7 @@ from bench_service import (
     CALL_TIMEOUT_S,
     MAX_POSITIONS,
     SERVER_START_TIMEOUT_S,
-    ColumnsVerifier,
+    BatchVerifier,
     Workload,
     _hiddens,
     log,
@@ -139,8 +139,8 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
 
         setattr(owner, name, wrapper)
 
-    around(wire, "columns", "read_start", "read_end")
-    around(wire, "columns_answer", "answer_start", "answer_end")
+    around(wire, "batch", "read_start", "read_end")
+    around(wire, "batch_answer", "answer_start", "answer_end")
     around(ProposeScheduler, "enqueue", "enqueued", None)
     around(ProposeScheduler, "_answer", "loop_back", None)  # back on the loop, either way
     around(engine.DraftEngine, "propose_step", "engine_start", "engine_end")
@@ -304,9 +304,9 @@ async def _steps(
     if awake:
         keep_awake()
 
-    verifier = await ColumnsVerifier.start(target, size, work)
+    verifier = await BatchVerifier.start(target, size, work)
     stub = verifier.client._stub
-    stream = None if unary else stub.ProposeColumnsStream()
+    stream = None if unary else stub.ProposeStream()
     steps = []
     now = time.perf_counter_ns
     for index in range(work.warmup + work.steps):
@@ -315,12 +315,12 @@ async def _steps(
         request.request_id = index + 1
         t["c_built"] = now()
         if stream is None:
-            response = await stub.ProposeColumns(request, timeout=CALL_TIMEOUT_S)
+            response = await stub.ProposeBatch(request, timeout=CALL_TIMEOUT_S)
         else:
             await stream.write(request)
             response = await stream.read()
         t["c_received"] = now()
-        got = m.parse_columns(response)
+        got = m.parse_batch(response, verifier.states)
         t["c_done"] = now()
         assert not got.errors and int(got.counts.sum()), got.errors
         if index >= work.warmup:
@@ -437,7 +437,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200)
     way = parser.add_mutually_exclusive_group()
-    way.add_argument("--unary", action="store_true", help="ProposeColumns, not the stream")
+    way.add_argument("--unary", action="store_true", help="ProposeBatch, not the stream")
     way.add_argument("--in-process", action="store_true", help="the engine alone, no server")
     parser.add_argument(
         "--batches-on",
@@ -506,7 +506,7 @@ def main() -> int:
         finally:
             server.stop()
         got = {"steps": steps, **json.loads(stamps_file.read_text())}
-        way = "One verifier, " + ("unary ProposeColumns" if args.unary else "ProposeColumnsStream")
+        way = "One verifier, " + ("unary ProposeBatch" if args.unary else "ProposeStream")
         name = "unary" if args.unary else "stream"
         if args.batches_on != "auto":
             way += f", batches on the {args.batches_on.replace('-', ' ')}"

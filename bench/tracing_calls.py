@@ -1,13 +1,14 @@
 """Where tracing's cost goes per stream message: the server loop's Python calls, off and on.
 
 A server on the CPU (a small random MiMo checkpoint, in this process, its event loop on
-a thread of its own) serves --streams ProposeStreams of one state each, --messages
-messages a stream; cProfile records the loop's thread while they run, once with
-telemetry off and once with server spans through an SDK TracerProvider to an exporter
-that drops them (bench_service's traced server). Call counts per message do not depend
-on the CPU's speed, unlike its time; the loop's own calls (its wake-ups, callbacks)
-move with how the messages happened to batch, so the table lists the calls made only
-with tracing on, per message. Writes tracing_calls.json and .md to --out-dir.
+a thread of its own) serves --streams ProposeStreams of one state each (a batch of
+one a message), --messages messages a stream; cProfile records the loop's thread
+while they run, once with telemetry off and once with server spans through an SDK
+TracerProvider to an exporter that drops them (bench_service's traced server). Call
+counts per message do not depend on the CPU's speed, unlike its time; the loop's own
+calls (its wake-ups, callbacks) move with how the messages happened to batch, so the
+table lists the calls made only with tracing on, per message. Writes tracing_calls.json
+and .md to --out-dir.
 
     python bench/tracing_calls.py [--streams 16] [--messages 40] [--out-dir bench/results]
 """
@@ -54,11 +55,13 @@ async def _streams(address: str, hidden: int, streams: int, messages: int, start
         call = client._stub.ProposeStream()
         for k in range(count):
             position = PROMPT + 1 + first + k
-            previous = 0 if first or k else None
+            verdicts = [0] if first or k else None
             hiddens = torch.randn(1, hidden)
-            await call.write(m.propose_request(state, 7, hiddens, position, K, previous=previous))
+            await call.write(
+                m.batch_request([state], [7], [position], hiddens, K, num_accepted=verdicts)
+            )
             answer = await call.read()
-            assert answer.WhichOneof("result") == "proposal", answer
+            assert not answer.HasField("error") and list(answer.draft_counts) == [K], answer
         await call.done_writing()
 
     warmup = 5

@@ -31,10 +31,10 @@ from .errors import (
 )
 from .messages import AFFINITY_HEADER, DEFAULT_CHUNK_BYTES
 from .recovery import is_state_lost, move_state, move_state_async, reprefill, reprefill_async
-from .stream import AsyncColumnsStream, AsyncProposeStream, ColumnsStream, ProposeStream
+from .stream import AsyncProposeStream, ProposeStream
 from .sync_client import DrafterClient
 from .types import (
-    ColumnsResult,
+    BatchResult,
     InstallResult,
     KVHandle,
     PrefillResult,
@@ -48,11 +48,9 @@ from .types import (
 __all__ = [
     "AFFINITY_HEADER",
     "DEFAULT_CHUNK_BYTES",
-    "AsyncColumnsStream",
     "AsyncDrafterClient",
     "AsyncProposeStream",
-    "ColumnsResult",
-    "ColumnsStream",
+    "BatchResult",
     "DeadlineExceeded",
     "DrafterClient",
     "DrafterError",

@@ -175,7 +175,8 @@ def from_rpc_error(err: grpc.RpcError) -> DrafterError:
 
 
 def error_from_value(error: pb.Error) -> DrafterError:
-    """The typed exception for an error carried as a value (a ProposeStream answer)."""
+    """The typed exception for an error carried as a value (a failed ProposeBatch row, or a
+    ProposeStream message that failed as a whole)."""
     code = _CODE_BY_VALUE.get(error.code, grpc.StatusCode.UNKNOWN)
     return _error_class(code, error.reason or None)(
         code,

@@ -9,9 +9,10 @@ mutual TLS and with a bearer token as the clients' options say (``--tls-ca``,
 ``--tls-cert`` / ``--tls-key``, ``--token-file``; see `command_line`).
 
 Each verifier (see `loadtest_verifier`) runs sequences of verify steps on its
-own state: ``--mode stream`` (one ProposeStream per verifier, the hot path),
-``unary`` (Propose carrying the previous verdict: one round trip per step) or
-``split`` (AfterVerify then Propose: two). Closed loop by default (each
+own state: ``--mode stream`` (one ProposeStream per verifier, the hot path: a
+message a step, its state a batch of one), ``unary`` (Propose carrying the
+previous verdict: one round trip per step) or ``split`` (AfterVerify then
+Propose: two). Closed loop by default (each
 verifier's next step starts when the last is answered, after ``--verify-ms``);
 ``--rate R`` makes it open loop: Poisson arrivals at R steps/s in all. The
 warm-up lasts until every verifier is through its first ``--warmup-steps``
@@ -759,7 +760,8 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_target_option(p, DEFAULT_TARGET)
     _option(
-        p, "--mode", "stream: ProposeStream; unary: Propose(previous=...); split: "
+        p, "--mode", "stream: ProposeStream (a batch of one a step); unary: Propose(previous=...); "
+        "split: "
         "AfterVerify+Propose", choices=MODES,
     )  # fmt: skip
     _option(

@@ -20,7 +20,7 @@ from mtpdraft.v1 import drafter_pb2 as pb
 from . import wire
 from .errors import error_from_value
 from .types import (
-    ColumnsResult,
+    BatchResult,
     InstallResult,
     KVHandle,
     PrefillResult,
@@ -172,7 +172,7 @@ def verdict_message(previous: Verdict | int, into: pb.Verdict | None = None) -> 
     if not isinstance(previous, Verdict):
         previous = Verdict(num_accepted=previous)
     msg = pb.Verdict() if into is None else into
-    msg.num_accepted = _int(previous.num_accepted, "num_accepted", 0, _INT32_MAX)
+    msg.num_accepted = _accepted(previous)
     if previous.refeed_hiddens is not None:
         refeed = previous.refeed_hiddens
         wire.encode_hidden(refeed, ndims=(1, 2), name="refeed_hiddens", into=msg.refeed_hiddens)
@@ -189,11 +189,9 @@ def propose_request(
     bitmask: wire.Array | None = None,
     min_confidence: float = 0.0,
     previous: Verdict | int | None = None,
-    into: pb.ProposeRequest | None = None,
 ) -> pb.ProposeRequest:
-    """A ProposeRequest; ``previous`` fuses the pending proposal's AfterVerify into it.
-    ``into``: a ProposeBatchRequest's new request, filled in place."""
-    req = pb.ProposeRequest() if into is None else into
+    """A ProposeRequest; ``previous`` fuses the pending proposal's AfterVerify into it."""
+    req = pb.ProposeRequest()
     req.state_id = _uint64(state, "state")
     req.token = _int(token, "token", _INT32_MIN, _INT32_MAX)
     wire.encode_hidden(hidden, ndims=(1, 2), name="hidden", into=req.hidden)
@@ -205,26 +203,6 @@ def propose_request(
     if previous is not None:
         verdict_message(previous, into=req.previous)
     return req
-
-
-def propose_batch_request(requests: Sequence[ProposeArgs]) -> pb.ProposeBatchRequest:
-    """A ProposeBatchRequest from :class:`ProposeArgs`, in order."""
-    batch = pb.ProposeBatchRequest()
-    for i, a in enumerate(requests):
-        if not isinstance(a, ProposeArgs):
-            raise TypeError(f"requests[{i}]: expected ProposeArgs, got {type(a).__name__}")
-        propose_request(
-            a.state,
-            a.token,
-            a.hidden,
-            a.position,
-            a.num_drafts,
-            bitmask=a.bitmask,
-            min_confidence=a.min_confidence,
-            previous=a.previous,
-            into=batch.requests.add(),
-        )
-    return batch
 
 
 def _column(values: Any, name: str, dtype: type, size: int, *, one_for_all: bool) -> list:
@@ -245,7 +223,7 @@ def _column(values: Any, name: str, dtype: type, size: int, *, one_for_all: bool
     return arr.astype(dtype, copy=False).tolist()
 
 
-def columns_request(
+def batch_request(
     state_ids: Any,
     tokens: Any,
     positions: Any,
@@ -258,11 +236,11 @@ def columns_request(
     bitmask_rows: Any = None,
     bitmasks: wire.Array | None = None,
     min_confidence: Any = None,
-) -> pb.ColumnsRequest:
-    """A ColumnsRequest: B states' step as columns (see ``DrafterClient.propose_columns``)."""
+) -> pb.ProposeBatchRequest:
+    """A ProposeBatchRequest: B states' step as columns (see ``DrafterClient.propose_batch``)."""
     ids = np.asarray(state_ids.detach().cpu() if wire.is_torch_tensor(state_ids) else state_ids)
     size = len(ids.reshape(-1))
-    req = pb.ColumnsRequest(
+    req = pb.ProposeBatchRequest(
         state_ids=_column(ids, "state_ids", np.uint64, size, one_for_all=False),
         tokens=_column(tokens, "tokens", np.int32, size, one_for_all=False),
         positions=_column(positions, "positions", np.int64, size, one_for_all=False),
@@ -293,6 +271,90 @@ def columns_request(
             _column(min_confidence, "min_confidence", np.float32, size, one_for_all=True)
         )
     return req
+
+
+def batch_request_of(requests: Sequence[ProposeArgs]) -> pb.ProposeBatchRequest:
+    """A ProposeBatchRequest from states given one by one: row i is ``requests[i]``'s (their
+    hiddens stacked, their refeeds and bitmasks one after another, with each one's row
+    count)."""
+    if not requests:
+        raise ValueError("requests: expected at least one")
+    hiddens, refeeds, masks = _Rows("hidden"), _Rows("refeed_hiddens"), _Rows("bitmask")
+    req = pb.ProposeBatchRequest()
+    accepted, refeed_rows, mask_rows = [], [], []
+    for i, a in enumerate(requests):
+        if not isinstance(a, ProposeArgs):
+            raise TypeError(f"requests[{i}]: expected ProposeArgs, got {type(a).__name__}")
+        req.state_ids.append(_uint64(a.state, "state"))
+        req.tokens.append(_int(a.token, "token", _INT32_MIN, _INT32_MAX))
+        req.positions.append(_int(a.position, "position", -(2**63), 2**63 - 1))
+        req.num_drafts.append(_int(a.num_drafts, "num_drafts", _INT32_MIN, _INT32_MAX))
+        req.min_confidence.append(float(a.min_confidence))
+        if hiddens.add(a.hidden, wire.HIDDEN_DTYPES, i) != 1:
+            raise ValueError(f"requests[{i}].hidden: expected one row, [H] or [1, H]")
+        verdict = a.previous
+        if verdict is not None and not isinstance(verdict, Verdict):
+            verdict = Verdict(verdict)  # a bare accepted count
+        accepted.append(-1 if verdict is None else _accepted(verdict))
+        refeed = None if verdict is None else verdict.refeed_hiddens
+        refeed_rows.append(0 if refeed is None else refeeds.add(refeed, wire.HIDDEN_DTYPES, i))
+        mask_rows.append(0 if a.bitmask is None else masks.add(a.bitmask, wire.BITMASK_DTYPES, i))
+    hiddens.into(req.hiddens)
+    if any(n >= 0 for n in accepted):
+        req.num_accepted.extend(accepted)
+    if any(refeed_rows):
+        req.refeed_rows.extend(refeed_rows)
+        refeeds.into(req.refeed_hiddens)
+    if any(mask_rows):
+        req.bitmask_rows.extend(mask_rows)
+        masks.into(req.bitmasks)
+    if not any(req.min_confidence):
+        del req.min_confidence[:]
+    return req
+
+
+def _accepted(verdict: Verdict) -> int:
+    return _int(verdict.num_accepted, "num_accepted", 0, _INT32_MAX)
+
+
+class _Rows:
+    """One tensor column's rows, gathered state by state (each state's [n, X], or one row
+    flat, [X]). Rows of different dtypes meet in float32, exact for all; bitmask rows of
+    fewer words are padded with zero words, which allow no token, as the server reads them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.parts: list[tuple[np.ndarray, int]] = []
+
+    def add(self, x: wire.Array, allowed: frozenset[int], i: int) -> int:
+        """Adds ``requests[i]``'s rows; returns how many."""
+        name = f"requests[{i}].{self.name}"
+        raw, dtype = wire.as_raw(x, allowed=allowed, ndims=(1, 2), name=name)
+        rows = raw
+        if raw.ndim == 1:  # one row flat, or none
+            rows = raw.reshape(1, -1) if raw.size else raw.reshape(0, 0)
+        if len(rows):
+            self.parts.append((rows, dtype))
+        return len(rows)
+
+    def into(self, msg: pb.Tensor) -> None:
+        """The rows as one tensor, written into ``msg``."""
+        dtypes = {dtype for _, dtype in self.parts}
+        dtype = dtypes.pop() if len(dtypes) == 1 else wire.FP32
+        width = max(rows.shape[1] for rows, _ in self.parts)
+        parts = [self._fitted(rows, d, dtype, width) for rows, d in self.parts]
+        wire.tensor_from_raw(parts[0] if len(parts) == 1 else np.concatenate(parts), dtype, msg)
+
+    def _fitted(self, rows: np.ndarray, dtype: int, to: int, width: int) -> np.ndarray:
+        """Raw rows of ``dtype`` as raw rows of ``to`` (``dtype`` or float32), ``width`` wide."""
+        if dtype != to:
+            floats = (rows.astype(np.uint32) << 16).view(np.float32) if dtype == wire.BF16 else rows
+            rows = floats.astype(wire.STORAGE[to])
+        if rows.shape[1] == width:
+            return rows
+        if to != wire.INT32:
+            raise ValueError(f"{self.name}: rows of {rows.shape[1]} and of {width} values")
+        return np.pad(rows, ((0, 0), (0, width - rows.shape[1])))
 
 
 def after_verify_request(
@@ -427,14 +489,12 @@ def parse_proposal(resp: pb.Proposal) -> Proposal:
     )
 
 
-def parse_propose_batch(resp: pb.ProposeBatchResponse) -> list[Proposal]:
-    return [parse_proposal(p) for p in resp.proposals]
-
-
-def parse_columns(resp: pb.ColumnsResponse) -> ColumnsResult:
-    """A ColumnsResponse as numpy columns; the failed rows' errors by row."""
+def parse_batch(resp: pb.ProposeBatchResponse, state_ids: Sequence[int]) -> BatchResult:
+    """A ProposeBatchResponse (to a request naming ``state_ids``) as numpy columns; the
+    failed rows' errors by row."""
     size = len(resp.draft_counts)
-    return ColumnsResult(
+    return BatchResult(
+        state_ids=np.array(list(state_ids), dtype=np.uint64),
         drafts=np.array(resp.drafts[:], dtype=np.int32).reshape(size, resp.width),
         probs=np.array(resp.probs[:], dtype=np.float32).reshape(size, resp.width),
         counts=np.array(resp.draft_counts[:], dtype=np.int32),

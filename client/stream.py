@@ -1,15 +1,14 @@
-"""The hot path: one stream per verifier, one message per verify step.
+"""The hot path: one ProposeStream per verifier, one message per verify step.
 
-A ProposeStream carries one state's step a message; a ProposeColumnsStream
-(ColumnsStream) a whole verifier step for many states.
-
-Each `propose` sends one ProposeRequest (usually carrying `previous`, the verdict
-on the state's last proposal) and returns its answer: one round trip per verify
-step. Many states can share one stream and have requests in flight at once
-(`submit` returns a future); answers are matched by request id. A bad request
-raises its typed error and leaves the stream open. A stream has no deadline unless
-opened with one (``client.stream(timeout=...)``, for the whole stream); the client's
-default timeout is for its unary calls.
+Each message is a ProposeBatch of the verifier's states (``step`` takes the arguments of
+``propose_batch``; ``propose`` sends one state as a batch of one), usually carrying each
+state's verdict on its last proposal: one round trip per verify step. Many messages can
+be in flight at once (``submit`` returns a future); answers are matched by request id,
+and two messages naming one state are served in the order sent. A failed row has its
+error in the answer's ``errors``; a message that fails as a whole raises its typed error
+and leaves the stream open. A stream has no deadline unless opened with one
+(``client.stream(timeout=...)``, for the whole stream); the client's default timeout is
+for its unary calls.
 """
 
 from __future__ import annotations
@@ -27,69 +26,87 @@ from mtpdraft.v1 import drafter_pb2 as pb
 
 from . import messages as m
 from .errors import DrafterError, Unavailable, error_from_value, from_rpc_error
-from .types import ColumnsResult, Proposal
+from .types import BatchResult, Proposal, ProposeArgs, Verdict
+from .wire import Array
 
 _CLOSE = object()
 
 
-def _outcome(resp: pb.ProposeStreamResponse) -> Proposal | DrafterError:
+def _outcome(resp: pb.ProposeBatchResponse, state_ids: Any) -> BatchResult | DrafterError:
     if resp.HasField("error"):
         return error_from_value(resp.error)
-    return m.parse_proposal(resp.proposal)
-
-
-def _columns_outcome(resp: pb.ColumnsResponse) -> ColumnsResult | DrafterError:
-    if resp.HasField("error"):
-        return error_from_value(resp.error)
-    return m.parse_columns(resp)
+    return m.parse_batch(resp, state_ids)
 
 
 def _closed() -> DrafterError:
     return Unavailable(grpc.StatusCode.UNAVAILABLE, "the propose stream is closed")
 
 
+def _one_state(
+    state: int,
+    token: int,
+    hidden: Array,
+    position: int,
+    num_drafts: int,
+    *,
+    bitmask: Array | None = None,
+    min_confidence: float = 0.0,
+    previous: Verdict | int | None = None,
+) -> pb.ProposeBatchRequest:
+    """A batch of one state (the arguments of ``DrafterClient.propose``)."""
+    args = ProposeArgs(
+        state, token, hidden, position, num_drafts, bitmask, min_confidence, previous
+    )
+    return m.batch_request_of([args])
+
+
 class ProposeStream:
     """A blocking client's stream. Thread-safe; use as a context manager."""
 
-    _method = "ProposeStream"
-    _request, _outcome = staticmethod(m.propose_request), staticmethod(_outcome)
-
     def __init__(self, stub: Any, timeout: float | None, metadata: m.Metadata = None) -> None:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._futures: dict[int, Future] = {}
+        self._futures: dict[int, tuple[Future, Any]] = {}  # request id -> (future, state ids)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
         self._failure: DrafterError = _closed()  # why the stream ended, once it has
         requests = iter(self._requests.get, _CLOSE)
-        self._call = getattr(stub, self._method)(requests, timeout=timeout, metadata=metadata)
+        self._call = stub.ProposeStream(requests, timeout=timeout, metadata=metadata)
         self._reader = threading.Thread(target=self._read, daemon=True, name="propose-stream")
         self._reader.start()
 
-    def submit(self, *args: Any, **kwargs: Any) -> Future[Proposal]:
-        """Sends one request (the arguments of `DrafterClient.propose`); returns its future."""
-        request = self._request(*args, **kwargs)
-        future: Future[Proposal] = Future()
+    def submit(self, *columns: Any, **kwargs: Any) -> Future[BatchResult]:
+        """Sends one step (the arguments of `DrafterClient.propose_batch`); returns the future
+        of its answer."""
+        return self._send(m.batch_request(*columns, **kwargs))
+
+    def step(self, *columns: Any, **kwargs: Any) -> BatchResult:
+        """One verify step's round trip: the arguments of `DrafterClient.propose_batch`."""
+        return self.submit(*columns, **kwargs).result()
+
+    def propose(self, *args: Any, **kwargs: Any) -> Proposal:
+        """One state's round trip, a batch of one (the arguments of `DrafterClient.propose`);
+        raises its error if it failed."""
+        return self._send(_one_state(*args, **kwargs)).result().proposal(0)
+
+    def _send(self, request: pb.ProposeBatchRequest) -> Future[BatchResult]:
+        future: Future[BatchResult] = Future()
         with self._lock:
             if self._closed:
                 raise self._failure
             request.request_id = next(self._ids)
-            self._futures[request.request_id] = future
+            self._futures[request.request_id] = (future, request.state_ids)
         self._requests.put(request)
         return future
-
-    def propose(self, *args: Any, **kwargs: Any) -> Proposal:
-        """One verify step's round trip: the arguments of `DrafterClient.propose`."""
-        return self.submit(*args, **kwargs).result()
 
     def _read(self) -> None:
         failure: DrafterError = _closed()
         try:
             for resp in self._call:
                 with self._lock:
-                    future = self._futures.pop(resp.request_id, None)
+                    future, state_ids = self._futures.pop(resp.request_id, (None, None))
                 if future is not None:
-                    outcome = self._outcome(resp)
+                    outcome = _outcome(resp, state_ids)
                     if isinstance(outcome, DrafterError):
                         future.set_exception(outcome)
                     else:
@@ -100,7 +117,7 @@ class ProposeStream:
             self._closed = True
             self._failure = failure
             pending, self._futures = self._futures, {}
-        for future in pending.values():
+        for future, _ in pending.values():
             future.set_exception(failure)
 
     def close(self) -> None:
@@ -116,42 +133,48 @@ class ProposeStream:
 
 
 class AsyncProposeStream:
-    """An asyncio client's stream; use with `async with`."""
-
-    _method = "ProposeStream"
-    _request, _outcome = staticmethod(m.propose_request), staticmethod(_outcome)
+    """An asyncio client's stream (see ProposeStream); use with `async with`."""
 
     def __init__(self, stub: Any, timeout: float | None, metadata: m.Metadata = None) -> None:
-        self._call = getattr(stub, self._method)(timeout=timeout, metadata=metadata)
-        self._futures: dict[int, asyncio.Future] = {}
+        self._call = stub.ProposeStream(timeout=timeout, metadata=metadata)
+        self._futures: dict[int, tuple[asyncio.Future, Any]] = {}  # id -> (future, state ids)
         self._ids = itertools.count(1)
         self._write_lock = asyncio.Lock()
         self._failure: DrafterError = _closed()  # why the stream ended, once it has
         self._reader = asyncio.create_task(self._read())
 
-    async def submit(self, *args: Any, **kwargs: Any) -> asyncio.Future[Proposal]:
-        """Sends one request (the arguments of `propose`); returns the future of its answer."""
+    async def submit(self, *columns: Any, **kwargs: Any) -> asyncio.Future[BatchResult]:
+        """Sends one step (the arguments of `propose_batch`); returns the future of its
+        answer."""
+        return await self._send(m.batch_request(*columns, **kwargs))
+
+    async def step(self, *columns: Any, **kwargs: Any) -> BatchResult:
+        """One verify step's round trip: the arguments of `propose_batch`."""
+        return await (await self.submit(*columns, **kwargs))
+
+    async def propose(self, *args: Any, **kwargs: Any) -> Proposal:
+        """One state's round trip, a batch of one (the arguments of `propose`); raises its
+        error if it failed."""
+        return (await (await self._send(_one_state(*args, **kwargs)))).proposal(0)
+
+    async def _send(self, request: pb.ProposeBatchRequest) -> asyncio.Future[BatchResult]:
         if self._reader.done():
             raise self._failure
-        request = self._request(*args, **kwargs)
         request.request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        self._futures[request.request_id] = future
+        self._futures[request.request_id] = (future, request.state_ids)
         async with self._write_lock:  # one write at a time on a grpc.aio call
             await self._call.write(request)
         return future
-
-    async def propose(self, *args: Any, **kwargs: Any) -> Proposal:
-        return await (await self.submit(*args, **kwargs))
 
     async def _read(self) -> None:
         failure: DrafterError = _closed()
         try:
             while (resp := await self._call.read()) is not grpc.aio.EOF:
-                future = self._futures.pop(resp.request_id, None)
+                future, state_ids = self._futures.pop(resp.request_id, (None, None))
                 if future is None or future.done():
                     continue
-                outcome = self._outcome(resp)
+                outcome = _outcome(resp, state_ids)
                 if isinstance(outcome, DrafterError):
                     future.set_exception(outcome)
                 else:
@@ -159,7 +182,7 @@ class AsyncProposeStream:
         except grpc.RpcError as err:
             failure = from_rpc_error(err)
         self._failure = failure
-        for future in self._futures.values():
+        for future, _ in self._futures.values():
             if not future.done():
                 future.set_exception(failure)
         self._futures.clear()
@@ -175,24 +198,3 @@ class AsyncProposeStream:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-class ColumnsStream(ProposeStream):
-    """A blocking client's ProposeColumnsStream: one message per verifier step for many
-    states (`step` takes the arguments of `DrafterClient.propose_columns`)."""
-
-    _method = "ProposeColumnsStream"
-    _request, _outcome = staticmethod(m.columns_request), staticmethod(_columns_outcome)
-
-    def step(self, *args: Any, **kwargs: Any) -> ColumnsResult:
-        return self.submit(*args, **kwargs).result()
-
-
-class AsyncColumnsStream(AsyncProposeStream):
-    """An asyncio client's ProposeColumnsStream (see ColumnsStream)."""
-
-    _method = "ProposeColumnsStream"
-    _request, _outcome = staticmethod(m.columns_request), staticmethod(_columns_outcome)
-
-    async def step(self, *args: Any, **kwargs: Any) -> ColumnsResult:
-        return await (await self.submit(*args, **kwargs))

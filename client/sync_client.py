@@ -19,10 +19,10 @@ from . import messages as m
 from .errors import from_rpc_error
 from .messages import DEFAULT, Timeout
 from .security import PemSource, asks_for_security, open_channel
-from .stream import ColumnsStream, ProposeStream
+from .stream import ProposeStream
 from .tracing import traced_channel
 from .types import (
-    ColumnsResult,
+    BatchResult,
     InstallResult,
     KVHandle,
     PrefillResult,
@@ -52,9 +52,9 @@ class DrafterClient:
     ``mtpdraft.client.security``). ``options`` may carry e.g.
     ``("grpc.ssl_target_name_override", "localhost")``. ``timeout`` is the default
     deadline in seconds of every unary call and Prefill (None: none); each method's
-    ``timeout=`` overrides it, None included. Streams (``stream``, ``columns_stream``)
-    have no deadline unless their own ``timeout=`` asks for one: a verifier keeps its
-    stream open for its whole life.
+    ``timeout=`` overrides it, None included. A stream (``stream``) has no deadline
+    unless its own ``timeout=`` asks for one: a verifier keeps its stream open for its
+    whole life.
 
     ``tracing=True`` traces every call: a client span per call, parented by the
     caller's current span, whose context the server's span joins (see
@@ -194,15 +194,6 @@ class DrafterClient:
         return self._unary(self._stub.Propose, req, m.parse_proposal, timeout)
 
     def propose_batch(
-        self, requests: Sequence[ProposeArgs], *, timeout: Timeout = DEFAULT
-    ) -> list[Proposal]:
-        """Propose for many states in one batched call; results in request order."""
-        if not requests:
-            return []
-        req = m.propose_batch_request(requests)
-        return self._unary(self._stub.ProposeBatch, req, m.parse_propose_batch, timeout)
-
-    def propose_columns(
         self,
         state_ids: Array | Sequence[int],
         tokens: Array | Sequence[int],
@@ -217,7 +208,7 @@ class DrafterClient:
         bitmasks: Array | None = None,
         min_confidence: Array | Sequence[float] | float | None = None,
         timeout: Timeout = DEFAULT,
-    ) -> ColumnsResult:
+    ) -> BatchResult:
         """A verifier's whole step for B states in one message, as columns.
 
         Row i of every column is state_ids[i]'s: its last token, position and target
@@ -228,7 +219,7 @@ class DrafterClient:
         min_confidence (B values or one). A row that fails has its error in
         ``errors`` and leaves its state unchanged; the other rows are answered.
         """
-        req = m.columns_request(
+        req = m.batch_request(
             state_ids,
             tokens,
             positions,
@@ -241,13 +232,20 @@ class DrafterClient:
             bitmasks=bitmasks,
             min_confidence=min_confidence,
         )
-        return self._unary(self._stub.ProposeColumns, req, m.parse_columns, timeout)
+        return self._batch(req, timeout)
 
-    def columns_stream(self, *, timeout: float | None = None) -> ColumnsStream:
-        """A ProposeColumnsStream: one message per verifier step (``step`` takes the
-        arguments of ``propose_columns``). No deadline unless ``timeout`` (seconds, for
-        the whole stream) is given: the client's default timeout is not applied."""
-        return ColumnsStream(self._stub, timeout, self._metadata)
+    def propose_many(
+        self, requests: Sequence[ProposeArgs], *, timeout: Timeout = DEFAULT
+    ) -> BatchResult:
+        """``propose_batch`` of states given one by one: row i is ``requests[i]``'s
+        (``result.proposals()`` gives each row's Proposal, raising a failed row's error)."""
+        return self._batch(m.batch_request_of(requests), timeout)
+
+    def _batch(self, req: pb.ProposeBatchRequest, timeout: Timeout) -> BatchResult:
+        def parse(resp: pb.ProposeBatchResponse) -> BatchResult:
+            return m.parse_batch(resp, req.state_ids)
+
+        return self._unary(self._stub.ProposeBatch, req, parse, timeout)
 
     def after_verify(
         self,
@@ -323,9 +321,10 @@ class DrafterClient:
         return self._unary(self._stub.ImportKV, chunks, m.parse_import_kv, timeout)
 
     def stream(self, *, timeout: float | None = None) -> ProposeStream:
-        """The hot path: a ProposeStream, one message and one answer per verify step.
-        No deadline unless ``timeout`` (seconds, for the whole stream) is given: the
-        client's default timeout is not applied."""
+        """The hot path: a ProposeStream, one message and one answer per verify step
+        (``step`` takes the arguments of ``propose_batch``; ``propose`` those of
+        ``propose``, a batch of one). No deadline unless ``timeout`` (seconds, for the
+        whole stream) is given: the client's default timeout is not applied."""
         return ProposeStream(self._stub, timeout, self._metadata)
 
     def free_state(self, state: int, *, timeout: Timeout = DEFAULT) -> bool:

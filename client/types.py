@@ -77,7 +77,8 @@ class Verdict:
 
 @dataclass(frozen=True, slots=True)
 class ProposeArgs:
-    """One request of a ProposeBatch (the arguments of ``propose``)."""
+    """One state's arguments of a propose (those of ``propose``): a list of them makes a
+    ProposeBatch's columns (``propose_many``, ``messages.batch_request_of``)."""
 
     state: int
     token: int
@@ -90,18 +91,39 @@ class ProposeArgs:
 
 
 @dataclass(frozen=True)
-class ColumnsResult:
-    """A ProposeColumns answer as numpy columns: row i is the i-th state's.
+class BatchResult:
+    """A ProposeBatch answer as numpy columns: row i is ``state_ids[i]``'s.
 
     A row that failed has count 0 and its error in ``errors`` (its state is unchanged).
     """
 
+    state_ids: np.ndarray  # [B] uint64, as the request named them
     drafts: np.ndarray  # [B, width] int32: row i's counts[i] drafts, then -1
     probs: np.ndarray  # [B, width] float32: each draft's top-1 probability, then 0
     counts: np.ndarray  # [B] int32
     confidences: np.ndarray  # [B] float32: each row's chain confidence
     first_positions: np.ndarray  # [B] int64: the position of each row's first draft
     errors: dict[int, DrafterError] = field(default_factory=dict)  # row -> its error
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def proposal(self, row: int) -> Proposal:
+        """Row ``row`` as a Proposal; raises the row's error if it failed."""
+        if row in self.errors:
+            raise self.errors[row]
+        n = int(self.counts[row])
+        return Proposal(
+            state_id=int(self.state_ids[row]),
+            tokens=self.drafts[row, :n].tolist(),
+            probs=self.probs[row, :n].tolist(),
+            confidence=float(self.confidences[row]),
+            first_position=int(self.first_positions[row]),
+        )
+
+    def proposals(self) -> list[Proposal]:
+        """Every row as a Proposal, in order; raises the first failed row's error."""
+        return [self.proposal(row) for row in range(len(self))]
 
 
 @dataclass(frozen=True, slots=True)

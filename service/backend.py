@@ -2,7 +2,7 @@
 worker thread, Propose calls through the batching scheduler, and reaps expired leases.
 
 Calls come in as the engine's types (the servicer reads the wire's messages into them
-with `wire`) and results go out as the engine's types (a ProposeColumns step's as a
+with `wire`) and results go out as the engine's types (a ProposeBatch step's as a
 StepResult of columns), which the servicer turns into responses.
 """
 
@@ -84,7 +84,7 @@ class LocalBackend:
         span context (Telemetry.span_context), which its batch's span links."""
         return self.scheduler.enqueue(requests, timeout, tag=caller)
 
-    def propose_columns(
+    def propose_batch(
         self, request: Columns, timeout: float | None, caller: object
     ) -> asyncio.Future[StepResult]:
         """Queues a verifier's step (INVALID_ARGUMENT at once when its columns do not fit

@@ -1,7 +1,7 @@
 """The gRPC servicer: translates proto <-> backend calls and engine errors <-> status codes.
 
 The backend (backend.py) runs the engine's calls; Propose calls of every kind
-(unary, batch, stream, columns) are batched across clients there. `wire` reads
+(unary, batch, each stream message) are batched across clients there. `wire` reads
 each request into the engine's types before the backend sees it (INVALID_ARGUMENT
 for a malformed one) and makes the responses from its results: no protobuf below
 this module. Each handler raises
@@ -42,7 +42,6 @@ from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 from . import wire
 from .engine import errors
 from .engine.step import StepResult
-from .engine.types import Proposal
 from .refusals import Throttle, refusals
 from .telemetry import Telemetry
 
@@ -92,10 +91,10 @@ def _error_value(err: errors.DrafterError) -> pb.Error:
 
 
 def _stream_error(err: BaseException) -> pb.Error:
-    """A failed stream request's answer: its error, or INTERNAL for a bug (logged)."""
+    """A failed stream message's answer: its error, or INTERNAL for a bug (logged)."""
     if isinstance(err, errors.DrafterError):
         return _error_value(err)
-    log.error("a ProposeStream request failed", exc_info=err)
+    log.error("a ProposeStream message failed", exc_info=err)
     return pb.Error(
         code=grpc.StatusCode.INTERNAL.value[0],
         message=f"internal error: {type(err).__name__}",
@@ -104,7 +103,7 @@ def _stream_error(err: BaseException) -> pb.Error:
 
 
 def _row_error(err: errors.DrafterError) -> pb.Error:
-    """A ProposeColumns row's error, naming the column its field comes from."""
+    """A ProposeBatch row's error, naming the column its field comes from."""
     error = _error_value(err)
     error.field = wire.COLUMN_OF_FIELD.get(err.field or "", err.field or "")
     return error
@@ -221,16 +220,6 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.telemetry = telemetry
         self.max_message_bytes = max_message_bytes
 
-    async def _propose(
-        self,
-        requests: list[pb.ProposeRequest],
-        context: grpc.aio.ServicerContext,
-        batch: bool = False,
-    ) -> list[Proposal]:
-        args = wire.read_proposes(requests, batch)
-        caller = self.telemetry.span_context()
-        return await self.backend.propose(args, context.time_remaining(), caller)
-
     @rpc
     async def GetInfo(self, request, context):
         info = await self.backend.info()
@@ -256,73 +245,48 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def Propose(self, request, context):
-        (proposal,) = await self._propose([request], context)
+        args = wire.propose_args(request)
+        caller = self.telemetry.span_context()
+        timeout = context.time_remaining()
+        (proposal,) = await self.backend.propose([args], timeout, caller)
         return wire.proposal(proposal)
 
     @rpc
     async def ProposeBatch(self, request, context):
-        proposals = await self._propose(list(request.requests), context, batch=True)
-        return pb.ProposeBatchResponse(proposals=[wire.proposal(p) for p in proposals])
+        batch = wire.batch(request)
+        caller = self.telemetry.span_context()
+        result = await self.backend.propose_batch(batch, context.time_remaining(), caller)
+        return self._batch_answer(request, result, context)
 
-    async def ProposeStream(self, request_iterator: AsyncIterator[pb.ProposeRequest], context):
-        """Each message a Propose; its answer carries its request_id and the proposal or
-        the error (see _answer_stream)."""
+    async def ProposeStream(self, request_iterator: AsyncIterator, context):
+        """Each message a ProposeBatch, answered as the unary call is; a message that
+        fails as a whole is answered with its error (see _answer_stream)."""
 
         caller = self.telemetry.span_context()  # the stream's, for all its messages
 
-        def submit(msg: pb.ProposeRequest):
-            args = wire.read_proposes([msg], False)
-            return self.backend.propose(args, context.time_remaining(), caller)
-
-        def reply(msg, proposals: list[Proposal]):
-            return pb.ProposeStreamResponse(
-                request_id=msg.request_id, proposal=wire.proposal(proposals[0])
-            )
+        def submit(msg: pb.ProposeBatchRequest):
+            batch = wire.batch(msg)
+            return self.backend.propose_batch(batch, context.time_remaining(), caller)
 
         def refuse(request_id: int, error: pb.Error):
-            return pb.ProposeStreamResponse(request_id=request_id, error=error)
+            return pb.ProposeBatchResponse(request_id=request_id, error=error)
+
+        def reply(msg: pb.ProposeBatchRequest, result: StepResult) -> pb.ProposeBatchResponse:
+            return self._batch_answer(msg, result, context)
 
         async for answer in self._answer_stream(
             "ProposeStream", request_iterator, context, submit, reply, refuse
         ):
             yield answer
 
-    @rpc
-    async def ProposeColumns(self, request, context):
-        step = wire.columns(request)
-        caller = self.telemetry.span_context()
-        result = await self.backend.propose_columns(step, context.time_remaining(), caller)
-        return self._columns_answer(request, result, context)
-
-    async def ProposeColumnsStream(self, request_iterator: AsyncIterator, context):
-        """Each message a verifier's step, answered as ProposeColumns is; a message that
-        fails as a whole is answered with its error (see _answer_stream)."""
-
-        caller = self.telemetry.span_context()  # the stream's, for all its messages
-
-        def submit(msg: pb.ColumnsRequest):
-            step = wire.columns(msg)
-            return self.backend.propose_columns(step, context.time_remaining(), caller)
-
-        def refuse(request_id: int, error: pb.Error):
-            return pb.ColumnsResponse(request_id=request_id, error=error)
-
-        def reply(msg: pb.ColumnsRequest, result: StepResult) -> pb.ColumnsResponse:
-            return self._columns_answer(msg, result, context)
-
-        async for answer in self._answer_stream(
-            "ProposeColumnsStream", request_iterator, context, submit, reply, refuse
-        ):
-            yield answer
-
-    def _columns_answer(
-        self, msg: pb.ColumnsRequest, result: StepResult, context: grpc.aio.ServicerContext
-    ) -> pb.ColumnsResponse:
+    def _batch_answer(
+        self, msg: pb.ProposeBatchRequest, result: StepResult, context: grpc.aio.ServicerContext
+    ) -> pb.ProposeBatchResponse:
         failed = {row: _row_error(err) for row, err in result.errors.items()}
         if failed and refusals.enabled():
             for row, err in result.errors.items():
                 _log_refused(err, context, f"{failed[row].field or 'row'}[{row}]")
-        return wire.columns_answer(msg.request_id, result, failed)
+        return wire.batch_answer(msg.request_id, result, failed)
 
     async def _answer_stream(self, name, request_iterator, context, submit, reply, refuse):
         """An async generator of a propose stream's answers (the form gRPC interceptors

@@ -10,8 +10,8 @@ once: here, on the event loop, numpy would let go of the GIL for every row past
 streams, checking each request here filled batches of 40 and 54 on average against
 60, 14.1k and 18.4k drafts/s against 17.5k and 19.6k).
 
-Out (the servicer): the engine's proposals as Proposal messages, and a ProposeColumns
-step's rows as one ColumnsResponse.
+Out (the servicer): a Propose's proposal as a Proposal message, and a ProposeBatch
+step's rows as one ProposeBatchResponse.
 
 Both ways: exported KV (ExportKV's answers, ImportKV's requests) as KVChunk messages.
 """
@@ -19,7 +19,6 @@ Both ways: exported KV (ExportKV's answers, ImportKV's requests) as KVChunk mess
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
@@ -129,26 +128,12 @@ def propose_args(msg: pb.ProposeRequest) -> ProposeArgs:
     )
 
 
-def read_proposes(requests: Sequence[pb.ProposeRequest], batch: bool) -> list[ProposeArgs]:
-    """One call's requests; a ProposeBatch's errors name the request's index."""
-    if not batch:
-        return [propose_args(m) for m in requests]
-    read = []
-    for i, msg in enumerate(requests):
-        try:
-            read.append(propose_args(msg))
-        except InvalidArgument as err:
-            err.message = f"requests[{i}].{err.message}"
-            raise
-    return read
-
-
 def _optional_tensor(msg: pb.Tensor, field: str, allowed: tuple[int, ...]) -> torch.Tensor | None:
     return read_tensor(msg, field, allowed) if msg.ByteSize() else None
 
 
-def columns(msg: pb.ColumnsRequest) -> Columns:
-    """A ColumnsRequest's columns as the engine takes them (tensors over a copy of the
+def batch(msg: pb.ProposeBatchRequest) -> Columns:
+    """A ProposeBatchRequest's columns as the engine takes them (tensors over a copy of the
     message's bytes)."""
     if not msg.HasField("hiddens"):
         raise InvalidArgument("hiddens: required", reason="MISSING_FIELD", field="hiddens")
@@ -245,12 +230,12 @@ COLUMN_OF_FIELD = {
 }
 
 
-def columns_answer(
+def batch_answer(
     request_id: int, result: StepResult, failed: dict[int, pb.Error]
-) -> pb.ColumnsResponse:
-    """A step's result as a ColumnsResponse, column by column; `failed` holds the failed
-    rows' errors (their columns are -1 and 0 already)."""
-    return pb.ColumnsResponse(
+) -> pb.ProposeBatchResponse:
+    """A step's result as a ProposeBatchResponse, column by column; `failed` holds the
+    failed rows' errors (their columns are -1 and 0 already)."""
+    return pb.ProposeBatchResponse(
         request_id=request_id,
         width=result.drafts.shape[1],
         drafts=result.drafts.ravel().tolist(),

@@ -23,10 +23,10 @@ function parseArgs(argv) {
   return args;
 }
 
-const FORMAT = 'mtpdraft-conformance/1';
+const FORMAT = 'mtpdraft-conformance/2';
 const OPERATIONS = new Set([
-  'GetInfo', 'AllocState', 'Prefill', 'Propose', 'ProposeStream', 'ProposeBatch', 'ProposeColumns',
-  'AfterVerify', 'TakeKV', 'InstallKV', 'FreeState',
+  'GetInfo', 'AllocState', 'Prefill', 'Propose', 'ProposeBatch', 'ProposeStream', 'AfterVerify',
+  'TakeKV', 'InstallKV', 'FreeState',
 ]);
 
 // Why no runner may replay the vector, or null if one may.
@@ -44,18 +44,13 @@ function vectorFault(v) {
     if (name === 'ProposeStream' && !(Array.isArray(op.messages) && op.messages.length > 0)) {
       return `operation ${i}: ProposeStream without messages`;
     }
-    if (name === 'ProposeBatch' && !(Array.isArray(op.requests) && op.requests.length > 0)) {
-      return `operation ${i}: ProposeBatch without requests`;
-    }
-    if (name === 'ProposeColumns') {
-      if (!(Array.isArray(op.states) && op.states.length > 0)) {
-        return `operation ${i}: ProposeColumns without states`;
+    const batches = { ProposeBatch: [op], ProposeStream: op.messages }[name] ?? [];
+    for (const batch of batches) {
+      if (!(batch && Array.isArray(batch.states) && batch.states.length > 0)) {
+        return `operation ${i}: a ${name} batch without states`;
       }
-      if (op.hiddens === null || typeof op.hiddens !== 'object') {
-        return `operation ${i}: ProposeColumns without hiddens`;
-      }
-      if (op.stream !== undefined && typeof op.stream !== 'boolean') {
-        return `operation ${i}: ProposeColumns whose stream is not a boolean`;
+      if (batch.hiddens === null || typeof batch.hiddens !== 'object') {
+        return `operation ${i}: a ${name} batch without hiddens`;
       }
     }
   }
@@ -83,7 +78,7 @@ function tensor(t) {
   return t ? Tensor.raw(t.dtype, t.shape, Buffer.from(t.data, 'base64')) : null;
 }
 
-// The client's propose arguments for a Propose operation (or a ProposeStream message).
+// The client's propose arguments for a Propose operation.
 function proposeArgs(op) {
   const prev = op.previous;
   return {
@@ -105,9 +100,10 @@ function typed(Type, values) {
   return out.every((x, i) => x === values[i]) ? out : values;
 }
 
-// The client's columns for a ProposeColumns operation: its state names' ids, the number
-// columns as typed arrays (as a verifier holds them), optional columns only where given.
-function columnsArgs(op, stateId) {
+// The client's Batch for a batch (a ProposeBatch operation or a ProposeStream message): its state
+// names' ids, the number columns as typed arrays (as a verifier holds them), optional columns
+// only where given.
+function batchArgs(op, stateId) {
   return {
     stateIds: op.states.map(stateId),
     tokens: typed(Int32Array, op.tokens),
@@ -123,9 +119,9 @@ function columnsArgs(op, stateId) {
   };
 }
 
-// A ColumnsResult's outputs, named as in the vector: [B][width] drafts and probs, each column
-// as a list, the failed rows' errors in row order.
-function columnsOutputs(r) {
+// A BatchResult's outputs, named as in the vector: [B][width] drafts and probs, each column as
+// a list, the failed rows' errors in row order.
+function batchOutputs(r) {
   const rows = (flat) => Array.from(r.counts, (_, i) => Array.from(flat.subarray(i * r.width, (i + 1) * r.width)));
   return {
     width: r.width,
@@ -176,13 +172,6 @@ function mismatches(expected, actual, tol) {
     let same;
     if (FLOAT_KEYS.has(key)) {
       same = close(want, got, tol);
-    } else if (key === 'proposals') {
-      // ProposeBatch: each proposal compared as a Propose's outputs.
-      const bad = !Array.isArray(want) || !Array.isArray(got) || want.length !== got.length
-        ? [`${got?.length} proposals`]
-        : want.flatMap((w, i) => mismatches(w, got[i], tol).map((m) => `[${i}] ${m}`));
-      if (bad.length) out.push(`proposals: expected ${JSON.stringify(want)}, got ${JSON.stringify(got)} (${bad.join('; ')})`);
-      continue;
     } else if (key === 'errors') {
       same = Array.isArray(want) && JSON.stringify(want.map(rowErrorText)) === JSON.stringify(got.map(rowErrorText));
     } else {
@@ -227,20 +216,7 @@ class Replayer {
       return {};
     }
     if (op.op === 'ProposeBatch') {
-      const states = op.requests.map((r) => this.stateId(r.state));
-      const proposals = await c.proposeBatch(op.requests.map((r, i) => ({ stateId: states[i], ...proposeArgs(r) })));
-      return { proposals: proposals.map((p, i) => proposalOutputs(p, states[i])) };
-    }
-    if (op.op === 'ProposeColumns') {
-      const columns = columnsArgs(op, (name) => this.stateId(name));
-      if (!op.stream) return columnsOutputs(await c.proposeColumns(columns));
-      // One message (request id 1) on its own ProposeColumnsStream, closed after its answer.
-      const stream = c.columnsStream();
-      try {
-        return columnsOutputs(await stream.step(columns));
-      } finally {
-        await stream.close();
-      }
+      return batchOutputs(await c.proposeBatch(batchArgs(op, (name) => this.stateId(name))));
     }
     const state = this.states.get(op.state);
     switch (op.op) {
@@ -285,8 +261,7 @@ class Replayer {
     const results = [];
     try {
       for (const msg of op.messages) {
-        const state = this.states.get(msg.state);
-        const send = async () => proposalOutputs(await stream.propose(state, proposeArgs(msg)), state);
+        const send = async () => batchOutputs(await stream.step(batchArgs(msg, (name) => this.stateId(name))));
         results.push(await this.judge(msg, send));
       }
     } finally {
@@ -335,8 +310,7 @@ async function main() {
       ok ? passed++ : failed++;
       let label = op.state ? `${op.op} ${op.state}` : op.op;
       if (op.messages) label += ` (${op.messages.length} messages)`;
-      if (op.requests) label += ` (${op.requests.map((r) => r.state).join(', ')})`;
-      if (op.states) label += `${op.stream ? ' stream' : ''} (${op.states.join(', ')})`;
+      if (op.states) label += ` (${op.states.join(', ')})`;
       console.log(`${ok ? 'ok  ' : 'FAIL'} ${String(i).padStart(2, '0')} ${label}: ${message}`);
     }
   } finally {

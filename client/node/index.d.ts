@@ -43,6 +43,7 @@ export interface ProposeArgs {
   previous?: Verdict | null;
 }
 
+/** One state of a batch given state by state (batchOf). */
 export interface BatchRequest extends ProposeArgs {
   stateId: Id;
 }
@@ -98,7 +99,7 @@ export interface ServerInfo {
 }
 
 /** A verifier's step for B states, as columns: row i of every column is stateIds[i]'s. */
-export interface ColumnsStep {
+export interface Batch {
   stateIds: BigUint64Array | Iterable<bigint | number | string>;
   tokens: Int32Array | Iterable<number>;
   positions: BigInt64Array | Float64Array | Iterable<number | bigint>;
@@ -115,8 +116,10 @@ export interface ColumnsStep {
   minConfidence?: Float32Array | Iterable<number> | number | null;
 }
 
-/** A ProposeColumns answer as typed arrays: row i is stateIds[i]'s. */
-export interface ColumnsResult {
+/** A batch's answer as typed arrays: row i is stateIds[i]'s. */
+export interface BatchResult {
+  /** The batch's states, as decimal strings. */
+  stateIds: string[];
   width: number;
   /** [B * width] row-major: row i's counts[i] drafts, then -1. */
   drafts: Int32Array;
@@ -126,9 +129,14 @@ export interface ColumnsResult {
   firstPositions: Float64Array;
   /** The failed rows: row -> its error (that state is unchanged). */
   errors: Map<number, DrafterError>;
+  /** Row `row` as a Proposal; throws its error if it failed. */
+  proposal(row: number): Proposal;
 }
 
-/** A failed call, or a stream message the server refused. */
+/** The Batch of states given one by one: row i is requests[i]'s. */
+export declare function batchOf(requests: BatchRequest[]): Batch;
+
+/** A failed call, a failed row, or a stream message the server refused. */
 export declare class DrafterError extends Error {
   constructor(
     err: { code: number; details?: string; message?: string; metadata?: Metadata },
@@ -152,18 +160,13 @@ export interface StreamOptions {
   timeoutMs?: number;
 }
 
-/** One ProposeStream call: one message and one answer per verify step; many in flight. */
+/** One ProposeStream call: one batch and one answer per verify step; many in flight. */
 export declare class ProposeStream {
   private constructor();
+  step(batch: Batch): Promise<BatchResult>;
+  /** One state, a batch of one; rejects with its error if it failed. */
   propose(stateId: Id, args: ProposeArgs): Promise<Proposal>;
   /** Ends the writing side; resolves once the answers in flight have arrived. Never rejects. */
-  close(): Promise<void>;
-}
-
-/** One ProposeColumnsStream call: one message per verifier step for many states. */
-export declare class ColumnsStream {
-  private constructor();
-  step(columns: ColumnsStep): Promise<ColumnsResult>;
   close(): Promise<void>;
 }
 
@@ -198,12 +201,10 @@ export declare class DrafterClient {
     options?: { chunkRows?: number },
   ): Promise<PrefillResult>;
   propose(stateId: Id, args: ProposeArgs): Promise<Proposal>;
+  /** A verifier's whole step for B states; a failed row has its error in `errors`. */
+  proposeBatch(batch: Batch): Promise<BatchResult>;
   /** The hot path: a ProposeStream, with no deadline unless options.timeoutMs asks. */
   stream(options?: StreamOptions): ProposeStream;
-  proposeBatch(requests: BatchRequest[]): Promise<Proposal[]>;
-  proposeColumns(columns: ColumnsStep): Promise<ColumnsResult>;
-  /** ProposeColumns on a stream, with no deadline unless options.timeoutMs asks. */
-  columnsStream(options?: StreamOptions): ColumnsStream;
   afterVerify(stateId: Id, numAccepted: number, refeedHiddens?: TensorMessage | null): Promise<Rows>;
   takeKV(stateId: Id): Promise<KVHandle>;
   installKV(stateId: Id, handleId: Id): Promise<Rows>;

@@ -9,24 +9,11 @@
 //   await drafter.afterVerify(state, accepted);
 //   await drafter.freeState(state);
 //
-// The hot path is one round trip per verify step: a ProposeStream, each message carrying the
-// verdict on the state's last proposal (`previous`) and the next proposal's inputs. One stream
-// serves many states, with many requests in flight; each answer settles its own promise.
+// A verifier that steps many states at once sends the whole step as one batch of columns,
+// typed arrays in and out (row i of every column is state i's); per-row failures come back in
+// `errors` (batchOf makes the columns from states given one by one):
 //
-//   const stream = drafter.stream(); // no deadline: lives as long as the verifier
-//   let proposal = await stream.propose(state, { token, hidden, position, numDrafts: 3 });
-//   // The target accepted `a` of proposal.tokens and sampled `bonus`; h is its hidden at
-//   // proposal.firstPosition + a - 1.
-//   proposal = await stream.propose(state, {
-//     token: bonus, hidden: h, position: proposal.firstPosition + a, numDrafts: 3,
-//     previous: { numAccepted: a }, // optionally refeedHiddens: the target's hiddens, [a, hiddenSize]
-//   });
-//   await stream.close(); // once the verifier is done with it
-//
-// A verifier that steps many states at once sends the whole step as columns, typed arrays in
-// and out (row i of every column is state i's); per-row failures come back in `errors`:
-//
-//   const step = await drafter.proposeColumns({
+//   const step = await drafter.proposeBatch({
 //     stateIds, // B ids: allocState's strings, BigInts or a BigUint64Array
 //     tokens, // Int32Array [B]
 //     positions, // Float64Array or BigInt64Array [B]
@@ -36,16 +23,30 @@
 //   });
 //   // step.drafts: Int32Array [B * step.width], row i's step.counts[i] drafts then -1;
 //   // step.errors: Map row -> DrafterError (that state is unchanged).
-//   const columns = drafter.columnsStream(); // the same, one message a step
-//   const next = await columns.step({ stateIds, tokens, positions, hiddens, numDrafts: 3 });
+//
+// The hot path is one round trip per verify step: a ProposeStream, one batch a message, each
+// state's verdict on its last proposal riding with its next proposal's inputs. One stream
+// serves many states, with many messages in flight; each answer settles its own promise.
+//
+//   const stream = drafter.stream(); // no deadline: lives as long as the verifier
+//   const next = await stream.step({ stateIds, tokens, positions, hiddens, numDrafts: 3, numAccepted });
+//   // One state is a batch of one; propose() sends it and resolves to its Proposal:
+//   let proposal = await stream.propose(state, { token, hidden, position, numDrafts: 3 });
+//   // The target accepted `a` of proposal.tokens and sampled `bonus`; h is its hidden at
+//   // proposal.firstPosition + a - 1.
+//   proposal = await stream.propose(state, {
+//     token: bonus, hidden: h, position: proposal.firstPosition + a, numDrafts: 3,
+//     previous: { numAccepted: a }, // optionally refeedHiddens: the target's hiddens, [a, hiddenSize]
+//   });
+//   await stream.close(); // once the verifier is done with it
 //
 // State and handle ids are uint64: they travel as decimal strings. Tensors are
 // { dtype: 'DTYPE_FP32' | 'DTYPE_BF16' | 'DTYPE_FP16' | 'DTYPE_INT32', shape, data: Buffer }
 // with data the raw little-endian bytes. A failed call rejects with a DrafterError; so does a
-// stream message that the server refused (the stream stays open).
+// stream message that the server refused as a whole (the stream stays open).
 //
 // Deadlines: the client's timeoutMs (default 30 s) bounds each unary call and each prefill. A
-// stream (stream(), columnsStream()) has no deadline unless its own { timeoutMs } asks for one.
+// stream (stream()) has no deadline unless its own { timeoutMs } asks for one.
 
 const fs = require('node:fs');
 const os = require('node:os');
@@ -84,11 +85,11 @@ function loadService(protoRoot = PROTO_ROOT) {
 }
 
 /**
- * A failed RPC, or a ProposeStream message the server refused: `code` is the gRPC status
- * number, `codeName` its name ("NOT_FOUND"), `reason` the machine-readable reason
- * (google.rpc.ErrorInfo) and `field` the offending request field (google.rpc.BadRequest),
+ * A failed RPC, a failed batch row, or a ProposeStream message the server refused: `code` is
+ * the gRPC status number, `codeName` its name ("NOT_FOUND"), `reason` the machine-readable
+ * reason (google.rpc.ErrorInfo) and `field` the offending request field (google.rpc.BadRequest),
  * each null when the server sent none. `metadata` is the trailers of a failed call (undefined
- * for a stream message's error).
+ * for an error carried as a value).
  */
 class DrafterError extends Error {
   constructor(err, { reason, field } = richDetails(err.metadata)) {
@@ -142,7 +143,7 @@ function richDetails(metadata) {
   return out;
 }
 
-// The DrafterError of an Error carried as a value (a ProposeStream answer).
+// The DrafterError of an Error carried as a value (a failed row, a refused stream message).
 function errorFromValue(error) {
   return new DrafterError(
     { code: error.code, details: error.message },
@@ -202,7 +203,7 @@ function parseRows(resp) {
   return { numRows: Number(resp.numRows), nextPosition: Number(resp.nextPosition) };
 }
 
-// The ProposeRequest of propose's arguments (unary and stream alike).
+// The ProposeRequest of propose's arguments.
 function proposeRequest(stateId, { token, hidden, position, numDrafts, bitmask, minConfidence, previous }) {
   const req = { stateId, token, hidden, position, numDrafts, minConfidence: minConfidence ?? 0 };
   if (bitmask) req.bitmask = bitmask;
@@ -232,13 +233,14 @@ function parseProposal(p) {
  */
 
 /**
- * A verifier's step for B states, as columns: row i of every column is stateIds[i]'s.
+ * A verifier's step for B states, as columns (a ProposeBatch, or a ProposeStream message): row
+ * i of every column is stateIds[i]'s.
  * Integer columns take a typed array or an array of numbers (or of BigInts); the uint64
  * stateIds also decimal strings (as allocState returns them), the int64 positions also a
  * BigInt64Array or a Float64Array. Columns that do not fit together (lengths, shapes) are
  * refused by the server as a whole: INVALID_ARGUMENT naming the column.
  *
- * @typedef {object} ColumnsStep
+ * @typedef {object} Batch
  * @property {BigUint64Array | Iterable<bigint | number | string>} stateIds B states
  * @property {Int32Array | Iterable<number>} tokens B values: each state's last token
  * @property {BigInt64Array | Float64Array | Iterable<number | bigint>} positions B values:
@@ -259,10 +261,11 @@ function parseProposal(p) {
  */
 
 /**
- * A ProposeColumns answer as typed arrays: row i is stateIds[i]'s. A row that failed has
- * count 0, drafts -1, probs 0, and its error in `errors`; its state is unchanged.
+ * A batch's answer as typed arrays: row i is stateIds[i]'s. A row that failed has count 0,
+ * drafts -1, probs 0, and its error in `errors`; its state is unchanged.
  *
- * @typedef {object} ColumnsResult
+ * @typedef {object} BatchResult
+ * @property {string[]} stateIds B values: the batch's states (decimal strings)
  * @property {number} width columns of drafts and probs: the largest K asked
  * @property {Int32Array} drafts [B * width] row-major: row i's counts[i] drafts, then -1
  * @property {Float32Array} probs [B * width]: each draft's top-1 probability, then 0
@@ -271,6 +274,8 @@ function parseProposal(p) {
  * @property {Float64Array} firstPositions B values: the position of each row's first draft
  *   (int64 positions as numbers, as Proposal.firstPosition)
  * @property {Map<number, DrafterError>} errors the failed rows: row -> its error
+ * @property {(row: number) => Proposal} proposal row `row` as a Proposal; throws its error if
+ *   it failed
  */
 
 const INT32_MIN = -(2 ** 31);
@@ -316,9 +321,9 @@ const int64Value = (v) => {
 };
 const floatValue = (v) => (typeof v === 'number' ? v : undefined);
 
-// The ColumnsRequest of a ColumnsStep (unary and stream alike). Optional columns left out
-// are sent empty, which the contract reads as "none".
-function columnsRequest(step) {
+// The ProposeBatchRequest of a Batch (unary and stream alike). Optional columns left out are
+// sent empty, which the contract reads as "none".
+function batchRequest(step) {
   const req = {
     stateIds: column(step.stateIds, 'stateIds', uint64Value),
     tokens: column(step.tokens, 'tokens', int32Value),
@@ -337,13 +342,14 @@ function columnsRequest(step) {
   return req;
 }
 
-/** @returns {ColumnsResult} */
-function parseColumns(resp) {
+/** The answer to the batch `req`. @returns {BatchResult} */
+function parseBatch(resp, req) {
   const errors = new Map();
   for (const { row, error } of resp.errors) {
     errors.set(row, errorFromValue(error ?? { code: grpc.status.UNKNOWN, message: 'empty row error' }));
   }
-  return {
+  const result = {
+    stateIds: req.stateIds,
     width: resp.width,
     drafts: Int32Array.from(resp.drafts),
     probs: Float32Array.from(resp.probs),
@@ -352,6 +358,95 @@ function parseColumns(resp) {
     firstPositions: Float64Array.from(resp.firstPositions, Number),
     errors,
   };
+  result.proposal = (row) => {
+    if (errors.has(row)) throw errors.get(row);
+    const lo = row * result.width;
+    const hi = lo + result.counts[row];
+    return {
+      stateId: result.stateIds[row],
+      tokens: Array.from(result.drafts.subarray(lo, hi)),
+      probs: Array.from(result.probs.subarray(lo, hi)),
+      confidence: result.confidences[row],
+      firstPosition: result.firstPositions[row],
+    };
+  };
+  return result;
+}
+
+/**
+ * The Batch of states given one by one: row i is requests[i]'s ({ stateId } with the arguments
+ * of propose). Their hiddens (each [hiddenSize] or [1, hiddenSize]) are stacked, their refeeds
+ * and bitmasks put one after another with each one's row count; bitmasks of fewer words are
+ * padded with zero words (which allow no token, as the server reads them). The hiddens, and
+ * the refeeds, must share one dtype and width.
+ * @param {BatchRequest[]} requests
+ * @returns {Batch}
+ */
+function batchOf(requests) {
+  const hiddens = new Rows('hidden');
+  const refeeds = new Rows('refeedHiddens');
+  const masks = new Rows('bitmask', { pad: true });
+  const numAccepted = [];
+  const refeedRows = [];
+  const bitmaskRows = [];
+  requests.forEach((r, i) => {
+    if (hiddens.add(r.hidden, i) !== 1) throw new RangeError(`requests[${i}].hidden: one row expected`);
+    numAccepted.push(r.previous ? r.previous.numAccepted : -1);
+    refeedRows.push(r.previous?.refeedHiddens ? refeeds.add(r.previous.refeedHiddens, i) : 0);
+    bitmaskRows.push(r.bitmask ? masks.add(r.bitmask, i) : 0);
+  });
+  const batch = {
+    stateIds: requests.map((r) => r.stateId),
+    tokens: requests.map((r) => r.token),
+    positions: requests.map((r) => r.position),
+    hiddens: hiddens.tensor(),
+    numDrafts: requests.map((r) => r.numDrafts),
+  };
+  if (numAccepted.some((a) => a >= 0)) batch.numAccepted = numAccepted;
+  if (refeeds.count) Object.assign(batch, { refeedRows, refeedHiddens: refeeds.tensor() });
+  if (masks.count) Object.assign(batch, { bitmaskRows, bitmasks: masks.tensor() });
+  if (requests.some((r) => r.minConfidence)) batch.minConfidence = requests.map((r) => r.minConfidence ?? 0);
+  return batch;
+}
+
+// The rows of one tensor column, gathered state by state (batchOf).
+class Rows {
+  constructor(name, { pad = false } = {}) {
+    Object.assign(this, { name, pad, dtype: null, width: 0, parts: [], count: 0 });
+  }
+
+  // Adds requests[i]'s rows ([n, width], or one row flat); returns how many.
+  add(tensor, i) {
+    const where = `requests[${i}].${this.name}`;
+    const { shape } = tensor;
+    if (shape.length < 1 || shape.length > 2) throw new RangeError(`${where}: shape [${shape}]`);
+    const [n, width] = shape.length === 1 ? [shape[0] ? 1 : 0, shape[0]] : shape;
+    if (!n) return 0;
+    if (this.count && tensor.dtype !== this.dtype) {
+      throw new TypeError(`${where}: dtype ${tensor.dtype}, where earlier rows are ${this.dtype}`);
+    }
+    if (this.count && width !== this.width && !this.pad) {
+      throw new RangeError(`${where}: ${width} values a row, where earlier rows hold ${this.width}`);
+    }
+    this.dtype = tensor.dtype;
+    this.width = Math.max(this.width, width);
+    this.parts.push({ n, width, data: tensor.data });
+    this.count += n;
+    return n;
+  }
+
+  // The rows as one [count, width] tensor, narrower rows padded with zeros.
+  tensor() {
+    const size = ITEMSIZE[this.dtype];
+    const data = Buffer.alloc(this.count * this.width * size);
+    let at = 0;
+    for (const { n, width, data: rows } of this.parts) {
+      for (let r = 0; r < n; r++, at++) {
+        rows.copy(data, at * this.width * size, r * width * size, (r + 1) * width * size);
+      }
+    }
+    return Tensor.raw(this.dtype, [this.count, this.width], data);
+  }
 }
 
 // The request metadata a proxy routes by (deploy/README.md).
@@ -361,9 +456,9 @@ function deadlineOptions(timeoutMs) {
   return timeoutMs ? { deadline: new Date(Date.now() + timeoutMs) } : {};
 }
 
-// One bidirectional propose call whose answers carry their request's id (ProposeStream,
-// ProposeColumnsStream): each request settles its own promise, in whatever order the answers
-// come. `_outcome` turns an answer into its result, or the DrafterError to reject with.
+// One bidirectional call whose answers carry their request's id: each request settles its own
+// promise, in whatever order the answers come. `_outcome` turns an answer into its result, or
+// the DrafterError to reject with.
 class AnswerStream {
   constructor(stub, method, callOptions, metadata = new grpc.Metadata()) {
     this._pending = new Map(); // request id (a decimal string, as answers carry it) -> promise settlers
@@ -398,7 +493,7 @@ class AnswerStream {
     const pending = this._pending.get(resp.requestId);
     if (!pending) return; // not ours (or already settled by the end of the stream)
     this._pending.delete(resp.requestId);
-    const outcome = this._outcome(resp);
+    const outcome = this._outcome(resp, pending.request);
     if (outcome instanceof DrafterError) pending.reject(outcome);
     else pending.resolve(outcome);
   }
@@ -410,7 +505,7 @@ class AnswerStream {
     const req = build();
     req.requestId = String(this._nextId++);
     return await new Promise((resolve, reject) => {
-      this._pending.set(req.requestId, { resolve, reject });
+      this._pending.set(req.requestId, { resolve, reject, request: req });
       // No wait on backpressure: grpc-js buffers, and what is in flight is bounded by the
       // caller's pending promises.
       this._call.write(req);
@@ -434,61 +529,45 @@ class AnswerStream {
 
 /**
  * The hot path: one ProposeStream call, one message and one answer per verify step (made by
- * DrafterClient.stream()). Many states may share it and many requests may be in flight: answers
- * come as they are ready, possibly out of order, and settle their own promise by request id. A
- * message the server refuses rejects its promise with a DrafterError and leaves the stream open;
- * once the stream ends (close(), its deadline, a server or network failure) every pending and
- * later propose rejects.
+ * DrafterClient.stream()). Each message is a batch (step(), as proposeBatch; propose() sends one
+ * state as a batch of one). Many messages may be in flight: answers come as their batches are
+ * drafted, possibly out of order, and settle their own promise by request id; two messages
+ * naming one state are served in the order sent. A row that fails has its error in the
+ * result's `errors`; a message the server refuses as a whole rejects its promise with a
+ * DrafterError and leaves the stream open. Once the stream ends (close(), its deadline, a
+ * server or network failure) every pending and later message rejects.
+ *
+ * A message that the serializer rejects (a value of the wrong JavaScript type) makes grpc-js
+ * cancel the whole call with INTERNAL, failing the other messages in flight too.
  */
 class ProposeStream extends AnswerStream {
   constructor(stub, callOptions, metadata) {
     super(stub, 'ProposeStream', callOptions, metadata);
   }
 
-  _outcome(resp) {
-    if (resp.proposal) return parseProposal(resp.proposal);
-    return errorFromValue(resp.error ?? { code: grpc.status.UNKNOWN, message: 'empty answer' });
+  _outcome(resp, request) {
+    return resp.error ? errorFromValue(resp.error) : parseBatch(resp, request);
   }
 
   /**
-   * One verify step's round trip: the arguments of DrafterClient.propose (usually with
-   * `previous` set). Resolves to the Proposal; rejects with a DrafterError.
-   *
-   * A request that the serializer rejects (an argument of the wrong JavaScript type) makes
-   * grpc-js cancel the whole call with INTERNAL, failing the other requests in flight too.
+   * One verifier step's round trip: the columns of DrafterClient.proposeBatch. A column the
+   * wire cannot carry (a non-integer, a value out of its type's range) throws before anything
+   * is sent.
+   * @param {Batch} batch
+   * @returns {Promise<BatchResult>}
+   */
+  async step(batch) {
+    return await this._send(() => batchRequest(batch));
+  }
+
+  /**
+   * One state's round trip, a batch of one: the arguments of DrafterClient.propose (usually
+   * with `previous` set). Resolves to the Proposal; rejects with a DrafterError.
    * @returns {Promise<Proposal>}
    */
   async propose(stateId, args) {
-    return await this._send(() => proposeRequest(stateId, args));
-  }
-}
-
-/**
- * A ProposeColumnsStream (made by DrafterClient.columnsStream()): one message per verifier step
- * for many states, each answered by one message matched by request id (answers come in the
- * order of the steps' batches, usually the order sent). As with ProposeColumns, a row that fails
- * has its error in the result's `errors`; a step that fails as a whole (columns that do not fit
- * together) rejects its promise with a DrafterError and leaves the stream open. Once the stream
- * ends every pending and later step rejects.
- */
-class ColumnsStream extends AnswerStream {
-  constructor(stub, callOptions, metadata) {
-    super(stub, 'ProposeColumnsStream', callOptions, metadata);
-  }
-
-  _outcome(resp) {
-    return resp.error ? errorFromValue(resp.error) : parseColumns(resp);
-  }
-
-  /**
-   * One verifier step's round trip: the columns of DrafterClient.proposeColumns. A column the
-   * wire cannot carry (a non-integer, a value out of its type's range) throws before anything
-   * is sent.
-   * @param {ColumnsStep} columns
-   * @returns {Promise<ColumnsResult>}
-   */
-  async step(columns) {
-    return await this._send(() => columnsRequest(columns));
+    const result = await this._send(() => batchRequest(batchOf([{ stateId, ...args }])));
+    return result.proposal(0);
   }
 }
 
@@ -593,53 +672,31 @@ class DrafterClient {
   }
 
   /**
-   * The hot path: a ProposeStream (see the class) for proposals with `previous` set, one round
-   * trip per verify step. Options: timeoutMs, the deadline of the whole stream (default 0:
-   * none, as a stream kept for a verifier's lifetime wants; the client's timeoutMs is not
-   * applied). Close it when done.
+   * A verifier's whole step for B states in one message, as columns (see Batch): the verdicts
+   * on their pending proposals, applied first, and their next proposals, batched with every
+   * other Propose call (at most GetInfo.maxBatch rows, each state at most once). A row that
+   * fails (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, as propose
+   * would) has its DrafterError in the result's `errors`, its field naming the column, and
+   * leaves its state unchanged; the other rows are answered. Columns that do not fit together
+   * reject the call with INVALID_ARGUMENT and change nothing. A column the wire cannot carry
+   * throws before anything is sent. batchOf makes a Batch of states given one by one.
+   * @param {Batch} batch
+   * @returns {Promise<BatchResult>}
+   */
+  async proposeBatch(batch) {
+    const req = batchRequest(batch);
+    return parseBatch(await this._unary('ProposeBatch', req), req);
+  }
+
+  /**
+   * The hot path: a ProposeStream (see the class), one batch a message and one round trip per
+   * verify step. Options: timeoutMs, the deadline of the whole stream (default 0: none, as a
+   * stream kept for a verifier's lifetime wants; the client's timeoutMs is not applied). Close
+   * it when done.
+   * @returns {ProposeStream}
    */
   stream({ timeoutMs = 0 } = {}) {
     return new ProposeStream(this.stub, deadlineOptions(timeoutMs), this._metadata());
-  }
-
-  /**
-   * Propose for many states in one call, one batched forward per draft position (at most
-   * GetInfo.maxBatch requests, each state at most once). Each request is { stateId } with the
-   * arguments of propose. All or nothing: one bad request rejects the call and changes no
-   * state. Resolves to the Proposals in request order (no call for no requests).
-   * @param {BatchRequest[]} requests
-   * @returns {Promise<Proposal[]>}
-   */
-  async proposeBatch(requests) {
-    if (requests.length === 0) return [];
-    const msgs = requests.map(({ stateId, ...args }) => proposeRequest(stateId, args));
-    return (await this._unary('ProposeBatch', { requests: msgs })).proposals.map(parseProposal);
-  }
-
-  /**
-   * A verifier's whole step for B states in one message, as columns (see ColumnsStep): the
-   * verdicts on their pending proposals, applied first, and their next proposals, batched with
-   * every other Propose call (at most GetInfo.maxBatch rows, each state at most once). A row
-   * that fails (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, as
-   * propose would) has its DrafterError in the result's `errors`, its field naming the column,
-   * and leaves its state unchanged; the other rows are answered. Columns that do not fit
-   * together reject the call with INVALID_ARGUMENT and change nothing. A column the wire cannot
-   * carry throws before anything is sent.
-   * @param {ColumnsStep} columns
-   * @returns {Promise<ColumnsResult>}
-   */
-  async proposeColumns(columns) {
-    return parseColumns(await this._unary('ProposeColumns', columnsRequest(columns)));
-  }
-
-  /**
-   * ProposeColumns on a stream (see ColumnsStream), one message per verifier step. Options:
-   * timeoutMs, the deadline of the whole stream (default 0: none; the client's timeoutMs is not
-   * applied). Close it when done.
-   * @returns {ColumnsStream}
-   */
-  columnsStream({ timeoutMs = 0 } = {}) {
-    return new ColumnsStream(this.stub, deadlineOptions(timeoutMs), this._metadata());
   }
 
   /** The verifier accepted the first numAccepted drafts (refeedHiddens: [a, hidden] or null). */
@@ -665,4 +722,4 @@ class DrafterClient {
   }
 }
 
-module.exports = { ColumnsStream, DrafterClient, DrafterError, ProposeStream, Tensor, loadService };
+module.exports = { DrafterClient, DrafterError, ProposeStream, Tensor, batchOf, loadService };

@@ -1,4 +1,5 @@
-"""A verifier's step for many states as the wire gives it: checked as a whole, then a Step.
+"""A verifier's step for many states as the wire gives it (a ProposeBatch message): checked
+as a whole, then a Step.
 
 The columns must fit together (lengths, tensor shapes, row counts) or the whole
 step is refused with INVALID_ARGUMENT; each row is then one state's Propose
@@ -15,12 +16,12 @@ import torch
 
 from .errors import InvalidArgument
 from .step import Step, padded_mask, refeed_rows
-from .validation import as_rows, check_batch_size
+from .validation import as_rows
 
 
 @dataclass
 class Columns:
-    """B states' step (row i of every column is state_ids[i]'s); see ColumnsRequest."""
+    """B states' step (row i of every column is state_ids[i]'s); see ProposeBatchRequest."""
 
     state_ids: Sequence[int]
     tokens: Sequence[int]
@@ -78,7 +79,12 @@ def step(columns: Columns, hidden_size: int, vocab_size: int, max_batch: int) ->
     not fit together."""
     c = columns
     size = len(c.state_ids)
-    check_batch_size(size, max_batch)
+    if not 1 <= size <= max_batch:
+        raise InvalidArgument(
+            f"state_ids: {size} states, expected 1 to {max_batch}",
+            reason="BATCH_SIZE_OUT_OF_RANGE",
+            field="state_ids",
+        )
     if not len(c.num_drafts):
         raise _mismatch("num_drafts", "required: one value for every state, or one for all")
     hiddens = as_rows(c.hiddens, size, hidden_size, "hiddens")
@@ -99,7 +105,7 @@ def step(columns: Columns, hidden_size: int, vocab_size: int, max_batch: int) ->
     mask_counts = _counts(c.bitmask_rows, "bitmask_rows", size)
     masks = _ragged(c.bitmasks, mask_counts, "bitmasks")
     if masks is not None:
-        masks = padded_mask(masks, vocab_size, "bitmask")
+        masks = padded_mask(masks, vocab_size, "bitmasks")
     return Step(
         state_ids=_column(c.state_ids, "state_ids", size, np.uint64),
         tokens=_column(c.tokens, "tokens", size, np.int64),

@@ -1,12 +1,13 @@
 """Merges concurrent Propose calls from many clients into batched forwards.
 
-Each call (a Propose, a ProposeBatch, a message of a stream, a ProposeColumns
-step) is a job: a Step of one or more requests, made as the call arrives. The
-loop takes the queued jobs in arrival order, as many as fit in one batch (at
-most max_batch requests, each state at most once), joins their Steps and runs
-them as one `propose_step` call: one batched forward per draft position. A
-job whose state is already in the batch waits for the next one, so no client
-is skipped twice in a row. While a batch computes, new jobs queue up; the next
+Each call (a Propose, a ProposeBatch, a message of a ProposeStream) is a job: a
+Step of one or more requests, made as the call arrives. The loop takes the
+queued jobs in arrival order, as many as fit in one batch (at most max_batch
+requests, each state at most once), joins their Steps and runs them as one
+`propose_step` call: one batched forward per draft position. A job whose state
+is already in the batch, or in a job that waits, waits for the next one: two
+calls on one state are served in arrival order, and no client is skipped twice
+in a row. While a batch computes, new jobs queue up; the next
 batch takes them all (continuous batching).
 
 A verifier in its decode loop comes back one round trip after its answer. Were
@@ -57,7 +58,7 @@ class _Job:
     queued_ns: int  # time.time_ns
     tag: object  # the caller's, handed back with the batch's BatchRun
     round_trip: float | None  # its states' answer-to-this-call time (the longest), if known
-    apart: bool = False  # each request stands or fails alone (a ProposeColumns step)
+    apart: bool = False  # each request stands or fails alone (a ProposeBatch step)
     states: set[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -208,6 +209,8 @@ class ProposeScheduler:
         now = asyncio.get_running_loop().time()
         taken: list[_Job] = []
         deferred: list[_Job] = []
+        # The states of the jobs taken and of those deferred: a later job naming one of
+        # them waits too, so that two calls on one state are served in arrival order.
         size, states = 0, set()
         while self._queue and size < self.max_batch:
             job = self._queue.popleft()
@@ -216,12 +219,13 @@ class ProposeScheduler:
             if job.deadline is not None and now >= job.deadline:
                 job.future.set_exception(_deadline_passed())
                 continue
-            if size + len(job) > self.max_batch or job.states & states:
+            fits = size + len(job) <= self.max_batch and not job.states & states
+            states |= job.states
+            if not fits:
                 deferred.append(job)
                 continue
             taken.append(job)
             size += len(job)
-            states |= job.states
         self._queue.extendleft(reversed(deferred))  # they keep their place in line
         return taken
 

@@ -1,10 +1,10 @@
 """A propose step of many states as columns (`Step`), and its answer (`StepResult`).
 
-Every Propose the engine serves travels as a Step: a ProposeColumns message is one
-already, a Propose or ProposeBatch call becomes one (`from_requests`), and the
+Every Propose the engine serves travels as a Step: a ProposeBatch message is one
+already (`columns.step`), a Propose call becomes one (`from_requests`), and the
 scheduler joins the calls of one batch into one (`concat`). Row i of every
 column is one state's request; `groups` says which rows stand or fail together
-(a ProposeBatch call is one group, each row of a ProposeColumns step its own).
+(each row of a ProposeBatch step is its own).
 """
 
 from __future__ import annotations

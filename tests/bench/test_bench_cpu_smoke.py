@@ -59,11 +59,11 @@ def test_bench_verifier_measures_every_way_and_judges_the_targets(tmp_path: Path
     report = json.loads((tmp_path / "verifier.json").read_text())
     row = report["shapes"]["1x2"]
     assert row["in_process"]["kernel_only"]["drafts_per_s"] > 0
-    for way in ("columns", "columns-stream", "batch", "columns-stream, unix socket"):
+    for way in ("batch", "stream", "many", "stream, unix socket"):
         assert row[way].get("drafts_per_s", 0) > 0, (way, row[way])
     assert set(report["floor"]["1x2"]) == {"tcp", "unix"}
     # Tracing against off, in rounds, at the largest shapes.
-    traced = row["columns-stream, tracing on (median round)"]
+    traced = row["stream, tracing on (median round)"]
     assert len(traced["rounds"]) == 2 and traced["median_on_off"] > 0
     assert "tracing on: off / on drafts/s" in (tmp_path / "verifier.md").read_text()
     assert report["targets"] and all("met" in t for t in report["targets"])

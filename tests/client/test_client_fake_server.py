@@ -69,9 +69,24 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
         )
 
     def ProposeBatch(self, request: pb.ProposeBatchRequest, context: Any) -> Any:
-        return pb.ProposeBatchResponse(
-            proposals=[self.Propose(r, context) for r in request.requests]
-        )
+        """Row i drafts tokens[i] + 1, + 2, ...; a negative token fails its row."""
+        size, ks = len(request.state_ids), list(request.num_drafts)
+        ks = ks * size if len(ks) == 1 else ks
+        answer = pb.ProposeBatchResponse(request_id=request.request_id, width=max(ks))
+        rows = zip(request.tokens, ks, request.positions, strict=True)
+        for row, (token, k, position) in enumerate(rows):
+            k = 0 if token < 0 else k
+            answer.drafts.extend([token + 1 + i for i in range(k)] + [-1] * (max(ks) - k))
+            answer.probs.extend([0.5] * k + [0.0] * (max(ks) - k))
+            answer.draft_counts.append(k)
+            answer.confidences.append(0.5 if k else 0.0)
+            answer.first_positions.append(position + 1 if k else 0)
+            if token < 0:
+                error = pb.Error(
+                    code=3, message="outside", reason="TOKEN_OUT_OF_RANGE", field="tokens"
+                )
+                answer.errors.add(row=row, error=error)
+        return answer
 
     def AfterVerify(self, request: Any, context: Any) -> Any:
         context.abort(grpc.StatusCode.NOT_FOUND, f"unknown state {request.state_id}")
@@ -117,9 +132,18 @@ def test_sync_client(fake: tuple[FakeDrafter, str]) -> None:
         p = c.propose(7, 3, hiddens[0], 51, 3, previous=Verdict(2, hiddens[:2]))
         assert p.tokens == [4, 5, 6] and p.probs == [0.5] * 3 and p.first_position == 52
         assert servicer.proposes[-1].previous.num_accepted == 2
-        ps = c.propose_batch([ProposeArgs(s, 1, hiddens[0], 9, 2) for s in (1, 2)])
-        assert [q.state_id for q in ps] == [1, 2]
-        assert c.propose_batch([]) == []
+        ps = c.propose_many([ProposeArgs(s, 1, hiddens[0], 9, 2) for s in (1, 2)]).proposals()
+        assert [q.state_id for q in ps] == [1, 2] and ps[1].tokens == [2, 3]
+        one_bad = c.propose_batch([1, 2], [1, -1], [9, 9], hiddens[:2], 2)
+        assert one_bad.counts.tolist() == [2, 0] and one_bad.proposal(0).first_position == 10
+        assert (one_bad.errors[1].reason, one_bad.errors[1].field) == (
+            "TOKEN_OUT_OF_RANGE",
+            "tokens",
+        )
+        with pytest.raises(InvalidArgument):
+            one_bad.proposal(1)
+        with pytest.raises(ValueError):
+            c.propose_many([])
         assert c.take_kv(7) == KVHandle(11, 4, 30.0)
         assert c.free_state(7) is True
 
@@ -157,8 +181,12 @@ def test_async_client(fake: tuple[FakeDrafter, str]) -> None:
             np.testing.assert_array_equal(back, rows)
             p = await c.propose(7, 3, hidden, 51, 2, bitmask=np.full(4, -1, np.int32))
             assert p.tokens == [4, 5] and p.confidence == 0.5
-            ps = await c.propose_batch([ProposeArgs(3, 1, hidden, 9, 1)])
-            assert ps[0].tokens == [2]
+            ps = await c.propose_many([ProposeArgs(3, 1, hidden, 9, 1)])
+            assert ps.proposal(0).tokens == [2] and ps.proposal(0).state_id == 3
+            batch = await c.propose_batch(
+                [4, 5], [1, 2], [9, 9], np.ones((2, 32), np.float32), [1, 2]
+            )
+            assert batch.drafts.tolist() == [[2, -1], [3, 4]]
             assert await c.free_state(7) is True
             with pytest.raises(InvalidArgument) as e:
                 await c.propose(7, -1, hidden, 51, 3)

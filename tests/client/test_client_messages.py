@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mtpdraft.client import KVHandle, ProposeArgs, Verdict, messages, wire
+from mtpdraft.client import KVHandle, ProposeArgs, StateNotFound, Verdict, messages, wire
 from mtpdraft.v1 import drafter_pb2 as pb
 
 
@@ -147,16 +147,71 @@ def test_propose_request_rejects_bad_arguments() -> None:
     assert tuple(flat.previous.refeed_hiddens.shape) == (8,)
 
 
-def test_propose_batch_request_keeps_order() -> None:
+def test_batch_request_of_states_given_one_by_one() -> None:
+    """Row i is requests[i]'s: hiddens stacked (bf16 beside fp32 widened to fp32, exactly),
+    refeeds and bitmasks one after another with their row counts (fewer words padded with
+    zero words), verdicts -1 where none."""
+    h = np.arange(4, dtype=np.float32)
+    bf16 = torch.tensor([1.5, -2.0, 0.25, 3.0]).to(torch.bfloat16)
+    refeed = np.ones((2, 4), np.float32)
+    args = [
+        ProposeArgs(3, 13, h, 5, 2, previous=Verdict(2, refeed)),
+        ProposeArgs(1, 11, bf16.reshape(1, 4), 6, 3, bitmask=np.array([7], np.int32)),
+        ProposeArgs(8, 1, h, 2, 4, np.full((2, 2), -1, np.int32), 0.5, previous=1),
+    ]
+    req = messages.batch_request_of(args)
+    assert list(req.state_ids) == [3, 1, 8] and list(req.tokens) == [13, 11, 1]
+    assert list(req.positions) == [5, 6, 2] and list(req.num_drafts) == [2, 3, 4]
+    assert req.hiddens.dtype == pb.DTYPE_FP32
+    np.testing.assert_array_equal(wire.decode(req.hiddens), [h, bf16.float().numpy(), h])
+    assert list(req.num_accepted) == [2, -1, 1]
+    assert list(req.refeed_rows) == [2, 0, 0]
+    np.testing.assert_array_equal(wire.decode(req.refeed_hiddens), refeed)
+    assert list(req.bitmask_rows) == [0, 1, 2]
+    np.testing.assert_array_equal(wire.decode(req.bitmasks), [[7, 0], [-1, -1], [-1, -1]])
+    assert list(req.min_confidence) == [0.0, 0.0, 0.5]
+    # No refeed: a bare count, or an empty tensor with none accepted.
+    empty = [ProposeArgs(3, 1, h, 5, 2, previous=Verdict(0, np.zeros(0, np.float32)))]
+    empty.append(ProposeArgs(4, 1, h, 5, 2, previous=Verdict(0, np.zeros((0, 4), np.float32))))
+    none = messages.batch_request_of(empty)
+    assert list(none.num_accepted) == [0, 0] and not none.refeed_rows
+    assert not none.HasField("refeed_hiddens")
+    plain = messages.batch_request_of([ProposeArgs(3, 13, bf16, 5, 2)])
+    assert plain.hiddens.dtype == pb.DTYPE_BF16 and list(plain.hiddens.shape) == [1, 4]
+    assert not (plain.num_accepted or plain.refeed_rows or plain.bitmask_rows)
+    assert not plain.min_confidence and not plain.HasField("bitmasks")
+
+
+def test_batch_request_of_rejects_bad_arguments() -> None:
     h = np.zeros(4, np.float32)
-    args = [ProposeArgs(state=s, token=s + 10, hidden=h, position=5, num_drafts=2) for s in (3, 1)]
-    args.append(ProposeArgs(8, 1, h, 2, 4, bitmask=np.zeros(1, np.int32), previous=Verdict(1)))
-    req = messages.propose_batch_request(args)
-    assert [r.state_id for r in req.requests] == [3, 1, 8]
-    assert [r.token for r in req.requests] == [13, 11, 1]
-    assert req.requests[2].HasField("bitmask") and req.requests[2].previous.num_accepted == 1
+    with pytest.raises(ValueError):
+        messages.batch_request_of([])
     with pytest.raises(TypeError):
-        messages.propose_batch_request([(1, 2, h, 3, 1)])  # type: ignore[list-item]
+        messages.batch_request_of([(1, 2, h, 3, 1)])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"requests\[1\].hidden"):  # one row each
+        messages.batch_request_of(
+            [ProposeArgs(1, 2, h, 3, 1), ProposeArgs(2, 2, h[None, :].repeat(2, 0), 3, 1)]
+        )
+    with pytest.raises(ValueError, match="hidden"):  # rows of one width
+        messages.batch_request_of([ProposeArgs(1, 2, h, 3, 1), ProposeArgs(2, 2, h[:3], 3, 1)])
+    with pytest.raises(ValueError, match="num_accepted"):
+        messages.batch_request_of([ProposeArgs(1, 2, h, 3, 1, previous=-1)])
+    with pytest.raises(TypeError, match=r"requests\[0\].bitmask"):
+        messages.batch_request_of([ProposeArgs(1, 2, h, 3, 1, bitmask=np.zeros(2, np.float32))])
+
+
+def test_batch_request_columns() -> None:
+    req = messages.batch_request(
+        np.array([5, 6], np.uint64), [1, 2], torch.tensor([3, 4]), np.zeros((2, 4), np.float16), 3,
+        num_accepted=[-1, 0], min_confidence=0.25,
+    )  # fmt: skip
+    assert list(req.state_ids) == [5, 6] and list(req.positions) == [3, 4]
+    assert list(req.num_drafts) == [3] and list(req.min_confidence) == [0.25]
+    assert list(req.num_accepted) == [-1, 0] and not req.HasField("refeed_hiddens")
+    with pytest.raises(ValueError, match="tokens"):
+        messages.batch_request([5, 6], [1], [3, 4], np.zeros((2, 4), np.float32), 3)
+    with pytest.raises(ValueError, match="positions"):
+        messages.batch_request([5], [1], [2**63], np.zeros(4, np.float32), 3)
 
 
 def test_other_requests() -> None:
@@ -177,10 +232,19 @@ def test_parse_responses() -> None:
     assert p.tokens == [5, 6] and p.probs == [0.5, 0.25] and p.confidence == 0.25
     assert type(p.tokens) is list and type(p.probs[0]) is float
     assert (p.state_id, p.first_position) == (3, 9)
-    batch = messages.parse_propose_batch(
-        pb.ProposeBatchResponse(proposals=[pb.Proposal(state_id=1), pb.Proposal(state_id=2)])
-    )
-    assert [b.state_id for b in batch] == [1, 2]
+    answer = pb.ProposeBatchResponse(
+        width=2, drafts=[5, 6, -1, -1], probs=[0.5, 0.25, 0, 0], draft_counts=[2, 0],
+        confidences=[0.25, 0], first_positions=[9, 0],
+        errors=[pb.RowError(row=1, error=pb.Error(code=5, reason="STATE_NOT_FOUND"))],
+    )  # fmt: skip
+    batch = messages.parse_batch(answer, [3, 4])
+    assert len(batch) == 2 and batch.drafts.shape == (2, 2)
+    assert batch.proposal(0) == p
+    assert batch.errors[1].reason == "STATE_NOT_FOUND"
+    with pytest.raises(StateNotFound):
+        batch.proposal(1)
+    with pytest.raises(StateNotFound):
+        batch.proposals()
     r = messages.parse_prefill(pb.PrefillResponse(num_rows=4, next_position=5))
     assert (r.num_rows, r.next_position) == (4, 5)
     k = messages.parse_take_kv(pb.TakeKVResponse(handle_id=2, num_rows=4, ttl_seconds=60))

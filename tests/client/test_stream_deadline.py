@@ -59,10 +59,10 @@ def test_a_stream_outlives_the_client_timeout(address: str) -> None:
         c.free_state(state, timeout=PATIENCE)
 
 
-def test_a_columns_stream_outlives_the_client_timeout(address: str) -> None:
+def test_a_stream_of_batches_outlives_the_client_timeout(address: str) -> None:
     with DrafterClient(address, timeout=SHORT) as c:
         state, hs = _prompted(c, _size(c), 2)
-        with c.columns_stream() as stream:
+        with c.stream() as stream:
             step = stream.step([state], [5], [5], hs[:1], 2)
             time.sleep(PAST)
             step = stream.step([state], [6], [6], hs[1:2], 2, num_accepted=[0])
@@ -78,7 +78,7 @@ def test_a_stream_with_a_timeout_expires(address: str) -> None:
             time.sleep(PAST)
             with pytest.raises(DeadlineExceeded):
                 stream.propose(state, 6, hs[1], 6, 2, previous=0)
-        with c.columns_stream(timeout=SHORT) as stream:
+        with c.stream(timeout=SHORT) as stream:
             time.sleep(PAST)
             with pytest.raises(DeadlineExceeded):
                 stream.step([state], [6], [6], hs[1:2], 2, num_accepted=[0])
@@ -97,18 +97,18 @@ def test_async_streams_outlive_the_client_timeout(address: str) -> None:
                 await asyncio.sleep(PAST)
                 p = await stream.propose(state, 6, hs[5], 6, 2, previous=0)
                 assert p.state_id == state
-            async with c.columns_stream() as columns:
+            async with c.stream() as batches:
                 await asyncio.sleep(PAST)
-                step = await columns.step([state], [7], [7], hs[6:7], 2, num_accepted=[0])
+                step = await batches.step([state], [7], [7], hs[6:7], 2, num_accepted=[0])
                 assert step.errors == {} and step.counts.tolist() == [2]
             async with c.stream(timeout=SHORT) as stream:
                 await asyncio.sleep(PAST)
                 with pytest.raises(DeadlineExceeded):
                     await stream.propose(state, 8, hs[6], 8, 2, previous=0)
-            async with c.columns_stream(timeout=SHORT) as columns:
+            async with c.stream(timeout=SHORT) as batches:
                 await asyncio.sleep(PAST)
                 with pytest.raises(DeadlineExceeded):
-                    await columns.step([state], [8], [8], hs[6:7], 2, num_accepted=[0])
+                    await batches.step([state], [8], [8], hs[6:7], 2, num_accepted=[0])
             await c.free_state(state, timeout=PATIENCE)
 
     asyncio.run(main())

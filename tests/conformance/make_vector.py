@@ -7,10 +7,9 @@ generator. Expected outputs come from three sources, none of them the service's
 numbers:
 
 - structure (row counts, next positions, chunk counts, error codes, reasons and
-  fields, a ProposeColumns' failed rows): the contract's, written in scenario()
-  below;
-- drafts, probabilities and confidences (a ProposeBatch's proposals, a
-  ProposeColumns' columns): the float64 oracle (oracle.py over
+  fields, a batch's failed rows): the contract's, written in scenario() below;
+- drafts, probabilities and confidences (a Propose's proposal, a batch's
+  columns): the float64 oracle (oracle.py over
   tests/mtp_reference.py, which reads the safetensors itself), on the rows the
   contract says each state holds, bitmask rows and min_confidence applied;
 - GetInfo: the static configuration of the server the vector is for.
@@ -43,7 +42,7 @@ runner-up among the allowed tokens is at least SAFETY x the worst lead
 deviation, and with min_confidence every computed draft's probability lies at
 least prob_tolerance from it; so no token can flip and tokens compare exactly.
 scenario()'s inputs are drawn again, proposal by proposal (a Propose, a batch's
-request, a ProposeColumns row), until its drafts clear MARGIN (above the
+row), until its drafts clear MARGIN (above the
 requirement) and are well conditioned: in SCREEN runs of the bfloat16 error
 model, no draft's probability moves by more than PROB_BUDGET nor its lead by more
 than LEAD_BUDGET (one ill-conditioned proposal would widen the tolerance of every
@@ -84,7 +83,8 @@ from oracle import (
     ErrorModel,
     Oracle,
     Proposal,
-    columns_rows,
+    batch_rows,
+    batches,
     deviation,
     emulate,
     expectations,
@@ -129,8 +129,9 @@ FLOAT32 = ("--dtype", "float32")
 RULES = [
     "Refuse, before any call and with a non-zero exit, a vector whose format is not "
     f"{FORMAT!r}, whose prob_tolerance is missing or not a non-negative number, whose "
-    "operations are missing or empty, with an operation whose op is unknown, or with a "
-    "ProposeStream without messages.",
+    "operations are missing or empty, with an operation whose op is unknown, a "
+    "ProposeStream without messages, or a ProposeBatch (or a ProposeStream message) "
+    "without states or without hiddens.",
     "Replay the operations in order against one server started as `server`.",
     "AllocState binds `state` to the returned id; TakeKV binds `handle`; the other "
     "operations look these names up. Ids are uint64 and non-zero.",
@@ -140,26 +141,22 @@ RULES = [
     "state_id and start_position. `chunks` in expect is the number of chunks sent.",
     "Propose: `previous` is the fused verdict on the pending proposal; min_confidence, "
     "when given, is sent as it is. A Proposal's state_id must equal the state's id.",
-    "ProposeStream: open one stream and send its `messages` (each a Propose operation "
-    "without `op`) one at a time, each answered before the next; an error comes as an "
-    "answer (expect_error, expect_reason, expect_field: its Error value's code name, "
-    "reason and field) and the stream stays open. "
-    "Close the stream after the last answer.",
-    "ProposeBatch: one call with its `requests` (each a Propose operation without `op`), "
-    "in order; expect.proposals lists each request's proposal as a Propose's expect. The "
-    "batch is all or nothing: expect_error is the call's status.",
-    "ProposeColumns: one ColumnsRequest of B rows: state_ids from the `states` names "
+    "ProposeBatch: one ProposeBatchRequest of B rows: state_ids from the `states` names "
     "(a name may be bound to a freed state), tokens, positions, hiddens [B, H], num_drafts "
     "(B values or one) and, when given, num_accepted (-1: no verdict), refeed_rows with "
     "refeed_hiddens, bitmask_rows with bitmasks, min_confidence (B values or one), all "
-    "sent as they are. `stream` false: the unary call; true: open a ProposeColumnsStream, "
-    "send this one message (request_id 1), read its one answer, close the stream. expect: "
-    "width, drafts and probs as B rows of width values, draft_counts, confidences, "
-    "first_positions, and errors (the failed rows in row order: row, code name, reason, "
-    "field, '' for none), all compared. expect_error: the message failed as a whole, "
-    "unary: the call's status; stream: the answer's error value.",
+    "sent as they are. expect: width, drafts and probs as B rows of width values, "
+    "draft_counts, confidences, first_positions, and errors (the failed rows in row "
+    "order: row, code name, reason, field, '' for none), all compared. expect_error: the "
+    "message failed as a whole: the call's status.",
+    "ProposeStream: open one stream and send its `messages` (each a ProposeBatch "
+    "operation without `op`, request_id 1, 2, ... in order) one at a time, each answered "
+    "before the next; each answer's request_id must be its message's. A message that "
+    "fails as a whole is answered with its error value (expect_error, expect_reason, "
+    "expect_field: its code name, reason and field) and the stream stays open. Close the "
+    "stream after the last answer.",
     "expect: every listed field must match, exactly except probs and confidence "
-    "(and a ProposeColumns' probs and confidences: absolute tolerance prob_tolerance). "
+    "(and a batch's probs and confidences: absolute tolerance prob_tolerance). "
     "expect_error: the gRPC status code name; "
     "expect_reason: its google.rpc.ErrorInfo reason; expect_field: the first "
     "google.rpc.BadRequest field violation's field (absent: none). Compare all three.",
@@ -191,29 +188,96 @@ def bitmask(allowed: list[np.ndarray]) -> np.ndarray:
     return words.view(np.int32)
 
 
+class Draws:
+    """The scenario's inputs, drawn from one seeded generator in the order asked for."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def hiddens(self, n: int) -> dict[str, Any]:
+        return encode_tensor(self.rng.standard_normal((n, HIDDEN)).astype(np.float32))
+
+    def hidden(self) -> dict[str, Any]:
+        return encode_tensor(self.rng.standard_normal(HIDDEN).astype(np.float32))
+
+    def token(self) -> int:
+        return int(self.rng.integers(0, VOCAB))
+
+    def mask(self, n: int) -> np.ndarray:
+        """n bitmask rows, each allowing about a quarter of the vocabulary."""
+        return bitmask([self.rng.random(VOCAB) < 0.25 for _ in range(n)])
+
+    def batch(self, *rows: dict[str, Any], one_k: bool = False, **extra: Any) -> dict[str, Any]:
+        """A ProposeBatch of `rows` (see row()), its inputs drawn; `one_k`: num_drafts as
+        one value for all."""
+        op: dict[str, Any] = {"op": "ProposeBatch", "states": [r["state"] for r in rows]}
+        op["tokens"] = [self.token() for _ in rows]
+        op["positions"] = [r["position"] for r in rows]
+        op["hiddens"] = self.hiddens(len(rows))
+        op["num_drafts"] = [r["k"] for r in rows]
+        if one_k:
+            (k,) = set(op["num_drafts"])
+            op["num_drafts"] = [k]
+        if any(r["a"] >= 0 for r in rows):
+            op["num_accepted"] = [r["a"] for r in rows]
+        if any(r.get("refeed") for r in rows):
+            op["refeed_rows"] = [r["a"] if r.get("refeed") else 0 for r in rows]
+            op["refeed_hiddens"] = self.hiddens(sum(op["refeed_rows"]))
+        masks = [r.get("mask") for r in rows]
+        if any(m is not None for m in masks):
+            op["bitmask_rows"] = [0 if m is None else len(m) for m in masks]
+            op["bitmasks"] = encode_tensor(np.concatenate([m for m in masks if m is not None]))
+        if any(r.get("floor") for r in rows):
+            op["min_confidence"] = [None if r.get("floor") else 0.0 for r in rows]
+        errors = [{"row": i} | r["error"] for i, r in enumerate(rows) if "error" in r]
+        return op | ({} if "expect_error" in extra else {"expect": {"errors": errors}}) | extra
+
+
+def row(state: str, position: int, k: int, a: int = -1, **extra: Any) -> dict[str, Any]:
+    """One row of a batch: state, position, K and verdict (-1: none); `refeed` (its a
+    rows), `mask` (bitmask rows), `floor` (a min_confidence that settle() places),
+    `error` (the row's error, fails())."""
+    return {"state": state, "position": position, "k": k, "a": a} | extra
+
+
+def message(batch: dict[str, Any]) -> dict[str, Any]:
+    """A ProposeStream message: a ProposeBatch operation without its `op`."""
+    return {k: v for k, v in batch.items() if k != "op"}
+
+
+def error(code: str, reason: str, field: str | None = None) -> dict[str, Any]:
+    """An operation's (or a message's) expected error."""
+    out = {"expect_error": code, "expect_reason": reason}
+    return out | ({"expect_field": field} if field else {})
+
+
+def fails(code: str, reason: str, field: str = "") -> dict[str, Any]:
+    """A batch row's expected error."""
+    return {"error": {"code": code, "reason": reason, "field": field}}
+
+
+# A row whose position does not continue its state.
+MISMATCH_ROW = fails("INVALID_ARGUMENT", "POSITION_MISMATCH", "positions")
+
+
+def unfit(op: dict[str, Any], key: str, rows: dict[str, Any]) -> dict[str, Any]:
+    """The batch `op` with `rows` as its tensor `key`, whose rows its counts do not add up
+    to: the columns do not fit together, the message fails as a whole."""
+    op = {k: v for k, v in op.items() if k != "expect"}
+    return op | {key: rows} | error("INVALID_ARGUMENT", "COLUMNS_MISMATCH", key)
+
+
 def scenario(seed: int) -> list[dict[str, Any]]:
     """The operations with their inputs and the contract's structural expectations."""
-    rng = np.random.default_rng(seed)
-
-    def hiddens(n: int) -> dict[str, Any]:
-        return encode_tensor(rng.standard_normal((n, HIDDEN)).astype(np.float32))
-
-    def hidden() -> dict[str, Any]:
-        return encode_tensor(rng.standard_normal(HIDDEN).astype(np.float32))
-
-    def token() -> int:
-        return int(rng.integers(0, VOCAB))
+    draw = Draws(seed)
+    hiddens, token = draw.hiddens, draw.token
 
     def propose(state: str, position: int, k: int, **extra: Any) -> dict[str, Any]:
         op = {"op": "Propose", "state": state, "token": token(), "position": position}
-        op |= {"num_drafts": k, "hidden": hidden()}
+        op |= {"num_drafts": k, "hidden": draw.hidden()}
         if "expect_error" not in extra:
             op["expect"] = {"first_position": position + 1}
         return op | extra
-
-    def message(state: str, position: int, k: int, **extra: Any) -> dict[str, Any]:
-        """A ProposeStream message: a Propose operation without its `op`."""
-        return {k: v for k, v in propose(state, position, k, **extra).items() if k != "op"}
 
     def verify(state: str, a: int, rows: int, refeed: bool = False) -> dict[str, Any]:
         op: dict[str, Any] = {"op": "AfterVerify", "state": state, "num_accepted": a}
@@ -221,16 +285,12 @@ def scenario(seed: int) -> list[dict[str, Any]]:
             op["refeed_hiddens"] = hiddens(a)
         return op | {"expect": {"num_rows": rows, "next_position": rows + 1}}
 
-    def error(code: str, reason: str, field: str | None = None) -> dict[str, Any]:
-        out = {"expect_error": code, "expect_reason": reason}
-        return out | ({"expect_field": field} if field else {})
-
     mismatch = error("INVALID_ARGUMENT", "POSITION_MISMATCH", "position")
     no_state = error("NOT_FOUND", "STATE_NOT_FOUND")
     prompt = [token() for _ in range(8)]  # x0..x7; rows (x1, h0) .. (x6, h5) are prefilled
     first = propose("A", 7, 3)  # (x7, h6) at position 7 drafts d1..d3 at 8..10
     first["token"] = prompt[7]
-    mask = bitmask([rng.random(VOCAB) < 0.25, rng.random(VOCAB) < 0.25])
+    mask = bitmask([draw.rng.random(VOCAB) < 0.25, draw.rng.random(VOCAB) < 0.25])
     return [
         {"op": "GetInfo"},
         {"op": "AllocState", "state": "A"},
@@ -278,15 +338,15 @@ def scenario(seed: int) -> list[dict[str, Any]]:
         | error("NOT_FOUND", "HANDLE_NOT_FOUND"),  # used
         propose("B", 19, 3),
         verify("B", 3, rows=22, refeed=True),
-        {  # the hot path: each message carries the verdict on the one before
+        {  # the hot path, one state a batch of one: each carries the verdict on the last
             "op": "ProposeStream",
             "messages": [
-                message("B", 23, 3),
+                message(draw.batch(row("B", 23, 3))),
                 # a = 1 leaves 22 + 1 + 1 rows: position 26 does not continue B, and
-                # the refused message changes nothing (its verdict is not applied)
-                message("B", 26, 2, previous={"num_accepted": 1}, **mismatch),
-                message("B", 25, 2, previous={"num_accepted": 1}),
-                message("B", 28, 4, previous={"num_accepted": 2, "refeed_hiddens": hiddens(2)}),
+                # the refused row changes nothing (its verdict is not applied)
+                message(draw.batch(row("B", 26, 2, 1, **MISMATCH_ROW))),
+                message(draw.batch(row("B", 25, 2, 1))),
+                message(draw.batch(row("B", 28, 4, 2, refeed=True))),
             ],
         },
         verify("B", 0, rows=28),
@@ -327,182 +387,133 @@ def scenario(seed: int) -> list[dict[str, Any]]:
         {"op": "FreeState", "state": "B", "expect": {"existed": True}},
         {"op": "AfterVerify", "state": "B", "num_accepted": 0} | no_state,
         {"op": "FreeState", "state": "C", "expect": {"existed": True}},
-        *many_states(rng, hiddens, hidden, token, error),
+        *many_states(draw),
     ]
 
 
-def many_states(rng: np.random.Generator, hiddens: Any, hidden: Any, token: Any, error: Any):
-    """ProposeBatch and ProposeColumns (unary and on a stream) over states D, E, F, G;
-    "A" is a freed state by now. Positions follow the contract: a state of n rows
-    takes its next Propose at n + 1; a verdict a on a proposal at p leaves p + a rows."""
+def many_states(draw: Draws) -> list[dict[str, Any]]:
+    """ProposeBatch and ProposeStream over states D, E, F, G; "A" is a freed state by
+    now. Positions follow the contract: a state of n rows takes its next Propose at
+    n + 1; a verdict a on a proposal at p leaves p + a rows."""
+    hiddens, mask = draw.hiddens, draw.mask
 
     def prefill(state: str, n: int) -> dict[str, Any]:
         return {
             "op": "Prefill",
             "state": state,
             "start_position": 1,
-            "tokens": [token() for _ in range(n)],
+            "tokens": [draw.token() for _ in range(n)],
             "chunk_rows": 4,
             "hiddens": hiddens(n),
             "expect": {"num_rows": n, "next_position": n + 1, "chunks": -(-n // 4)},
         }
 
-    def request(state: str, position: int, k: int, **extra: Any) -> dict[str, Any]:
-        """A ProposeBatch request: a Propose operation's fields without `op`."""
-        out = {"state": state, "token": token(), "position": position, "num_drafts": k}
-        return out | {"hidden": hidden()} | extra
-
-    def refeed(a: int) -> dict[str, Any]:
-        return {"num_accepted": a, "refeed_hiddens": hiddens(a)}
-
-    def batch(*requests: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        return {"op": "ProposeBatch", "requests": list(requests)} | extra
-
-    def row(state: str, position: int, k: int, a: int = -1, **extra: Any) -> dict[str, Any]:
-        """One row of a ProposeColumns: `refeed` (its a rows), `mask` (bitmask rows),
-        `floor` (a min_confidence that settle() places), `error` (the row's error)."""
-        return {"state": state, "position": position, "k": k, "a": a} | extra
-
-    def columns(*rows: dict[str, Any], stream: bool = False, **extra: Any) -> dict[str, Any]:
-        op: dict[str, Any] = {"op": "ProposeColumns", "stream": stream}
-        op["states"] = [r["state"] for r in rows]
-        op["tokens"] = [token() for _ in rows]
-        op["positions"] = [r["position"] for r in rows]
-        op["hiddens"] = hiddens(len(rows))
-        op["num_drafts"] = [r["k"] for r in rows]
-        if any(r["a"] >= 0 for r in rows):
-            op["num_accepted"] = [r["a"] for r in rows]
-        if any(r.get("refeed") for r in rows):
-            op["refeed_rows"] = [r["a"] if r.get("refeed") else 0 for r in rows]
-            op["refeed_hiddens"] = hiddens(sum(op["refeed_rows"]))
-        masks = [r.get("mask") for r in rows]
-        if any(m is not None for m in masks):
-            op["bitmask_rows"] = [0 if m is None else len(m) for m in masks]
-            op["bitmasks"] = encode_tensor(np.concatenate([m for m in masks if m is not None]))
-        if any(r.get("floor") for r in rows):
-            op["min_confidence"] = [None if r.get("floor") else 0.0 for r in rows]
-        errors = [{"row": i} | r["error"] for i, r in enumerate(rows) if "error" in r]
-        return op | ({} if "expect_error" in extra else {"expect": {"errors": errors}}) | extra
-
-    def fails(code: str, reason: str, field: str = "") -> dict[str, Any]:
-        return {"error": {"code": code, "reason": reason, "field": field}}
-
-    def mask(n: int) -> np.ndarray:
-        return bitmask([rng.random(VOCAB) < 0.25 for _ in range(n)])
-
     out_of_range = "NUM_ACCEPTED_OUT_OF_RANGE"
-
-    def unfit(op: dict[str, Any], key: str, rows: dict[str, Any]) -> dict[str, Any]:
-        """`op` with `rows` as its tensor `key`, whose rows its counts do not add up to:
-        the columns do not fit together, the message fails as a whole."""
-        op = {k: v for k, v in op.items() if k != "expect"}
-        return op | {key: rows} | error("INVALID_ARGUMENT", "COLUMNS_MISMATCH", key)
-
     return [
         *({"op": "AllocState", "state": s} for s in "DEF"),
         prefill("D", 5),
         prefill("E", 3),
         prefill("F", 4),
-        batch(request("D", 6, 3), request("E", 4, 2)),  # D: 6 rows, E: 4, both pending
-        batch(  # the same state twice: the batch fails, D keeps its pending proposal
-            request("D", 8, 2, previous={"num_accepted": 1}),
-            request("F", 5, 2),
-            request("D", 8, 2, previous={"num_accepted": 1}),
-        )
-        | error("INVALID_ARGUMENT", "DUPLICATE_STATE", "requests"),
-        batch(  # E's next position is 4 + 1 + 1: all or nothing, F gets no proposal
-            request("F", 5, 2),
-            request("E", 7, 2, previous={"num_accepted": 1}),
-        )
-        | error("INVALID_ARGUMENT", "POSITION_MISMATCH", "position"),
-        batch(
-            request("D", 8, 3, previous=refeed(1), bitmask=encode_tensor(mask(1))),  # 8 rows
-            request("F", 5, 3),  # 5 rows, pending
-            request("E", 7, 2, previous={"num_accepted": 2}),  # a = K: 4 + 2 + 1 = 7 rows
+        draw.batch(row("D", 6, 3), row("E", 4, 2)),  # D: 6 rows, E: 4, both pending
+        draw.batch(  # the same state twice: its second row fails
+            row("D", 8, 3, 1, refeed=True, mask=mask(1)),  # 8 rows
+            row("F", 5, 3),  # 5 rows, pending
+            row("D", 8, 2, 1, **fails("INVALID_ARGUMENT", "DUPLICATE_STATE", "state_ids")),
+        ),
+        draw.batch(  # F's a = 1 leaves 6 rows: position 6 does not continue it
+            row("F", 6, 2, 1, **MISMATCH_ROW),
+            row("E", 7, 2, 2),  # a = K: 4 + 2 + 1 = 7 rows
         ),
         {"op": "AfterVerify", "state": "F", "num_accepted": 2}
         | {"expect": {"num_rows": 7, "next_position": 8}},
-        columns(  # C1: a = K, a refeed, no verdict (-1); a bitmask and a min_confidence
+        draw.batch(  # C1: a = K, a refeed, no verdict (-1); a bitmask and a min_confidence
             row("D", 12, 3, 3, floor=True),  # 12 rows, the chain stopped early
             row("E", 9, 2, 1, refeed=True, mask=mask(2)),  # 9 rows
             row("F", 8, 4),  # 8 rows
         ),
-        columns(  # C2: two rows fail and change nothing; the others are answered
+        draw.batch(  # C2: two rows fail and change nothing; the others are answered
             row("D", 13, 2, 0),  # 13 rows
             row("A", 1, 3, **fails("NOT_FOUND", "STATE_NOT_FOUND", "state_ids")),
-            row("F", 12, 2, 2, **fails("INVALID_ARGUMENT", "POSITION_MISMATCH", "positions")),
+            row("F", 12, 2, 2, **MISMATCH_ROW),
             row("E", 12, 3, 2, refeed=True),  # a = K: 12 rows
         ),
         {"op": "AllocState", "state": "G"},
         prefill("G", 2),
-        columns(  # S1: F as C2 left it (8 rows, 4 drafts pending)
-            row("F", 11, 3, 2),  # 11 rows
-            row("E", 16, 2, 3, mask=mask(1)),  # a = K: 16 rows
-            row("G", 3, 3, floor=True),  # 3 rows
-            row("D", 15, 4, 1, refeed=True),  # 15 rows
-            stream=True,
-        ),
-        columns(  # S2: D's a > K, G's pending proposal; both unchanged
-            row("E", 17, 2, 0),  # 17 rows
-            row("D", 21, 3, 5, **fails("INVALID_ARGUMENT", out_of_range, "num_accepted")),
-            row("F", 13, 2, 1),  # 13 rows
-            row("G", 4, 2, **fails("FAILED_PRECONDITION", "PROPOSAL_PENDING")),
-            stream=True,
-        ),
-        unfit(  # S3: bitmask_rows [1, 0] take one row of bitmasks, which has two
-            columns(row("D", 17, 2, 1, mask=mask(1)), row("G", 5, 2, 1), stream=True),
-            "bitmasks",
-            encode_tensor(mask(2)),
-        ),
+        {
+            "op": "ProposeStream",
+            "messages": [
+                message(
+                    draw.batch(  # S1: F as C2 left it (8 rows, 4 drafts pending)
+                        row("F", 11, 3, 2),  # 11 rows
+                        row("E", 16, 2, 3, mask=mask(1)),  # a = K: 16 rows
+                        row("G", 3, 3, floor=True),  # 3 rows
+                        row("D", 15, 4, 1, refeed=True),  # 15 rows
+                    )
+                ),
+                message(
+                    draw.batch(  # S2: D's a > K, G's pending proposal; both unchanged
+                        row("E", 17, 2, 0),  # 17 rows
+                        row(
+                            "D", 21, 3, 5, **fails("INVALID_ARGUMENT", out_of_range, "num_accepted")
+                        ),
+                        row("F", 13, 2, 1),  # 13 rows
+                        row("G", 4, 2, **fails("FAILED_PRECONDITION", "PROPOSAL_PENDING")),
+                    )
+                ),
+                message(
+                    unfit(  # S3: bitmask_rows [1, 0] take one row of bitmasks, which has two
+                        draw.batch(row("D", 17, 2, 1, mask=mask(1)), row("G", 5, 2, 1)),
+                        "bitmasks",
+                        encode_tensor(mask(2)),
+                    )
+                ),
+            ],
+        },
         unfit(  # C3: refeed_rows [1, 0] take one row of refeed_hiddens, which has two
-            columns(row("D", 17, 2, 1, refeed=True), row("F", 15, 2, 1)),
+            draw.batch(row("D", 17, 2, 1, refeed=True), row("F", 15, 2, 1)),
             "refeed_hiddens",
             hiddens(2),
         ),
-        batch(  # D, G and F as S1 and S2 left them
-            request("D", 17, 2, previous=refeed(1)),
-            request("G", 5, 3, previous={"num_accepted": 1}, min_confidence=0.0),
-            request("F", 16, 2, previous={"num_accepted": 2}),  # a = K
+        draw.batch(  # D, G and F as S1 and S2 left them; one K for all
+            row("D", 17, 2, 1, refeed=True),  # 17 rows
+            row("G", 5, 2, 1, floor=True),  # 5 rows
+            row("F", 16, 2, 2),  # a = K: 16 rows
+            one_k=True,
         ),
         *({"op": "FreeState", "state": s, "expect": {"existed": True}} for s in "DEFG"),
     ]
 
 
 def settle(ref: Reference, ops: list[dict[str, Any]], seed: int) -> None:
-    """Draws each drafting proposal's hidden again (a ProposeColumns row's within its
+    """Draws each drafting proposal's hidden again (a batch row's within its batch's
     hiddens) until its drafts clear MARGIN and pass the Screen; places each
     min_confidence GAP or more from its drafts' probabilities, the chain stopping."""
     rng = np.random.default_rng([seed, 1])
     walker = Oracle(ref)
     screen = Screen(ref, seed)
     for op in ops:
-        name = op["op"]
-        if name == "ProposeColumns" and "expect_error" not in op:
-            settle_columns(walker, op, rng, screen)
-        elif name == "ProposeBatch":  # one state a request: each drafts on its state as it is
-            for req in op["requests"] if "expect_error" not in op else []:
-                settle_one(walker, req, rng, screen)
-        elif name in ("Propose", "ProposeStream"):  # a stream's messages one after another
-            for msg in op["messages"] if name == "ProposeStream" else [op]:
-                if "expect_error" not in msg:
-                    settle_one(walker, msg, rng, screen)
-                walker.apply(msg | {"op": "Propose"})
-            continue
-        walker.apply(op)
+        if op["op"] == "Propose" and "expect_error" not in op:
+            settle_one(walker, op, rng, screen)
+        for batch in batches(op):  # a stream's messages one after another
+            if "expect_error" not in batch:
+                settle_batch(walker, batch, rng, screen)
+            walker.apply(batch | {"op": "ProposeBatch"})
+        if not batches(op):
+            walker.apply(op)
 
 
-def settle_columns(
+def settle_batch(
     walker: Oracle, op: dict[str, Any], rng: np.random.Generator, screen: Screen
 ) -> None:
     """settle_one for each row that is answered, written back into the columns."""
     hiddens = raw(op["hiddens"])
-    for i, row in enumerate(columns_rows(op)):
-        if "expect_error" in row:
+    for i, row_ in enumerate(batch_rows(op)):
+        if "expect_error" in row_:
             continue
-        settle_one(walker, row, rng, screen)
-        hiddens[i] = raw(row["hidden"])
-        if "min_confidence" in row:
-            op["min_confidence"][i] = row["min_confidence"]
+        settle_one(walker, row_, rng, screen)
+        hiddens[i] = raw(row_["hidden"])
+        if "min_confidence" in row_:
+            op["min_confidence"][i] = row_["min_confidence"]
     op["hiddens"] = encode_tensor(hiddens)
 
 
@@ -559,8 +570,8 @@ def clears(p: Proposal, op: dict[str, Any]) -> bool:
 
 
 def expect_drafts(ref: Reference, ops: list[dict[str, Any]]) -> list[Proposal | None]:
-    """Fills in every drafting operation's expect from the oracle (a ProposeColumns'
-    errors stay as the scenario wrote them); returns the proposals."""
+    """Fills in every drafting operation's (and stream message's) expect from the oracle (a
+    batch's errors stay as the scenario wrote them); returns the proposals."""
     exact = Oracle(ref).run(ops)
     for op, want in expectations(ops, exact):
         op["expect"] = want

@@ -5,9 +5,9 @@ hold (tests/drafting.py's Expected: Propose appends the committed row R0, a
 verdict keeps R1..Ra, a = K adds the last draft's row, refeed replaces chain
 hiddens by the verifier's; a refused operation changes nothing) and asks the
 float64 oracle (tests/mtp_reference.py) for every proposal's drafts, with its
-bitmask rows and min_confidence applied as the contract says. A ProposeBatch is
-its requests' Proposes (all refused when it fails); a ProposeColumns is one
-Propose per row (columns_rows), a failed row changing nothing. It imports
+bitmask rows and min_confidence applied as the contract says. A ProposeBatch (a
+ProposeStream's message too) is one Propose per row (batch_rows), a failed row
+changing nothing, a message that fails as a whole nothing at all. It imports
 nothing from the service.
 
 `Oracle(ref, store, forced)` does the same with `store` applied to every value an
@@ -149,17 +149,14 @@ class Oracle:
         name = op["op"]
         if name == "ProposeStream":
             for msg in op["messages"]:
-                self.apply(msg | {"op": "Propose"})
+                self.apply(msg | {"op": "ProposeBatch"})
         elif name == "Propose":
             ok = "expect_error" not in op
             self.proposals.append(self.propose(self.states[op["state"]], op) if ok else None)
         elif "expect_error" in op:
             pass
         elif name == "ProposeBatch":
-            for req in op["requests"]:
-                self.proposals.append(self.propose(self.states[req["state"]], req))
-        elif name == "ProposeColumns":
-            for row in columns_rows(op):
+            for row in batch_rows(op):
                 ok = "expect_error" not in row
                 self.proposals.append(self.propose(self.states[row["state"]], row) if ok else None)
         elif name == "AllocState":
@@ -214,32 +211,31 @@ class Oracle:
         return proposal
 
 
+def batches(op: dict[str, Any]) -> list[dict[str, Any]]:
+    """The batches an operation sends: a ProposeBatch itself, a ProposeStream's messages
+    (each shaped as a ProposeBatch without `op`), none for the others."""
+    if op["op"] == "ProposeStream":
+        return op["messages"]
+    return [op] if op["op"] == "ProposeBatch" else []
+
+
 def proposes(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every proposal the operations ask for, in replay order, one per Oracle proposal:
-    the Propose operations and ProposeStream messages themselves; the requests of a
-    ProposeBatch and the rows of a ProposeColumns that succeed as a whole, as copies
-    shaped as Propose operations with the expect their operation holds for them (a
-    failed row with its error)."""
+    the Propose operations themselves; the rows of each batch (a ProposeBatch, a
+    ProposeStream's message) that does not fail as a whole, as copies shaped as Propose
+    operations with the expect their batch holds for them (a failed row with its error)."""
     out: list[dict[str, Any]] = []
     for op in ops:
-        name = op["op"]
-        if name == "ProposeStream":
-            out += op["messages"]
-        elif name == "Propose":
+        if op["op"] == "Propose":
             out.append(op)
-        elif "expect_error" in op:
-            pass
-        elif name == "ProposeBatch":
-            wants = op.get("expect", {}).get("proposals")
-            for i, req in enumerate(op["requests"]):
-                out.append(req | ({"expect": wants[i]} if wants else {}))
-        elif name == "ProposeColumns":
-            out += columns_rows(op)
+        for batch in batches(op):
+            out += [] if "expect_error" in batch else batch_rows(batch)
     return out
 
 
-def columns_rows(op: dict[str, Any]) -> list[dict[str, Any]]:
-    """A ProposeColumns operation's rows, each as the Propose operation it stands for.
+def batch_rows(op: dict[str, Any]) -> list[dict[str, Any]]:
+    """A batch's rows (a ProposeBatch operation or a ProposeStream message), each as the
+    Propose operation it stands for.
 
     As the contract reads the columns: row i of each is state i's; num_drafts and
     min_confidence hold one value per row or one for all (0 or absent: none); a
@@ -298,34 +294,26 @@ def columns_rows(op: dict[str, Any]) -> list[dict[str, Any]]:
 def expectations(
     ops: list[dict[str, Any]], exact: list[Proposal | None]
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Each operation that drafts, with the expect the oracle's proposals (`exact`, as
-    Oracle.run gives them) make of it: a Propose's or stream message's proposal, a
-    ProposeBatch's proposals, a ProposeColumns' columns (width: the largest K asked;
-    a row's drafts padded with -1 and its probs with 0; a failed row: count 0,
-    confidence 0 and first position 0, its error as the operation lists it)."""
+    """Each operation or stream message that drafts, with the expect the oracle's
+    proposals (`exact`, as Oracle.run gives them) make of it: a Propose's proposal, a
+    batch's columns (width: the largest K asked; a row's drafts padded with -1 and its
+    probs with 0; a failed row: count 0, confidence 0 and first position 0, its error
+    as the batch lists it)."""
     found = iter(exact)
     out = []
     for op in ops:
-        name = op["op"]
-        if name in ("Propose", "ProposeStream"):
-            for msg in op["messages"] if name == "ProposeStream" else [op]:
-                p = next(found)
-                if p is not None:
-                    out.append((msg, p.expect(msg["position"])))
-        elif "expect_error" in op:
-            pass
-        elif name == "ProposeBatch":
-            got = [next(found).expect(req["position"]) for req in op["requests"]]
-            out.append((op, {"proposals": got}))
-        elif name == "ProposeColumns":
-            rows = [next(found) for _ in op["states"]]
-            out.append((op, columns_expect(op, rows)))
+        if op["op"] == "Propose" and (p := next(found)) is not None:
+            out.append((op, p.expect(op["position"])))
+        for batch in batches(op):
+            if "expect_error" not in batch:
+                rows = [next(found) for _ in batch["states"]]
+                out.append((batch, batch_expect(batch, rows)))
     if next(found, "end") != "end":
         raise ValueError("more proposals than the operations ask for")
     return out
 
 
-def columns_expect(op: dict[str, Any], rows: list[Proposal | None]) -> dict[str, Any]:
+def batch_expect(op: dict[str, Any], rows: list[Proposal | None]) -> dict[str, Any]:
     width = max(op["num_drafts"])
     out: dict[str, Any] = {"width": width, "drafts": [], "probs": [], "draft_counts": []}
     out |= {"confidences": [], "first_positions": []}

@@ -1,8 +1,8 @@
 """Every conformance runner refuses a vector it cannot replay, before any call.
 
 A runner that replayed an empty vector, or one without a tolerance, would pass
-while checking nothing (so would an empty ProposeStream or ProposeBatch, or a
-ProposeColumns without states). Each runner (Python, Node.js, Go, C++) gets a few
+while checking nothing (so would an empty ProposeStream, or a batch without
+states). Each runner (Python, Node.js, Go, C++) gets a few
 malformed copies of vector.json and must exit 2 and say why ("bad vector" and
 the fault) on stderr, with no server at its address. The Node.js, Go and C++
 runners are skipped where they are not built (`make -f client/polyglot.mk
@@ -47,6 +47,11 @@ def _change(name: str, change: Any):
     return lambda v: change(next(op for op in v["operations"] if op["op"] == name))
 
 
+def _first_message(change: Any):
+    """Applies `change` to the first message of the vector's first ProposeStream."""
+    return _change("ProposeStream", lambda op: change(op["messages"][0]))
+
+
 #: name: (how the vector is broken, a word the refusal must contain)
 MALFORMED = {
     "empty-operations": (_set("operations", []), "operations"),
@@ -58,10 +63,10 @@ MALFORMED = {
     "no-prob-tolerance": (_without("prob_tolerance"), "prob_tolerance"),
     "negative-prob-tolerance": (_set("prob_tolerance", -0.5), "prob_tolerance"),
     "stream-without-messages": (_empty_stream, "messages"),
-    "batch-without-requests": (_change("ProposeBatch", _set("requests", [])), "requests"),
-    "columns-without-states": (_change("ProposeColumns", _without("states")), "states"),
-    "columns-without-hiddens": (_change("ProposeColumns", _without("hiddens")), "hiddens"),
-    "columns-stream-not-boolean": (_change("ProposeColumns", _set("stream", "yes")), "stream"),
+    "batch-without-states": (_change("ProposeBatch", _without("states")), "states"),
+    "batch-without-hiddens": (_change("ProposeBatch", _without("hiddens")), "hiddens"),
+    "message-without-states": (_first_message(_set("states", [])), "states"),
+    "message-without-hiddens": (_first_message(_without("hiddens")), "hiddens"),
 }
 
 RUNNERS = {
@@ -128,5 +133,5 @@ def test_runner_refuses(runner: str, case: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_runner_refuses_text_that_is_not_json(runner: str, tmp_path: Path) -> None:
     path = tmp_path / "vector.json"
-    path.write_text('{"format": "mtpdraft-conformance/1", "operations": [')
+    path.write_text('{"format": "mtpdraft-conformance/2", "operations": [')
     _refusal(runner, path)

@@ -2,8 +2,8 @@
 
 No server: the oracle (oracle.py over tests/mtp_reference.py) replays the vector's
 operations over the rows each state must hold and must give every recorded draft,
-probability and confidence (a ProposeBatch's proposals, a ProposeColumns' columns
-with their padding and failed rows too); every draft must lead its runner-up by the
+probability and confidence (a batch's columns with their padding and failed rows
+too); every draft must lead its runner-up by the
 margin the vector's derivation requires, and a min_confidence must lie
 prob_tolerance or more from every probability of its chain.
 """
@@ -64,35 +64,34 @@ def test_every_operation_expects_the_oracles(vector: dict, exact: list[Proposal 
     """Each drafting operation's whole expect, as oracle.expectations derives it."""
     found = expectations(vector["operations"], exact)
     kinds = {op.get("op", "message") for op, _ in found}
-    assert {"Propose", "message", "ProposeBatch", "ProposeColumns"} <= kinds
+    assert {"Propose", "message", "ProposeBatch"} <= kinds
     for op, want in found:
         assert same(want, op["expect"]), (op.get("op"), op["expect"], want)
 
 
-def test_the_vector_covers_batches_and_columns(vector: dict) -> None:
+def test_the_vector_covers_batches_unary_and_on_a_stream(vector: dict) -> None:
     ops = vector["operations"]
-    batches = [op for op in ops if op["op"] == "ProposeBatch"]
-    assert any(
-        "expect" in b and len(b["requests"]) >= 2 and any("previous" in r for r in b["requests"])
-        for b in batches
-    )
-    assert any(b.get("expect_reason") == "DUPLICATE_STATE" for b in batches)
-    for stream in (False, True):
-        columns = [op for op in ops if op["op"] == "ProposeColumns" and op["stream"] is stream]
-        answered = [c for c in columns if "expect" in c]
+    unary = [op for op in ops if op["op"] == "ProposeBatch"]
+    streamed = [msg for op in ops if op["op"] == "ProposeStream" for msg in op["messages"]]
+    assert any(len(msg["states"]) == 1 for msg in streamed)  # a single state: a batch of one
+    for batches in (unary, streamed):
+        answered = [b for b in batches if "expect" in b]
         assert any(
-            -1 in c["num_accepted"]
-            and any(c.get("refeed_rows", []))
-            and any(c.get("bitmask_rows", []))
-            and any(c.get("min_confidence", []))
-            for c in answered
-            if not c["expect"]["errors"]
-        ), stream
+            -1 in b.get("num_accepted", [])
+            and any(b.get("refeed_rows", []))
+            and any(b.get("bitmask_rows", []))
+            and any(b.get("min_confidence", []))
+            for b in answered
+            if not b["expect"]["errors"]
+        )
         assert any(
-            c["expect"]["errors"] and len(c["expect"]["errors"]) < len(c["states"])
-            for c in answered
-        ), stream
-        assert any(c.get("expect_reason") == "COLUMNS_MISMATCH" for c in columns), stream
+            b["expect"]["errors"] and len(b["expect"]["errors"]) < len(b["states"])
+            for b in answered
+        )
+        assert any(b.get("expect_reason") == "COLUMNS_MISMATCH" for b in batches)
+    reasons = {e["reason"] for b in unary if "expect" in b for e in b["expect"]["errors"]}
+    assert {"DUPLICATE_STATE", "POSITION_MISMATCH", "STATE_NOT_FOUND"} <= reasons
+    assert any(len(b["num_drafts"]) == 1 < len(b["states"]) for b in unary)  # one K for all
 
 
 def test_every_draft_clears_the_tie_rule(vector: dict, exact: list[Proposal | None]) -> None:

@@ -13,23 +13,20 @@ are `{"dtype": "DTYPE_FP32" | "DTYPE_INT32", "shape": [...], "data": base64}`, t
 little-endian bytes sent as they are. A Proposal's `state_id` must equal the state's
 id, and every id the server returns must be non-zero.
 
-ProposeStream opens one stream and sends its `messages` (each shaped as a Propose
-operation without `op`) one at a time, each answered before the next; an error
-answer (`expect_error`, `expect_reason`, `expect_field`: its Error value's code name,
-reason and field) leaves the stream open.
+ProposeBatch sends one ProposeBatchRequest built from its columns (`states` names the
+rows' states); its expect holds the answer's columns (`drafts` and `probs` as B rows of
+`width` values) and the failed rows' `errors` (row, code name, reason, field), or
+`expect_error` for a message that fails as a whole (the call's status).
 
-ProposeBatch sends its `requests` (each shaped as a Propose operation without `op`)
-in one call; `expect.proposals` holds their proposals in order. ProposeColumns sends
-one ColumnsRequest built from its columns (`states` names the rows' states), unary
-or, with `stream` true, as the one message of a ProposeColumnsStream; its expect holds
-the answer's columns (`drafts` and `probs` as B rows of `width` values) and the failed
-rows' `errors` (row, code name, reason, field), or `expect_error` for a message that
-fails as a whole (the call's status, or the stream answer's error value).
+ProposeStream opens one stream and sends its `messages` (each shaped as a ProposeBatch
+operation without `op`) one at a time, each answered before the next; a message that
+fails as a whole is answered with its error value (`expect_error`, `expect_reason`,
+`expect_field`: its code name, reason and field), and the stream stays open.
 
 A runner refuses a malformed vector before any call (check_vector): a wrong
 `format`, a missing `prob_tolerance`, missing or empty `operations`, an unknown `op`,
-a ProposeStream without messages; this one also a ProposeBatch without requests and
-a ProposeColumns without states, without hiddens or whose `stream` is not a boolean.
+a ProposeStream without messages, a ProposeBatch or a stream message without states
+or without hiddens.
 
 `Replayer(client, tolerance=t).run(ops)` checks (`variant` gives the operations and the
 tolerance for the vector's server or its float32 variant); as a command it replays a
@@ -57,14 +54,14 @@ from typing import Any
 
 import numpy as np
 
-from mtpdraft.client import ColumnsResult, DrafterClient, DrafterError, ProposeArgs, Verdict
+from mtpdraft.client import BatchResult, DrafterClient, DrafterError, Verdict
 from mtpdraft.client import messages as client_messages
 
 VECTOR_PATH = Path(__file__).with_name("vector.json")
-FORMAT = "mtpdraft-conformance/1"
+FORMAT = "mtpdraft-conformance/2"
 OPERATIONS = frozenset(
-    {"GetInfo", "AllocState", "Prefill", "Propose", "ProposeStream", "AfterVerify"}
-    | {"TakeKV", "InstallKV", "FreeState", "ProposeBatch", "ProposeColumns"}
+    {"GetInfo", "AllocState", "Prefill", "Propose", "ProposeBatch", "ProposeStream"}
+    | {"AfterVerify", "TakeKV", "InstallKV", "FreeState"}
 )
 
 #: Server environments under which torch runs the kernels of other x86-64 CPUs: oneDNN's
@@ -125,15 +122,12 @@ def check_vector(vector: Any) -> None:
             raise VectorError(f"operation {i}: unknown op {name!r}")
         if name == "ProposeStream" and not _nonempty(op, "messages"):
             raise VectorError(f"operation {i}: ProposeStream without messages")
-        if name == "ProposeBatch" and not _nonempty(op, "requests"):
-            raise VectorError(f"operation {i}: ProposeBatch without requests")
-        if name == "ProposeColumns":
-            if not _nonempty(op, "states"):
-                raise VectorError(f"operation {i}: ProposeColumns without states")
-            if not isinstance(op.get("hiddens"), dict):
-                raise VectorError(f"operation {i}: ProposeColumns without hiddens")
-            if not isinstance(op.get("stream", False), bool):
-                raise VectorError(f"operation {i}: ProposeColumns stream is not a boolean")
+        batches = {"ProposeBatch": [op], "ProposeStream": op.get("messages")}.get(name, [])
+        for batch in batches:
+            if not isinstance(batch, dict) or not _nonempty(batch, "states"):
+                raise VectorError(f"operation {i}: a {name} batch without states")
+            if not isinstance(batch.get("hiddens"), dict):
+                raise VectorError(f"operation {i}: a {name} batch without hiddens")
 
 
 def _nonempty(op: dict[str, Any], key: str) -> bool:
@@ -202,17 +196,11 @@ class Outcome:
 
 def mismatches(expected: dict[str, Any], actual: dict[str, Any], tol: float) -> list[str]:
     """Fields of `expected` that `actual` does not match (probs and confidences within
-    tol; a ProposeBatch's proposals each as a Propose's)."""
+    tol)."""
     out = []
     for key, want in expected.items():
         got = actual.get(key)
-        if key in _FLOAT_KEYS:
-            same = _close(want, got, tol)
-        elif key == "proposals":
-            same = isinstance(got, list) and len(got) == len(want)
-            same = same and not any(mismatches(w, g, tol) for w, g in zip(want, got, strict=False))
-        else:
-            same = got == want
+        same = _close(want, got, tol) if key in _FLOAT_KEYS else got == want
         if not same:
             out.append(f"{key}: expected {want!r}, got {got!r}")
     return out
@@ -266,9 +254,7 @@ class Replayer:
             return self.stream_step(index, op)
         label = op["op"] + (f" {op['state']}" if "state" in op else "")
         if op["op"] == "ProposeBatch":
-            label += " " + ",".join(r["state"] for r in op["requests"])
-        elif op["op"] == "ProposeColumns":
-            label += (" (stream) " if op.get("stream") else " ") + ",".join(op["states"])
+            label += " " + ",".join(op["states"])
         ok, message = self.judge(op, lambda: self.call(op))
         return Outcome(index, label, ok, message)
 
@@ -278,14 +264,17 @@ class Replayer:
         with self.client.stream() as stream:
 
             def send(msg: dict[str, Any]) -> dict[str, Any]:
-                state = self.states[msg["state"]]
-                return _proposal(stream.propose(**_propose(msg, state)), state)
+                return _batch_result(stream.step(**self.batch(msg)))
 
             for msg in op["messages"]:
                 results.append(self.judge(msg, functools.partial(send, msg)))
         ok = all(good for good, _ in results)
         lines = "; ".join(f"[{j}] {text}" for j, (_, text) in enumerate(results))
         return Outcome(index, f"ProposeStream ({len(results)} messages)", ok, lines)
+
+    def batch(self, op: dict[str, Any]) -> dict[str, Any]:
+        """The client's propose_batch arguments for a batch, its states' names looked up."""
+        return _batch(op, [self.states[s] for s in op["states"]])
 
     def judge(self, op: dict[str, Any], call: Any) -> tuple[bool, str]:
         """Runs `call` and compares its result (or its error) with what `op` expects."""
@@ -311,20 +300,7 @@ class Replayer:
             out = static_info(c.info())
             return {k: out.get(k) for k in op.get("expect", {})}  # the fields the vector lists
         if name == "ProposeBatch":
-            states = [self.states[r["state"]] for r in op["requests"]]
-            args = [
-                ProposeArgs(**_propose(r, s)) for r, s in zip(op["requests"], states, strict=True)
-            ]
-            got = c.propose_batch(args)
-            if len(got) != len(args):
-                raise AssertionError(f"{len(got)} proposals for {len(args)} requests")
-            return {"proposals": [_proposal(p, s) for p, s in zip(got, states, strict=True)]}
-        if name == "ProposeColumns":
-            args = _columns(op, [self.states[s] for s in op["states"]])
-            if not op.get("stream"):
-                return _columns_result(c.propose_columns(**args))
-            with c.columns_stream() as stream:
-                return _columns_result(stream.step(**args))
+            return _batch_result(c.propose_batch(**self.batch(op)))
         if name == "AllocState":
             state = c.alloc_state()
             if state == 0:
@@ -381,9 +357,10 @@ def _propose(op: dict[str, Any], state: int) -> dict[str, Any]:
     )
 
 
-def _columns(op: dict[str, Any], state_ids: list[int]) -> dict[str, Any]:
-    """The client's propose_columns arguments for a ProposeColumns operation: every
-    column as the vector gives it, the optional ones None where it gives none."""
+def _batch(op: dict[str, Any], state_ids: list[int]) -> dict[str, Any]:
+    """The client's propose_batch arguments for a batch (a ProposeBatch operation or a
+    ProposeStream message): every column as the vector gives it, the optional ones None
+    where it gives none."""
 
     def tensor(key: str) -> np.ndarray | None:
         return decode_tensor(op[key]) if key in op else None
@@ -403,8 +380,8 @@ def _columns(op: dict[str, Any], state_ids: list[int]) -> dict[str, Any]:
     )
 
 
-def _columns_result(r: ColumnsResult) -> dict[str, Any]:
-    """A ColumnsResult as the vector's expect writes it."""
+def _batch_result(r: BatchResult) -> dict[str, Any]:
+    """A BatchResult as the vector's expect writes it."""
     return {
         "width": int(r.drafts.shape[1]),
         "drafts": r.drafts.tolist(),

@@ -224,8 +224,12 @@ class Worker:
                 ProposeArgs(s.id, x[i], h[i], p, k, min_confidence=tau, previous=v)
                 for i, (s, v, p, _) in enumerate(plans)
             ]
-            result = self.call("ProposeBatch", self.client.propose_batch, args)
-            results = [result] * len(plans) if isinstance(result, DrafterError) else result
+            result = self.call("ProposeBatch", self.client.propose_many, args)
+            if isinstance(result, DrafterError):
+                results = [result] * len(plans)
+            else:  # each row its proposal, or its error (counted by code)
+                self.errors.update(e.code.name for e in result.errors.values())
+                results = [result.errors.get(i) or result.proposal(i) for i in range(len(plans))]
         else:
             results = []
             for i, (s, v, p, _) in enumerate(plans):
@@ -345,8 +349,8 @@ class Worker:
             future.cancel()
             self.raw("Prefill", future)
         else:
-            request = m.propose_request(state.id, 1, self.hid(1)[0], position, k, previous=verdict)
-            call = self.stub.ProposeStream(iter([request]), timeout=PATIENCE)
+            args = ProposeArgs(state.id, 1, self.hid(1)[0], position, k, previous=verdict)
+            call = self.stub.ProposeStream(iter([m.batch_request_of([args])]), timeout=PATIENCE)
             time.sleep(float(self.rng.uniform(0, 0.01)))
             call.cancel()
             self.stats["stream_messages"] += 1

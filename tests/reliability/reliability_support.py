@@ -227,7 +227,7 @@ def tensor(array: np.ndarray) -> pb.Tensor:
 
 
 def propose_message(
-    state: int, position: int, k: int, seed: int, *, previous: int | None = None, rid: int = 0
+    state: int, position: int, k: int, seed: int, *, previous: int | None = None
 ) -> pb.ProposeRequest:
     request = pb.ProposeRequest(
         state_id=state,
@@ -235,11 +235,38 @@ def propose_message(
         hidden=tensor(hiddens(1, seed)[0]),
         position=position,
         num_drafts=k,
-        request_id=rid,
     )
     if previous is not None:
         request.previous.num_accepted = previous
     return request
+
+
+def batch_message(*requests: pb.ProposeRequest, rid: int = 0) -> pb.ProposeBatchRequest:
+    """The ProposeBatch (or ProposeStream message) of propose_message's requests, in order."""
+    batch = pb.ProposeBatchRequest(
+        request_id=rid,
+        state_ids=[r.state_id for r in requests],
+        tokens=[r.token for r in requests],
+        positions=[r.position for r in requests],
+        num_drafts=[r.num_drafts for r in requests],
+        hiddens=pb.Tensor(
+            dtype=pb.DTYPE_FP32,
+            shape=[len(requests), H],
+            data=b"".join(r.hidden.data for r in requests),
+        ),
+    )
+    if any(r.HasField("previous") for r in requests):
+        verdicts = [r.previous.num_accepted if r.HasField("previous") else -1 for r in requests]
+        batch.num_accepted.extend(verdicts)
+    return batch
+
+
+def error_code(answer: pb.ProposeBatchResponse) -> int:
+    """The code of a batch answer's error: the message's, else its first failed row's
+    (0: every row drafted)."""
+    if answer.HasField("error"):
+        return answer.error.code
+    return answer.errors[0].error.code if answer.errors else 0
 
 
 def prefill_chunk(state: int, start: int, n: int, seed: int, total: int = 0) -> pb.PrefillChunk:
@@ -352,7 +379,7 @@ class RawStream:
         import queue
 
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.answers: dict[int, pb.ProposeStreamResponse] = {}
+        self.answers: dict[int, pb.ProposeBatchResponse] = {}
         self.sent: list[int] = []
         self.code: grpc.StatusCode | None = None
         self._changed = threading.Condition()
@@ -373,12 +400,12 @@ class RawStream:
             self.code = code
             self._changed.notify_all()
 
-    def send(self, request: pb.ProposeRequest) -> int:
+    def send(self, request: pb.ProposeBatchRequest) -> int:
         self.sent.append(request.request_id)
         self._requests.put(request)
         return request.request_id
 
-    def wait(self, request_id: int, timeout: float = PATIENCE) -> pb.ProposeStreamResponse | None:
+    def wait(self, request_id: int, timeout: float = PATIENCE) -> pb.ProposeBatchResponse | None:
         """The answer to `request_id`, or None if the stream ended without it."""
         with self._changed:
             self._changed.wait_for(

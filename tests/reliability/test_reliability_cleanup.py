@@ -40,7 +40,9 @@ from reliability_support import (
     RawStream,
     V,
     assert_holds,
+    batch_message,
     blocks_for,
+    error_code,
     fill_pool,
     hiddens,
     prefill_chunk,
@@ -131,9 +133,7 @@ def test_unary_and_batch_calls_cut_short_or_refused_leak_nothing(clean, pace: Pa
                 )
                 requests = [propose_message(b, rows[b] + 1, 2, step)]
                 requests.append(propose_message(d, rows[d] + 1, 4, step + 50))
-                batch = srv.stub.ProposeBatch.future(
-                    pb.ProposeBatchRequest(requests=requests), timeout=PATIENCE
-                )
+                batch = srv.stub.ProposeBatch.future(batch_message(*requests), timeout=PATIENCE)
                 time.sleep(pace.lead)
                 batch.cancel()
                 outcomes.update([code_of(unary), code_of(batch)])
@@ -149,33 +149,7 @@ def test_unary_and_batch_calls_cut_short_or_refused_leak_nothing(clean, pace: Pa
             (InvalidArgument, lambda: c.propose(a, 1, h, rows[a] + 5, 3)),
             (InvalidArgument, lambda: c.propose(a, V, h, rows[a] + 1, 3)),
             (InvalidArgument, lambda: c.propose(a, 1, h, rows[a] + 1, 99)),
-            (
-                InvalidArgument,
-                lambda: c.propose_batch(
-                    [
-                        ProposeArgs(b, 1, h, rows[b] + 1, 2),
-                        ProposeArgs(d, 1, h, rows[d] + 1, 0),
-                    ]
-                ),
-            ),
-            (
-                InvalidArgument,
-                lambda: c.propose_batch(
-                    [
-                        ProposeArgs(b, 1, h, rows[b] + 1, 2),
-                        ProposeArgs(b, 1, h, rows[b] + 1, 2),
-                    ]
-                ),
-            ),
-            (
-                StateNotFound,
-                lambda: c.propose_batch(
-                    [
-                        ProposeArgs(b, 1, h, rows[b] + 1, 2),
-                        ProposeArgs(123, 1, h, 1, 2),
-                    ]
-                ),
-            ),
+            (InvalidArgument, lambda: c.propose_batch([b, d], [1, 1], [1, 2], hiddens(1, 9), 2)),
             (FailedPrecondition, lambda: c.after_verify(a, 0)),
             (FailedPrecondition, lambda: c.propose(a, 1, h, rows[a] + 1, 2, previous=0)),
             (StateNotFound, lambda: c.install_kv(a, 12345)),
@@ -184,6 +158,18 @@ def test_unary_and_batch_calls_cut_short_or_refused_leak_nothing(clean, pace: Pa
         for error, call in refused:
             with pytest.raises(error):
                 call()
+            assert_holds(srv, rows)
+        # A batch whose every row is refused: each row has its error, and nothing changes.
+        for batch, reasons in [
+            ([ProposeArgs(d, 1, h, rows[d] + 1, 0)], ["NUM_DRAFTS_OUT_OF_RANGE"]),
+            (
+                [ProposeArgs(b, 1, h, rows[b] + 5, 2), ProposeArgs(b, 1, h, rows[b] + 1, 2)],
+                ["POSITION_MISMATCH", "DUPLICATE_STATE"],
+            ),
+            ([ProposeArgs(123, 1, h, 1, 2)], ["STATE_NOT_FOUND"]),
+        ]:
+            got = c.propose_many(batch)
+            assert [got.errors[row].reason for row in range(len(batch))] == reasons
             assert_holds(srv, rows)
         # A pending proposal refuses what does not fit its step, and is left pending.
         c.propose(a, 1, h, rows[a] + 1, 3)
@@ -217,9 +203,9 @@ def test_propose_streams_cut_short_leak_nothing(clean, pace: Pace, cut: str) -> 
         states = list(rows)
         answered = RawStream(srv.stub)
         for s in states[:2]:  # one answered step each: these two now hold a pending proposal
-            rid = answered.send(propose_message(s, rows[s] + 1, 3, s, rid=next(ids)))
-            answer = answered.wait(rid)
-            assert answer is not None and answer.HasField("proposal")
+            message = batch_message(propose_message(s, rows[s] + 1, 3, s), rid=next(ids))
+            answer = answered.wait(answered.send(message))
+            assert answer is not None and error_code(answer) == 0
             rows[s] += 3
         with BusyEngine(c, pace.lead):  # the next four messages wait behind a long Prefill
             # The same stream, cancelled; or a new one whose deadline passes meanwhile.
@@ -227,7 +213,8 @@ def test_propose_streams_cut_short_leak_nothing(clean, pace: Pace, cut: str) -> 
             for i, s in enumerate(states):
                 previous = 1 if i < 2 else None
                 position = rows[s] - 3 + 1 + 1 + 1 if i < 2 else rows[s] + 1
-                stream.send(propose_message(s, position, 2, i, previous=previous, rid=next(ids)))
+                message = propose_message(s, position, 2, i, previous=previous)
+                stream.send(batch_message(message, rid=next(ids)))
             if cut == "cancel":
                 time.sleep(pace.lead)
                 code = stream.cancel()
@@ -238,22 +225,24 @@ def test_propose_streams_cut_short_leak_nothing(clean, pace: Pace, cut: str) -> 
             assert answered.finish() == grpc.StatusCode.OK
         for resp in [*answered.answers.values(), *stream.answers.values()]:
             # What was answered was answered fully.
-            assert resp.HasField("proposal") or resp.error.code in DOCUMENTED_VALUES
+            assert error_code(resp) == 0 or error_code(resp) in DOCUMENTED_VALUES
+            assert resp.HasField("error") or len(resp.draft_counts) == 1
         rows = {s: rows_of(c, s) for s in rows}
         assert_holds(srv, rows)
 
         # Error answers leave the stream open and every state as it was.
         stream = RawStream(srv.stub, timeout=PATIENCE)
         bad = [
-            propose_message(424242, 1, 2, 1, rid=next(ids)),  # unknown state
-            propose_message(states[0], rows[states[0]] + 7, 2, 1, rid=next(ids)),  # position
-            propose_message(states[1], rows[states[1]] + 1, 0, 1, rid=next(ids)),  # K = 0
-            propose_message(states[2], rows[states[2]] + 1, 2, 1, previous=0, rid=next(ids)),
+            batch_message(propose_message(424242, 1, 2, 1)),  # unknown state
+            batch_message(propose_message(states[0], rows[states[0]] + 7, 2, 1)),  # position
+            batch_message(propose_message(states[1], rows[states[1]] + 1, 0, 1)),  # K = 0
+            batch_message(propose_message(states[2], rows[states[2]] + 1, 2, 1, previous=0)),
+            pb.ProposeBatchRequest(state_ids=[states[3]], num_drafts=[2]),  # no hiddens at all
         ]
         for request in bad:
+            request.request_id = next(ids)
             answer = stream.wait(stream.send(request))
-            assert answer is not None and answer.HasField("error")
-            assert answer.error.code in DOCUMENTED_VALUES
+            assert answer is not None and error_code(answer) in DOCUMENTED_VALUES - {0}
         assert stream.finish() == grpc.StatusCode.OK
         assert_holds(srv, rows)
         for s in states[:2]:
@@ -472,7 +461,8 @@ def test_a_restarted_server_starts_empty_and_drains_what_it_holds(mimo_checkpoin
         old = {prefilled(c, n, n): n for n in (4, 9, 13)}
         stream = RawStream(pb_grpc.DrafterStub(c.channel))
         s = next(iter(old))
-        assert stream.wait(stream.send(propose_message(s, 5, 3, 1, rid=1))).HasField("proposal")
+        answer = stream.wait(stream.send(batch_message(propose_message(s, 5, 3, 1), rid=1)))
+        assert answer is not None and error_code(answer) == 0
 
         first.proc.process.kill()  # a crash: the server frees nothing, it is just gone
         assert first.wait_exit(PATIENCE) == -signal.SIGKILL
@@ -627,14 +617,14 @@ def test_refused_calls_while_exhausted_change_nothing(clean) -> None:
         for call in [
             lambda: c.propose(s, 1, h, 11, 8),  # needs 18 rows: 5 blocks
             lambda: c.prefill(s, tokens(9, 4), hiddens(9, 4), 11),
-            lambda: c.propose_batch([ProposeArgs(s, 1, h, 11, 8)]),
+            lambda: c.propose_many([ProposeArgs(s, 1, h, 11, 8)]).proposal(0),
         ]:
             with pytest.raises(ResourceExhausted):
                 call()
             assert_holds(srv, rows)
         stream = RawStream(srv.stub, timeout=PATIENCE)
-        answer = stream.wait(stream.send(propose_message(s, 11, 8, 5, rid=1)))
-        assert answer.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        answer = stream.wait(stream.send(batch_message(propose_message(s, 11, 8, 5), rid=1)))
+        assert error_code(answer) == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
         assert stream.finish() == grpc.StatusCode.OK
         assert_holds(srv, rows)
         for filler in fillers:

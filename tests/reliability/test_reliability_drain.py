@@ -26,6 +26,8 @@ from reliability_support import (
     ManagedServer,
     Pace,
     RawStream,
+    batch_message,
+    error_code,
     prefilled,
     propose_message,
     server_args,
@@ -84,10 +86,10 @@ class Verifier:
                 for s in self.states:
                     p = pending[s]
                     position, previous = (6, None) if p is None else (p + 1 + 1, 1)
-                    message = propose_message(
-                        s, position, K, self.sent, previous=previous, rid=next(self.ids)
+                    message = propose_message(s, position, K, self.sent, previous=previous)
+                    waiting.append(
+                        (s, position, stream.send(batch_message(message, rid=next(self.ids))))
                     )
-                    waiting.append((s, position, stream.send(message)))
                     self.sent += 1
                 for s, position, rid in waiting:
                     answer = stream.wait(rid)
@@ -96,12 +98,12 @@ class Verifier:
                     self.answered += 1
                     self.answered_keys.add((s, position))
                     self.after_sigterm += sigterm_sent
-                    if answer.HasField("error"):
+                    if code := error_code(answer):
                         # Past the grace the server refuses new messages (UNAVAILABLE)
                         # and answers the ones it took; anything else is an error.
                         unavailable = grpc.StatusCode.UNAVAILABLE.value[0]
-                        self.refused += answer.error.code == unavailable
-                        self.errors += answer.error.code != unavailable
+                        self.refused += code == unavailable
+                        self.errors += code != unavailable
                     else:
                         pending[s] = position
                 if stream.code is not None:  # cut by the server's stop
@@ -205,11 +207,11 @@ def test_requests_taken_before_the_grace_ends_are_answered(mimo_checkpoint) -> N
     """In-process, to see which messages the server took: each one must be answered."""
     server = InProcessServer(small_engine(mimo_checkpoint))
     taken: set[tuple[int, int]] = set()
-    enqueue = server.server.scheduler.enqueue  # every Propose call's way in, streams' too
+    enqueue = server.server.scheduler.enqueue  # every stream message's way in, as a Step
 
-    def recording_enqueue(requests, *args, **kwargs):
-        queued = enqueue(requests, *args, **kwargs)  # a refused call is not taken
-        taken.update((r.state_id, r.position) for r in requests)
+    def recording_enqueue(step, *args, **kwargs):
+        queued = enqueue(step, *args, **kwargs)  # a refused call is not taken
+        taken.update(zip(step.state_ids.tolist(), step.positions.tolist(), strict=True))
         return queued
 
     server.server.scheduler.enqueue = recording_enqueue

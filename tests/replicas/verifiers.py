@@ -1,5 +1,5 @@
 """A scripted verifier for the replica tests: one affinity key, a few sequences stepped
-together (ProposeBatch or ProposeColumns), every verdict refeeding the target's hiddens.
+together (one ProposeBatch a step), every verdict refeeding the target's hiddens.
 
 Everything a verifier would know comes from its seed: each position's target hidden,
 the bonus tokens, how many drafts the target accepts. The tokens after a step are the
@@ -86,7 +86,7 @@ class Verifier:
     seed: int
     key: str
     sequences: int = 2
-    columns: bool = False  # ProposeColumns (per-row errors), else ProposeBatch (all or nothing)
+    columns: bool = False  # the batch's columns built here, else by the client (propose_many)
     seqs: list[Sequence] = field(default_factory=list)
     drafts: list[list[list[int]]] = field(default_factory=list)
     probs: list[list[list[float]]] = field(default_factory=list)
@@ -108,7 +108,7 @@ class Verifier:
         if self.columns:
             verdicts = [r.previous for r in requests]
             refeeds = [v.refeed_hiddens for v in verdicts if v and v.refeed_hiddens is not None]
-            answer = client.propose_columns(
+            answer = client.propose_batch(
                 [r.state for r in requests],
                 [r.token for r in requests],
                 [r.position for r in requests],
@@ -118,15 +118,9 @@ class Verifier:
                 refeed_rows=[v.num_accepted if v and v.num_accepted else 0 for v in verdicts],
                 refeed_hiddens=torch.cat(refeeds) if refeeds else None,
             )
-            if answer.errors:
-                raise next(iter(answer.errors.values()))
-            got = [
-                (answer.drafts[i, : answer.counts[i]].tolist(),
-                 answer.probs[i, : answer.counts[i]].tolist())
-                for i in range(len(requests))
-            ]  # fmt: skip
         else:
-            got = [(p.tokens, p.probs) for p in client.propose_batch(requests)]
+            answer = client.propose_many(requests)
+        got = [(p.tokens, p.probs) for p in answer.proposals()]  # a failed row's error raised
         step = len(self.drafts)
         self.drafts.append([d for d, _ in got])
         self.probs.append([p for _, p in got])

@@ -177,7 +177,7 @@ def test_propose_batch_equals_propose_per_state(client: DrafterClient, ref: Refe
                 client.after_verify(one, 2, refeed_hiddens=previous.refeed_hiddens)
             expected.append(client.propose(one, x, h, position, 4))
             requests.append(ProposeArgs(many, x, h, position, 4, previous=previous))
-        got = client.propose_batch(requests)
+        got = client.propose_many(requests).proposals()
         for g, e in zip(got, expected, strict=True):
             assert g.tokens == e.tokens
             assert g.probs == pytest.approx(e.probs, abs=1e-5)

@@ -225,18 +225,28 @@ def test_bad_prefill_is_invalid_argument_and_changes_nothing(
     client.free_state(state)
 
 
-def test_bad_batches_are_invalid_argument(client: DrafterClient, prepared: Prepared) -> None:
+def test_a_batch_too_large_fails_whole_and_a_bad_row_alone(
+    client: DrafterClient, prepared: Prepared
+) -> None:
     other = client.alloc_state()
     h = hiddens(1, 10)
-    good = ProposeArgs(other, 1, h, 1, 2)
-    dup = [good, ProposeArgs(other, 2, h, 1, 2)]
-    expect(InvalidArgument, "DUPLICATE_STATE", client.propose_batch, dup)
     too_many = [ProposeArgs(client.alloc_state(), 1, h, 1, 1) for _ in range(9)]
-    expect(InvalidArgument, "BATCH_SIZE_OUT_OF_RANGE", client.propose_batch, too_many)
-    # One bad request fails the whole batch: the good one drafted nothing either.
-    bad = ProposeArgs(prepared.state, 1, h, 8, 2, previous=Verdict(5))
-    expect(InvalidArgument, "NUM_ACCEPTED_OUT_OF_RANGE", client.propose_batch, [good, bad])
-    assert client.propose(other, 1, h, 1, 2).first_position == 2  # `other` was untouched
+    err = expect(InvalidArgument, "BATCH_SIZE_OUT_OF_RANGE", client.propose_many, too_many)
+    assert err.field == "state_ids"
+    # A state twice, a verdict past the proposal's drafts: those rows fail, the first drafts.
+    got = client.propose_many(
+        [
+            ProposeArgs(other, 1, h, 1, 2),
+            ProposeArgs(other, 2, h, 1, 2),
+            ProposeArgs(prepared.state, 1, h, 8, 2, previous=Verdict(5)),
+        ]
+    )
+    errors = {row: (e.code, e.reason, e.field) for row, e in got.errors.items()}
+    assert errors == {
+        1: (grpc.StatusCode.INVALID_ARGUMENT, "DUPLICATE_STATE", "state_ids"),
+        2: (grpc.StatusCode.INVALID_ARGUMENT, "NUM_ACCEPTED_OUT_OF_RANGE", "num_accepted"),
+    }
+    assert got.proposal(0).first_position == 2
     client.after_verify(other, 0)
     for args in too_many:
         client.free_state(args.state)
@@ -306,17 +316,61 @@ def test_a_propose_value_no_state_accepts_is_refused_whatever_the_state(
         request = {"state_id": state, "token": 5, "hidden": _row(4), "position": 8}
         request = pb.ProposeRequest(**request | {"num_drafts": 2} | change)
         assert_refused(raw(stub.Propose, request), reason, field)
-        batch = pb.ProposeBatchRequest(requests=[request])
-        assert_refused(raw(stub.ProposeBatch, batch), reason, field)
-        (answer,) = stub.ProposeStream(iter([request]), timeout=PATIENCE)
-        assert (answer.error.reason, answer.error.field) == (reason, field)
 
 
-def test_a_columns_value_no_state_accepts_fails_its_row_whatever_the_state(
+@pytest.mark.parametrize(
+    ("change", "reason", "field"),
+    [
+        ({"num_accepted": [-2]}, "NUM_ACCEPTED_OUT_OF_RANGE", "num_accepted"),
+        ({"num_accepted": [INT32_MIN]}, "NUM_ACCEPTED_OUT_OF_RANGE", "num_accepted"),
+        (
+            {"num_accepted": [1], "refeed_rows": [1], "refeed_hiddens": NAN_ROW},
+            "NOT_FINITE",
+            "refeed_hiddens",
+        ),
+        ({"positions": [0]}, "POSITION_OUT_OF_RANGE", "positions"),
+        ({"positions": [-3]}, "POSITION_OUT_OF_RANGE", "positions"),
+        ({"positions": [4095]}, "POSITION_TOO_LARGE", "positions"),
+        ({"tokens": [-1]}, "TOKEN_OUT_OF_RANGE", "tokens"),
+        ({"tokens": [V]}, "TOKEN_OUT_OF_RANGE", "tokens"),
+        ({"hiddens": NAN_ROW}, "NOT_FINITE", "hiddens"),
+        ({"num_drafts": [0]}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
+        ({"num_drafts": [INT32_MIN]}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
+        ({"num_drafts": [9]}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
+        ({"min_confidence": [-0.5]}, "MIN_CONFIDENCE_OUT_OF_RANGE", "min_confidence"),
+        ({"min_confidence": [float("nan")]}, "MIN_CONFIDENCE_OUT_OF_RANGE", "min_confidence"),
+        (
+            {"bitmask_rows": [1], "bitmasks": T("INT32", [7], bytes(28))},
+            "EMPTY_BITMASK",
+            "bitmasks",
+        ),
+        (
+            {"bitmask_rows": [3], "bitmasks": T("INT32", [3, 7], b"\xff" * 84)},
+            "BAD_SHAPE",
+            "bitmasks",
+        ),  # 3 rows, K 2
+    ],
+)
+def test_a_batch_value_no_state_accepts_fails_its_row_whatever_the_state(
+    stub, states, change: dict, reason: str, field: str
+) -> None:
+    """A batch of one row, unary and on the stream: the row fails with the value's column."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    for state in states:
+        columns = {"state_ids": [state], "tokens": [5], "positions": [8], "hiddens": _row(4)}
+        request = pb.ProposeBatchRequest(**columns | {"num_drafts": [2]} | change)
+        (streamed,) = stub.ProposeStream(iter([request]), timeout=PATIENCE)
+        for answer in (stub.ProposeBatch(request, timeout=PATIENCE), streamed):
+            (failed,) = answer.errors
+            error = (failed.row, failed.error.code, failed.error.reason, failed.error.field)
+            assert error == (0, invalid, reason, field)
+
+
+def test_values_no_state_accepts_fail_their_rows_alone_whatever_the_state(
     stub, states, client: DrafterClient
 ) -> None:
     unknown, pending, fresh = states
-    request = pb.ColumnsRequest(
+    request = pb.ProposeBatchRequest(
         state_ids=[pending, unknown, fresh],
         tokens=[5, 5, 5],
         positions=[8, 0, 8],  # the unknown state's position is before any state's first
@@ -324,7 +378,7 @@ def test_a_columns_value_no_state_accepts_fails_its_row_whatever_the_state(
         num_drafts=[2, 2, 0],  # the state without a proposal asks for no drafts
         num_accepted=[-2, -1, -1],  # the pending one's verdict is neither none nor a count
     )
-    answer = stub.ProposeColumns(request, timeout=PATIENCE)
+    answer = stub.ProposeBatch(request, timeout=PATIENCE)
     errors = {e.row: (e.error.code, e.error.reason, e.error.field) for e in answer.errors}
     invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert errors == {

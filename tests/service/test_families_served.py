@@ -114,7 +114,7 @@ def test_a_batch_of_states_drafts_as_each_alone(served) -> None:
         x, h = tokens(1, 40 + i)[0], hiddens(1, 40 + i)
         requests.append(ProposeArgs(state, x, h, exp.next_position, 4))
         expected.append(exp.propose(x, h, 4))
-    for got, want in zip(client.propose_batch(requests), expected, strict=True):
+    for got, want in zip(client.propose_many(requests).proposals(), expected, strict=True):
         _assert_proposal(got, *want)
     for state, _ in states:
         client.after_verify(state, 0)

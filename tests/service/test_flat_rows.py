@@ -57,7 +57,7 @@ def test_one_row_may_come_flat_in_every_rpc(
     client: DrafterClient, stub, ref: Reference, flat: bool
 ) -> None:
     """Prefill's hiddens, Propose's hidden, a verdict's refeed (AfterVerify and
-    Propose.previous), a bitmask, and ProposeColumns' hiddens, refeed and bitmask rows:
+    Propose.previous), a bitmask, and ProposeBatch's hiddens, refeed and bitmask rows:
     each one row, flat or not, drafts what the oracle says."""
     state, exp = client.alloc_state(), Expected(ref)
     words, allow = mask()
@@ -104,7 +104,7 @@ def test_one_row_may_come_flat_in_every_rpc(
 
         x, h, refeed = 13, hiddens(1, 7), hiddens(1, 8)
         exp.verdict(1, refeed)
-        request = pb.ColumnsRequest(
+        request = pb.ProposeBatchRequest(
             state_ids=[state],
             tokens=[x],
             positions=[exp.next_position],
@@ -116,7 +116,7 @@ def test_one_row_may_come_flat_in_every_rpc(
             bitmask_rows=[1],
             bitmasks=one_row(words, flat),
         )
-        answer = stub.ProposeColumns(request, timeout=PATIENCE)
+        answer = stub.ProposeBatch(request, timeout=PATIENCE)
         assert not answer.errors, answer.errors
         check(answer.drafts[: answer.draft_counts[0]], exp.propose(x, h, 2, allow))
         client.after_verify(state, 0)
@@ -139,11 +139,11 @@ def test_a_flat_tensor_is_never_more_than_one_row(client: DrafterClient, stub) -
         with pytest.raises(grpc.RpcError) as err:
             stub.AfterVerify(pb.AfterVerifyRequest(state_id=state, verdict=verdict))
         assert f"expected shape [2, {H}], got [{H}]" in err.value.details()
-        request = pb.ColumnsRequest(
+        request = pb.ProposeBatchRequest(
             state_ids=[state, 12345], tokens=[1, 1], positions=[4, 4], hiddens=flat, num_drafts=[1]
         )
         with pytest.raises(grpc.RpcError) as err:
-            stub.ProposeColumns(request, timeout=PATIENCE)
+            stub.ProposeBatch(request, timeout=PATIENCE)
         assert f"expected shape [2, {H}], got [{H}]" in err.value.details()
         client.after_verify(state, 0)
     finally:
@@ -152,7 +152,7 @@ def test_a_flat_tensor_is_never_more_than_one_row(client: DrafterClient, stub) -
 
 def test_the_python_client_takes_one_row_flat_too(client: DrafterClient, ref: Reference) -> None:
     """Its eager checks follow the same rule: Prefill's hiddens, a verdict's refeed and
-    ProposeColumns' hiddens, refeed and bitmask rows, each one row given as [X]."""
+    ProposeBatch's hiddens, refeed and bitmask rows, each one row given as [X]."""
     state, exp = client.alloc_state(), Expected(ref)
     words, allow = mask()
     try:
@@ -165,13 +165,13 @@ def test_the_python_client_takes_one_row_flat_too(client: DrafterClient, ref: Re
         client.after_verify(state, 1, refeed_hiddens=refeed[0])
         exp.verdict(1, refeed)
         x, h = 6, hiddens(1, 14)
-        step = client.propose_columns(
+        step = client.propose_batch(
             [state], [x], [exp.next_position], h[0], 2, bitmask_rows=[1], bitmasks=words
         )
         assert step.drafts[0, : step.counts[0]].tolist() == exp.propose(x, h, 2, allow)[0]
         x, h, refeed = 8, hiddens(1, 15), hiddens(1, 16)
         exp.verdict(1, refeed)
-        step = client.propose_columns(
+        step = client.propose_batch(
             [state], [x], [exp.next_position], h[0], 2,
             num_accepted=[1], refeed_rows=[1], refeed_hiddens=refeed[0],
         )  # fmt: skip

@@ -52,7 +52,7 @@ def test_a_state_of_another_instance_is_lost(client: DrafterClient) -> None:
     assert is_state_lost(err.value) and isinstance(err.value, StateNotFound)
     with client.stream() as stream, pytest.raises(StateLost):  # as an error value too
         stream.propose(foreign, 1, hiddens(1, 1)[0], 5, 2)
-    answer = client.propose_columns([foreign], [1], [5], hiddens(1, 1), 2)
+    answer = client.propose_batch([foreign], [1], [5], hiddens(1, 1), 2)
     assert isinstance(answer.errors[0], StateLost)
     # One of its own the server freed, or an id no instance issued: not found, not lost.
     state = client.alloc_state()

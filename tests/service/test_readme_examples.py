@@ -115,7 +115,7 @@ def test_the_first_drafts_example_drafts_what_the_oracle_does(
     assert _live_states(server.address) == 0  # the example freed its state
 
 
-def test_the_columns_example_runs(served, capsys) -> None:
+def test_the_many_sequences_example_runs(served, capsys) -> None:
     server, _ = served
     code = example("Many sequences per step").replace("localhost:50051", server.address)
     namespace = _exec(code, "Many sequences per step")

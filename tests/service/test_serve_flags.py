@@ -26,7 +26,13 @@ from drafting import Expected, hiddens, tokens
 from mtp_reference import Reference
 from safetensors.torch import save_file
 
-from mtpdraft.client import DrafterClient, ProposeArgs, ResourceExhausted, Unavailable
+from mtpdraft.client import (
+    BatchResult,
+    DrafterClient,
+    ProposeArgs,
+    ResourceExhausted,
+    Unavailable,
+)
 from mtpdraft.service import cli, front_end
 from mtpdraft.service.front_end import ListenError
 from mtpdraft.service.model.synthetic import write_random_checkpoint
@@ -298,7 +304,7 @@ def test_calls_of_every_kind_from_every_client_share_a_forward_of_max_batch(serv
             assert entered.wait(30), "the first call never reached the engine"
             queued = [
                 (a.propose, args(1)),
-                (b.propose_batch, ([ProposeArgs(*args(2)), ProposeArgs(*args(3))],)),
+                (b.propose_many, ([ProposeArgs(*args(2)), ProposeArgs(*args(3))],)),
                 (stream.propose, args(4)),
                 (a.propose, args(5)),
             ]
@@ -308,7 +314,9 @@ def test_calls_of_every_kind_from_every_client_share_a_forward_of_max_batch(serv
         finally:
             release.set()
         results = [call.result(60) for call in calls]
-        proposals = [p for r in results for p in (r if isinstance(r, list) else [r])]
+        proposals = [
+            p for r in results for p in (r.proposals() if isinstance(r, BatchResult) else [r])
+        ]
         assert [len(p.tokens) for p in proposals] == [2] * 6
         assert a.info().batch_size_counts == {1: 2, 4: 1}
         for state in s:

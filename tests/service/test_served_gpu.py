@@ -190,7 +190,7 @@ def test_served_batch_matches_the_oracle(served, ref) -> None:
                 ProposeArgs(seq.state, tok, hid, seq.position, k, previous=(step and 1) or None)
                 for seq, (tok, hid), k in zip(seqs, inputs, ks, strict=True)
             ]
-            got = client.propose_batch(requests)
+            got = client.propose_many(requests).proposals()
             for seq, (tok, hid), proposal, k in zip(seqs, inputs, got, ks, strict=True):
                 assert len(proposal.tokens) == k
                 seq.check(tok, hid, proposal)

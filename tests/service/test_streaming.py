@@ -1,4 +1,5 @@
-"""The one-round-trip hot path: ProposeStream, sync and asyncio, against unary Propose."""
+"""The one-round-trip hot path: ProposeStream, one state a message (a batch of one), sync and
+asyncio, against unary Propose."""
 
 from __future__ import annotations
 
@@ -83,8 +84,8 @@ def test_stream_equals_unary_and_survives_errors(client: DrafterClient) -> None:
 
 
 def test_one_stream_carries_many_states_in_flight(client: DrafterClient, ref: Reference) -> None:
-    """Six requests in flight on one stream, batched together: each answer is its own
-    state's, the oracle's drafts and what the same request gets alone on a twin state."""
+    """Six messages of one state in flight on one stream, batched together: each answer is
+    its own state's, the oracle's drafts and what the same request gets alone on a twin state."""
     states = [_prompted(client, 3 + i, 30 + i) for i in range(6)]
     twins = [_prompted(client, 3 + i, 30 + i) for i in range(6)]
     oracle = []
@@ -103,10 +104,10 @@ def test_one_stream_carries_many_states_in_flight(client: DrafterClient, ref: Re
     before = client.info().batch_size_counts
     with client.stream() as stream:
         futures = [
-            stream.submit(s, 2, hiddens(1, 50 + i), 5 + i, 4, previous=Verdict(0))
+            stream.submit([s], [2], [5 + i], hiddens(1, 50 + i), 4, num_accepted=[0])
             for i, s in enumerate(states)
         ]
-        results = [f.result(timeout=30) for f in futures]
+        results = [f.result(timeout=30).proposal(0) for f in futures]
     after = client.info().batch_size_counts
     requests = sum(n * (after.get(n, 0) - before.get(n, 0)) for n in after)
     assert requests == 6  # the server's batch-size histogram counted each request once

@@ -153,22 +153,22 @@ def test_streams_work_and_are_traced_with_tracing_on(traced) -> None:
     assert "ProposeStream" in methods
 
 
-def test_a_columns_step_and_each_columns_stream_message_batch_under_their_call(traced) -> None:
+def test_a_batch_call_and_each_stream_message_batch_under_their_call(traced) -> None:
     server, _, exporter, _ = traced
     with DrafterClient(server.address, timeout=30) as c:
         a, b = c.alloc_state(), c.alloc_state()
         for state, seed in ((a, 0), (b, 1)):
             c.prefill(state, tokens(3, seed), hiddens(3, seed), 1)
-        c.propose_columns([a, b], [1, 1], [4, 4], hiddens(2, 2), 2)
-        with c.columns_stream() as stream:
+        c.propose_batch([a, b], [1, 1], [4, 4], hiddens(2, 2), 2)
+        with c.stream() as stream:
             for position in (6, 8):  # each message carries the last one's verdicts (1 each)
                 got = stream.step([a, b], [1, 1], [position] * 2, hiddens(2, position), 2,
                                   num_accepted=[1, 1])  # fmt: skip
                 assert not got.errors and got.counts.tolist() == [2, 2]
         for state in (a, b):
             c.free_state(state)
-    (unary,) = _server_span(exporter, "ProposeColumns")
-    (stream_span,) = _server_span(exporter, "ProposeColumnsStream")
+    (unary,) = _server_span(exporter, "ProposeBatch")
+    (stream_span,) = _server_span(exporter, "ProposeStream")
     assert len(_batch_spans(exporter, unary)) == 1
     assert len(_batch_spans(exporter, stream_span)) == 2  # one batch per message
     for batch in _batch_spans(exporter, stream_span):

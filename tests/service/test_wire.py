@@ -1,4 +1,5 @@
-"""Reading Propose requests into the engine's arguments: the checks, and the tensors."""
+"""Reading Propose and ProposeBatch requests into the engine's arguments: the checks, and the
+tensors."""
 
 from __future__ import annotations
 
@@ -34,9 +35,6 @@ def test_malformed_tensors_are_refused_with_their_field() -> None:
         with pytest.raises(InvalidArgument) as refused:
             wire.propose_args(bad)
         assert (refused.value.reason, refused.value.field) == (reason, "hidden")
-        with pytest.raises(InvalidArgument) as in_batch:
-            wire.read_proposes([good, bad], batch=True)
-        assert in_batch.value.message == f"requests[1].{refused.value.message}"
     bad_refeed = pb.ProposeRequest()
     bad_refeed.CopyFrom(good)
     bad_refeed.previous.refeed_hiddens.CopyFrom(_tensor(torch.randn(1, 8)))
@@ -44,6 +42,32 @@ def test_malformed_tensors_are_refused_with_their_field() -> None:
     with pytest.raises(InvalidArgument) as refused:
         wire.propose_args(bad_refeed)
     assert refused.value.field == "previous.refeed_hiddens"
+
+
+def test_a_batchs_malformed_tensors_are_refused_with_their_column() -> None:
+    good = m.batch_request(
+        [1, 2], [3, 4], [5, 6], torch.randn(2, 8), 2,
+        num_accepted=[1, -1], refeed_rows=[1, 0], refeed_hiddens=torch.randn(1, 8),
+        bitmask_rows=[0, 1], bitmasks=torch.tensor([[5, -1]], dtype=torch.int32),
+    )  # fmt: skip
+    read = wire.batch(good)
+    assert read.state_ids == [1, 2] and read.num_accepted == [1, -1]
+    assert read.refeed_hiddens.shape == (1, 8) and read.bitmasks.tolist() == [[5, -1]]
+    for column in ("hiddens", "refeed_hiddens", "bitmasks"):
+        for reason, spoil in {
+            "BAD_DTYPE": lambda t: setattr(t, "dtype", pb.DTYPE_UNSPECIFIED),
+            "BAD_BYTE_COUNT": lambda t: setattr(t, "data", t.data[:-1]),
+        }.items():
+            bad = pb.ProposeBatchRequest()
+            bad.CopyFrom(good)
+            spoil(getattr(bad, column))
+            with pytest.raises(InvalidArgument) as refused:
+                wire.batch(bad)
+            assert (refused.value.reason, refused.value.field) == (reason, column)
+    good.ClearField("hiddens")
+    with pytest.raises(InvalidArgument) as refused:
+        wire.batch(good)
+    assert (refused.value.reason, refused.value.field) == ("MISSING_FIELD", "hiddens")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -64,7 +88,7 @@ def test_a_request_becomes_the_engines_arguments() -> None:
     request = m.propose_request(
         7, 2, hidden, 3, 4, bitmask=mask, min_confidence=0.25, previous=ClientVerdict(2, refeed)
     )
-    args, again = wire.read_proposes([request, request], batch=False)
+    args, again = wire.propose_args(request), wire.propose_args(request)
     assert (args.state_id, args.token, args.position, args.num_drafts) == (7, 2, 3, 4)
     assert args.min_confidence == 0.25
     assert torch.equal(args.hidden, hidden)

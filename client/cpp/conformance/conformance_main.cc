@@ -1,8 +1,7 @@
 // Replays the conformance vector (tests/conformance/vector.json) against a live server:
 //   mtpdraft-conformance --address 127.0.0.1:50051 [--vector PATH]
-// A ProposeBatch sends its requests (Propose operations without "op") in one call; a
-// ProposeColumns sends one ColumnsRequest of its columns ("states" names the rows' states),
-// unary or, with "stream" true, as the one message of a ProposeColumnsStream of its own.
+// A ProposeBatch sends one ProposeBatchRequest of its columns ("states" names the rows'
+// states); a ProposeStream sends its messages (batches too) on one stream, one at a time.
 // One line per operation, then "cpp: N passed, M failed"; exits 1 on any failure, 2 on a
 // vector no runner may replay (checked before any call). Then one more line: a stream has no
 // deadline unless it asks for one (StreamDeadlines).
@@ -106,7 +105,7 @@ bool Tolerant(const std::string& key) {
 }
 
 // Whether `got` is what the vector expects under `key`: objects by the expected keys, arrays
-// element by element, the tolerant keys' numbers within `tol`, a ProposeColumns' errors
+// element by element, the tolerant keys' numbers within `tol`, a batch's errors
 // exactly (an entry without reason or field expects none), all else exactly.
 bool Same(const std::string& key, const json& want, const json& got, double tol) {
   if (key == "errors" && want.is_array()) {
@@ -150,8 +149,7 @@ std::vector<std::string> Mismatches(const json& expected, const json& actual, do
   return out;
 }
 
-// A column of a ProposeColumns operation: its values, one value as a list of one, or none
-// (an absent key).
+// A column of a batch: its values, one value as a list of one, or none (an absent key).
 template <typename T>
 std::vector<T> ColumnOf(const json& op, const char* key) {
   if (!op.contains(key) || op[key].is_null()) return {};
@@ -159,8 +157,8 @@ std::vector<T> ColumnOf(const json& op, const char* key) {
   return {op[key].get<T>()};
 }
 
-// A ProposeColumns operation's step and the arrays its views read.
-struct ColumnsArgs {
+// A batch's columns and the arrays their views read.
+struct BatchArgs {
   std::vector<uint64_t> state_ids;
   std::vector<int32_t> tokens;
   std::vector<int64_t> positions;
@@ -169,7 +167,7 @@ struct ColumnsArgs {
   std::vector<int32_t> refeed_rows;
   std::vector<int32_t> bitmask_rows;
   std::vector<float> min_confidence;
-  mtpdraft::Columns step;
+  mtpdraft::Batch step;
 };
 
 class Replayer {
@@ -192,21 +190,9 @@ class Replayer {
       return json::object();
     }
     if (name == "ProposeBatch") {
-      std::vector<mtpdraft::BatchRequest> requests;
-      for (const json& r : op.at("requests")) {
-        requests.push_back({states_[r.at("state")], ProposeArgsOf(r)});
-      }
-      std::vector<mtpdraft::Proposal> proposals = client_.ProposeBatch(requests);
-      json out = json::array();
-      for (size_t i = 0; i < proposals.size(); ++i) {
-        out.push_back(ProposalJson(proposals[i], requests[i].state));
-      }
-      return {{"proposals", out}};
-    }
-    if (name == "ProposeColumns") {
-      ColumnsArgs args;
-      ColumnsOf(op, &args);
-      return ColumnsJson(client_.ProposeColumns(args.step));
+      BatchArgs args;
+      BatchOf(op, &args);
+      return BatchJson(client_.ProposeBatch(args.step));
     }
     const uint64_t state = states_[op.at("state")];
     if (name == "Prefill") {
@@ -235,36 +221,12 @@ class Replayer {
   // Whether the operation did what the vector expects, and a message.
   std::pair<bool, std::string> Step(const json& op) {
     if (op.at("op") == "ProposeStream") return StreamStep(op);
-    if (op.at("op") == "ProposeColumns" && op.contains("stream") && op["stream"] == true) {
-      return ColumnsStreamStep(op);
-    }
     return Judge(op, [&] { return Call(op); });
   }
 
-  // A ProposeColumns on a stream of its own: its one message (request_id 1), its one answer
-  // (the answer's error as the operation's error), then the stream closed, which must end
-  // the call cleanly.
-  std::pair<bool, std::string> ColumnsStreamStep(const json& op) {
-    std::unique_ptr<mtpdraft::ColumnsStream> stream;
-    auto [ok, text] = Judge(op, [&] {
-      ColumnsArgs args;
-      ColumnsOf(op, &args);
-      stream = client_.OpenColumnsStream();
-      return ColumnsJson(stream->Step(args.step));
-    });
-    if (stream) {
-      const grpc::Status status = stream->Close();
-      if (!status.ok()) {
-        const mtpdraft::DrafterError e(status);
-        return {false, text + "; the stream ended with " +
-                           ErrorText(e.code_name(), e.reason(), e.field()) + ": " + e.what()};
-      }
-    }
-    return {ok, text};
-  }
-
-  // One stream, its messages (Propose operations without "op") sent one at a time, each
-  // answered before the next; ok when every answer is as expected.
+  // One stream, its messages (batches: ProposeBatch operations without "op") sent one at a
+  // time, each answered before the next; ok when every answer is as expected. Closing it must
+  // end the call cleanly.
   std::pair<bool, std::string> StreamStep(const json& op) {
     std::unique_ptr<mtpdraft::ProposeStream> stream;
     try {
@@ -278,13 +240,19 @@ class Replayer {
     for (size_t j = 0; j < messages.size(); ++j) {
       const json& msg = messages[j];
       auto [good, text] = Judge(msg, [&] {
-        const uint64_t state = states_[msg.at("state")];
-        return ProposalJson(stream->Propose(state, ProposeArgsOf(msg)), state);
+        BatchArgs args;
+        BatchOf(msg, &args);
+        return BatchJson(stream->Step(args.step));
       });
       ok = ok && good;
       lines += (j == 0 ? "[" : "; [") + std::to_string(j) + "] " + text;
     }
-    stream->Close();
+    const grpc::Status status = stream->Close();
+    if (!status.ok()) {
+      const mtpdraft::DrafterError e(status);
+      return {false, lines + "; the stream ended with " +
+                         ErrorText(e.code_name(), e.reason(), e.field()) + ": " + e.what()};
+    }
     return {ok, lines};
   }
 
@@ -323,7 +291,7 @@ class Replayer {
   }
 
  private:
-  // The client's arguments for a Propose operation (or a ProposeStream message).
+  // The client's arguments for a Propose operation.
   static mtpdraft::ProposeArgs ProposeArgsOf(const json& op) {
     mtpdraft::ProposeArgs args;
     args.token = op.at("token");
@@ -339,8 +307,8 @@ class Replayer {
     return args;
   }
 
-  // A ProposeColumns operation's columns into `out` (state names bound by AllocState).
-  void ColumnsOf(const json& op, ColumnsArgs* out) {
+  // A batch's columns into `out` (state names bound by AllocState).
+  void BatchOf(const json& op, BatchArgs* out) {
     for (const json& name : op.at("states")) out->state_ids.push_back(states_[name]);
     out->tokens = ColumnOf<int32_t>(op, "tokens");
     out->positions = ColumnOf<int64_t>(op, "positions");
@@ -349,7 +317,7 @@ class Replayer {
     out->refeed_rows = ColumnOf<int32_t>(op, "refeed_rows");
     out->bitmask_rows = ColumnOf<int32_t>(op, "bitmask_rows");
     out->min_confidence = ColumnOf<float>(op, "min_confidence");
-    mtpdraft::Columns& step = out->step;
+    mtpdraft::Batch& step = out->step;
     step.state_ids = out->state_ids;
     step.tokens = out->tokens;
     step.positions = out->positions;
@@ -363,9 +331,9 @@ class Replayer {
     step.min_confidence = out->min_confidence;
   }
 
-  // A ProposeColumns answer's outputs, named as in the vector: [B, width] drafts and probs
-  // as B rows, and the failed rows' errors in row order.
-  static json ColumnsJson(const mtpdraft::ColumnsResult& r) {
+  // A batch's answer's outputs, named as in the vector: [B, width] drafts and probs as B
+  // rows, and the failed rows' errors in row order.
+  static json BatchJson(const mtpdraft::BatchResult& r) {
     json drafts = json::array(), probs = json::array(), errors = json::array();
     for (size_t i = 0; i < r.size(); ++i) {
       const size_t lo = i * r.width, hi = lo + r.width;
@@ -412,10 +380,10 @@ bool NonEmptyList(const json& op, const char* key) {
 
 // Why no runner may replay the vector, or "" if one may.
 std::string VectorFault(const json& v) {
-  static const std::string kFormat = "mtpdraft-conformance/1";
+  static const std::string kFormat = "mtpdraft-conformance/2";
   static const std::set<std::string> kOps = {
-      "GetInfo",        "AllocState",  "Prefill", "Propose",   "ProposeStream", "ProposeBatch",
-      "ProposeColumns", "AfterVerify", "TakeKV",  "InstallKV", "FreeState"};
+      "GetInfo",     "AllocState", "Prefill",   "Propose",  "ProposeBatch",
+      "ProposeStream", "AfterVerify", "TakeKV", "InstallKV", "FreeState"};
   if (!v.is_object()) return "the vector is not a JSON object";
   if (!v.contains("format") || v["format"] != kFormat) {
     return "format is " + (v.contains("format") ? v["format"].dump() : "missing") + ", not \"" +
@@ -438,16 +406,14 @@ std::string VectorFault(const json& v) {
     if (name == "ProposeStream" && !NonEmptyList(op, "messages")) {
       return at + "ProposeStream without messages";
     }
-    if (name == "ProposeBatch" && !NonEmptyList(op, "requests")) {
-      return at + "ProposeBatch without requests";
-    }
-    if (name == "ProposeColumns") {
-      if (!NonEmptyList(op, "states")) return at + "ProposeColumns without states";
-      if (!op.contains("hiddens") || !op["hiddens"].is_object()) {
-        return at + "ProposeColumns without hiddens";
-      }
-      if (op.contains("stream") && !op["stream"].is_boolean()) {
-        return at + "ProposeColumns stream is not a boolean";
+    std::vector<json> batches;
+    if (name == "ProposeBatch") batches.push_back(op);
+    if (name == "ProposeStream") batches.assign(op["messages"].begin(), op["messages"].end());
+    for (const json& batch : batches) {
+      const std::string kind = "a " + name.get<std::string>() + " batch";
+      if (!batch.is_object() || !NonEmptyList(batch, "states")) return at + kind + " without states";
+      if (!batch.contains("hiddens") || !batch["hiddens"].is_object()) {
+        return at + kind + " without hiddens";
       }
     }
   }
@@ -459,16 +425,12 @@ std::string CountOf(const json& op, const char* key) {
   return op.contains(key) && op[key].is_array() ? std::to_string(op[key].size()) : "?";
 }
 
-// An operation's name in its line: the op and its state, a stream's message count, a
-// ProposeBatch's request count or a ProposeColumns' state count.
+// An operation's name in its line: the op and its state, a stream's message count or a
+// batch's state count.
 std::string Label(const json& op) {
   std::string label = op.at("op").get<std::string>();
   if (label == "ProposeStream") return label + " (" + CountOf(op, "messages") + " messages)";
-  if (label == "ProposeBatch") return label + " (" + CountOf(op, "requests") + " requests)";
-  if (label == "ProposeColumns") {
-    const bool stream = op.contains("stream") && op["stream"] == true;
-    return label + (stream ? " stream" : "") + " (" + CountOf(op, "states") + " states)";
-  }
+  if (label == "ProposeBatch") return label + " (" + CountOf(op, "states") + " states)";
   if (op.contains("state") && op["state"].is_string()) label += " " + op["state"].get<std::string>();
   return label;
 }

@@ -194,7 +194,7 @@ void FillVerdict(const Verdict& v, pb::Verdict* out) {
   if (v.refeed_hiddens) v.refeed_hiddens->ToProto(out->mutable_refeed_hiddens());
 }
 
-// The request of a Propose, unary or on a stream.
+// The request of a unary Propose.
 pb::ProposeRequest ProposeRequestOf(uint64_t state, const ProposeArgs& args) {
   pb::ProposeRequest req;
   req.set_state_id(state);
@@ -213,7 +213,7 @@ Proposal ProposalOf(const pb::Proposal& p) {
           {p.probs().begin(), p.probs().end()}, p.confidence(), p.first_position()};
 }
 
-// An error answer as the status the unary call would have failed with. A code this client
+// An error carried as a value as the status a unary call would have failed with. A code this client
 // does not know, or OK (which no error has), reads as UNKNOWN.
 grpc::Status StatusOf(const pb::Error& error) {
   int code = error.code();
@@ -228,10 +228,10 @@ grpc::Status StreamClosed() {
   return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the propose stream is closed");
 }
 
-// A ColumnsRequest of a Columns step, its columns copied as they are (the server checks
-// that they fit together).
-pb::ColumnsRequest ColumnsRequestOf(const Columns& step) {
-  pb::ColumnsRequest req;
+// A ProposeBatchRequest of a Batch, its columns copied as they are (the server checks that
+// they fit together).
+pb::ProposeBatchRequest BatchRequestOf(const Batch& step) {
+  pb::ProposeBatchRequest req;
   req.mutable_state_ids()->Add(step.state_ids.begin(), step.state_ids.end());
   req.mutable_tokens()->Add(step.tokens.begin(), step.tokens.end());
   req.mutable_positions()->Add(step.positions.begin(), step.positions.end());
@@ -251,10 +251,11 @@ DrafterError BadAnswer(const std::string& what) {
   return DrafterError(grpc::Status(grpc::StatusCode::UNKNOWN, "a malformed answer: " + what));
 }
 
-// A ColumnsResponse's columns; throws unless they fit together, so that the result's row
-// accessors stay within its vectors.
-ColumnsResult ColumnsResultOf(const pb::ColumnsResponse& resp) {
-  ColumnsResult r;
+// A ProposeBatchResponse's columns, the answer to a batch of `state_ids`; throws unless they
+// fit together, so that the result's row accessors stay within its vectors.
+BatchResult BatchResultOf(const pb::ProposeBatchResponse& resp, std::vector<uint64_t> state_ids) {
+  BatchResult r;
+  r.state_ids = std::move(state_ids);
   r.width = resp.width();
   r.drafts.assign(resp.drafts().begin(), resp.drafts().end());
   r.probs.assign(resp.probs().begin(), resp.probs().end());
@@ -262,6 +263,10 @@ ColumnsResult ColumnsResultOf(const pb::ColumnsResponse& resp) {
   r.confidences.assign(resp.confidences().begin(), resp.confidences().end());
   r.first_positions.assign(resp.first_positions().begin(), resp.first_positions().end());
   const size_t rows = r.counts.size();
+  if (rows != r.state_ids.size()) {
+    throw BadAnswer(std::to_string(rows) + " rows for " + std::to_string(r.state_ids.size()) +
+                    " states");
+  }
   if (r.width < 0) throw BadAnswer("a negative width");
   if (r.drafts.size() != rows * r.width || r.probs.size() != rows * r.width) {
     throw BadAnswer("drafts or probs are not [B, width]");
@@ -282,26 +287,114 @@ ColumnsResult ColumnsResultOf(const pb::ColumnsResponse& resp) {
   return r;
 }
 
-// A ProposeStream answer's proposal, or the error it carries.
-Proposal ProposeOutcome(const pb::ProposeStreamResponse& resp) {
-  switch (resp.result_case()) {
-    case pb::ProposeStreamResponse::kProposal:
-      return ProposalOf(resp.proposal());
-    case pb::ProposeStreamResponse::kError:
-      throw DrafterError(StatusOf(resp.error()), resp.error().reason(), resp.error().field());
-    default:  // a result this client does not know
-      throw DrafterError(grpc::Status(grpc::StatusCode::UNKNOWN, "an answer with no known result"));
+// The rows of one tensor column, gathered state by state (BatchOf).
+class ColumnRows {
+ public:
+  ColumnRows(const char* name, bool pad) : name_(name), pad_(pad) {}
+
+  // Adds requests[i]'s rows ([n, width], or one row flat); returns how many.
+  int32_t Add(const Tensor& t, size_t i) {
+    const std::string where = "requests[" + std::to_string(i) + "]." + name_;
+    if (t.shape.empty() || t.shape.size() > 2) throw std::invalid_argument(where + ": not rows");
+    const int64_t width = t.shape.back();
+    const int64_t n = t.shape.size() == 1 ? (width > 0 ? 1 : 0) : t.shape[0];
+    if (n == 0) return 0;
+    if (count_ > 0 && t.dtype != dtype_) {
+      throw std::invalid_argument(where + ": another dtype than the rows before");
+    }
+    if (count_ > 0 && width != width_ && !pad_) {
+      throw std::invalid_argument(where + ": another width than the rows before");
+    }
+    dtype_ = t.dtype;
+    width_ = std::max(width_, width);
+    parts_.push_back({n, width, &t.data});
+    count_ += n;
+    return static_cast<int32_t>(n);
   }
+
+  int64_t count() const { return count_; }
+
+  // The rows as one [count, width] tensor, narrower rows padded with zero bytes.
+  Tensor Stacked() const {
+    const int64_t size = Tensor::ItemSize(dtype_);
+    std::string data;
+    data.reserve(count_ * width_ * size);
+    for (const Part& p : parts_) {
+      for (int64_t r = 0; r < p.n; ++r) {
+        data.append(*p.data, r * p.width * size, p.width * size);
+        data.append((width_ - p.width) * size, '\0');
+      }
+    }
+    return {dtype_, {count_, width_}, std::move(data)};
+  }
+
+ private:
+  struct Part {
+    int64_t n, width;
+    const std::string* data;  // the caller's tensor's, read by Stacked() while BatchOf runs
+  };
+  std::string name_;
+  bool pad_;
+  pb::DType dtype_ = pb::DTYPE_UNSPECIFIED;
+  int64_t width_ = 0, count_ = 0;
+  std::vector<Part> parts_;
+};
+}  // namespace
+
+StatesBatch BatchOf(const std::vector<BatchRequest>& requests) {
+  StatesBatch b;
+  ColumnRows hiddens("hidden", false), refeeds("previous.refeed_hiddens", false);
+  ColumnRows masks("bitmask", true);
+  bool verdicts = false, floors = false;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const BatchRequest& r = requests[i];
+    b.state_ids.push_back(r.state);
+    b.tokens.push_back(r.args.token);
+    b.positions.push_back(r.args.position);
+    b.num_drafts.push_back(r.args.num_drafts);
+    b.min_confidence.push_back(r.args.min_confidence);
+    floors = floors || r.args.min_confidence != 0.0f;
+    if (hiddens.Add(r.args.hidden, i) != 1) {
+      throw std::invalid_argument("requests[" + std::to_string(i) + "].hidden: one row expected");
+    }
+    const std::optional<Verdict>& v = r.args.previous;
+    verdicts = verdicts || v.has_value();
+    b.num_accepted.push_back(v ? v->num_accepted : -1);
+    b.refeed_rows.push_back(v && v->refeed_hiddens ? refeeds.Add(*v->refeed_hiddens, i) : 0);
+    b.bitmask_rows.push_back(r.args.bitmask ? masks.Add(*r.args.bitmask, i) : 0);
+  }
+  b.hiddens = hiddens.Stacked();
+  if (!verdicts) b.num_accepted.clear();
+  if (refeeds.count() > 0) {
+    b.refeed_hiddens = refeeds.Stacked();
+  } else {
+    b.refeed_rows.clear();
+  }
+  if (masks.count() > 0) {
+    b.bitmasks = masks.Stacked();
+  } else {
+    b.bitmask_rows.clear();
+  }
+  if (!floors) b.min_confidence.clear();
+  return b;
 }
 
-// A ProposeColumnsStream answer's result, or the error of a step that failed as a whole.
-ColumnsResult ColumnsOutcome(const pb::ColumnsResponse& resp) {
-  if (resp.has_error()) {
-    throw DrafterError(StatusOf(resp.error()), resp.error().reason(), resp.error().field());
-  }
-  return ColumnsResultOf(resp);
+Batch StatesBatch::batch() const {
+  Batch b;
+  b.state_ids = state_ids, b.tokens = tokens, b.positions = positions, b.hiddens = hiddens;
+  b.num_drafts = num_drafts, b.num_accepted = num_accepted, b.refeed_rows = refeed_rows;
+  b.refeed_hiddens = refeed_hiddens, b.bitmask_rows = bitmask_rows, b.bitmasks = bitmasks;
+  b.min_confidence = min_confidence;
+  return b;
 }
-}  // namespace
+
+Proposal BatchResult::RowProposal(size_t row) const {
+  if (const DrafterError* e = Error(row)) throw *e;
+  ArrayView<int32_t> tokens = Drafts(row);
+  ArrayView<float> row_probs = Probs(row);
+  return {state_ids[row], {tokens.begin(), tokens.end()}, {row_probs.begin(), row_probs.end()},
+          confidences[row], first_positions[row]};
+}
 
 Proposal DrafterClient::Propose(uint64_t state, const ProposeArgs& args) {
   pb::ProposeRequest req = ProposeRequestOf(state, args);
@@ -312,131 +405,85 @@ Proposal DrafterClient::Propose(uint64_t state, const ProposeArgs& args) {
   return ProposalOf(resp);
 }
 
-std::vector<Proposal> DrafterClient::ProposeBatch(const std::vector<BatchRequest>& requests) {
-  if (requests.empty()) return {};
-  pb::ProposeBatchRequest req;
-  for (const BatchRequest& r : requests) *req.add_requests() = ProposeRequestOf(r.state, r.args);
+BatchResult DrafterClient::ProposeBatch(const Batch& step) {
+  pb::ProposeBatchRequest req = BatchRequestOf(step);
   grpc::ClientContext context;
   Prepare(&context);
   pb::ProposeBatchResponse resp;
   Check(stub_->ProposeBatch(&context, req, &resp));
-  if (static_cast<size_t>(resp.proposals_size()) != requests.size()) {
-    throw BadAnswer(std::to_string(resp.proposals_size()) + " proposals for " +
-                    std::to_string(requests.size()) + " requests");
-  }
-  std::vector<Proposal> out;
-  out.reserve(requests.size());
-  for (const pb::Proposal& p : resp.proposals()) out.push_back(ProposalOf(p));
-  return out;
-}
-
-ColumnsResult DrafterClient::ProposeColumns(const Columns& step) {
-  pb::ColumnsRequest req = ColumnsRequestOf(step);
-  grpc::ClientContext context;
-  Prepare(&context);
-  pb::ColumnsResponse resp;
-  Check(stub_->ProposeColumns(&context, req, &resp));
-  ColumnsResult result = ColumnsResultOf(resp);
-  if (result.size() != step.state_ids.size()) {
-    throw BadAnswer(std::to_string(result.size()) + " rows for " +
-                    std::to_string(step.state_ids.size()) + " states");
-  }
-  return result;
+  return BatchResultOf(resp, {req.state_ids().begin(), req.state_ids().end()});
 }
 
 std::unique_ptr<ProposeStream> DrafterClient::OpenStream(std::chrono::milliseconds timeout) {
   return std::unique_ptr<ProposeStream>(new ProposeStream(*stub_, timeout, affinity_key_));
 }
 
-std::unique_ptr<ColumnsStream> DrafterClient::OpenColumnsStream(
-    std::chrono::milliseconds timeout) {
-  return std::unique_ptr<ColumnsStream>(new ColumnsStream(*stub_, timeout, affinity_key_));
+std::future<BatchResult> ProposeStream::Submit(const Batch& step) {
+  return call_.Submit(BatchRequestOf(step));
 }
 
-ProposeStream::ProposeStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout,
-                             const std::string& affinity_key)
-    : call_(stub, &pb::Drafter::Stub::ProposeStream, &ProposeOutcome, timeout, affinity_key) {}
-
-std::future<Proposal> ProposeStream::Submit(uint64_t state, const ProposeArgs& args) {
-  return call_.Submit(ProposeRequestOf(state, args));
-}
+BatchResult ProposeStream::Step(const Batch& step) { return Submit(step).get(); }
 
 Proposal ProposeStream::Propose(uint64_t state, const ProposeArgs& args) {
-  return Submit(state, args).get();
+  const StatesBatch one = BatchOf({{state, args}});
+  return Step(one.batch()).RowProposal(0);
 }
-
-ColumnsStream::ColumnsStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout,
-                             const std::string& affinity_key)
-    : call_(stub, &pb::Drafter::Stub::ProposeColumnsStream, &ColumnsOutcome, timeout,
-            affinity_key) {}
-
-std::future<ColumnsResult> ColumnsStream::Submit(const Columns& step) {
-  return call_.Submit(ColumnsRequestOf(step));
-}
-
-ColumnsResult ColumnsStream::Step(const Columns& step) { return Submit(step).get(); }
 
 namespace internal {
 
-template <typename Request, typename Response, typename Result>
-StreamCall<Request, Response, Result>::StreamCall(pb::Drafter::Stub& stub, Open open,
-                                                  Outcome outcome,
-                                                  std::chrono::milliseconds timeout,
-                                                  const std::string& affinity_key)
-    : outcome_(outcome), failure_(StreamClosed()) {
+StreamCall::StreamCall(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout,
+                       const std::string& affinity_key)
+    : failure_(StreamClosed()) {
   if (timeout.count() > 0) context_.set_deadline(std::chrono::system_clock::now() + timeout);
   if (!affinity_key.empty()) context_.AddMetadata(kAffinityHeader, affinity_key);
-  call_ = (stub.*open)(&context_);
+  call_ = stub.ProposeStream(&context_);
   reader_ = std::thread(&StreamCall::Read, this);
 }
 
-template <typename Request, typename Response, typename Result>
-StreamCall<Request, Response, Result>::~StreamCall() {
-  Close();
-}
+StreamCall::~StreamCall() { Close(); }
 
-template <typename Request, typename Response, typename Result>
-std::future<Result> StreamCall<Request, Response, Result>::Submit(Request req) {
-  std::promise<Result> promise;
-  std::future<Result> future = promise.get_future();
+std::future<BatchResult> StreamCall::Submit(pb::ProposeBatchRequest req) {
+  Pending pending{std::promise<BatchResult>(), {req.state_ids().begin(), req.state_ids().end()}};
+  std::future<BatchResult> future = pending.promise.get_future();
   std::lock_guard<std::mutex> write_lock(write_mu_);
   // gRPC allows no write after WritesDone or Finish: say why the stream is over instead.
   if (!writable_) throw DrafterError(Failure());
   {
     std::lock_guard<std::mutex> lock(mu_);
     req.set_request_id(next_id_++);
-    pending_.emplace(req.request_id(), std::move(promise));
+    pending_.emplace(req.request_id(), std::move(pending));
   }
   // False when the call has ended: the reader then fails the promise with its status.
   call_->Write(req);
   return future;
 }
 
-template <typename Request, typename Response, typename Result>
-grpc::Status StreamCall<Request, Response, Result>::Failure() {
+grpc::Status StreamCall::Failure() {
   std::lock_guard<std::mutex> lock(mu_);
   return failure_;
 }
 
-template <typename Request, typename Response, typename Result>
-void StreamCall<Request, Response, Result>::Read() {
-  Response resp;
+void StreamCall::Read() {
+  pb::ProposeBatchResponse resp;
   while (call_->Read(&resp)) {
-    typename std::map<uint64_t, std::promise<Result>>::node_type answered;
+    std::map<uint64_t, Pending>::node_type answered;
     {
       std::lock_guard<std::mutex> lock(mu_);
       answered = pending_.extract(resp.request_id());
     }
     if (answered.empty()) continue;  // not a request of this stream
-    std::promise<Result>& promise = answered.mapped();
+    Pending& pending = answered.mapped();
     try {
-      promise.set_value(outcome_(resp));
+      if (resp.has_error()) {  // the batch failed as a whole
+        throw DrafterError(StatusOf(resp.error()), resp.error().reason(), resp.error().field());
+      }
+      pending.promise.set_value(BatchResultOf(resp, std::move(pending.state_ids)));
     } catch (...) {  // the error the answer carries, or an answer this client cannot read
-      promise.set_exception(std::current_exception());
+      pending.promise.set_exception(std::current_exception());
     }
   }
   // The server has ended the call: no answer will come for what is still pending.
-  std::map<uint64_t, std::promise<Result>> pending;
+  std::map<uint64_t, Pending> pending;
   grpc::Status failure;
   {
     std::lock_guard<std::mutex> write_lock(write_mu_);  // no Write may start after Finish
@@ -448,13 +495,12 @@ void StreamCall<Request, Response, Result>::Read() {
     failure = failure_;
     pending.swap(pending_);
   }
-  for (auto& [id, promise] : pending) {
-    promise.set_exception(std::make_exception_ptr(DrafterError(failure)));
+  for (auto& [id, p] : pending) {
+    p.promise.set_exception(std::make_exception_ptr(DrafterError(failure)));
   }
 }
 
-template <typename Request, typename Response, typename Result>
-grpc::Status StreamCall<Request, Response, Result>::Close() {
+grpc::Status StreamCall::Close() {
   std::lock_guard<std::mutex> close_lock(close_mu_);
   {
     std::lock_guard<std::mutex> write_lock(write_mu_);
@@ -468,13 +514,7 @@ grpc::Status StreamCall<Request, Response, Result>::Close() {
   return status_;
 }
 
-template <typename Request, typename Response, typename Result>
-void StreamCall<Request, Response, Result>::Cancel() {
-  context_.TryCancel();
-}
-
-template class StreamCall<pb::ProposeRequest, pb::ProposeStreamResponse, Proposal>;
-template class StreamCall<pb::ColumnsRequest, pb::ColumnsResponse, ColumnsResult>;
+void StreamCall::Cancel() { context_.TryCancel(); }
 
 }  // namespace internal
 

@@ -21,7 +21,7 @@ const (
 	past  = 500 * time.Millisecond // how long each stream is kept open before its next message
 )
 
-// echoDrafter answers every stream message at once: one draft, the token + 1.
+// echoDrafter answers every stream message at once: one draft a state, its token + 1.
 type echoDrafter struct {
 	pb.UnimplementedDrafterServer
 }
@@ -32,26 +32,23 @@ func (echoDrafter) ProposeStream(s pb.Drafter_ProposeStreamServer) error {
 		if err != nil {
 			return nil
 		}
-		if err := s.Send(&pb.ProposeStreamResponse{RequestId: req.RequestId,
-			Result: &pb.ProposeStreamResponse_Proposal{Proposal: &pb.Proposal{
-				StateId: req.StateId, Tokens: []int32{req.Token + 1}}}}); err != nil {
+		if err := s.Send(echo(req)); err != nil {
 			return err
 		}
 	}
 }
 
-func (echoDrafter) ProposeColumnsStream(s pb.Drafter_ProposeColumnsStreamServer) error {
-	for {
-		req, err := s.Recv()
-		if err != nil {
-			return nil
-		}
-		if err := s.Send(&pb.ColumnsResponse{RequestId: req.RequestId, Width: 1, Drafts: []int32{1},
-			Probs: []float32{1}, DraftCounts: []int32{1}, Confidences: []float32{1},
-			FirstPositions: []int64{2}}); err != nil {
-			return err
-		}
+// echo is a batch's answer: one draft a state, its token + 1, at its position + 1.
+func echo(req *pb.ProposeBatchRequest) *pb.ProposeBatchResponse {
+	resp := &pb.ProposeBatchResponse{RequestId: req.RequestId, Width: 1}
+	for i, token := range req.Tokens {
+		resp.Drafts = append(resp.Drafts, token+1)
+		resp.Probs = append(resp.Probs, 1)
+		resp.DraftCounts = append(resp.DraftCounts, 1)
+		resp.Confidences = append(resp.Confidences, 1)
+		resp.FirstPositions = append(resp.FirstPositions, req.Positions[i]+1)
 	}
+	return resp
 }
 
 func echoClient(t *testing.T) *Client {
@@ -75,16 +72,16 @@ func propose(s *Stream) error {
 	ctx, cancel := context.WithTimeout(context.Background(), short)
 	defer cancel()
 	p, err := s.Propose(ctx, 7, ProposeArgs{Token: 1, Hidden: FP32([]float32{1, 2}), Position: 1, NumDrafts: 1})
-	if err == nil && (len(p.Tokens) != 1 || p.Tokens[0] != 2) {
+	if err == nil && (len(p.Tokens) != 1 || p.Tokens[0] != 2 || p.StateId != 7 || p.FirstPosition != 2) {
 		return status.Errorf(codes.Internal, "answer %v", p)
 	}
 	return err
 }
 
-func step(s *ColumnsStream) error {
+func step(s *Stream) error {
 	ctx, cancel := context.WithTimeout(context.Background(), short)
 	defer cancel()
-	_, err := s.Step(ctx, Columns{StateIDs: []uint64{7}, Tokens: []int32{1}, Positions: []int64{1},
+	_, err := s.Step(ctx, Batch{StateIDs: []uint64{7}, Tokens: []int32{1}, Positions: []int64{1},
 		Hiddens: FP32([]float32{1, 2}, 1, 2), NumDrafts: []int32{1}})
 	return err
 }
@@ -97,10 +94,6 @@ func TestStreamsHaveNoDeadlineUnlessAsked(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cs, err := c.ProposeColumnsStream(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
 	if err := propose(s); err != nil {
 		t.Fatal(err)
 	}
@@ -108,13 +101,10 @@ func TestStreamsHaveNoDeadlineUnlessAsked(t *testing.T) {
 	if err := propose(s); err != nil {
 		t.Fatalf("the stream ended: %v", err)
 	}
-	if err := step(cs); err != nil {
-		t.Fatalf("the columns stream ended: %v", err)
+	if err := step(s); err != nil {
+		t.Fatalf("the stream ended: %v", err)
 	}
 	if err := s.Close(); err != nil {
-		t.Fatal(err)
-	}
-	if err := cs.Close(); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -128,10 +118,6 @@ func TestStreamWithDeadlineExpires(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cs, err := c.ProposeColumnsStream(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
 	if err := propose(s); err != nil {
 		t.Fatal(err)
 	}
@@ -139,13 +125,12 @@ func TestStreamWithDeadlineExpires(t *testing.T) {
 	if err := propose(s); status.Code(err) != codes.DeadlineExceeded {
 		t.Fatalf("propose past the stream's deadline: %v", err)
 	}
-	if err := step(cs); status.Code(err) != codes.DeadlineExceeded {
+	if err := step(s); status.Code(err) != codes.DeadlineExceeded {
 		t.Fatalf("step past the stream's deadline: %v", err)
 	}
 	if err := s.Close(); status.Code(err) != codes.DeadlineExceeded {
 		t.Fatalf("close: %v", err)
 	}
-	cs.Close()
 }
 
 // keyDrafter answers AllocState with the affinity key it was sent, as a state id's digits.

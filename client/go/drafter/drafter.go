@@ -8,11 +8,13 @@
 //	_, err = c.AfterVerify(ctx, state, accepted, nil)
 //	_, err = c.FreeState(ctx, state)
 //
-// In a decode loop, a Stream (OpenStream) spends one round trip per verify step: each Propose
-// carries Previous, the verdict on the state's last proposal, instead of a separate AfterVerify.
 // A verifier that steps many states at once sends the whole step as one message of columns
-// (ProposeColumns, or Step on a ColumnsStream): one row per state, the hiddens as one [B, hidden]
-// tensor, and the drafts back as a [B, width] slice, with an error per failed row.
+// (ProposeBatch, or Step on a Stream): one row per state, the hiddens as one [B, hidden]
+// tensor, and the drafts back as a [B, width] slice, with an error per failed row (BatchOf
+// makes the columns from states given one by one). In a decode loop, a Stream (OpenStream)
+// spends one round trip per verify step: each state's verdict on its last proposal
+// (NumAccepted, or Previous of a Stream's Propose, a batch of one) rides with the step instead of
+// a separate AfterVerify.
 //
 // Deadlines are the contexts': each call's ctx bounds that call, and the ctx a stream is opened
 // with bounds the whole stream. The client sets none of its own, so a stream opened with
@@ -253,30 +255,6 @@ func verdict(v *Verdict) *pb.Verdict {
 // whose Previous carries the verdict).
 func (c *Client) Propose(ctx context.Context, state uint64, args ProposeArgs) (*pb.Proposal, error) {
 	return c.stub.Propose(ctx, proposeRequest(state, args))
-}
-
-// BatchRequest is one request of a ProposeBatch: a state and its Propose inputs.
-type BatchRequest struct {
-	State uint64
-	ProposeArgs
-}
-
-// ProposeBatch proposes for many states in one call (at most GetInfo.max_batch, each state at
-// most once) and returns the proposals in the order of the requests. All or nothing: one bad
-// request fails the call and changes no state. No requests make no call.
-func (c *Client) ProposeBatch(ctx context.Context, requests []BatchRequest) ([]*pb.Proposal, error) {
-	if len(requests) == 0 {
-		return nil, nil
-	}
-	req := &pb.ProposeBatchRequest{Requests: make([]*pb.ProposeRequest, len(requests))}
-	for i, r := range requests {
-		req.Requests[i] = proposeRequest(r.State, r.ProposeArgs)
-	}
-	resp, err := c.stub.ProposeBatch(ctx, req)
-	if err != nil {
-		return nil, err
-	}
-	return resp.Proposals, nil
 }
 
 func proposeRequest(state uint64, args ProposeArgs) *pb.ProposeRequest {

@@ -14,7 +14,7 @@ import (
 // (the bonus token the target sampled), that token's position, the target hidden before it (one
 // row of hiddens), and the verdict on the state's pending proposal; the answer holds every
 // state's next drafts.
-func ExampleClient_ProposeColumns() {
+func ExampleClient_ProposeBatch() {
 	ctx := context.Background()
 	c, err := drafter.Dial("localhost:50051")
 	if err != nil {
@@ -28,7 +28,7 @@ func ExampleClient_ProposeColumns() {
 	tokens := []int32{17, 42}      // the tokens the target sampled after them
 	positions := []int64{130, 96}  // those tokens' positions
 	h := make([]float32, 2*hidden) // the target's last-layer hiddens at positions - 1
-	r, err := c.ProposeColumns(ctx, drafter.Columns{
+	r, err := c.ProposeBatch(ctx, drafter.Batch{
 		StateIDs:    states,
 		Tokens:      tokens,
 		Positions:   positions,

@@ -18,16 +18,19 @@ import (
 const errorDomain = "mtpdraft.v1"
 
 // Stream is the hot path: one ProposeStream per verifier, one message per verify step. Each
-// Propose usually carries args.Previous, the verdict on the state's last proposal, so a verify
-// step costs one round trip:
+// message is a batch of the verifier's states (Step), usually carrying each state's verdict on
+// its last proposal, so a verify step costs one round trip; Propose sends one state as a batch
+// of one:
 //
 //	s, err := c.OpenStream(context.Background()) // no deadline: the stream is the verifier's
 //	defer s.Close()
+//	r, err := s.Step(ctx, batch) // once per verifier step; ctx bounds this step only
 //	p, err := s.Propose(ctx, state, drafter.ProposeArgs{..., Previous: &drafter.Verdict{NumAccepted: a}})
 //
-// A Stream is safe for concurrent use: many states may share it, with requests in flight at
-// once; answers are matched by request id. A refused request returns its status error (the same
-// code and ErrorInfo reason as a unary Propose) and leaves the stream open.
+// A Stream is safe for concurrent use: many batches may be in flight at once, and two naming one
+// state are served in the order sent; answers are matched by request id. A failed row has its
+// error in the result's Errors; a message that fails as a whole returns its status error (the
+// code and ErrorInfo reason a unary ProposeBatch would have returned) and leaves the stream open.
 type Stream struct {
 	call pb.Drafter_ProposeStreamClient
 	x    *exchange
@@ -36,7 +39,7 @@ type Stream struct {
 // OpenStream opens a ProposeStream. Cancelling ctx ends it (and fails what is in flight), and
 // ctx's deadline is the whole stream's: a stream has none unless ctx has one. Open a stream kept
 // for a verifier's life with context.Background() (or a context.WithCancel of it) and bound each
-// Propose by its own ctx instead, which ends that request's wait only.
+// Step by its own ctx instead, which ends that step's wait only.
 func (c *Client) OpenStream(ctx context.Context) (*Stream, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	call, err := c.stub.ProposeStream(ctx)
@@ -50,31 +53,45 @@ func (c *Client) OpenStream(ctx context.Context) (*Stream, error) {
 		if err != nil {
 			return 0, answer{}, err
 		}
-		if e := resp.GetError(); e != nil {
-			return resp.RequestId, answer{err: errorValue(e)}, nil
-		}
-		return resp.RequestId, answer{value: resp.GetProposal()}, nil
+		return resp.RequestId, answer{value: resp}, nil
 	})
 	return s, nil
 }
 
-// Propose sends one request and waits for its answer: the drafts, or the request's error. If ctx
-// ends first, Propose returns its error (the stream stays open); the server may still make the
-// proposal.
-func (s *Stream) Propose(ctx context.Context, state uint64, args ProposeArgs) (*pb.Proposal, error) {
+// Step sends one batch and waits for its answer, as ProposeBatch. If ctx ends first, Step
+// returns its error (the stream stays open); the server may still make the proposals.
+func (s *Stream) Step(ctx context.Context, b Batch) (*BatchResult, error) {
+	req := batchRequest(b)
 	v, err := s.x.roundTrip(ctx, func(id uint64) error {
-		req := proposeRequest(state, args)
 		req.RequestId = id
 		return s.call.Send(req)
 	})
 	if err != nil {
 		return nil, err
 	}
-	return v.(*pb.Proposal), nil
+	resp := v.(*pb.ProposeBatchResponse)
+	if e := resp.GetError(); e != nil {
+		return nil, errorValue(e)
+	}
+	return batchResult(resp, req.StateIds)
+}
+
+// Propose sends one state as a batch of one and waits for its answer: the drafts, or the
+// state's error.
+func (s *Stream) Propose(ctx context.Context, state uint64, args ProposeArgs) (*pb.Proposal, error) {
+	b, err := BatchOf([]BatchRequest{{state, args}})
+	if err != nil {
+		return nil, err
+	}
+	r, err := s.Step(ctx, b)
+	if err != nil {
+		return nil, err
+	}
+	return r.Proposal(0)
 }
 
 // Close ends the writing side, waits for the answers still owed and for the end of the call,
-// and returns the call's error (nil when it ended cleanly). Later Proposes fail with UNAVAILABLE.
+// and returns the call's error (nil when it ended cleanly). Later Steps fail with UNAVAILABLE.
 func (s *Stream) Close() error { return s.x.close() }
 
 // exchange carries the requests of a bidirectional stream whose answers name their request id:
@@ -195,7 +212,7 @@ func (x *exchange) forget(id uint64) {
 	x.mu.Unlock()
 }
 
-// errorValue turns an error carried as a value (a stream's error answer, a failed row) into the
+// errorValue turns an error carried as a value (a failed row, a stream message's error) into the
 // status error a unary call would have returned: its code and message, the reason as an
 // ErrorInfo detail and the field, if any, as a BadRequest one.
 func errorValue(e *pb.Error) error {

@@ -11,7 +11,7 @@ const { startFake } = require('./fake_server.js');
 const SHORT_MS = 300; // the client's default timeout, and an explicit stream's deadline
 const PAST_MS = 700; // how long each stream is kept open before its next message
 
-// Every stream message is answered at once: a proposal of one draft, or one answered row.
+// Every stream message (a batch of one) is answered at once: one draft, its token + 1.
 const fake = {
   GetInfo(call, callback) {
     setTimeout(() => callback(null, {}), PAST_MS); // slower than the client's timeout
@@ -19,17 +19,8 @@ const fake = {
   ProposeStream(call) {
     call.on('data', (req) =>
       call.write({
-        requestId: req.requestId,
-        proposal: { stateId: req.stateId, tokens: [req.token + 1], probs: [1], confidence: 1, firstPosition: '2' },
-      }),
-    );
-    call.on('end', () => call.end());
-  },
-  ProposeColumnsStream(call) {
-    call.on('data', (req) =>
-      call.write({
-        requestId: req.requestId, width: 1, drafts: [1], probs: [1], draftCounts: [1], confidences: [1],
-        firstPositions: ['2'], errors: [],
+        requestId: req.requestId, width: 1, drafts: [req.tokens[0] + 1], probs: [1], draftCounts: [1],
+        confidences: [1], firstPositions: ['2'], errors: [],
       }),
     );
     call.on('end', () => call.end());
@@ -51,7 +42,7 @@ after(() => {
 });
 
 const args = { token: 1, hidden: Tensor.fp32([1, 2, 3, 4]), position: 1, numDrafts: 1 };
-const columns = { stateIds: [1], tokens: [1], positions: [1], hiddens: Tensor.fp32([1, 2, 3, 4], [1, 4]), numDrafts: 1 };
+const batch = { stateIds: [1], tokens: [1], positions: [1], hiddens: Tensor.fp32([1, 2, 3, 4], [1, 4]), numDrafts: 1 };
 const expired = (err) => err instanceof DrafterError && err.codeName === 'DEADLINE_EXCEEDED';
 
 test("a unary call has the client's timeout", async () => {
@@ -60,22 +51,18 @@ test("a unary call has the client's timeout", async () => {
 
 test("streams outlive the client's timeout", async () => {
   const stream = drafter.stream();
-  const steps = drafter.columnsStream();
   assert.deepEqual((await stream.propose('7', args)).tokens, [2]);
   await sleep(PAST_MS);
   assert.deepEqual((await stream.propose('7', args)).tokens, [2]);
-  assert.deepEqual((await steps.step(columns)).counts, Int32Array.of(1));
+  assert.deepEqual((await stream.step(batch)).counts, Int32Array.of(1));
   await stream.close();
-  await steps.close();
 });
 
 test('a stream opened with a timeout expires', async () => {
   const stream = drafter.stream({ timeoutMs: SHORT_MS });
-  const steps = drafter.columnsStream({ timeoutMs: SHORT_MS });
   assert.deepEqual((await stream.propose('7', args)).tokens, [2]);
   await sleep(PAST_MS);
   await assert.rejects(stream.propose('7', args), expired);
-  await assert.rejects(steps.step(columns), expired);
+  await assert.rejects(stream.step(batch), expired);
   await stream.close();
-  await steps.close();
 });

@@ -54,25 +54,15 @@ class DrafterStub(object):
                 request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.Proposal.FromString,
                 _registered_method=True)
-        self.ProposeStream = channel.stream_stream(
-                '/mtpdraft.v1.Drafter/ProposeStream',
-                request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
-                response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeStreamResponse.FromString,
-                _registered_method=True)
         self.ProposeBatch = channel.unary_unary(
                 '/mtpdraft.v1.Drafter/ProposeBatch',
                 request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchRequest.SerializeToString,
                 response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchResponse.FromString,
                 _registered_method=True)
-        self.ProposeColumns = channel.unary_unary(
-                '/mtpdraft.v1.Drafter/ProposeColumns',
-                request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsRequest.SerializeToString,
-                response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsResponse.FromString,
-                _registered_method=True)
-        self.ProposeColumnsStream = channel.stream_stream(
-                '/mtpdraft.v1.Drafter/ProposeColumnsStream',
-                request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsRequest.SerializeToString,
-                response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsResponse.FromString,
+        self.ProposeStream = channel.stream_stream(
+                '/mtpdraft.v1.Drafter/ProposeStream',
+                request_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchRequest.SerializeToString,
+                response_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchResponse.FromString,
                 _registered_method=True)
         self.AfterVerify = channel.unary_unary(
                 '/mtpdraft.v1.Drafter/AfterVerify',
@@ -152,52 +142,34 @@ class DrafterServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ProposeStream(self, request_iterator, context):
-        """The hot path: one stream per verifier, one message per verify step. Each
-        message is a ProposeRequest (usually with `previous`, the verdict on the
-        state's last proposal, and optionally its refeed hiddens), answered by a
-        message carrying its request_id and either the proposal or the error the
-        unary Propose would have returned; an error does not end the stream. One
-        stream may carry many states and many requests in flight: answers come as
-        they are ready, possibly out of order. Requests from all streams and
-        calls are batched together. A message whose bytes do not parse as a
-        ProposeRequest is answered too, with request_id 0 (its own cannot be
-        read) and an INVALID_ARGUMENT error, reason MALFORMED_MESSAGE; the
-        stream goes on.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ProposeBatch(self, request, context):
-        """Propose for many states in one call, one batched forward per draft
-        position. At most GetInfo.max_batch requests, each state at most once.
-        All or nothing: one bad request fails the call and changes no state.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ProposeColumns(self, request, context):
         """A verifier's whole step in one message: for B states at once, the verdicts
         on their pending proposals and their next proposals, as columns (row i of
         every column belongs to state_ids[i]). Batched with every other Propose
         call; at most GetInfo.max_batch rows, each state at most once.
         Errors are per row: a row that fails (NOT_FOUND, INVALID_ARGUMENT,
         FAILED_PRECONDITION, RESOURCE_EXHAUSTED, as Propose would) gets its error
-        in `errors`, draft count 0, and leaves its state unchanged; the other rows
-        are answered. A message whose columns do not fit together (lengths,
+        in `errors` (the column at fault as its field), draft count 0, and leaves
+        its state unchanged; the other rows are answered. A message whose columns do not fit together (lengths,
         tensor shapes) fails the call with INVALID_ARGUMENT and changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ProposeColumnsStream(self, request_iterator, context):
-        """ProposeColumns on a stream: one message per verifier step, each answered
-        by one message with its request_id (answers in the order of the requests'
-        batches, usually the order sent). A message that fails as a whole is
-        answered with `error` set; the stream goes on.
+    def ProposeStream(self, request_iterator, context):
+        """The hot path: ProposeBatch on one stream per verifier, one message per
+        verify step (a single state is a batch of one). Each message is answered
+        by one message echoing its request_id, with the rows' answers as
+        ProposeBatch gives them; a message that fails as a whole is answered
+        with `error` set (the status the unary call would have ended with), and
+        the stream goes on. Many messages may be in flight: answers come as
+        their batches are drafted, so possibly out of order (match them by
+        request_id); two messages naming one state are served in the order they
+        arrived. Messages from all streams and calls are batched together. A
+        message whose bytes do not parse as a ProposeBatchRequest is answered
+        too, with request_id 0 (its own cannot be read) and an INVALID_ARGUMENT
+        error, reason MALFORMED_MESSAGE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -293,25 +265,15 @@ def add_DrafterServicer_to_server(servicer, server):
                     request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeRequest.FromString,
                     response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.Proposal.SerializeToString,
             ),
-            'ProposeStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.ProposeStream,
-                    request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeRequest.FromString,
-                    response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeStreamResponse.SerializeToString,
-            ),
             'ProposeBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.ProposeBatch,
                     request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchRequest.FromString,
                     response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchResponse.SerializeToString,
             ),
-            'ProposeColumns': grpc.unary_unary_rpc_method_handler(
-                    servicer.ProposeColumns,
-                    request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsRequest.FromString,
-                    response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsResponse.SerializeToString,
-            ),
-            'ProposeColumnsStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.ProposeColumnsStream,
-                    request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsRequest.FromString,
-                    response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ColumnsResponse.SerializeToString,
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
+                    request_deserializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchRequest.FromString,
+                    response_serializer=mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchResponse.SerializeToString,
             ),
             'AfterVerify': grpc.unary_unary_rpc_method_handler(
                     servicer.AfterVerify,
@@ -463,33 +425,6 @@ class Drafter(object):
             _registered_method=True)
 
     @staticmethod
-    def ProposeStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/mtpdraft.v1.Drafter/ProposeStream',
-            mtpdraft_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
-            mtpdraft_dot_v1_dot_drafter__pb2.ProposeStreamResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def ProposeBatch(request,
             target,
             options=(),
@@ -517,34 +452,7 @@ class Drafter(object):
             _registered_method=True)
 
     @staticmethod
-    def ProposeColumns(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/mtpdraft.v1.Drafter/ProposeColumns',
-            mtpdraft_dot_v1_dot_drafter__pb2.ColumnsRequest.SerializeToString,
-            mtpdraft_dot_v1_dot_drafter__pb2.ColumnsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ProposeColumnsStream(request_iterator,
+    def ProposeStream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -557,9 +465,9 @@ class Drafter(object):
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/mtpdraft.v1.Drafter/ProposeColumnsStream',
-            mtpdraft_dot_v1_dot_drafter__pb2.ColumnsRequest.SerializeToString,
-            mtpdraft_dot_v1_dot_drafter__pb2.ColumnsResponse.FromString,
+            '/mtpdraft.v1.Drafter/ProposeStream',
+            mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchRequest.SerializeToString,
+            mtpdraft_dot_v1_dot_drafter__pb2.ProposeBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -159,6 +159,40 @@ def test_a_bad_call_fails_alone(head: MTPHead) -> None:
     asyncio.run(scenario())
 
 
+def test_two_calls_on_one_state_are_served_in_arrival_order(head: MTPHead) -> None:
+    """A call too large for the batch being filled waits; a later, smaller call on one of
+    its states waits behind it rather than taking the room left (its verdict is on the
+    proposal the first call makes)."""
+
+    async def scenario() -> None:
+        engine, runner, sizes = make_engine(head), EngineRunner(), []
+        scheduler = ProposeScheduler(
+            engine, runner, on_batch=lambda run: sizes.append(run.requests)
+        )
+        scheduler.start()
+        states = with_prompts(engine, 10)
+
+        def first(i: int) -> ProposeArgs:
+            return ProposeArgs(states[i], 1, h(1, i), 3 + i, 2)
+
+        busy, release = await _blocked(scheduler)
+        six = asyncio.ensure_future(scheduler.submit([first(i) for i in range(6)]))
+        three = asyncio.ensure_future(scheduler.submit([first(i) for i in (6, 7, 8)]))
+        verdict = ProposeArgs(states[6], 2, h(1, 20), 10, 2, previous=Verdict(0))
+        then = asyncio.ensure_future(scheduler.submit([verdict]))
+        await until(lambda: scheduler.queued == 3, "three queued calls")
+        release.set()
+        await busy
+        assert [len(p) for p in await asyncio.gather(six, three)] == [6, 3]
+        (p,) = await then  # NO_PENDING_PROPOSAL had it overtaken the call of three
+        assert p.first_position == 11
+        assert sizes == [1, 6, 3, 1]
+        await scheduler.stop()
+        runner.shutdown()
+
+    asyncio.run(scenario())
+
+
 def _placed(engine: DraftEngine) -> list[str]:
     """Where each of the engine's batches runs from now on: "loop" or "engine" thread."""
     loop_thread, original, where = threading.get_ident(), engine.propose_step, []

@@ -9,9 +9,24 @@
 //   drafter.AfterVerify(state, accepted);
 //   drafter.FreeState(state);
 //
-// The hot path is a stream, one round trip per verify step: each Propose carries the verdict
-// on the state's pending proposal (its fused AfterVerify). Many states and threads may share
-// one stream.
+// A verifier that steps many states at once sends the whole step as one batch of columns
+// (ProposeBatch, or one message per step on a ProposeStream). The columns are views of the
+// caller's arrays; row i of each is state_ids[i]'s (BatchOf makes them from states given one by
+// one):
+//   mtpdraft::Batch step;
+//   step.state_ids = ids, step.tokens = tokens, step.positions = positions;  // B values each
+//   step.hiddens = mtpdraft::Tensor::FP32(h, {b, hidden_size});
+//   step.num_drafts = ks;       // B values, or one for every state
+//   step.num_accepted = accepted;  // the verdicts on the pending proposals, -1 for none
+//   mtpdraft::BatchResult r = drafter.ProposeBatch(step);  // or stream->Step(step)
+//   for (size_t i = 0; i < r.size(); ++i) {
+//     if (const mtpdraft::DrafterError* e = r.Error(i)) { /* row i failed, its state unchanged */ }
+//     mtpdraft::ArrayView<int32_t> drafts = r.Drafts(i);  // r.counts[i] drafts
+//   }
+//
+// The hot path is a stream, one round trip per verify step: each state's verdict on its pending
+// proposal (its fused AfterVerify) rides with its next proposal. Many states and threads may
+// share one stream; one state is a batch of one:
 //   std::unique_ptr<mtpdraft::ProposeStream> stream = drafter.OpenStream();
 //   mtpdraft::Proposal p = stream->Propose(state, args);
 //   // the target accepts the first `a` of p.tokens and samples the bonus token b:
@@ -21,26 +36,13 @@
 //   p = stream->Propose(state, args);
 //   stream->Close();
 //
-// A verifier that steps many states at once sends the whole step as columns, one message
-// (ProposeColumns, or one message per step on a ColumnsStream). The columns are views of the
-// caller's arrays; row i of each is state_ids[i]'s:
-//   mtpdraft::Columns step;
-//   step.state_ids = ids, step.tokens = tokens, step.positions = positions;  // B values each
-//   step.hiddens = mtpdraft::Tensor::FP32(h, {b, hidden_size});
-//   step.num_drafts = ks;       // B values, or one for every state
-//   step.num_accepted = accepted;  // the verdicts on the pending proposals, -1 for none
-//   mtpdraft::ColumnsResult r = drafter.ProposeColumns(step);  // or columns_stream->Step(step)
-//   for (size_t i = 0; i < r.size(); ++i) {
-//     if (const mtpdraft::DrafterError* e = r.Error(i)) { /* row i failed, its state unchanged */ }
-//     mtpdraft::ArrayView<int32_t> drafts = r.Drafts(i);  // r.counts[i] drafts
-//   }
-//
 // Tensors are raw little-endian bytes with a dtype and a shape. A failed RPC throws
 // mtpdraft::DrafterError, whose code() is the grpc::StatusCode and reason() and field()
-// say why; so does a stream's error answer, which leaves the stream open.
+// say why; so does a stream message the server refuses as a whole, which leaves the stream
+// open.
 //
 // Deadlines: the client's `timeout` bounds each unary call and each Prefill. A stream
-// (OpenStream, OpenColumnsStream) has no deadline unless its own `timeout` asks for one.
+// (OpenStream) has no deadline unless its own `timeout` asks for one.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -112,7 +114,7 @@ class DrafterError : public std::runtime_error {
  public:
   // Reads the reason and field from the status's details (grpc-status-details-bin).
   explicit DrafterError(const grpc::Status& status);
-  // A stream's error answer, whose Error value carries them itself.
+  // An error carried as a value (a failed row, a refused stream message), which holds them.
   DrafterError(const grpc::Status& status, std::string reason, std::string field);
   grpc::StatusCode code() const { return status_.error_code(); }
   const grpc::Status& status() const { return status_; }
@@ -164,17 +166,11 @@ struct Proposal {
   int64_t first_position = 0;
 };
 
-// One request of a ProposeBatch: a state and its Propose.
-struct BatchRequest {
-  uint64_t state = 0;
-  ProposeArgs args;
-};
-
-// A verifier's step for B states as columns (ColumnsRequest): row i of every column is
+// A verifier's step for B states as columns (ProposeBatchRequest): row i of every column is
 // state_ids[i]'s. The views are read during the call only. The server checks that the
 // columns fit together: lengths or shapes that do not fail the whole call with
 // INVALID_ARGUMENT (reason COLUMNS_MISMATCH or BAD_SHAPE, field the column).
-struct Columns {
+struct Batch {
   ArrayView<uint64_t> state_ids;
   ArrayView<int32_t> tokens;     // B values: each state's last token (sampled or prefilled)
   ArrayView<int64_t> positions;  // B values: each last token's position
@@ -190,9 +186,41 @@ struct Columns {
   ArrayView<float> min_confidence;  // B values, one for every state, or empty (draft all K)
 };
 
-// The answer to a Columns step, as columns: row i is state_ids[i]'s. A row that failed has
-// count 0 and its error in `errors`; its state is unchanged.
-struct ColumnsResult {
+// One state of a batch given state by state (BatchOf): the state and its Propose.
+struct BatchRequest {
+  uint64_t state = 0;
+  ProposeArgs args;
+};
+
+// A Batch of states given one by one, owning its columns (BatchOf); batch() views them.
+struct StatesBatch {
+  std::vector<uint64_t> state_ids;
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> positions;
+  Tensor hiddens;
+  std::vector<int32_t> num_drafts;
+  std::vector<int32_t> num_accepted;
+  std::vector<int32_t> refeed_rows;
+  std::optional<Tensor> refeed_hiddens;
+  std::vector<int32_t> bitmask_rows;
+  std::optional<Tensor> bitmasks;
+  std::vector<float> min_confidence;
+
+  // A view of the columns, valid while this StatesBatch lives unchanged.
+  Batch batch() const;
+};
+
+// The batch of states given one by one: row i is requests[i]'s. Their hiddens (each [hidden]
+// or [1, hidden]) are stacked, their refeeds and bitmasks put one after another with each one's
+// row count; bitmasks of fewer words are padded with zero words (which allow no token, as the
+// server reads them). Throws std::invalid_argument unless the hiddens, and the refeeds, share
+// one dtype and width.
+StatesBatch BatchOf(const std::vector<BatchRequest>& requests);
+
+// The answer to a Batch, as columns: row i is state_ids[i]'s. A row that failed has count 0
+// and its error in `errors`; its state is unchanged.
+struct BatchResult {
+  std::vector<uint64_t> state_ids;  // the batch's
   int32_t width = 0;              // the largest K asked: the columns of drafts and probs
   std::vector<int32_t> drafts;    // [B, width] row-major: row i's counts[i] drafts, then -1
   std::vector<float> probs;       // [B, width]: each draft's top-1 probability, then 0
@@ -215,6 +243,8 @@ struct ColumnsResult {
     auto it = errors.find(static_cast<int32_t>(row));
     return it == errors.end() ? nullptr : &it->second;
   }
+  // Row i as a Proposal; throws its DrafterError if it failed.
+  Proposal RowProposal(size_t row) const;
 };
 
 struct KVHandle {
@@ -225,98 +255,68 @@ struct KVHandle {
 
 namespace internal {
 
-// One bidirectional call whose answers are matched to their requests by request_id: the
-// machinery of ProposeStream and ColumnsStream. `outcome` turns an answer into its result or
-// throws the error it carries.
-template <typename Request, typename Response, typename Result>
+// One ProposeStream call whose answers are matched to their batches by request_id.
 class StreamCall {
  public:
-  using Call = grpc::ClientReaderWriter<Request, Response>;
-  using Open = std::unique_ptr<Call> (pb::Drafter::Stub::*)(grpc::ClientContext*);
-  using Outcome = Result (*)(const Response&);
+  using Call = grpc::ClientReaderWriter<pb::ProposeBatchRequest, pb::ProposeBatchResponse>;
 
-  StreamCall(pb::Drafter::Stub& stub, Open open, Outcome outcome,
-             std::chrono::milliseconds timeout, const std::string& affinity_key);
+  StreamCall(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout,
+             const std::string& affinity_key);
   ~StreamCall();  // Close()
   StreamCall(const StreamCall&) = delete;
   StreamCall& operator=(const StreamCall&) = delete;
 
   // Sends `req` with the next request_id.
-  std::future<Result> Submit(Request req);
+  std::future<BatchResult> Submit(pb::ProposeBatchRequest req);
   grpc::Status Close();
   void Cancel();
 
  private:
+  // A batch awaiting its answer: the promise of its result, and the states it named.
+  struct Pending {
+    std::promise<BatchResult> promise;
+    std::vector<uint64_t> state_ids;
+  };
+
   void Read();
   // What a request fails with once the stream has ended.
   grpc::Status Failure();
 
-  Outcome outcome_;
   grpc::ClientContext context_;
   std::unique_ptr<Call> call_;
   std::mutex write_mu_;  // one write (or WritesDone, or Finish) at a time on the call
   bool writable_ = true;  // guarded by write_mu_: false after WritesDone or Finish
   std::mutex mu_;         // guards the fields below; taken after write_mu_, never before
   uint64_t next_id_ = 1;
-  std::map<uint64_t, std::promise<Result>> pending_;
+  std::map<uint64_t, Pending> pending_;
   grpc::Status failure_;  // what Failure() returns
   grpc::Status status_;   // the call's final status, once the reader has finished it
   std::mutex close_mu_;  // one Close() joins the reader
   std::thread reader_;
 };
 
-// Defined, and instantiated for these two, in drafter_client.cc.
-extern template class StreamCall<pb::ProposeRequest, pb::ProposeStreamResponse, Proposal>;
-extern template class StreamCall<pb::ColumnsRequest, pb::ColumnsResponse, ColumnsResult>;
-
 }  // namespace internal
 
-// One ProposeStream call: many requests in flight, for any states, from any threads. Answers
-// come as they are ready, matched to their requests by request_id. An error answer fails
-// only its request; when the call itself ends (server gone, deadline, Cancel) every request
-// in flight fails with its status, and so do later ones.
+// One ProposeStream call: one message per verifier step, each a Batch for many states (a single
+// state is a batch of one), answered by one BatchResult matched by request_id. Steps may be in
+// flight at once from any threads; answers come as their batches are drafted, possibly out of
+// order, and two naming one state are served in the order sent. A row that fails has its error
+// in the result's `errors`; a step that fails as a whole (its columns do not fit together)
+// throws its DrafterError and leaves the stream open; when the call itself ends (server gone,
+// deadline, Cancel) every step in flight fails with its status, and so do later ones.
 class ProposeStream {
  public:
   ~ProposeStream() = default;  // Close()
   ProposeStream(const ProposeStream&) = delete;
   ProposeStream& operator=(const ProposeStream&) = delete;
 
-  // Sends one request; its future throws DrafterError for an error answer. Throws
-  // DrafterError itself once the stream has ended or is closing.
-  std::future<Proposal> Submit(uint64_t state, const ProposeArgs& args);
-  // One verify step's round trip: Submit(state, args).get().
-  Proposal Propose(uint64_t state, const ProposeArgs& args);
-  // Ends the stream once the answers in flight have arrived; the call's final status.
-  // Idempotent.
-  grpc::Status Close() { return call_.Close(); }
-  // Ends the call now: requests in flight fail with CANCELLED. Close() still joins.
-  void Cancel() { call_.Cancel(); }
-
- private:
-  friend class DrafterClient;
-  ProposeStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout,
-                const std::string& affinity_key);
-
-  internal::StreamCall<pb::ProposeRequest, pb::ProposeStreamResponse, Proposal> call_;
-};
-
-// One ProposeColumnsStream call: one message per verifier step, each a Columns step for many
-// states, answered by one ColumnsResult matched by request_id. As on a ProposeStream, steps
-// may be in flight at once from any threads; a step that fails as a whole (its columns do not
-// fit together) throws its DrafterError and leaves the stream open, a row that fails has its
-// error in the result's `errors`, and when the call itself ends every step in flight fails
-// with its status.
-class ColumnsStream {
- public:
-  ~ColumnsStream() = default;  // Close()
-  ColumnsStream(const ColumnsStream&) = delete;
-  ColumnsStream& operator=(const ColumnsStream&) = delete;
-
   // Sends one step; its future throws DrafterError when the step failed as a whole. Throws
   // DrafterError itself once the stream has ended or is closing.
-  std::future<ColumnsResult> Submit(const Columns& step);
+  std::future<BatchResult> Submit(const Batch& step);
   // One verifier step's round trip: Submit(step).get().
-  ColumnsResult Step(const Columns& step);
+  BatchResult Step(const Batch& step);
+  // One state's round trip, a batch of one; throws its DrafterError if it failed.
+  Proposal Propose(uint64_t state, const ProposeArgs& args);
   // Ends the stream once the answers in flight have arrived; the call's final status.
   // Idempotent.
   grpc::Status Close() { return call_.Close(); }
@@ -325,10 +325,11 @@ class ColumnsStream {
 
  private:
   friend class DrafterClient;
-  ColumnsStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout,
-                const std::string& affinity_key);
+  ProposeStream(pb::Drafter::Stub& stub, std::chrono::milliseconds timeout,
+                const std::string& affinity_key)
+      : call_(stub, timeout, affinity_key) {}
 
-  internal::StreamCall<pb::ColumnsRequest, pb::ColumnsResponse, ColumnsResult> call_;
+  internal::StreamCall call_;
 };
 
 class DrafterClient {
@@ -353,23 +354,15 @@ class DrafterClient {
   PrefillResult Prefill(uint64_t state, int64_t start_position, const std::vector<int32_t>& tokens,
                         const Tensor& hiddens, int chunk_rows = 0);
   Proposal Propose(uint64_t state, const ProposeArgs& args);
-  // Propose for many states in one batched call (at most GetInfo.max_batch, each state at
-  // most once); the proposals in the order of the requests. All or nothing: one bad request
-  // fails the call and changes no state. No requests: no call.
-  std::vector<Proposal> ProposeBatch(const std::vector<BatchRequest>& requests);
   // A verifier's whole step for B states in one message, as columns (at most
   // GetInfo.max_batch rows, each state at most once). A row that fails has its error in
   // the result's `errors` and leaves its state unchanged; columns that do not fit together
   // fail the call.
-  ColumnsResult ProposeColumns(const Columns& step);
-  // The hot path: a ProposeStream. `timeout` is the whole stream's deadline; zero (the
-  // default) sets none, since a stream lives as long as its verifier, not one call (the
-  // client's own timeout is not applied).
+  BatchResult ProposeBatch(const Batch& step);
+  // The hot path: a ProposeStream, one Batch a message. `timeout` is the whole stream's
+  // deadline; zero (the default) sets none, since a stream lives as long as its verifier, not
+  // one call (the client's own timeout is not applied).
   std::unique_ptr<ProposeStream> OpenStream(
-      std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
-  // The columnar hot path: a ProposeColumnsStream, one message per verifier step. `timeout`
-  // as for OpenStream.
-  std::unique_ptr<ColumnsStream> OpenColumnsStream(
       std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
   Rows AfterVerify(uint64_t state, int32_t num_accepted,
                    const std::optional<Tensor>& refeed_hiddens = std::nullopt);

@@ -5,8 +5,8 @@
 //
 // It prints one line per operation, then "go: N passed, M failed", and exits 1 on any failure,
 // 2 on a vector it may not replay, checked before any call: a wrong format, no prob_tolerance, no
-// operations, an unknown op, a ProposeStream without messages, a ProposeBatch without requests,
-// a ProposeColumns without states or hiddens.
+// operations, an unknown op, a ProposeStream without messages, a ProposeBatch (or a stream's
+// message) without states or hiddens.
 package main
 
 import (
@@ -42,7 +42,7 @@ type verdictJSON struct {
 }
 
 // numbers is a JSON number or a list of numbers: a Propose or AfterVerify field's one value,
-// or a ProposeColumns column (B values, or one for every state).
+// or a batch's column (B values, or one for every state).
 type numbers []float64
 
 func (n *numbers) UnmarshalJSON(b []byte) error {
@@ -108,12 +108,10 @@ type operation struct {
 	ExpectError   string                 `json:"expect_error"`
 	ExpectReason  string                 `json:"expect_reason"`
 	ExpectField   string                 `json:"expect_field"`
-	Messages      []operation            `json:"messages"` // of a ProposeStream
-	Requests      []operation            `json:"requests"` // of a ProposeBatch
+	Messages      []operation            `json:"messages"` // of a ProposeStream: batches
 
-	// Of a ProposeColumns (with Tokens, Hiddens, NumDrafts, NumAccepted, RefeedHiddens and
-	// MinConfidence as columns).
-	Stream      bool        `json:"stream"`
+	// Of a batch, a ProposeBatch or a stream's message (with Tokens, Hiddens, NumDrafts,
+	// NumAccepted, RefeedHiddens and MinConfidence as columns).
 	States      []string    `json:"states"`
 	Positions   []int64     `json:"positions"`
 	RefeedRows  []int32     `json:"refeed_rows"`
@@ -128,12 +126,11 @@ type vector struct {
 	Operations    []operation `json:"operations"`
 }
 
-const vectorFormat = "mtpdraft-conformance/1"
+const vectorFormat = "mtpdraft-conformance/2"
 
 var knownOps = map[string]bool{
-	"GetInfo": true, "AllocState": true, "Prefill": true, "Propose": true, "ProposeStream": true,
-	"AfterVerify": true, "TakeKV": true, "InstallKV": true, "FreeState": true,
-	"ProposeBatch": true, "ProposeColumns": true,
+	"GetInfo": true, "AllocState": true, "Prefill": true, "Propose": true, "ProposeBatch": true,
+	"ProposeStream": true, "AfterVerify": true, "TakeKV": true, "InstallKV": true, "FreeState": true,
 }
 
 // check says why no runner may replay the vector, or nil if one may.
@@ -155,15 +152,20 @@ func (v *vector) check() error {
 		if !knownOps[op.Op] {
 			return fmt.Errorf("operation %d: unknown op %q", i, op.Op)
 		}
-		switch {
-		case op.Op == "ProposeStream" && len(op.Messages) == 0:
+		if op.Op == "ProposeStream" && len(op.Messages) == 0 {
 			return fmt.Errorf("operation %d: ProposeStream without messages", i)
-		case op.Op == "ProposeBatch" && len(op.Requests) == 0:
-			return fmt.Errorf("operation %d: ProposeBatch without requests", i)
-		case op.Op == "ProposeColumns" && len(op.States) == 0:
-			return fmt.Errorf("operation %d: ProposeColumns without states", i)
-		case op.Op == "ProposeColumns" && op.Hiddens == nil:
-			return fmt.Errorf("operation %d: ProposeColumns without hiddens", i)
+		}
+		batches := op.Messages
+		if op.Op == "ProposeBatch" {
+			batches = []operation{op}
+		}
+		for _, b := range batches {
+			if len(b.States) == 0 {
+				return fmt.Errorf("operation %d: a %s batch without states", i, op.Op)
+			}
+			if b.Hiddens == nil {
+				return fmt.Errorf("operation %d: a %s batch without hiddens", i, op.Op)
+			}
 		}
 	}
 	return nil
@@ -376,9 +378,8 @@ func (r *replayer) call(op *operation) (map[string]interface{}, error) {
 		}
 		return map[string]interface{}{}, err
 	case "ProposeBatch":
-		return r.batch(c, op)
-	case "ProposeColumns":
-		return r.columns(c, op)
+		res, err := r.client.ProposeBatch(c, r.batch(op))
+		return batchFields(res, err)
 	}
 	state := r.states[op.State]
 	switch op.Op {
@@ -408,7 +409,7 @@ func (r *replayer) call(op *operation) (map[string]interface{}, error) {
 	return nil, fmt.Errorf("unknown operation %q", op.Op)
 }
 
-// proposeArgs are the Propose inputs of an operation (or of a ProposeStream message).
+// proposeArgs are the inputs of a Propose operation.
 func proposeArgs(op *operation) drafter.ProposeArgs {
 	args := drafter.ProposeArgs{Token: op.Token, Hidden: *mustTensor(op.Hidden), Position: op.Position,
 		NumDrafts: int32(op.NumDrafts.scalar()), Bitmask: mustTensor(op.Bitmask),
@@ -432,60 +433,27 @@ func proposalFields(p *pb.Proposal, err error, state uint64) (map[string]interfa
 		"confidence": p.Confidence, "first_position": p.FirstPosition}, nil
 }
 
-// batch runs a ProposeBatch of the operation's requests; its proposals in request order.
-func (r *replayer) batch(c context.Context, op *operation) (map[string]interface{}, error) {
-	requests := make([]drafter.BatchRequest, len(op.Requests))
-	for i := range op.Requests {
-		m := &op.Requests[i]
-		requests[i] = drafter.BatchRequest{State: r.states[m.State], ProposeArgs: proposeArgs(m)}
-	}
-	proposals, err := r.client.ProposeBatch(c, requests)
-	if err != nil {
-		return nil, err
-	}
-	out := make([]interface{}, len(proposals))
-	for i, p := range proposals {
-		state := p.StateId
-		if i < len(requests) {
-			state = requests[i].State
-		}
-		if out[i], err = proposalFields(p, nil, state); err != nil {
-			return nil, fmt.Errorf("proposal %d: %v", i, err)
-		}
-	}
-	return map[string]interface{}{"proposals": out}, nil
-}
-
-// columns runs a ProposeColumns step: unary, or as the one message (request id 1) of a
-// ProposeColumnsStream that is then closed.
-func (r *replayer) columns(c context.Context, op *operation) (map[string]interface{}, error) {
+// batch is a batch's columns (a ProposeBatch operation's or a ProposeStream message's), its
+// states' names looked up.
+func (r *replayer) batch(op *operation) drafter.Batch {
 	ids := make([]uint64, len(op.States))
 	for i, name := range op.States {
 		ids[i] = r.states[name]
 	}
-	cols := drafter.Columns{StateIDs: ids, Tokens: op.Tokens, Positions: op.Positions,
+	b := drafter.Batch{StateIDs: ids, Tokens: op.Tokens, Positions: op.Positions,
 		NumDrafts: op.NumDrafts.int32s(), NumAccepted: op.NumAccepted.int32s(),
 		RefeedRows: op.RefeedRows, RefeedHiddens: mustTensor(op.RefeedHiddens),
 		BitmaskRows: op.BitmaskRows, Bitmasks: mustTensor(op.Bitmasks),
 		MinConfidence: op.MinConfidence.float32s()}
 	if h := mustTensor(op.Hiddens); h != nil {
-		cols.Hiddens = *h
+		b.Hiddens = *h
 	}
-	var res *drafter.ColumnsResult
-	var err error
-	if op.Stream {
-		stream, err := r.client.ProposeColumnsStream(c)
-		if err != nil {
-			return nil, fmt.Errorf("opening the stream: %v", err)
-		}
-		res, err = stream.Step(c, cols)
-		if closeErr := stream.Close(); closeErr != nil {
-			return nil, fmt.Errorf("closing the stream: %v (the step: %v)", closeErr, err)
-		}
-		if err != nil {
-			return nil, err
-		}
-	} else if res, err = r.client.ProposeColumns(c, cols); err != nil {
+	return b
+}
+
+// batchFields are the fields of a batch's answer that the vector compares.
+func batchFields(res *drafter.BatchResult, err error) (map[string]interface{}, error) {
+	if err != nil {
 		return nil, err
 	}
 	drafts := make([][]int32, res.Len())
@@ -515,9 +483,9 @@ func rowError(row int, err error) map[string]interface{} {
 		"reason": reason, "field": field}
 }
 
-// columnsExpect is a ProposeColumns operation's expect with its errors spelled out: no errors
-// when it lists none, and "" for a row error's absent reason or field.
-func columnsExpect(expect map[string]interface{}) map[string]interface{} {
+// batchExpect is a batch's expect with its errors spelled out: no errors when it lists none,
+// and "" for a row error's absent reason or field.
+func batchExpect(expect map[string]interface{}) map[string]interface{} {
 	out := map[string]interface{}{"errors": []interface{}{}}
 	for key, value := range expect {
 		out[key] = value
@@ -550,10 +518,8 @@ func (r *replayer) streamStep(op *operation) (bool, string) {
 	allOK, lines := true, make([]string, len(op.Messages))
 	for i := range op.Messages {
 		m := &op.Messages[i]
-		state := r.states[m.State]
-		p, err := stream.Propose(c, state, proposeArgs(m))
-		actual, err := proposalFields(p, err, state)
-		ok, msg := judge(m, actual, err, r.tol)
+		actual, err := batchFields(stream.Step(c, r.batch(m)))
+		ok, msg := judge(spelled(m), actual, err, r.tol)
 		allOK = allOK && ok
 		lines[i] = fmt.Sprintf("[%d] %s", i, msg)
 	}
@@ -564,17 +530,23 @@ func (r *replayer) streamStep(op *operation) (bool, string) {
 	return allOK, strings.Join(lines, "; ")
 }
 
+// spelled is a batch with its expect's errors spelled out (batchExpect); other operations as
+// they are.
+func spelled(op *operation) *operation {
+	if op.States == nil || op.ExpectError != "" {
+		return op
+	}
+	out := *op
+	out.Expect = batchExpect(op.Expect)
+	return &out
+}
+
 func (r *replayer) step(op *operation) (bool, string) {
 	if op.Op == "ProposeStream" {
 		return r.streamStep(op)
 	}
 	actual, err := r.call(op)
-	if op.Op == "ProposeColumns" && op.ExpectError == "" {
-		spelled := *op
-		spelled.Expect = columnsExpect(op.Expect)
-		op = &spelled
-	}
-	return judge(op, actual, err, r.tol)
+	return judge(spelled(op), actual, err, r.tol)
 }
 
 // judge compares a call's result, or its error, with what the operation expects.
@@ -669,12 +641,7 @@ func main() {
 		case "ProposeStream":
 			label += fmt.Sprintf(" (%d messages)", len(op.Messages))
 		case "ProposeBatch":
-			label += fmt.Sprintf(" (%d requests)", len(op.Requests))
-		case "ProposeColumns":
 			label += " " + strings.Join(op.States, ",")
-			if op.Stream {
-				label += " (stream)"
-			}
 		}
 		fmt.Printf("%s %02d %s: %s\n", mark, i, label, msg)
 	}

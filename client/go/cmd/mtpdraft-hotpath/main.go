@@ -1,8 +1,8 @@
 // Command mtpdraft-hotpath measures the hot path as a Go verifier sees it: N concurrent
-// verifiers, each with one state and one ProposeStream, each step a Propose that carries the
-// verdict on the step before (0 accepted, so every step drafts from the same context length).
-// With -states S, each verifier steps S states together instead: one ProposeColumnsStream
-// message a step, its verdicts fused.
+// verifiers, each with one state and one ProposeStream, each step a Propose (a batch of one)
+// that carries the verdict on the step before (0 accepted, so every step drafts from the same
+// context length). With -states S, each verifier steps S states together instead: one batch of
+// S a step, its verdicts fused.
 //
 //	mtpdraft-hotpath -address 127.0.0.1:50051 [-streams 1] [-states 0] [-prompt 2048]
 //	                 [-num-drafts 4] [-warmup 50] [-steps 300] [-seed 0]
@@ -31,14 +31,14 @@ type verifier struct {
 	token   int32
 	hidden  drafter.Tensor // [1, hidden], or [S, hidden] with -states S
 	stream  *drafter.Stream
-	columns *drafter.ColumnsStream
+	batched bool // -states S: each step one batch of S states, else a Propose
 }
 
 // step sends the verifier's step at `step` (its verdicts on the step before, 0 accepted) and
 // returns the drafts it got.
 func (v *verifier) step(ctx context.Context, step int, prompt int64, numDrafts int32) (int, error) {
 	position := prompt + int64(step) // 0 accepted: the bonus token's row is the next position
-	if v.columns == nil {
+	if !v.batched {
 		args := drafter.ProposeArgs{Token: v.token, Hidden: v.hidden, Position: position, NumDrafts: numDrafts}
 		if step > 0 {
 			args.Previous = &drafter.Verdict{NumAccepted: 0}
@@ -50,15 +50,15 @@ func (v *verifier) step(ctx context.Context, step int, prompt int64, numDrafts i
 		return len(p.Tokens), nil
 	}
 	n := len(v.states)
-	cols := drafter.Columns{StateIDs: v.states, Tokens: make([]int32, n), Positions: make([]int64, n),
+	batch := drafter.Batch{StateIDs: v.states, Tokens: make([]int32, n), Positions: make([]int64, n),
 		Hiddens: v.hidden, NumDrafts: []int32{numDrafts}}
-	for i := range cols.Tokens {
-		cols.Tokens[i], cols.Positions[i] = v.token, position
+	for i := range batch.Tokens {
+		batch.Tokens[i], batch.Positions[i] = v.token, position
 	}
 	if step > 0 {
-		cols.NumAccepted = make([]int32, n)
+		batch.NumAccepted = make([]int32, n)
 	}
-	r, err := v.columns.Step(ctx, cols)
+	r, err := v.stream.Step(ctx, batch)
 	if err != nil {
 		return 0, err
 	}
@@ -107,7 +107,7 @@ func percentile(sorted []time.Duration, q float64) float64 {
 func run() error {
 	address := flag.String("address", "", "server host:port")
 	streams := flag.Int("streams", 1, "concurrent verifiers, one state and one stream each")
-	states := flag.Int("states", 0, "states per verifier, stepped as one ProposeColumnsStream message (0: one state, ProposeStream)")
+	states := flag.Int("states", 0, "states per verifier, stepped as one batch a message (0: one state, a Propose a message)")
 	prompt := flag.Int64("prompt", 2048, "the prompt's length: rows 1..prompt-1 are prefilled")
 	numDrafts := flag.Int("num-drafts", 4, "drafts per step (K)")
 	warmup := flag.Int("warmup", 50, "steps per verifier before the measured ones")
@@ -144,9 +144,6 @@ func run() error {
 			if v.stream != nil {
 				v.stream.Close()
 			}
-			if v.columns != nil {
-				v.columns.Close()
-			}
 			for _, state := range v.states {
 				client.FreeState(ctx, state)
 			}
@@ -157,7 +154,7 @@ func run() error {
 		rows = 1
 	}
 	for i := range verifiers {
-		v := &verifier{token: rng.Int31n(vocab), hidden: randomRows(rng, int64(rows), width)}
+		v := &verifier{token: rng.Int31n(vocab), hidden: randomRows(rng, int64(rows), width), batched: *states > 0}
 		verifiers[i] = v
 		for j := 0; j < rows; j++ {
 			state, err := client.AllocState(ctx)
@@ -169,12 +166,7 @@ func run() error {
 				return err
 			}
 		}
-		if *states > 0 {
-			v.columns, err = client.ProposeColumnsStream(ctx)
-		} else {
-			v.stream, err = client.OpenStream(ctx)
-		}
-		if err != nil {
+		if v.stream, err = client.OpenStream(ctx); err != nil {
 			return err
 		}
 	}

@@ -250,8 +250,8 @@ type GetInfoResponse struct {
 	Device string `protobuf:"bytes,9,opt,name=device,proto3" json:"device,omitempty"`
 	// Largest K a proposal may ask for.
 	MaxDrafts int32 `protobuf:"varint,10,opt,name=max_drafts,json=maxDrafts,proto3" json:"max_drafts,omitempty"`
-	// Largest number of requests in one ProposeBatch (the trait's
-	// propose_batch_max).
+	// Largest number of states (rows) in one ProposeBatchRequest, and in one
+	// batched forward.
 	MaxBatch   int32 `protobuf:"varint,11,opt,name=max_batch,json=maxBatch,proto3" json:"max_batch,omitempty"`
 	MaxStates  int32 `protobuf:"varint,12,opt,name=max_states,json=maxStates,proto3" json:"max_states,omitempty"`
 	LiveStates int32 `protobuf:"varint,13,opt,name=live_states,json=liveStates,proto3" json:"live_states,omitempty"`
@@ -804,8 +804,6 @@ type ProposeRequest struct {
 	MinConfidence float32 `protobuf:"fixed32,7,opt,name=min_confidence,json=minConfidence,proto3" json:"min_confidence,omitempty"`
 	// Optional: the verdict on this state's pending proposal, applied first.
 	Previous *Verdict `protobuf:"bytes,8,opt,name=previous,proto3" json:"previous,omitempty"`
-	// Echoed in the answer on ProposeStream; free for the caller's use.
-	RequestId uint64 `protobuf:"varint,9,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 }
 
 func (x *ProposeRequest) Reset() {
@@ -896,13 +894,6 @@ func (x *ProposeRequest) GetPrevious() *Verdict {
 	return nil
 }
 
-func (x *ProposeRequest) GetRequestId() uint64 {
-	if x != nil {
-		return x.RequestId
-	}
-	return 0
-}
-
 type Proposal struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
@@ -987,7 +978,8 @@ func (x *Proposal) GetFirstPosition() int64 {
 	return 0
 }
 
-// An error as a value, for answers that must not end a stream.
+// An error as a value: a failed row's, or a ProposeStream message's (which
+// must not end the stream).
 type Error struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
@@ -1062,198 +1054,15 @@ func (x *Error) GetField() string {
 	return ""
 }
 
-type ProposeStreamResponse struct {
-	state         protoimpl.MessageState
-	sizeCache     protoimpl.SizeCache
-	unknownFields protoimpl.UnknownFields
-
-	RequestId uint64 `protobuf:"varint,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	// Types that are assignable to Result:
-	//
-	//	*ProposeStreamResponse_Proposal
-	//	*ProposeStreamResponse_Error
-	Result isProposeStreamResponse_Result `protobuf_oneof:"result"`
-}
-
-func (x *ProposeStreamResponse) Reset() {
-	*x = ProposeStreamResponse{}
-	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[11]
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		ms.StoreMessageInfo(mi)
-	}
-}
-
-func (x *ProposeStreamResponse) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*ProposeStreamResponse) ProtoMessage() {}
-
-func (x *ProposeStreamResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[11]
-	if protoimpl.UnsafeEnabled && x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use ProposeStreamResponse.ProtoReflect.Descriptor instead.
-func (*ProposeStreamResponse) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{11}
-}
-
-func (x *ProposeStreamResponse) GetRequestId() uint64 {
-	if x != nil {
-		return x.RequestId
-	}
-	return 0
-}
-
-func (m *ProposeStreamResponse) GetResult() isProposeStreamResponse_Result {
-	if m != nil {
-		return m.Result
-	}
-	return nil
-}
-
-func (x *ProposeStreamResponse) GetProposal() *Proposal {
-	if x, ok := x.GetResult().(*ProposeStreamResponse_Proposal); ok {
-		return x.Proposal
-	}
-	return nil
-}
-
-func (x *ProposeStreamResponse) GetError() *Error {
-	if x, ok := x.GetResult().(*ProposeStreamResponse_Error); ok {
-		return x.Error
-	}
-	return nil
-}
-
-type isProposeStreamResponse_Result interface {
-	isProposeStreamResponse_Result()
-}
-
-type ProposeStreamResponse_Proposal struct {
-	Proposal *Proposal `protobuf:"bytes,2,opt,name=proposal,proto3,oneof"`
-}
-
-type ProposeStreamResponse_Error struct {
-	Error *Error `protobuf:"bytes,3,opt,name=error,proto3,oneof"`
-}
-
-func (*ProposeStreamResponse_Proposal) isProposeStreamResponse_Result() {}
-
-func (*ProposeStreamResponse_Error) isProposeStreamResponse_Result() {}
-
+// A verifier's step for B states, as columns (ProposeBatch, ProposeStream).
+// "B values" columns have one value per state, in the order of state_ids.
 type ProposeBatchRequest struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	Requests []*ProposeRequest `protobuf:"bytes,1,rep,name=requests,proto3" json:"requests,omitempty"`
-}
-
-func (x *ProposeBatchRequest) Reset() {
-	*x = ProposeBatchRequest{}
-	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[12]
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		ms.StoreMessageInfo(mi)
-	}
-}
-
-func (x *ProposeBatchRequest) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*ProposeBatchRequest) ProtoMessage() {}
-
-func (x *ProposeBatchRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[12]
-	if protoimpl.UnsafeEnabled && x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use ProposeBatchRequest.ProtoReflect.Descriptor instead.
-func (*ProposeBatchRequest) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{12}
-}
-
-func (x *ProposeBatchRequest) GetRequests() []*ProposeRequest {
-	if x != nil {
-		return x.Requests
-	}
-	return nil
-}
-
-type ProposeBatchResponse struct {
-	state         protoimpl.MessageState
-	sizeCache     protoimpl.SizeCache
-	unknownFields protoimpl.UnknownFields
-
-	// In the order of the requests.
-	Proposals []*Proposal `protobuf:"bytes,1,rep,name=proposals,proto3" json:"proposals,omitempty"`
-}
-
-func (x *ProposeBatchResponse) Reset() {
-	*x = ProposeBatchResponse{}
-	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[13]
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		ms.StoreMessageInfo(mi)
-	}
-}
-
-func (x *ProposeBatchResponse) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*ProposeBatchResponse) ProtoMessage() {}
-
-func (x *ProposeBatchResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[13]
-	if protoimpl.UnsafeEnabled && x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use ProposeBatchResponse.ProtoReflect.Descriptor instead.
-func (*ProposeBatchResponse) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{13}
-}
-
-func (x *ProposeBatchResponse) GetProposals() []*Proposal {
-	if x != nil {
-		return x.Proposals
-	}
-	return nil
-}
-
-// A verifier's step for B states, as columns. "B values" columns have one
-// value per state, in the order of state_ids.
-type ColumnsRequest struct {
-	state         protoimpl.MessageState
-	sizeCache     protoimpl.SizeCache
-	unknownFields protoimpl.UnknownFields
-
-	// Echoed in the answer; free for the caller's use.
+	// Echoed in the answer; free for the caller's use (on ProposeStream, what
+	// tells the answers apart).
 	RequestId uint64   `protobuf:"varint,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	StateIds  []uint64 `protobuf:"varint,2,rep,packed,name=state_ids,json=stateIds,proto3" json:"state_ids,omitempty"`
 	// B values: each state's last token (sampled or prefilled last).
@@ -1285,23 +1094,23 @@ type ColumnsRequest struct {
 	MinConfidence []float32 `protobuf:"fixed32,12,rep,packed,name=min_confidence,json=minConfidence,proto3" json:"min_confidence,omitempty"`
 }
 
-func (x *ColumnsRequest) Reset() {
-	*x = ColumnsRequest{}
+func (x *ProposeBatchRequest) Reset() {
+	*x = ProposeBatchRequest{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[14]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[11]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
 }
 
-func (x *ColumnsRequest) String() string {
+func (x *ProposeBatchRequest) String() string {
 	return protoimpl.X.MessageStringOf(x)
 }
 
-func (*ColumnsRequest) ProtoMessage() {}
+func (*ProposeBatchRequest) ProtoMessage() {}
 
-func (x *ColumnsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[14]
+func (x *ProposeBatchRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[11]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1312,97 +1121,97 @@ func (x *ColumnsRequest) ProtoReflect() protoreflect.Message {
 	return mi.MessageOf(x)
 }
 
-// Deprecated: Use ColumnsRequest.ProtoReflect.Descriptor instead.
-func (*ColumnsRequest) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{14}
+// Deprecated: Use ProposeBatchRequest.ProtoReflect.Descriptor instead.
+func (*ProposeBatchRequest) Descriptor() ([]byte, []int) {
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{11}
 }
 
-func (x *ColumnsRequest) GetRequestId() uint64 {
+func (x *ProposeBatchRequest) GetRequestId() uint64 {
 	if x != nil {
 		return x.RequestId
 	}
 	return 0
 }
 
-func (x *ColumnsRequest) GetStateIds() []uint64 {
+func (x *ProposeBatchRequest) GetStateIds() []uint64 {
 	if x != nil {
 		return x.StateIds
 	}
 	return nil
 }
 
-func (x *ColumnsRequest) GetTokens() []int32 {
+func (x *ProposeBatchRequest) GetTokens() []int32 {
 	if x != nil {
 		return x.Tokens
 	}
 	return nil
 }
 
-func (x *ColumnsRequest) GetPositions() []int64 {
+func (x *ProposeBatchRequest) GetPositions() []int64 {
 	if x != nil {
 		return x.Positions
 	}
 	return nil
 }
 
-func (x *ColumnsRequest) GetHiddens() *Tensor {
+func (x *ProposeBatchRequest) GetHiddens() *Tensor {
 	if x != nil {
 		return x.Hiddens
 	}
 	return nil
 }
 
-func (x *ColumnsRequest) GetNumDrafts() []int32 {
+func (x *ProposeBatchRequest) GetNumDrafts() []int32 {
 	if x != nil {
 		return x.NumDrafts
 	}
 	return nil
 }
 
-func (x *ColumnsRequest) GetNumAccepted() []int32 {
+func (x *ProposeBatchRequest) GetNumAccepted() []int32 {
 	if x != nil {
 		return x.NumAccepted
 	}
 	return nil
 }
 
-func (x *ColumnsRequest) GetRefeedRows() []int32 {
+func (x *ProposeBatchRequest) GetRefeedRows() []int32 {
 	if x != nil {
 		return x.RefeedRows
 	}
 	return nil
 }
 
-func (x *ColumnsRequest) GetRefeedHiddens() *Tensor {
+func (x *ProposeBatchRequest) GetRefeedHiddens() *Tensor {
 	if x != nil {
 		return x.RefeedHiddens
 	}
 	return nil
 }
 
-func (x *ColumnsRequest) GetBitmaskRows() []int32 {
+func (x *ProposeBatchRequest) GetBitmaskRows() []int32 {
 	if x != nil {
 		return x.BitmaskRows
 	}
 	return nil
 }
 
-func (x *ColumnsRequest) GetBitmasks() *Tensor {
+func (x *ProposeBatchRequest) GetBitmasks() *Tensor {
 	if x != nil {
 		return x.Bitmasks
 	}
 	return nil
 }
 
-func (x *ColumnsRequest) GetMinConfidence() []float32 {
+func (x *ProposeBatchRequest) GetMinConfidence() []float32 {
 	if x != nil {
 		return x.MinConfidence
 	}
 	return nil
 }
 
-// The answer to a ColumnsRequest, as columns: row i is state_ids[i]'s.
-type ColumnsResponse struct {
+// The answer to a ProposeBatchRequest, as columns: row i is state_ids[i]'s.
+type ProposeBatchResponse struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
@@ -1425,28 +1234,29 @@ type ColumnsResponse struct {
 	FirstPositions []int64 `protobuf:"varint,7,rep,packed,name=first_positions,json=firstPositions,proto3" json:"first_positions,omitempty"`
 	// The rows that failed, each with its error; their states are unchanged.
 	Errors []*RowError `protobuf:"bytes,8,rep,name=errors,proto3" json:"errors,omitempty"`
-	// Set when the message failed as a whole (on ProposeColumnsStream only; the
-	// unary call fails with the status instead): every other field is empty.
+	// Set when the message failed as a whole (on ProposeStream only; the unary
+	// ProposeBatch fails with the status instead): every other field but
+	// request_id is empty.
 	Error *Error `protobuf:"bytes,9,opt,name=error,proto3" json:"error,omitempty"`
 }
 
-func (x *ColumnsResponse) Reset() {
-	*x = ColumnsResponse{}
+func (x *ProposeBatchResponse) Reset() {
+	*x = ProposeBatchResponse{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[15]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[12]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
 }
 
-func (x *ColumnsResponse) String() string {
+func (x *ProposeBatchResponse) String() string {
 	return protoimpl.X.MessageStringOf(x)
 }
 
-func (*ColumnsResponse) ProtoMessage() {}
+func (*ProposeBatchResponse) ProtoMessage() {}
 
-func (x *ColumnsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[15]
+func (x *ProposeBatchResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[12]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1457,68 +1267,68 @@ func (x *ColumnsResponse) ProtoReflect() protoreflect.Message {
 	return mi.MessageOf(x)
 }
 
-// Deprecated: Use ColumnsResponse.ProtoReflect.Descriptor instead.
-func (*ColumnsResponse) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{15}
+// Deprecated: Use ProposeBatchResponse.ProtoReflect.Descriptor instead.
+func (*ProposeBatchResponse) Descriptor() ([]byte, []int) {
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{12}
 }
 
-func (x *ColumnsResponse) GetRequestId() uint64 {
+func (x *ProposeBatchResponse) GetRequestId() uint64 {
 	if x != nil {
 		return x.RequestId
 	}
 	return 0
 }
 
-func (x *ColumnsResponse) GetWidth() int32 {
+func (x *ProposeBatchResponse) GetWidth() int32 {
 	if x != nil {
 		return x.Width
 	}
 	return 0
 }
 
-func (x *ColumnsResponse) GetDrafts() []int32 {
+func (x *ProposeBatchResponse) GetDrafts() []int32 {
 	if x != nil {
 		return x.Drafts
 	}
 	return nil
 }
 
-func (x *ColumnsResponse) GetProbs() []float32 {
+func (x *ProposeBatchResponse) GetProbs() []float32 {
 	if x != nil {
 		return x.Probs
 	}
 	return nil
 }
 
-func (x *ColumnsResponse) GetDraftCounts() []int32 {
+func (x *ProposeBatchResponse) GetDraftCounts() []int32 {
 	if x != nil {
 		return x.DraftCounts
 	}
 	return nil
 }
 
-func (x *ColumnsResponse) GetConfidences() []float32 {
+func (x *ProposeBatchResponse) GetConfidences() []float32 {
 	if x != nil {
 		return x.Confidences
 	}
 	return nil
 }
 
-func (x *ColumnsResponse) GetFirstPositions() []int64 {
+func (x *ProposeBatchResponse) GetFirstPositions() []int64 {
 	if x != nil {
 		return x.FirstPositions
 	}
 	return nil
 }
 
-func (x *ColumnsResponse) GetErrors() []*RowError {
+func (x *ProposeBatchResponse) GetErrors() []*RowError {
 	if x != nil {
 		return x.Errors
 	}
 	return nil
 }
 
-func (x *ColumnsResponse) GetError() *Error {
+func (x *ProposeBatchResponse) GetError() *Error {
 	if x != nil {
 		return x.Error
 	}
@@ -1537,7 +1347,7 @@ type RowError struct {
 func (x *RowError) Reset() {
 	*x = RowError{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[16]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[13]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
@@ -1550,7 +1360,7 @@ func (x *RowError) String() string {
 func (*RowError) ProtoMessage() {}
 
 func (x *RowError) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[16]
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[13]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1563,7 +1373,7 @@ func (x *RowError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RowError.ProtoReflect.Descriptor instead.
 func (*RowError) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{16}
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *RowError) GetRow() int32 {
@@ -1592,7 +1402,7 @@ type AfterVerifyRequest struct {
 func (x *AfterVerifyRequest) Reset() {
 	*x = AfterVerifyRequest{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[17]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[14]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
@@ -1605,7 +1415,7 @@ func (x *AfterVerifyRequest) String() string {
 func (*AfterVerifyRequest) ProtoMessage() {}
 
 func (x *AfterVerifyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[17]
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[14]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1618,7 +1428,7 @@ func (x *AfterVerifyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AfterVerifyRequest.ProtoReflect.Descriptor instead.
 func (*AfterVerifyRequest) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{17}
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *AfterVerifyRequest) GetStateId() uint64 {
@@ -1647,7 +1457,7 @@ type AfterVerifyResponse struct {
 func (x *AfterVerifyResponse) Reset() {
 	*x = AfterVerifyResponse{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[18]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[15]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
@@ -1660,7 +1470,7 @@ func (x *AfterVerifyResponse) String() string {
 func (*AfterVerifyResponse) ProtoMessage() {}
 
 func (x *AfterVerifyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[18]
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[15]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1673,7 +1483,7 @@ func (x *AfterVerifyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AfterVerifyResponse.ProtoReflect.Descriptor instead.
 func (*AfterVerifyResponse) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{18}
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *AfterVerifyResponse) GetNumRows() int64 {
@@ -1701,7 +1511,7 @@ type TakeKVRequest struct {
 func (x *TakeKVRequest) Reset() {
 	*x = TakeKVRequest{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[19]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[16]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
@@ -1714,7 +1524,7 @@ func (x *TakeKVRequest) String() string {
 func (*TakeKVRequest) ProtoMessage() {}
 
 func (x *TakeKVRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[19]
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[16]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1727,7 +1537,7 @@ func (x *TakeKVRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TakeKVRequest.ProtoReflect.Descriptor instead.
 func (*TakeKVRequest) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{19}
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *TakeKVRequest) GetStateId() uint64 {
@@ -1751,7 +1561,7 @@ type TakeKVResponse struct {
 func (x *TakeKVResponse) Reset() {
 	*x = TakeKVResponse{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[20]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[17]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
@@ -1764,7 +1574,7 @@ func (x *TakeKVResponse) String() string {
 func (*TakeKVResponse) ProtoMessage() {}
 
 func (x *TakeKVResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[20]
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[17]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1777,7 +1587,7 @@ func (x *TakeKVResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TakeKVResponse.ProtoReflect.Descriptor instead.
 func (*TakeKVResponse) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{20}
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *TakeKVResponse) GetHandleId() uint64 {
@@ -1813,7 +1623,7 @@ type InstallKVRequest struct {
 func (x *InstallKVRequest) Reset() {
 	*x = InstallKVRequest{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[21]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[18]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
@@ -1826,7 +1636,7 @@ func (x *InstallKVRequest) String() string {
 func (*InstallKVRequest) ProtoMessage() {}
 
 func (x *InstallKVRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[21]
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[18]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1839,7 +1649,7 @@ func (x *InstallKVRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstallKVRequest.ProtoReflect.Descriptor instead.
 func (*InstallKVRequest) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{21}
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *InstallKVRequest) GetStateId() uint64 {
@@ -1868,7 +1678,7 @@ type InstallKVResponse struct {
 func (x *InstallKVResponse) Reset() {
 	*x = InstallKVResponse{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[22]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[19]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
@@ -1881,7 +1691,7 @@ func (x *InstallKVResponse) String() string {
 func (*InstallKVResponse) ProtoMessage() {}
 
 func (x *InstallKVResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[22]
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[19]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1894,7 +1704,7 @@ func (x *InstallKVResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstallKVResponse.ProtoReflect.Descriptor instead.
 func (*InstallKVResponse) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{22}
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *InstallKVResponse) GetNumRows() int64 {
@@ -1928,7 +1738,7 @@ type ExportKVRequest struct {
 func (x *ExportKVRequest) Reset() {
 	*x = ExportKVRequest{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[23]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[20]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
@@ -1941,7 +1751,7 @@ func (x *ExportKVRequest) String() string {
 func (*ExportKVRequest) ProtoMessage() {}
 
 func (x *ExportKVRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[23]
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[20]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1954,7 +1764,7 @@ func (x *ExportKVRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExportKVRequest.ProtoReflect.Descriptor instead.
 func (*ExportKVRequest) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{23}
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ExportKVRequest) GetHandleId() uint64 {
@@ -1999,7 +1809,7 @@ type KVHeader struct {
 func (x *KVHeader) Reset() {
 	*x = KVHeader{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[24]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[21]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
@@ -2012,7 +1822,7 @@ func (x *KVHeader) String() string {
 func (*KVHeader) ProtoMessage() {}
 
 func (x *KVHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[24]
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[21]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2025,7 +1835,7 @@ func (x *KVHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KVHeader.ProtoReflect.Descriptor instead.
 func (*KVHeader) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{24}
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *KVHeader) GetModelFingerprint() string {
@@ -2092,7 +1902,7 @@ type KVChunk struct {
 func (x *KVChunk) Reset() {
 	*x = KVChunk{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[25]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[22]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
@@ -2105,7 +1915,7 @@ func (x *KVChunk) String() string {
 func (*KVChunk) ProtoMessage() {}
 
 func (x *KVChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[25]
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[22]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2118,7 +1928,7 @@ func (x *KVChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KVChunk.ProtoReflect.Descriptor instead.
 func (*KVChunk) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{25}
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *KVChunk) GetStateId() uint64 {
@@ -2168,7 +1978,7 @@ type ImportKVResponse struct {
 func (x *ImportKVResponse) Reset() {
 	*x = ImportKVResponse{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[26]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[23]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
@@ -2181,7 +1991,7 @@ func (x *ImportKVResponse) String() string {
 func (*ImportKVResponse) ProtoMessage() {}
 
 func (x *ImportKVResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[26]
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[23]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2194,7 +2004,7 @@ func (x *ImportKVResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportKVResponse.ProtoReflect.Descriptor instead.
 func (*ImportKVResponse) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{26}
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ImportKVResponse) GetNumRows() int64 {
@@ -2222,7 +2032,7 @@ type FreeStateRequest struct {
 func (x *FreeStateRequest) Reset() {
 	*x = FreeStateRequest{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[27]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[24]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
@@ -2235,7 +2045,7 @@ func (x *FreeStateRequest) String() string {
 func (*FreeStateRequest) ProtoMessage() {}
 
 func (x *FreeStateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[27]
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[24]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2248,7 +2058,7 @@ func (x *FreeStateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreeStateRequest.ProtoReflect.Descriptor instead.
 func (*FreeStateRequest) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{27}
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *FreeStateRequest) GetStateId() uint64 {
@@ -2270,7 +2080,7 @@ type FreeStateResponse struct {
 func (x *FreeStateResponse) Reset() {
 	*x = FreeStateResponse{}
 	if protoimpl.UnsafeEnabled {
-		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[28]
+		mi := &file_mtpdraft_v1_drafter_proto_msgTypes[25]
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		ms.StoreMessageInfo(mi)
 	}
@@ -2283,7 +2093,7 @@ func (x *FreeStateResponse) String() string {
 func (*FreeStateResponse) ProtoMessage() {}
 
 func (x *FreeStateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[28]
+	mi := &file_mtpdraft_v1_drafter_proto_msgTypes[25]
 	if protoimpl.UnsafeEnabled && x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2296,7 +2106,7 @@ func (x *FreeStateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreeStateResponse.ProtoReflect.Descriptor instead.
 func (*FreeStateResponse) Descriptor() ([]byte, []int) {
-	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{28}
+	return file_mtpdraft_v1_drafter_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *FreeStateResponse) GetExisted() bool {
@@ -2412,7 +2222,7 @@ var file_mtpdraft_v1_drafter_proto_rawDesc = []byte{
 	0x3a, 0x0a, 0x0e, 0x72, 0x65, 0x66, 0x65, 0x65, 0x64, 0x5f, 0x68, 0x69, 0x64, 0x64, 0x65, 0x6e,
 	0x73, 0x18, 0x02, 0x20, 0x01, 0x28, 0x0b, 0x32, 0x13, 0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72, 0x61,
 	0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x54, 0x65, 0x6e, 0x73, 0x6f, 0x72, 0x52, 0x0d, 0x72, 0x65,
-	0x66, 0x65, 0x65, 0x64, 0x48, 0x69, 0x64, 0x64, 0x65, 0x6e, 0x73, 0x22, 0xd0, 0x02, 0x0a, 0x0e,
+	0x66, 0x65, 0x65, 0x64, 0x48, 0x69, 0x64, 0x64, 0x65, 0x6e, 0x73, 0x22, 0xb7, 0x02, 0x0a, 0x0e,
 	0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x52, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x12, 0x19,
 	0x0a, 0x08, 0x73, 0x74, 0x61, 0x74, 0x65, 0x5f, 0x69, 0x64, 0x18, 0x01, 0x20, 0x01, 0x28, 0x04,
 	0x52, 0x07, 0x73, 0x74, 0x61, 0x74, 0x65, 0x49, 0x64, 0x12, 0x14, 0x0a, 0x05, 0x74, 0x6f, 0x6b,
@@ -2431,75 +2241,54 @@ var file_mtpdraft_v1_drafter_proto_rawDesc = []byte{
 	0x6d, 0x69, 0x6e, 0x43, 0x6f, 0x6e, 0x66, 0x69, 0x64, 0x65, 0x6e, 0x63, 0x65, 0x12, 0x30, 0x0a,
 	0x08, 0x70, 0x72, 0x65, 0x76, 0x69, 0x6f, 0x75, 0x73, 0x18, 0x08, 0x20, 0x01, 0x28, 0x0b, 0x32,
 	0x14, 0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x56, 0x65,
-	0x72, 0x64, 0x69, 0x63, 0x74, 0x52, 0x08, 0x70, 0x72, 0x65, 0x76, 0x69, 0x6f, 0x75, 0x73, 0x12,
-	0x1d, 0x0a, 0x0a, 0x72, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x5f, 0x69, 0x64, 0x18, 0x09, 0x20,
-	0x01, 0x28, 0x04, 0x52, 0x09, 0x72, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x49, 0x64, 0x22, 0x9a,
-	0x01, 0x0a, 0x08, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x61, 0x6c, 0x12, 0x19, 0x0a, 0x08, 0x73,
-	0x74, 0x61, 0x74, 0x65, 0x5f, 0x69, 0x64, 0x18, 0x01, 0x20, 0x01, 0x28, 0x04, 0x52, 0x07, 0x73,
-	0x74, 0x61, 0x74, 0x65, 0x49, 0x64, 0x12, 0x16, 0x0a, 0x06, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73,
-	0x18, 0x02, 0x20, 0x03, 0x28, 0x05, 0x52, 0x06, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73, 0x12, 0x14,
-	0x0a, 0x05, 0x70, 0x72, 0x6f, 0x62, 0x73, 0x18, 0x03, 0x20, 0x03, 0x28, 0x02, 0x52, 0x05, 0x70,
-	0x72, 0x6f, 0x62, 0x73, 0x12, 0x1e, 0x0a, 0x0a, 0x63, 0x6f, 0x6e, 0x66, 0x69, 0x64, 0x65, 0x6e,
-	0x63, 0x65, 0x18, 0x04, 0x20, 0x01, 0x28, 0x02, 0x52, 0x0a, 0x63, 0x6f, 0x6e, 0x66, 0x69, 0x64,
-	0x65, 0x6e, 0x63, 0x65, 0x12, 0x25, 0x0a, 0x0e, 0x66, 0x69, 0x72, 0x73, 0x74, 0x5f, 0x70, 0x6f,
-	0x73, 0x69, 0x74, 0x69, 0x6f, 0x6e, 0x18, 0x05, 0x20, 0x01, 0x28, 0x03, 0x52, 0x0d, 0x66, 0x69,
-	0x72, 0x73, 0x74, 0x50, 0x6f, 0x73, 0x69, 0x74, 0x69, 0x6f, 0x6e, 0x22, 0x63, 0x0a, 0x05, 0x45,
-	0x72, 0x72, 0x6f, 0x72, 0x12, 0x12, 0x0a, 0x04, 0x63, 0x6f, 0x64, 0x65, 0x18, 0x01, 0x20, 0x01,
-	0x28, 0x05, 0x52, 0x04, 0x63, 0x6f, 0x64, 0x65, 0x12, 0x18, 0x0a, 0x07, 0x6d, 0x65, 0x73, 0x73,
-	0x61, 0x67, 0x65, 0x18, 0x02, 0x20, 0x01, 0x28, 0x09, 0x52, 0x07, 0x6d, 0x65, 0x73, 0x73, 0x61,
-	0x67, 0x65, 0x12, 0x16, 0x0a, 0x06, 0x72, 0x65, 0x61, 0x73, 0x6f, 0x6e, 0x18, 0x03, 0x20, 0x01,
-	0x28, 0x09, 0x52, 0x06, 0x72, 0x65, 0x61, 0x73, 0x6f, 0x6e, 0x12, 0x14, 0x0a, 0x05, 0x66, 0x69,
-	0x65, 0x6c, 0x64, 0x18, 0x04, 0x20, 0x01, 0x28, 0x09, 0x52, 0x05, 0x66, 0x69, 0x65, 0x6c, 0x64,
-	0x22, 0xa1, 0x01, 0x0a, 0x15, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x53, 0x74, 0x72, 0x65,
-	0x61, 0x6d, 0x52, 0x65, 0x73, 0x70, 0x6f, 0x6e, 0x73, 0x65, 0x12, 0x1d, 0x0a, 0x0a, 0x72, 0x65,
-	0x71, 0x75, 0x65, 0x73, 0x74, 0x5f, 0x69, 0x64, 0x18, 0x01, 0x20, 0x01, 0x28, 0x04, 0x52, 0x09,
-	0x72, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x49, 0x64, 0x12, 0x33, 0x0a, 0x08, 0x70, 0x72, 0x6f,
-	0x70, 0x6f, 0x73, 0x61, 0x6c, 0x18, 0x02, 0x20, 0x01, 0x28, 0x0b, 0x32, 0x15, 0x2e, 0x6d, 0x74,
-	0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73,
-	0x61, 0x6c, 0x48, 0x00, 0x52, 0x08, 0x70, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x61, 0x6c, 0x12, 0x2a,
-	0x0a, 0x05, 0x65, 0x72, 0x72, 0x6f, 0x72, 0x18, 0x03, 0x20, 0x01, 0x28, 0x0b, 0x32, 0x12, 0x2e,
-	0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x45, 0x72, 0x72, 0x6f,
-	0x72, 0x48, 0x00, 0x52, 0x05, 0x65, 0x72, 0x72, 0x6f, 0x72, 0x42, 0x08, 0x0a, 0x06, 0x72, 0x65,
-	0x73, 0x75, 0x6c, 0x74, 0x22, 0x4e, 0x0a, 0x13, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x42,
-	0x61, 0x74, 0x63, 0x68, 0x52, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x12, 0x37, 0x0a, 0x08, 0x72,
-	0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x73, 0x18, 0x01, 0x20, 0x03, 0x28, 0x0b, 0x32, 0x1b, 0x2e,
-	0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x50, 0x72, 0x6f, 0x70,
-	0x6f, 0x73, 0x65, 0x52, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x52, 0x08, 0x72, 0x65, 0x71, 0x75,
-	0x65, 0x73, 0x74, 0x73, 0x22, 0x4b, 0x0a, 0x14, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x42,
-	0x61, 0x74, 0x63, 0x68, 0x52, 0x65, 0x73, 0x70, 0x6f, 0x6e, 0x73, 0x65, 0x12, 0x33, 0x0a, 0x09,
-	0x70, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x61, 0x6c, 0x73, 0x18, 0x01, 0x20, 0x03, 0x28, 0x0b, 0x32,
-	0x15, 0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x50, 0x72,
-	0x6f, 0x70, 0x6f, 0x73, 0x61, 0x6c, 0x52, 0x09, 0x70, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x61, 0x6c,
-	0x73, 0x22, 0xcb, 0x03, 0x0a, 0x0e, 0x43, 0x6f, 0x6c, 0x75, 0x6d, 0x6e, 0x73, 0x52, 0x65, 0x71,
-	0x75, 0x65, 0x73, 0x74, 0x12, 0x1d, 0x0a, 0x0a, 0x72, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x5f,
-	0x69, 0x64, 0x18, 0x01, 0x20, 0x01, 0x28, 0x04, 0x52, 0x09, 0x72, 0x65, 0x71, 0x75, 0x65, 0x73,
-	0x74, 0x49, 0x64, 0x12, 0x1b, 0x0a, 0x09, 0x73, 0x74, 0x61, 0x74, 0x65, 0x5f, 0x69, 0x64, 0x73,
-	0x18, 0x02, 0x20, 0x03, 0x28, 0x04, 0x52, 0x08, 0x73, 0x74, 0x61, 0x74, 0x65, 0x49, 0x64, 0x73,
-	0x12, 0x16, 0x0a, 0x06, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73, 0x18, 0x03, 0x20, 0x03, 0x28, 0x05,
-	0x52, 0x06, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73, 0x12, 0x1c, 0x0a, 0x09, 0x70, 0x6f, 0x73, 0x69,
-	0x74, 0x69, 0x6f, 0x6e, 0x73, 0x18, 0x04, 0x20, 0x03, 0x28, 0x03, 0x52, 0x09, 0x70, 0x6f, 0x73,
-	0x69, 0x74, 0x69, 0x6f, 0x6e, 0x73, 0x12, 0x2d, 0x0a, 0x07, 0x68, 0x69, 0x64, 0x64, 0x65, 0x6e,
-	0x73, 0x18, 0x05, 0x20, 0x01, 0x28, 0x0b, 0x32, 0x13, 0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72, 0x61,
-	0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x54, 0x65, 0x6e, 0x73, 0x6f, 0x72, 0x52, 0x07, 0x68, 0x69,
-	0x64, 0x64, 0x65, 0x6e, 0x73, 0x12, 0x1d, 0x0a, 0x0a, 0x6e, 0x75, 0x6d, 0x5f, 0x64, 0x72, 0x61,
-	0x66, 0x74, 0x73, 0x18, 0x06, 0x20, 0x03, 0x28, 0x05, 0x52, 0x09, 0x6e, 0x75, 0x6d, 0x44, 0x72,
-	0x61, 0x66, 0x74, 0x73, 0x12, 0x21, 0x0a, 0x0c, 0x6e, 0x75, 0x6d, 0x5f, 0x61, 0x63, 0x63, 0x65,
-	0x70, 0x74, 0x65, 0x64, 0x18, 0x07, 0x20, 0x03, 0x28, 0x05, 0x52, 0x0b, 0x6e, 0x75, 0x6d, 0x41,
-	0x63, 0x63, 0x65, 0x70, 0x74, 0x65, 0x64, 0x12, 0x1f, 0x0a, 0x0b, 0x72, 0x65, 0x66, 0x65, 0x65,
-	0x64, 0x5f, 0x72, 0x6f, 0x77, 0x73, 0x18, 0x08, 0x20, 0x03, 0x28, 0x05, 0x52, 0x0a, 0x72, 0x65,
-	0x66, 0x65, 0x65, 0x64, 0x52, 0x6f, 0x77, 0x73, 0x12, 0x3a, 0x0a, 0x0e, 0x72, 0x65, 0x66, 0x65,
-	0x65, 0x64, 0x5f, 0x68, 0x69, 0x64, 0x64, 0x65, 0x6e, 0x73, 0x18, 0x09, 0x20, 0x01, 0x28, 0x0b,
-	0x32, 0x13, 0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x54,
-	0x65, 0x6e, 0x73, 0x6f, 0x72, 0x52, 0x0d, 0x72, 0x65, 0x66, 0x65, 0x65, 0x64, 0x48, 0x69, 0x64,
-	0x64, 0x65, 0x6e, 0x73, 0x12, 0x21, 0x0a, 0x0c, 0x62, 0x69, 0x74, 0x6d, 0x61, 0x73, 0x6b, 0x5f,
-	0x72, 0x6f, 0x77, 0x73, 0x18, 0x0a, 0x20, 0x03, 0x28, 0x05, 0x52, 0x0b, 0x62, 0x69, 0x74, 0x6d,
-	0x61, 0x73, 0x6b, 0x52, 0x6f, 0x77, 0x73, 0x12, 0x2f, 0x0a, 0x08, 0x62, 0x69, 0x74, 0x6d, 0x61,
-	0x73, 0x6b, 0x73, 0x18, 0x0b, 0x20, 0x01, 0x28, 0x0b, 0x32, 0x13, 0x2e, 0x6d, 0x74, 0x70, 0x64,
-	0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x54, 0x65, 0x6e, 0x73, 0x6f, 0x72, 0x52, 0x08,
-	0x62, 0x69, 0x74, 0x6d, 0x61, 0x73, 0x6b, 0x73, 0x12, 0x25, 0x0a, 0x0e, 0x6d, 0x69, 0x6e, 0x5f,
-	0x63, 0x6f, 0x6e, 0x66, 0x69, 0x64, 0x65, 0x6e, 0x63, 0x65, 0x18, 0x0c, 0x20, 0x03, 0x28, 0x02,
-	0x52, 0x0d, 0x6d, 0x69, 0x6e, 0x43, 0x6f, 0x6e, 0x66, 0x69, 0x64, 0x65, 0x6e, 0x63, 0x65, 0x22,
-	0xbb, 0x02, 0x0a, 0x0f, 0x43, 0x6f, 0x6c, 0x75, 0x6d, 0x6e, 0x73, 0x52, 0x65, 0x73, 0x70, 0x6f,
+	0x72, 0x64, 0x69, 0x63, 0x74, 0x52, 0x08, 0x70, 0x72, 0x65, 0x76, 0x69, 0x6f, 0x75, 0x73, 0x4a,
+	0x04, 0x08, 0x09, 0x10, 0x0a, 0x22, 0x9a, 0x01, 0x0a, 0x08, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73,
+	0x61, 0x6c, 0x12, 0x19, 0x0a, 0x08, 0x73, 0x74, 0x61, 0x74, 0x65, 0x5f, 0x69, 0x64, 0x18, 0x01,
+	0x20, 0x01, 0x28, 0x04, 0x52, 0x07, 0x73, 0x74, 0x61, 0x74, 0x65, 0x49, 0x64, 0x12, 0x16, 0x0a,
+	0x06, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73, 0x18, 0x02, 0x20, 0x03, 0x28, 0x05, 0x52, 0x06, 0x74,
+	0x6f, 0x6b, 0x65, 0x6e, 0x73, 0x12, 0x14, 0x0a, 0x05, 0x70, 0x72, 0x6f, 0x62, 0x73, 0x18, 0x03,
+	0x20, 0x03, 0x28, 0x02, 0x52, 0x05, 0x70, 0x72, 0x6f, 0x62, 0x73, 0x12, 0x1e, 0x0a, 0x0a, 0x63,
+	0x6f, 0x6e, 0x66, 0x69, 0x64, 0x65, 0x6e, 0x63, 0x65, 0x18, 0x04, 0x20, 0x01, 0x28, 0x02, 0x52,
+	0x0a, 0x63, 0x6f, 0x6e, 0x66, 0x69, 0x64, 0x65, 0x6e, 0x63, 0x65, 0x12, 0x25, 0x0a, 0x0e, 0x66,
+	0x69, 0x72, 0x73, 0x74, 0x5f, 0x70, 0x6f, 0x73, 0x69, 0x74, 0x69, 0x6f, 0x6e, 0x18, 0x05, 0x20,
+	0x01, 0x28, 0x03, 0x52, 0x0d, 0x66, 0x69, 0x72, 0x73, 0x74, 0x50, 0x6f, 0x73, 0x69, 0x74, 0x69,
+	0x6f, 0x6e, 0x22, 0x63, 0x0a, 0x05, 0x45, 0x72, 0x72, 0x6f, 0x72, 0x12, 0x12, 0x0a, 0x04, 0x63,
+	0x6f, 0x64, 0x65, 0x18, 0x01, 0x20, 0x01, 0x28, 0x05, 0x52, 0x04, 0x63, 0x6f, 0x64, 0x65, 0x12,
+	0x18, 0x0a, 0x07, 0x6d, 0x65, 0x73, 0x73, 0x61, 0x67, 0x65, 0x18, 0x02, 0x20, 0x01, 0x28, 0x09,
+	0x52, 0x07, 0x6d, 0x65, 0x73, 0x73, 0x61, 0x67, 0x65, 0x12, 0x16, 0x0a, 0x06, 0x72, 0x65, 0x61,
+	0x73, 0x6f, 0x6e, 0x18, 0x03, 0x20, 0x01, 0x28, 0x09, 0x52, 0x06, 0x72, 0x65, 0x61, 0x73, 0x6f,
+	0x6e, 0x12, 0x14, 0x0a, 0x05, 0x66, 0x69, 0x65, 0x6c, 0x64, 0x18, 0x04, 0x20, 0x01, 0x28, 0x09,
+	0x52, 0x05, 0x66, 0x69, 0x65, 0x6c, 0x64, 0x22, 0xd0, 0x03, 0x0a, 0x13, 0x50, 0x72, 0x6f, 0x70,
+	0x6f, 0x73, 0x65, 0x42, 0x61, 0x74, 0x63, 0x68, 0x52, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x12,
+	0x1d, 0x0a, 0x0a, 0x72, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x5f, 0x69, 0x64, 0x18, 0x01, 0x20,
+	0x01, 0x28, 0x04, 0x52, 0x09, 0x72, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x49, 0x64, 0x12, 0x1b,
+	0x0a, 0x09, 0x73, 0x74, 0x61, 0x74, 0x65, 0x5f, 0x69, 0x64, 0x73, 0x18, 0x02, 0x20, 0x03, 0x28,
+	0x04, 0x52, 0x08, 0x73, 0x74, 0x61, 0x74, 0x65, 0x49, 0x64, 0x73, 0x12, 0x16, 0x0a, 0x06, 0x74,
+	0x6f, 0x6b, 0x65, 0x6e, 0x73, 0x18, 0x03, 0x20, 0x03, 0x28, 0x05, 0x52, 0x06, 0x74, 0x6f, 0x6b,
+	0x65, 0x6e, 0x73, 0x12, 0x1c, 0x0a, 0x09, 0x70, 0x6f, 0x73, 0x69, 0x74, 0x69, 0x6f, 0x6e, 0x73,
+	0x18, 0x04, 0x20, 0x03, 0x28, 0x03, 0x52, 0x09, 0x70, 0x6f, 0x73, 0x69, 0x74, 0x69, 0x6f, 0x6e,
+	0x73, 0x12, 0x2d, 0x0a, 0x07, 0x68, 0x69, 0x64, 0x64, 0x65, 0x6e, 0x73, 0x18, 0x05, 0x20, 0x01,
+	0x28, 0x0b, 0x32, 0x13, 0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31,
+	0x2e, 0x54, 0x65, 0x6e, 0x73, 0x6f, 0x72, 0x52, 0x07, 0x68, 0x69, 0x64, 0x64, 0x65, 0x6e, 0x73,
+	0x12, 0x1d, 0x0a, 0x0a, 0x6e, 0x75, 0x6d, 0x5f, 0x64, 0x72, 0x61, 0x66, 0x74, 0x73, 0x18, 0x06,
+	0x20, 0x03, 0x28, 0x05, 0x52, 0x09, 0x6e, 0x75, 0x6d, 0x44, 0x72, 0x61, 0x66, 0x74, 0x73, 0x12,
+	0x21, 0x0a, 0x0c, 0x6e, 0x75, 0x6d, 0x5f, 0x61, 0x63, 0x63, 0x65, 0x70, 0x74, 0x65, 0x64, 0x18,
+	0x07, 0x20, 0x03, 0x28, 0x05, 0x52, 0x0b, 0x6e, 0x75, 0x6d, 0x41, 0x63, 0x63, 0x65, 0x70, 0x74,
+	0x65, 0x64, 0x12, 0x1f, 0x0a, 0x0b, 0x72, 0x65, 0x66, 0x65, 0x65, 0x64, 0x5f, 0x72, 0x6f, 0x77,
+	0x73, 0x18, 0x08, 0x20, 0x03, 0x28, 0x05, 0x52, 0x0a, 0x72, 0x65, 0x66, 0x65, 0x65, 0x64, 0x52,
+	0x6f, 0x77, 0x73, 0x12, 0x3a, 0x0a, 0x0e, 0x72, 0x65, 0x66, 0x65, 0x65, 0x64, 0x5f, 0x68, 0x69,
+	0x64, 0x64, 0x65, 0x6e, 0x73, 0x18, 0x09, 0x20, 0x01, 0x28, 0x0b, 0x32, 0x13, 0x2e, 0x6d, 0x74,
+	0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x54, 0x65, 0x6e, 0x73, 0x6f, 0x72,
+	0x52, 0x0d, 0x72, 0x65, 0x66, 0x65, 0x65, 0x64, 0x48, 0x69, 0x64, 0x64, 0x65, 0x6e, 0x73, 0x12,
+	0x21, 0x0a, 0x0c, 0x62, 0x69, 0x74, 0x6d, 0x61, 0x73, 0x6b, 0x5f, 0x72, 0x6f, 0x77, 0x73, 0x18,
+	0x0a, 0x20, 0x03, 0x28, 0x05, 0x52, 0x0b, 0x62, 0x69, 0x74, 0x6d, 0x61, 0x73, 0x6b, 0x52, 0x6f,
+	0x77, 0x73, 0x12, 0x2f, 0x0a, 0x08, 0x62, 0x69, 0x74, 0x6d, 0x61, 0x73, 0x6b, 0x73, 0x18, 0x0b,
+	0x20, 0x01, 0x28, 0x0b, 0x32, 0x13, 0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e,
+	0x76, 0x31, 0x2e, 0x54, 0x65, 0x6e, 0x73, 0x6f, 0x72, 0x52, 0x08, 0x62, 0x69, 0x74, 0x6d, 0x61,
+	0x73, 0x6b, 0x73, 0x12, 0x25, 0x0a, 0x0e, 0x6d, 0x69, 0x6e, 0x5f, 0x63, 0x6f, 0x6e, 0x66, 0x69,
+	0x64, 0x65, 0x6e, 0x63, 0x65, 0x18, 0x0c, 0x20, 0x03, 0x28, 0x02, 0x52, 0x0d, 0x6d, 0x69, 0x6e,
+	0x43, 0x6f, 0x6e, 0x66, 0x69, 0x64, 0x65, 0x6e, 0x63, 0x65, 0x22, 0xc0, 0x02, 0x0a, 0x14, 0x50,
+	0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x42, 0x61, 0x74, 0x63, 0x68, 0x52, 0x65, 0x73, 0x70, 0x6f,
 	0x6e, 0x73, 0x65, 0x12, 0x1d, 0x0a, 0x0a, 0x72, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x5f, 0x69,
 	0x64, 0x18, 0x01, 0x20, 0x01, 0x28, 0x04, 0x52, 0x09, 0x72, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74,
 	0x49, 0x64, 0x12, 0x14, 0x0a, 0x05, 0x77, 0x69, 0x64, 0x74, 0x68, 0x18, 0x02, 0x20, 0x01, 0x28,
@@ -2605,7 +2394,7 @@ var file_mtpdraft_v1_drafter_proto_rawDesc = []byte{
 	0x46, 0x31, 0x36, 0x10, 0x01, 0x12, 0x0e, 0x0a, 0x0a, 0x44, 0x54, 0x59, 0x50, 0x45, 0x5f, 0x46,
 	0x50, 0x31, 0x36, 0x10, 0x02, 0x12, 0x0e, 0x0a, 0x0a, 0x44, 0x54, 0x59, 0x50, 0x45, 0x5f, 0x46,
 	0x50, 0x33, 0x32, 0x10, 0x03, 0x12, 0x0f, 0x0a, 0x0b, 0x44, 0x54, 0x59, 0x50, 0x45, 0x5f, 0x49,
-	0x4e, 0x54, 0x33, 0x32, 0x10, 0x04, 0x32, 0xa4, 0x08, 0x0a, 0x07, 0x44, 0x72, 0x61, 0x66, 0x74,
+	0x4e, 0x54, 0x33, 0x32, 0x10, 0x04, 0x32, 0x84, 0x07, 0x0a, 0x07, 0x44, 0x72, 0x61, 0x66, 0x74,
 	0x65, 0x72, 0x12, 0x44, 0x0a, 0x07, 0x47, 0x65, 0x74, 0x49, 0x6e, 0x66, 0x6f, 0x12, 0x1b, 0x2e,
 	0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x47, 0x65, 0x74, 0x49,
 	0x6e, 0x66, 0x6f, 0x52, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x1a, 0x1c, 0x2e, 0x6d, 0x74, 0x70,
@@ -2623,27 +2412,17 @@ var file_mtpdraft_v1_drafter_proto_rawDesc = []byte{
 	0x07, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x12, 0x1b, 0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72,
 	0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x52, 0x65,
 	0x71, 0x75, 0x65, 0x73, 0x74, 0x1a, 0x15, 0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74,
-	0x2e, 0x76, 0x31, 0x2e, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x61, 0x6c, 0x12, 0x54, 0x0a, 0x0d,
-	0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x53, 0x74, 0x72, 0x65, 0x61, 0x6d, 0x12, 0x1b, 0x2e,
-	0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x50, 0x72, 0x6f, 0x70,
-	0x6f, 0x73, 0x65, 0x52, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x1a, 0x22, 0x2e, 0x6d, 0x74, 0x70,
-	0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65,
-	0x53, 0x74, 0x72, 0x65, 0x61, 0x6d, 0x52, 0x65, 0x73, 0x70, 0x6f, 0x6e, 0x73, 0x65, 0x28, 0x01,
-	0x30, 0x01, 0x12, 0x53, 0x0a, 0x0c, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x42, 0x61, 0x74,
-	0x63, 0x68, 0x12, 0x20, 0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31,
+	0x2e, 0x76, 0x31, 0x2e, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x61, 0x6c, 0x12, 0x53, 0x0a, 0x0c,
+	0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x42, 0x61, 0x74, 0x63, 0x68, 0x12, 0x20, 0x2e, 0x6d,
+	0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x50, 0x72, 0x6f, 0x70, 0x6f,
+	0x73, 0x65, 0x42, 0x61, 0x74, 0x63, 0x68, 0x52, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x1a, 0x21,
+	0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x50, 0x72, 0x6f,
+	0x70, 0x6f, 0x73, 0x65, 0x42, 0x61, 0x74, 0x63, 0x68, 0x52, 0x65, 0x73, 0x70, 0x6f, 0x6e, 0x73,
+	0x65, 0x12, 0x58, 0x0a, 0x0d, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x53, 0x74, 0x72, 0x65,
+	0x61, 0x6d, 0x12, 0x20, 0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31,
 	0x2e, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x42, 0x61, 0x74, 0x63, 0x68, 0x52, 0x65, 0x71,
 	0x75, 0x65, 0x73, 0x74, 0x1a, 0x21, 0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e,
 	0x76, 0x31, 0x2e, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x42, 0x61, 0x74, 0x63, 0x68, 0x52,
-	0x65, 0x73, 0x70, 0x6f, 0x6e, 0x73, 0x65, 0x12, 0x4b, 0x0a, 0x0e, 0x50, 0x72, 0x6f, 0x70, 0x6f,
-	0x73, 0x65, 0x43, 0x6f, 0x6c, 0x75, 0x6d, 0x6e, 0x73, 0x12, 0x1b, 0x2e, 0x6d, 0x74, 0x70, 0x64,
-	0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x43, 0x6f, 0x6c, 0x75, 0x6d, 0x6e, 0x73, 0x52,
-	0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x1a, 0x1c, 0x2e, 0x6d, 0x74, 0x70, 0x64, 0x72, 0x61, 0x66,
-	0x74, 0x2e, 0x76, 0x31, 0x2e, 0x43, 0x6f, 0x6c, 0x75, 0x6d, 0x6e, 0x73, 0x52, 0x65, 0x73, 0x70,
-	0x6f, 0x6e, 0x73, 0x65, 0x12, 0x55, 0x0a, 0x14, 0x50, 0x72, 0x6f, 0x70, 0x6f, 0x73, 0x65, 0x43,
-	0x6f, 0x6c, 0x75, 0x6d, 0x6e, 0x73, 0x53, 0x74, 0x72, 0x65, 0x61, 0x6d, 0x12, 0x1b, 0x2e, 0x6d,
-	0x74, 0x70, 0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x43, 0x6f, 0x6c, 0x75, 0x6d,
-	0x6e, 0x73, 0x52, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x1a, 0x1c, 0x2e, 0x6d, 0x74, 0x70, 0x64,
-	0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x43, 0x6f, 0x6c, 0x75, 0x6d, 0x6e, 0x73, 0x52,
 	0x65, 0x73, 0x70, 0x6f, 0x6e, 0x73, 0x65, 0x28, 0x01, 0x30, 0x01, 0x12, 0x50, 0x0a, 0x0b, 0x41,
 	0x66, 0x74, 0x65, 0x72, 0x56, 0x65, 0x72, 0x69, 0x66, 0x79, 0x12, 0x1f, 0x2e, 0x6d, 0x74, 0x70,
 	0x64, 0x72, 0x61, 0x66, 0x74, 0x2e, 0x76, 0x31, 0x2e, 0x41, 0x66, 0x74, 0x65, 0x72, 0x56, 0x65,
@@ -2691,97 +2470,86 @@ func file_mtpdraft_v1_drafter_proto_rawDescGZIP() []byte {
 }
 
 var file_mtpdraft_v1_drafter_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_mtpdraft_v1_drafter_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_mtpdraft_v1_drafter_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_mtpdraft_v1_drafter_proto_goTypes = []interface{}{
-	(DType)(0),                    // 0: mtpdraft.v1.DType
-	(*Tensor)(nil),                // 1: mtpdraft.v1.Tensor
-	(*GetInfoRequest)(nil),        // 2: mtpdraft.v1.GetInfoRequest
-	(*GetInfoResponse)(nil),       // 3: mtpdraft.v1.GetInfoResponse
-	(*AllocStateRequest)(nil),     // 4: mtpdraft.v1.AllocStateRequest
-	(*AllocStateResponse)(nil),    // 5: mtpdraft.v1.AllocStateResponse
-	(*PrefillChunk)(nil),          // 6: mtpdraft.v1.PrefillChunk
-	(*PrefillResponse)(nil),       // 7: mtpdraft.v1.PrefillResponse
-	(*Verdict)(nil),               // 8: mtpdraft.v1.Verdict
-	(*ProposeRequest)(nil),        // 9: mtpdraft.v1.ProposeRequest
-	(*Proposal)(nil),              // 10: mtpdraft.v1.Proposal
-	(*Error)(nil),                 // 11: mtpdraft.v1.Error
-	(*ProposeStreamResponse)(nil), // 12: mtpdraft.v1.ProposeStreamResponse
-	(*ProposeBatchRequest)(nil),   // 13: mtpdraft.v1.ProposeBatchRequest
-	(*ProposeBatchResponse)(nil),  // 14: mtpdraft.v1.ProposeBatchResponse
-	(*ColumnsRequest)(nil),        // 15: mtpdraft.v1.ColumnsRequest
-	(*ColumnsResponse)(nil),       // 16: mtpdraft.v1.ColumnsResponse
-	(*RowError)(nil),              // 17: mtpdraft.v1.RowError
-	(*AfterVerifyRequest)(nil),    // 18: mtpdraft.v1.AfterVerifyRequest
-	(*AfterVerifyResponse)(nil),   // 19: mtpdraft.v1.AfterVerifyResponse
-	(*TakeKVRequest)(nil),         // 20: mtpdraft.v1.TakeKVRequest
-	(*TakeKVResponse)(nil),        // 21: mtpdraft.v1.TakeKVResponse
-	(*InstallKVRequest)(nil),      // 22: mtpdraft.v1.InstallKVRequest
-	(*InstallKVResponse)(nil),     // 23: mtpdraft.v1.InstallKVResponse
-	(*ExportKVRequest)(nil),       // 24: mtpdraft.v1.ExportKVRequest
-	(*KVHeader)(nil),              // 25: mtpdraft.v1.KVHeader
-	(*KVChunk)(nil),               // 26: mtpdraft.v1.KVChunk
-	(*ImportKVResponse)(nil),      // 27: mtpdraft.v1.ImportKVResponse
-	(*FreeStateRequest)(nil),      // 28: mtpdraft.v1.FreeStateRequest
-	(*FreeStateResponse)(nil),     // 29: mtpdraft.v1.FreeStateResponse
-	nil,                           // 30: mtpdraft.v1.GetInfoResponse.BatchSizeCountsEntry
+	(DType)(0),                   // 0: mtpdraft.v1.DType
+	(*Tensor)(nil),               // 1: mtpdraft.v1.Tensor
+	(*GetInfoRequest)(nil),       // 2: mtpdraft.v1.GetInfoRequest
+	(*GetInfoResponse)(nil),      // 3: mtpdraft.v1.GetInfoResponse
+	(*AllocStateRequest)(nil),    // 4: mtpdraft.v1.AllocStateRequest
+	(*AllocStateResponse)(nil),   // 5: mtpdraft.v1.AllocStateResponse
+	(*PrefillChunk)(nil),         // 6: mtpdraft.v1.PrefillChunk
+	(*PrefillResponse)(nil),      // 7: mtpdraft.v1.PrefillResponse
+	(*Verdict)(nil),              // 8: mtpdraft.v1.Verdict
+	(*ProposeRequest)(nil),       // 9: mtpdraft.v1.ProposeRequest
+	(*Proposal)(nil),             // 10: mtpdraft.v1.Proposal
+	(*Error)(nil),                // 11: mtpdraft.v1.Error
+	(*ProposeBatchRequest)(nil),  // 12: mtpdraft.v1.ProposeBatchRequest
+	(*ProposeBatchResponse)(nil), // 13: mtpdraft.v1.ProposeBatchResponse
+	(*RowError)(nil),             // 14: mtpdraft.v1.RowError
+	(*AfterVerifyRequest)(nil),   // 15: mtpdraft.v1.AfterVerifyRequest
+	(*AfterVerifyResponse)(nil),  // 16: mtpdraft.v1.AfterVerifyResponse
+	(*TakeKVRequest)(nil),        // 17: mtpdraft.v1.TakeKVRequest
+	(*TakeKVResponse)(nil),       // 18: mtpdraft.v1.TakeKVResponse
+	(*InstallKVRequest)(nil),     // 19: mtpdraft.v1.InstallKVRequest
+	(*InstallKVResponse)(nil),    // 20: mtpdraft.v1.InstallKVResponse
+	(*ExportKVRequest)(nil),      // 21: mtpdraft.v1.ExportKVRequest
+	(*KVHeader)(nil),             // 22: mtpdraft.v1.KVHeader
+	(*KVChunk)(nil),              // 23: mtpdraft.v1.KVChunk
+	(*ImportKVResponse)(nil),     // 24: mtpdraft.v1.ImportKVResponse
+	(*FreeStateRequest)(nil),     // 25: mtpdraft.v1.FreeStateRequest
+	(*FreeStateResponse)(nil),    // 26: mtpdraft.v1.FreeStateResponse
+	nil,                          // 27: mtpdraft.v1.GetInfoResponse.BatchSizeCountsEntry
 }
 var file_mtpdraft_v1_drafter_proto_depIdxs = []int32{
 	0,  // 0: mtpdraft.v1.Tensor.dtype:type_name -> mtpdraft.v1.DType
 	0,  // 1: mtpdraft.v1.GetInfoResponse.hidden_dtypes:type_name -> mtpdraft.v1.DType
-	30, // 2: mtpdraft.v1.GetInfoResponse.batch_size_counts:type_name -> mtpdraft.v1.GetInfoResponse.BatchSizeCountsEntry
+	27, // 2: mtpdraft.v1.GetInfoResponse.batch_size_counts:type_name -> mtpdraft.v1.GetInfoResponse.BatchSizeCountsEntry
 	1,  // 3: mtpdraft.v1.PrefillChunk.hiddens:type_name -> mtpdraft.v1.Tensor
 	1,  // 4: mtpdraft.v1.Verdict.refeed_hiddens:type_name -> mtpdraft.v1.Tensor
 	1,  // 5: mtpdraft.v1.ProposeRequest.hidden:type_name -> mtpdraft.v1.Tensor
 	1,  // 6: mtpdraft.v1.ProposeRequest.bitmask:type_name -> mtpdraft.v1.Tensor
 	8,  // 7: mtpdraft.v1.ProposeRequest.previous:type_name -> mtpdraft.v1.Verdict
-	10, // 8: mtpdraft.v1.ProposeStreamResponse.proposal:type_name -> mtpdraft.v1.Proposal
-	11, // 9: mtpdraft.v1.ProposeStreamResponse.error:type_name -> mtpdraft.v1.Error
-	9,  // 10: mtpdraft.v1.ProposeBatchRequest.requests:type_name -> mtpdraft.v1.ProposeRequest
-	10, // 11: mtpdraft.v1.ProposeBatchResponse.proposals:type_name -> mtpdraft.v1.Proposal
-	1,  // 12: mtpdraft.v1.ColumnsRequest.hiddens:type_name -> mtpdraft.v1.Tensor
-	1,  // 13: mtpdraft.v1.ColumnsRequest.refeed_hiddens:type_name -> mtpdraft.v1.Tensor
-	1,  // 14: mtpdraft.v1.ColumnsRequest.bitmasks:type_name -> mtpdraft.v1.Tensor
-	17, // 15: mtpdraft.v1.ColumnsResponse.errors:type_name -> mtpdraft.v1.RowError
-	11, // 16: mtpdraft.v1.ColumnsResponse.error:type_name -> mtpdraft.v1.Error
-	11, // 17: mtpdraft.v1.RowError.error:type_name -> mtpdraft.v1.Error
-	8,  // 18: mtpdraft.v1.AfterVerifyRequest.verdict:type_name -> mtpdraft.v1.Verdict
-	0,  // 19: mtpdraft.v1.KVHeader.dtype:type_name -> mtpdraft.v1.DType
-	25, // 20: mtpdraft.v1.KVChunk.header:type_name -> mtpdraft.v1.KVHeader
-	1,  // 21: mtpdraft.v1.KVChunk.k:type_name -> mtpdraft.v1.Tensor
-	1,  // 22: mtpdraft.v1.KVChunk.v:type_name -> mtpdraft.v1.Tensor
-	2,  // 23: mtpdraft.v1.Drafter.GetInfo:input_type -> mtpdraft.v1.GetInfoRequest
-	4,  // 24: mtpdraft.v1.Drafter.AllocState:input_type -> mtpdraft.v1.AllocStateRequest
-	6,  // 25: mtpdraft.v1.Drafter.Prefill:input_type -> mtpdraft.v1.PrefillChunk
-	9,  // 26: mtpdraft.v1.Drafter.Propose:input_type -> mtpdraft.v1.ProposeRequest
-	9,  // 27: mtpdraft.v1.Drafter.ProposeStream:input_type -> mtpdraft.v1.ProposeRequest
-	13, // 28: mtpdraft.v1.Drafter.ProposeBatch:input_type -> mtpdraft.v1.ProposeBatchRequest
-	15, // 29: mtpdraft.v1.Drafter.ProposeColumns:input_type -> mtpdraft.v1.ColumnsRequest
-	15, // 30: mtpdraft.v1.Drafter.ProposeColumnsStream:input_type -> mtpdraft.v1.ColumnsRequest
-	18, // 31: mtpdraft.v1.Drafter.AfterVerify:input_type -> mtpdraft.v1.AfterVerifyRequest
-	20, // 32: mtpdraft.v1.Drafter.TakeKV:input_type -> mtpdraft.v1.TakeKVRequest
-	22, // 33: mtpdraft.v1.Drafter.InstallKV:input_type -> mtpdraft.v1.InstallKVRequest
-	24, // 34: mtpdraft.v1.Drafter.ExportKV:input_type -> mtpdraft.v1.ExportKVRequest
-	26, // 35: mtpdraft.v1.Drafter.ImportKV:input_type -> mtpdraft.v1.KVChunk
-	28, // 36: mtpdraft.v1.Drafter.FreeState:input_type -> mtpdraft.v1.FreeStateRequest
-	3,  // 37: mtpdraft.v1.Drafter.GetInfo:output_type -> mtpdraft.v1.GetInfoResponse
-	5,  // 38: mtpdraft.v1.Drafter.AllocState:output_type -> mtpdraft.v1.AllocStateResponse
-	7,  // 39: mtpdraft.v1.Drafter.Prefill:output_type -> mtpdraft.v1.PrefillResponse
-	10, // 40: mtpdraft.v1.Drafter.Propose:output_type -> mtpdraft.v1.Proposal
-	12, // 41: mtpdraft.v1.Drafter.ProposeStream:output_type -> mtpdraft.v1.ProposeStreamResponse
-	14, // 42: mtpdraft.v1.Drafter.ProposeBatch:output_type -> mtpdraft.v1.ProposeBatchResponse
-	16, // 43: mtpdraft.v1.Drafter.ProposeColumns:output_type -> mtpdraft.v1.ColumnsResponse
-	16, // 44: mtpdraft.v1.Drafter.ProposeColumnsStream:output_type -> mtpdraft.v1.ColumnsResponse
-	19, // 45: mtpdraft.v1.Drafter.AfterVerify:output_type -> mtpdraft.v1.AfterVerifyResponse
-	21, // 46: mtpdraft.v1.Drafter.TakeKV:output_type -> mtpdraft.v1.TakeKVResponse
-	23, // 47: mtpdraft.v1.Drafter.InstallKV:output_type -> mtpdraft.v1.InstallKVResponse
-	26, // 48: mtpdraft.v1.Drafter.ExportKV:output_type -> mtpdraft.v1.KVChunk
-	27, // 49: mtpdraft.v1.Drafter.ImportKV:output_type -> mtpdraft.v1.ImportKVResponse
-	29, // 50: mtpdraft.v1.Drafter.FreeState:output_type -> mtpdraft.v1.FreeStateResponse
-	37, // [37:51] is the sub-list for method output_type
-	23, // [23:37] is the sub-list for method input_type
-	23, // [23:23] is the sub-list for extension type_name
-	23, // [23:23] is the sub-list for extension extendee
-	0,  // [0:23] is the sub-list for field type_name
+	1,  // 8: mtpdraft.v1.ProposeBatchRequest.hiddens:type_name -> mtpdraft.v1.Tensor
+	1,  // 9: mtpdraft.v1.ProposeBatchRequest.refeed_hiddens:type_name -> mtpdraft.v1.Tensor
+	1,  // 10: mtpdraft.v1.ProposeBatchRequest.bitmasks:type_name -> mtpdraft.v1.Tensor
+	14, // 11: mtpdraft.v1.ProposeBatchResponse.errors:type_name -> mtpdraft.v1.RowError
+	11, // 12: mtpdraft.v1.ProposeBatchResponse.error:type_name -> mtpdraft.v1.Error
+	11, // 13: mtpdraft.v1.RowError.error:type_name -> mtpdraft.v1.Error
+	8,  // 14: mtpdraft.v1.AfterVerifyRequest.verdict:type_name -> mtpdraft.v1.Verdict
+	0,  // 15: mtpdraft.v1.KVHeader.dtype:type_name -> mtpdraft.v1.DType
+	22, // 16: mtpdraft.v1.KVChunk.header:type_name -> mtpdraft.v1.KVHeader
+	1,  // 17: mtpdraft.v1.KVChunk.k:type_name -> mtpdraft.v1.Tensor
+	1,  // 18: mtpdraft.v1.KVChunk.v:type_name -> mtpdraft.v1.Tensor
+	2,  // 19: mtpdraft.v1.Drafter.GetInfo:input_type -> mtpdraft.v1.GetInfoRequest
+	4,  // 20: mtpdraft.v1.Drafter.AllocState:input_type -> mtpdraft.v1.AllocStateRequest
+	6,  // 21: mtpdraft.v1.Drafter.Prefill:input_type -> mtpdraft.v1.PrefillChunk
+	9,  // 22: mtpdraft.v1.Drafter.Propose:input_type -> mtpdraft.v1.ProposeRequest
+	12, // 23: mtpdraft.v1.Drafter.ProposeBatch:input_type -> mtpdraft.v1.ProposeBatchRequest
+	12, // 24: mtpdraft.v1.Drafter.ProposeStream:input_type -> mtpdraft.v1.ProposeBatchRequest
+	15, // 25: mtpdraft.v1.Drafter.AfterVerify:input_type -> mtpdraft.v1.AfterVerifyRequest
+	17, // 26: mtpdraft.v1.Drafter.TakeKV:input_type -> mtpdraft.v1.TakeKVRequest
+	19, // 27: mtpdraft.v1.Drafter.InstallKV:input_type -> mtpdraft.v1.InstallKVRequest
+	21, // 28: mtpdraft.v1.Drafter.ExportKV:input_type -> mtpdraft.v1.ExportKVRequest
+	23, // 29: mtpdraft.v1.Drafter.ImportKV:input_type -> mtpdraft.v1.KVChunk
+	25, // 30: mtpdraft.v1.Drafter.FreeState:input_type -> mtpdraft.v1.FreeStateRequest
+	3,  // 31: mtpdraft.v1.Drafter.GetInfo:output_type -> mtpdraft.v1.GetInfoResponse
+	5,  // 32: mtpdraft.v1.Drafter.AllocState:output_type -> mtpdraft.v1.AllocStateResponse
+	7,  // 33: mtpdraft.v1.Drafter.Prefill:output_type -> mtpdraft.v1.PrefillResponse
+	10, // 34: mtpdraft.v1.Drafter.Propose:output_type -> mtpdraft.v1.Proposal
+	13, // 35: mtpdraft.v1.Drafter.ProposeBatch:output_type -> mtpdraft.v1.ProposeBatchResponse
+	13, // 36: mtpdraft.v1.Drafter.ProposeStream:output_type -> mtpdraft.v1.ProposeBatchResponse
+	16, // 37: mtpdraft.v1.Drafter.AfterVerify:output_type -> mtpdraft.v1.AfterVerifyResponse
+	18, // 38: mtpdraft.v1.Drafter.TakeKV:output_type -> mtpdraft.v1.TakeKVResponse
+	20, // 39: mtpdraft.v1.Drafter.InstallKV:output_type -> mtpdraft.v1.InstallKVResponse
+	23, // 40: mtpdraft.v1.Drafter.ExportKV:output_type -> mtpdraft.v1.KVChunk
+	24, // 41: mtpdraft.v1.Drafter.ImportKV:output_type -> mtpdraft.v1.ImportKVResponse
+	26, // 42: mtpdraft.v1.Drafter.FreeState:output_type -> mtpdraft.v1.FreeStateResponse
+	31, // [31:43] is the sub-list for method output_type
+	19, // [19:31] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_mtpdraft_v1_drafter_proto_init() }
@@ -2923,18 +2691,6 @@ func file_mtpdraft_v1_drafter_proto_init() {
 			}
 		}
 		file_mtpdraft_v1_drafter_proto_msgTypes[11].Exporter = func(v interface{}, i int) interface{} {
-			switch v := v.(*ProposeStreamResponse); i {
-			case 0:
-				return &v.state
-			case 1:
-				return &v.sizeCache
-			case 2:
-				return &v.unknownFields
-			default:
-				return nil
-			}
-		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[12].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*ProposeBatchRequest); i {
 			case 0:
 				return &v.state
@@ -2946,7 +2702,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[13].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[12].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*ProposeBatchResponse); i {
 			case 0:
 				return &v.state
@@ -2958,31 +2714,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[14].Exporter = func(v interface{}, i int) interface{} {
-			switch v := v.(*ColumnsRequest); i {
-			case 0:
-				return &v.state
-			case 1:
-				return &v.sizeCache
-			case 2:
-				return &v.unknownFields
-			default:
-				return nil
-			}
-		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[15].Exporter = func(v interface{}, i int) interface{} {
-			switch v := v.(*ColumnsResponse); i {
-			case 0:
-				return &v.state
-			case 1:
-				return &v.sizeCache
-			case 2:
-				return &v.unknownFields
-			default:
-				return nil
-			}
-		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[16].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[13].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*RowError); i {
 			case 0:
 				return &v.state
@@ -2994,7 +2726,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[17].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[14].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*AfterVerifyRequest); i {
 			case 0:
 				return &v.state
@@ -3006,7 +2738,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[18].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[15].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*AfterVerifyResponse); i {
 			case 0:
 				return &v.state
@@ -3018,7 +2750,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[19].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[16].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*TakeKVRequest); i {
 			case 0:
 				return &v.state
@@ -3030,7 +2762,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[20].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[17].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*TakeKVResponse); i {
 			case 0:
 				return &v.state
@@ -3042,7 +2774,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[21].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[18].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*InstallKVRequest); i {
 			case 0:
 				return &v.state
@@ -3054,7 +2786,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[22].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[19].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*InstallKVResponse); i {
 			case 0:
 				return &v.state
@@ -3066,7 +2798,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[23].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[20].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*ExportKVRequest); i {
 			case 0:
 				return &v.state
@@ -3078,7 +2810,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[24].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[21].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*KVHeader); i {
 			case 0:
 				return &v.state
@@ -3090,7 +2822,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[25].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[22].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*KVChunk); i {
 			case 0:
 				return &v.state
@@ -3102,7 +2834,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[26].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[23].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*ImportKVResponse); i {
 			case 0:
 				return &v.state
@@ -3114,7 +2846,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[27].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[24].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*FreeStateRequest); i {
 			case 0:
 				return &v.state
@@ -3126,7 +2858,7 @@ func file_mtpdraft_v1_drafter_proto_init() {
 				return nil
 			}
 		}
-		file_mtpdraft_v1_drafter_proto_msgTypes[28].Exporter = func(v interface{}, i int) interface{} {
+		file_mtpdraft_v1_drafter_proto_msgTypes[25].Exporter = func(v interface{}, i int) interface{} {
 			switch v := v.(*FreeStateResponse); i {
 			case 0:
 				return &v.state
@@ -3139,17 +2871,13 @@ func file_mtpdraft_v1_drafter_proto_init() {
 			}
 		}
 	}
-	file_mtpdraft_v1_drafter_proto_msgTypes[11].OneofWrappers = []interface{}{
-		(*ProposeStreamResponse_Proposal)(nil),
-		(*ProposeStreamResponse_Error)(nil),
-	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: file_mtpdraft_v1_drafter_proto_rawDesc,
 			NumEnums:      1,
-			NumMessages:   30,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

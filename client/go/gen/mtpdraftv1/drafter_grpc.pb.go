@@ -40,37 +40,29 @@ type DrafterClient interface {
 	// pending proposal: one round trip per verify step.
 	// NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED.
 	Propose(ctx context.Context, in *ProposeRequest, opts ...grpc.CallOption) (*Proposal, error)
-	// The hot path: one stream per verifier, one message per verify step. Each
-	// message is a ProposeRequest (usually with `previous`, the verdict on the
-	// state's last proposal, and optionally its refeed hiddens), answered by a
-	// message carrying its request_id and either the proposal or the error the
-	// unary Propose would have returned; an error does not end the stream. One
-	// stream may carry many states and many requests in flight: answers come as
-	// they are ready, possibly out of order. Requests from all streams and
-	// calls are batched together. A message whose bytes do not parse as a
-	// ProposeRequest is answered too, with request_id 0 (its own cannot be
-	// read) and an INVALID_ARGUMENT error, reason MALFORMED_MESSAGE; the
-	// stream goes on.
-	ProposeStream(ctx context.Context, opts ...grpc.CallOption) (Drafter_ProposeStreamClient, error)
-	// Propose for many states in one call, one batched forward per draft
-	// position. At most GetInfo.max_batch requests, each state at most once.
-	// All or nothing: one bad request fails the call and changes no state.
-	ProposeBatch(ctx context.Context, in *ProposeBatchRequest, opts ...grpc.CallOption) (*ProposeBatchResponse, error)
 	// A verifier's whole step in one message: for B states at once, the verdicts
 	// on their pending proposals and their next proposals, as columns (row i of
 	// every column belongs to state_ids[i]). Batched with every other Propose
 	// call; at most GetInfo.max_batch rows, each state at most once.
 	// Errors are per row: a row that fails (NOT_FOUND, INVALID_ARGUMENT,
 	// FAILED_PRECONDITION, RESOURCE_EXHAUSTED, as Propose would) gets its error
-	// in `errors`, draft count 0, and leaves its state unchanged; the other rows
-	// are answered. A message whose columns do not fit together (lengths,
+	// in `errors` (the column at fault as its field), draft count 0, and leaves
+	// its state unchanged; the other rows are answered. A message whose columns do not fit together (lengths,
 	// tensor shapes) fails the call with INVALID_ARGUMENT and changes nothing.
-	ProposeColumns(ctx context.Context, in *ColumnsRequest, opts ...grpc.CallOption) (*ColumnsResponse, error)
-	// ProposeColumns on a stream: one message per verifier step, each answered
-	// by one message with its request_id (answers in the order of the requests'
-	// batches, usually the order sent). A message that fails as a whole is
-	// answered with `error` set; the stream goes on.
-	ProposeColumnsStream(ctx context.Context, opts ...grpc.CallOption) (Drafter_ProposeColumnsStreamClient, error)
+	ProposeBatch(ctx context.Context, in *ProposeBatchRequest, opts ...grpc.CallOption) (*ProposeBatchResponse, error)
+	// The hot path: ProposeBatch on one stream per verifier, one message per
+	// verify step (a single state is a batch of one). Each message is answered
+	// by one message echoing its request_id, with the rows' answers as
+	// ProposeBatch gives them; a message that fails as a whole is answered
+	// with `error` set (the status the unary call would have ended with), and
+	// the stream goes on. Many messages may be in flight: answers come as
+	// their batches are drafted, so possibly out of order (match them by
+	// request_id); two messages naming one state are served in the order they
+	// arrived. Messages from all streams and calls are batched together. A
+	// message whose bytes do not parse as a ProposeBatchRequest is answered
+	// too, with request_id 0 (its own cannot be read) and an INVALID_ARGUMENT
+	// error, reason MALFORMED_MESSAGE.
+	ProposeStream(ctx context.Context, opts ...grpc.CallOption) (Drafter_ProposeStreamClient, error)
 	// The verifier accepted the first num_accepted drafts of the pending
 	// proposal. For Propose(x, h[p-1], p) with drafts d1..dk the state then
 	// holds the rows of x and of d1..d_a (positions p .. p + a), and the next
@@ -179,6 +171,15 @@ func (c *drafterClient) Propose(ctx context.Context, in *ProposeRequest, opts ..
 	return out, nil
 }
 
+func (c *drafterClient) ProposeBatch(ctx context.Context, in *ProposeBatchRequest, opts ...grpc.CallOption) (*ProposeBatchResponse, error) {
+	out := new(ProposeBatchResponse)
+	err := c.cc.Invoke(ctx, "/mtpdraft.v1.Drafter/ProposeBatch", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *drafterClient) ProposeStream(ctx context.Context, opts ...grpc.CallOption) (Drafter_ProposeStreamClient, error) {
 	stream, err := c.cc.NewStream(ctx, &_Drafter_serviceDesc.Streams[1], "/mtpdraft.v1.Drafter/ProposeStream", opts...)
 	if err != nil {
@@ -189,8 +190,8 @@ func (c *drafterClient) ProposeStream(ctx context.Context, opts ...grpc.CallOpti
 }
 
 type Drafter_ProposeStreamClient interface {
-	Send(*ProposeRequest) error
-	Recv() (*ProposeStreamResponse, error)
+	Send(*ProposeBatchRequest) error
+	Recv() (*ProposeBatchResponse, error)
 	grpc.ClientStream
 }
 
@@ -198,61 +199,12 @@ type drafterProposeStreamClient struct {
 	grpc.ClientStream
 }
 
-func (x *drafterProposeStreamClient) Send(m *ProposeRequest) error {
+func (x *drafterProposeStreamClient) Send(m *ProposeBatchRequest) error {
 	return x.ClientStream.SendMsg(m)
 }
 
-func (x *drafterProposeStreamClient) Recv() (*ProposeStreamResponse, error) {
-	m := new(ProposeStreamResponse)
-	if err := x.ClientStream.RecvMsg(m); err != nil {
-		return nil, err
-	}
-	return m, nil
-}
-
-func (c *drafterClient) ProposeBatch(ctx context.Context, in *ProposeBatchRequest, opts ...grpc.CallOption) (*ProposeBatchResponse, error) {
-	out := new(ProposeBatchResponse)
-	err := c.cc.Invoke(ctx, "/mtpdraft.v1.Drafter/ProposeBatch", in, out, opts...)
-	if err != nil {
-		return nil, err
-	}
-	return out, nil
-}
-
-func (c *drafterClient) ProposeColumns(ctx context.Context, in *ColumnsRequest, opts ...grpc.CallOption) (*ColumnsResponse, error) {
-	out := new(ColumnsResponse)
-	err := c.cc.Invoke(ctx, "/mtpdraft.v1.Drafter/ProposeColumns", in, out, opts...)
-	if err != nil {
-		return nil, err
-	}
-	return out, nil
-}
-
-func (c *drafterClient) ProposeColumnsStream(ctx context.Context, opts ...grpc.CallOption) (Drafter_ProposeColumnsStreamClient, error) {
-	stream, err := c.cc.NewStream(ctx, &_Drafter_serviceDesc.Streams[2], "/mtpdraft.v1.Drafter/ProposeColumnsStream", opts...)
-	if err != nil {
-		return nil, err
-	}
-	x := &drafterProposeColumnsStreamClient{stream}
-	return x, nil
-}
-
-type Drafter_ProposeColumnsStreamClient interface {
-	Send(*ColumnsRequest) error
-	Recv() (*ColumnsResponse, error)
-	grpc.ClientStream
-}
-
-type drafterProposeColumnsStreamClient struct {
-	grpc.ClientStream
-}
-
-func (x *drafterProposeColumnsStreamClient) Send(m *ColumnsRequest) error {
-	return x.ClientStream.SendMsg(m)
-}
-
-func (x *drafterProposeColumnsStreamClient) Recv() (*ColumnsResponse, error) {
-	m := new(ColumnsResponse)
+func (x *drafterProposeStreamClient) Recv() (*ProposeBatchResponse, error) {
+	m := new(ProposeBatchResponse)
 	if err := x.ClientStream.RecvMsg(m); err != nil {
 		return nil, err
 	}
@@ -287,7 +239,7 @@ func (c *drafterClient) InstallKV(ctx context.Context, in *InstallKVRequest, opt
 }
 
 func (c *drafterClient) ExportKV(ctx context.Context, in *ExportKVRequest, opts ...grpc.CallOption) (Drafter_ExportKVClient, error) {
-	stream, err := c.cc.NewStream(ctx, &_Drafter_serviceDesc.Streams[3], "/mtpdraft.v1.Drafter/ExportKV", opts...)
+	stream, err := c.cc.NewStream(ctx, &_Drafter_serviceDesc.Streams[2], "/mtpdraft.v1.Drafter/ExportKV", opts...)
 	if err != nil {
 		return nil, err
 	}
@@ -319,7 +271,7 @@ func (x *drafterExportKVClient) Recv() (*KVChunk, error) {
 }
 
 func (c *drafterClient) ImportKV(ctx context.Context, opts ...grpc.CallOption) (Drafter_ImportKVClient, error) {
-	stream, err := c.cc.NewStream(ctx, &_Drafter_serviceDesc.Streams[4], "/mtpdraft.v1.Drafter/ImportKV", opts...)
+	stream, err := c.cc.NewStream(ctx, &_Drafter_serviceDesc.Streams[3], "/mtpdraft.v1.Drafter/ImportKV", opts...)
 	if err != nil {
 		return nil, err
 	}
@@ -388,37 +340,29 @@ type DrafterServer interface {
 	// pending proposal: one round trip per verify step.
 	// NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED.
 	Propose(context.Context, *ProposeRequest) (*Proposal, error)
-	// The hot path: one stream per verifier, one message per verify step. Each
-	// message is a ProposeRequest (usually with `previous`, the verdict on the
-	// state's last proposal, and optionally its refeed hiddens), answered by a
-	// message carrying its request_id and either the proposal or the error the
-	// unary Propose would have returned; an error does not end the stream. One
-	// stream may carry many states and many requests in flight: answers come as
-	// they are ready, possibly out of order. Requests from all streams and
-	// calls are batched together. A message whose bytes do not parse as a
-	// ProposeRequest is answered too, with request_id 0 (its own cannot be
-	// read) and an INVALID_ARGUMENT error, reason MALFORMED_MESSAGE; the
-	// stream goes on.
-	ProposeStream(Drafter_ProposeStreamServer) error
-	// Propose for many states in one call, one batched forward per draft
-	// position. At most GetInfo.max_batch requests, each state at most once.
-	// All or nothing: one bad request fails the call and changes no state.
-	ProposeBatch(context.Context, *ProposeBatchRequest) (*ProposeBatchResponse, error)
 	// A verifier's whole step in one message: for B states at once, the verdicts
 	// on their pending proposals and their next proposals, as columns (row i of
 	// every column belongs to state_ids[i]). Batched with every other Propose
 	// call; at most GetInfo.max_batch rows, each state at most once.
 	// Errors are per row: a row that fails (NOT_FOUND, INVALID_ARGUMENT,
 	// FAILED_PRECONDITION, RESOURCE_EXHAUSTED, as Propose would) gets its error
-	// in `errors`, draft count 0, and leaves its state unchanged; the other rows
-	// are answered. A message whose columns do not fit together (lengths,
+	// in `errors` (the column at fault as its field), draft count 0, and leaves
+	// its state unchanged; the other rows are answered. A message whose columns do not fit together (lengths,
 	// tensor shapes) fails the call with INVALID_ARGUMENT and changes nothing.
-	ProposeColumns(context.Context, *ColumnsRequest) (*ColumnsResponse, error)
-	// ProposeColumns on a stream: one message per verifier step, each answered
-	// by one message with its request_id (answers in the order of the requests'
-	// batches, usually the order sent). A message that fails as a whole is
-	// answered with `error` set; the stream goes on.
-	ProposeColumnsStream(Drafter_ProposeColumnsStreamServer) error
+	ProposeBatch(context.Context, *ProposeBatchRequest) (*ProposeBatchResponse, error)
+	// The hot path: ProposeBatch on one stream per verifier, one message per
+	// verify step (a single state is a batch of one). Each message is answered
+	// by one message echoing its request_id, with the rows' answers as
+	// ProposeBatch gives them; a message that fails as a whole is answered
+	// with `error` set (the status the unary call would have ended with), and
+	// the stream goes on. Many messages may be in flight: answers come as
+	// their batches are drafted, so possibly out of order (match them by
+	// request_id); two messages naming one state are served in the order they
+	// arrived. Messages from all streams and calls are batched together. A
+	// message whose bytes do not parse as a ProposeBatchRequest is answered
+	// too, with request_id 0 (its own cannot be read) and an INVALID_ARGUMENT
+	// error, reason MALFORMED_MESSAGE.
+	ProposeStream(Drafter_ProposeStreamServer) error
 	// The verifier accepted the first num_accepted drafts of the pending
 	// proposal. For Propose(x, h[p-1], p) with drafts d1..dk the state then
 	// holds the rows of x and of d1..d_a (positions p .. p + a), and the next
@@ -475,17 +419,11 @@ func (UnimplementedDrafterServer) Prefill(Drafter_PrefillServer) error {
 func (UnimplementedDrafterServer) Propose(context.Context, *ProposeRequest) (*Proposal, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Propose not implemented")
 }
-func (UnimplementedDrafterServer) ProposeStream(Drafter_ProposeStreamServer) error {
-	return status.Errorf(codes.Unimplemented, "method ProposeStream not implemented")
-}
 func (UnimplementedDrafterServer) ProposeBatch(context.Context, *ProposeBatchRequest) (*ProposeBatchResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ProposeBatch not implemented")
 }
-func (UnimplementedDrafterServer) ProposeColumns(context.Context, *ColumnsRequest) (*ColumnsResponse, error) {
-	return nil, status.Errorf(codes.Unimplemented, "method ProposeColumns not implemented")
-}
-func (UnimplementedDrafterServer) ProposeColumnsStream(Drafter_ProposeColumnsStreamServer) error {
-	return status.Errorf(codes.Unimplemented, "method ProposeColumnsStream not implemented")
+func (UnimplementedDrafterServer) ProposeStream(Drafter_ProposeStreamServer) error {
+	return status.Errorf(codes.Unimplemented, "method ProposeStream not implemented")
 }
 func (UnimplementedDrafterServer) AfterVerify(context.Context, *AfterVerifyRequest) (*AfterVerifyResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method AfterVerify not implemented")
@@ -598,32 +536,6 @@ func _Drafter_Propose_Handler(srv interface{}, ctx context.Context, dec func(int
 	return interceptor(ctx, in, info, handler)
 }
 
-func _Drafter_ProposeStream_Handler(srv interface{}, stream grpc.ServerStream) error {
-	return srv.(DrafterServer).ProposeStream(&drafterProposeStreamServer{stream})
-}
-
-type Drafter_ProposeStreamServer interface {
-	Send(*ProposeStreamResponse) error
-	Recv() (*ProposeRequest, error)
-	grpc.ServerStream
-}
-
-type drafterProposeStreamServer struct {
-	grpc.ServerStream
-}
-
-func (x *drafterProposeStreamServer) Send(m *ProposeStreamResponse) error {
-	return x.ServerStream.SendMsg(m)
-}
-
-func (x *drafterProposeStreamServer) Recv() (*ProposeRequest, error) {
-	m := new(ProposeRequest)
-	if err := x.ServerStream.RecvMsg(m); err != nil {
-		return nil, err
-	}
-	return m, nil
-}
-
 func _Drafter_ProposeBatch_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(ProposeBatchRequest)
 	if err := dec(in); err != nil {
@@ -642,44 +554,26 @@ func _Drafter_ProposeBatch_Handler(srv interface{}, ctx context.Context, dec fun
 	return interceptor(ctx, in, info, handler)
 }
 
-func _Drafter_ProposeColumns_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
-	in := new(ColumnsRequest)
-	if err := dec(in); err != nil {
-		return nil, err
-	}
-	if interceptor == nil {
-		return srv.(DrafterServer).ProposeColumns(ctx, in)
-	}
-	info := &grpc.UnaryServerInfo{
-		Server:     srv,
-		FullMethod: "/mtpdraft.v1.Drafter/ProposeColumns",
-	}
-	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
-		return srv.(DrafterServer).ProposeColumns(ctx, req.(*ColumnsRequest))
-	}
-	return interceptor(ctx, in, info, handler)
+func _Drafter_ProposeStream_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(DrafterServer).ProposeStream(&drafterProposeStreamServer{stream})
 }
 
-func _Drafter_ProposeColumnsStream_Handler(srv interface{}, stream grpc.ServerStream) error {
-	return srv.(DrafterServer).ProposeColumnsStream(&drafterProposeColumnsStreamServer{stream})
-}
-
-type Drafter_ProposeColumnsStreamServer interface {
-	Send(*ColumnsResponse) error
-	Recv() (*ColumnsRequest, error)
+type Drafter_ProposeStreamServer interface {
+	Send(*ProposeBatchResponse) error
+	Recv() (*ProposeBatchRequest, error)
 	grpc.ServerStream
 }
 
-type drafterProposeColumnsStreamServer struct {
+type drafterProposeStreamServer struct {
 	grpc.ServerStream
 }
 
-func (x *drafterProposeColumnsStreamServer) Send(m *ColumnsResponse) error {
+func (x *drafterProposeStreamServer) Send(m *ProposeBatchResponse) error {
 	return x.ServerStream.SendMsg(m)
 }
 
-func (x *drafterProposeColumnsStreamServer) Recv() (*ColumnsRequest, error) {
-	m := new(ColumnsRequest)
+func (x *drafterProposeStreamServer) Recv() (*ProposeBatchRequest, error) {
+	m := new(ProposeBatchRequest)
 	if err := x.ServerStream.RecvMsg(m); err != nil {
 		return nil, err
 	}
@@ -826,10 +720,6 @@ var _Drafter_serviceDesc = grpc.ServiceDesc{
 			Handler:    _Drafter_ProposeBatch_Handler,
 		},
 		{
-			MethodName: "ProposeColumns",
-			Handler:    _Drafter_ProposeColumns_Handler,
-		},
-		{
 			MethodName: "AfterVerify",
 			Handler:    _Drafter_AfterVerify_Handler,
 		},
@@ -855,12 +745,6 @@ var _Drafter_serviceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "ProposeStream",
 			Handler:       _Drafter_ProposeStream_Handler,
-			ServerStreams: true,
-			ClientStreams: true,
-		},
-		{
-			StreamName:    "ProposeColumnsStream",
-			Handler:       _Drafter_ProposeColumnsStream_Handler,
 			ServerStreams: true,
 			ClientStreams: true,
 		},

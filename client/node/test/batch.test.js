@@ -1,18 +1,19 @@
 'use strict';
-// The client's columnar calls against an in-process fake Drafter (no model): what goes on the
-// wire, how answers come back as typed arrays, and a ProposeColumnsStream's matching of answers
-// to steps by request id. Run with `npm test` in client/node.
+// The client's batch calls against an in-process fake Drafter (no model): what goes on the wire,
+// how answers come back as typed arrays, batchOf's columns of states given one by one, and a
+// ProposeStream's matching of answers to messages by request id. Run with `npm test` in
+// client/node.
 
 const assert = require('node:assert/strict');
 const { after, before, test } = require('node:test');
 const grpc = require('@grpc/grpc-js');
-const { DrafterClient, DrafterError, Tensor } = require('../index.js');
+const { DrafterClient, DrafterError, Tensor, batchOf } = require('../index.js');
 const { startFake } = require('./fake_server.js');
 
 const HIDDEN = 4;
-const requests = []; // every ColumnsRequest and ProposeBatchRequest the fake received
+const requests = []; // every ProposeBatchRequest the fake received
 
-// A ColumnsResponse for `req`: row i drafts K_i tokens 100 * i + j at probs 0.5, except a
+// A ProposeBatchResponse for `req`: row i drafts K_i tokens 100 * i + j at probs 0.5, except a
 // state id 0, whose row fails with NOT_FOUND naming state_ids.
 function answer(req) {
   const size = req.stateIds.length;
@@ -51,15 +52,15 @@ function misfit(req) {
 }
 
 const fake = {
-  ProposeColumns(call, callback) {
+  ProposeBatch(call, callback) {
     requests.push(call.request);
     const fault = misfit(call.request);
     if (fault) callback({ code: fault.code, details: fault.message });
     else callback(null, answer(call.request));
   },
-  // Holds each step until the next arrives and answers the later one first (out of order),
-  // a lone last step on the end of the requests.
-  ProposeColumnsStream(call) {
+  // Holds each message until the next arrives and answers the later one first (out of order),
+  // a lone last message on the end of the requests.
+  ProposeStream(call) {
     let held = null;
     const reply = (req) => {
       const fault = misfit(req);
@@ -78,15 +79,6 @@ const fake = {
     call.on('end', () => {
       if (held) reply(held);
       call.end();
-    });
-  },
-  ProposeBatch(call, callback) {
-    requests.push(call.request);
-    callback(null, {
-      proposals: call.request.requests.map((r) => ({
-        stateId: r.stateId, tokens: [r.token], probs: [0.25], confidence: 0.25,
-        firstPosition: String(Number(r.position) + 1),
-      })),
     });
   },
 };
@@ -109,8 +101,8 @@ function hiddens(rows) {
   return Tensor.fp32(new Float32Array(rows * HIDDEN).fill(0.5), [rows, HIDDEN]);
 }
 
-test('proposeColumns sends the columns and answers as typed arrays, failed rows in errors', async () => {
-  const got = await drafter.proposeColumns({
+test('proposeBatch sends the columns and answers as typed arrays, failed rows in errors', async () => {
+  const got = await drafter.proposeBatch({
     stateIds: BigUint64Array.of(18446744073709551615n, 0n, 7n),
     tokens: Int32Array.of(1, 2, -3),
     positions: BigInt64Array.of(9007199254740993n, 5n, 6n),
@@ -142,10 +134,15 @@ test('proposeColumns sends the columns and answers as typed arrays, failed rows 
   assert.equal(err.codeName, 'NOT_FOUND');
   assert.equal(err.reason, 'STATE_NOT_FOUND');
   assert.equal(err.field, 'state_ids');
+  assert.deepEqual(got.stateIds, ['18446744073709551615', '0', '7']);
+  assert.deepEqual(got.proposal(2), {
+    stateId: '7', tokens: [200], probs: [0.5], confidence: 0.5, firstPosition: 7,
+  });
+  assert.throws(() => got.proposal(1), (e) => e === err);
 });
 
-test('proposeColumns takes plain arrays, decimal ids, one K for all, refeeds and bitmasks', async () => {
-  const got = await drafter.proposeColumns({
+test('proposeBatch takes plain arrays, decimal ids, one K for all, refeeds and bitmasks', async () => {
+  const got = await drafter.proposeBatch({
     stateIds: ['5', 6],
     tokens: [1, 2],
     positions: [3, 4],
@@ -168,7 +165,7 @@ test('proposeColumns takes plain arrays, decimal ids, one K for all, refeeds and
   assert.equal(got.errors.size, 0);
 });
 
-test('proposeColumns refuses, before sending, a value its column cannot carry', async () => {
+test('proposeBatch refuses, before sending, a value its column cannot carry', async () => {
   const sent = requests.length;
   const base = { stateIds: [1], tokens: [1], positions: [1], hiddens: hiddens(1), numDrafts: [1] };
   for (const [name, value] of [
@@ -180,7 +177,7 @@ test('proposeColumns refuses, before sending, a value its column cannot carry', 
     ['numDrafts', '3'],
     ['minConfidence', ['0.5']],
   ]) {
-    await assert.rejects(drafter.proposeColumns({ ...base, [name]: value }), (err) => {
+    await assert.rejects(drafter.proposeBatch({ ...base, [name]: value }), (err) => {
       assert.ok(err instanceof RangeError || err instanceof TypeError, String(err));
       assert.match(err.message, new RegExp(`^${name}`));
       return true;
@@ -191,13 +188,13 @@ test('proposeColumns refuses, before sending, a value its column cannot carry', 
 
 test('a whole-message failure rejects the unary call with its status', async () => {
   await assert.rejects(
-    drafter.proposeColumns({ stateIds: [1, 2], tokens: [1], positions: [1, 2], hiddens: hiddens(2), numDrafts: 1 }),
+    drafter.proposeBatch({ stateIds: [1, 2], tokens: [1], positions: [1, 2], hiddens: hiddens(2), numDrafts: 1 }),
     (err) => err instanceof DrafterError && err.codeName === 'INVALID_ARGUMENT',
   );
 });
 
-test('columnsStream matches answers to steps by request id; a failed step leaves it open', async () => {
-  const stream = drafter.columnsStream();
+test('stream matches answers to messages by request id; a failed message leaves it open', async () => {
+  const stream = drafter.stream();
   const step = (ids, extra = {}) =>
     stream.step({
       stateIds: ids, tokens: ids.map(() => 1), positions: ids.map((_, i) => 10 * (i + 1)),
@@ -221,17 +218,51 @@ test('columnsStream matches answers to steps by request id; a failed step leaves
   await assert.rejects(step([1]), (err) => err instanceof DrafterError && err.codeName === 'UNAVAILABLE');
 });
 
-test('proposeBatch sends the requests in order and answers their proposals', async () => {
-  assert.deepEqual(await drafter.proposeBatch([]), []);
-  const got = await drafter.proposeBatch([
-    { stateId: '3', token: 7, hidden: Tensor.fp32([1, 2, 3, 4]), position: 5, numDrafts: 2, previous: { numAccepted: 1 } },
-    { stateId: '4', token: 8, hidden: Tensor.fp32([1, 2, 3, 4]), position: 9, numDrafts: 1, minConfidence: 0.5 },
+test('batchOf makes the columns of states given one by one', () => {
+  const refeed = Tensor.fp32([7, 8, 9, 10, 11, 12, 13, 14], [2, HIDDEN]);
+  const batch = batchOf([
+    { stateId: '3', token: 13, hidden: Tensor.fp32([1, 2, 3, 4]), position: 5, numDrafts: 2,
+      previous: { numAccepted: 2, refeedHiddens: refeed } },
+    { stateId: 1n, token: 11, hidden: hiddens(1), position: 6, numDrafts: 3,
+      bitmask: Tensor.int32([5]) },
+    { stateId: 8, token: 1, hidden: Tensor.fp32([5, 6, 7, 8]), position: 2, numDrafts: 4,
+      bitmask: Tensor.int32([-1, -1, 3, 4], [2, 2]), minConfidence: 0.5, previous: { numAccepted: 1 } },
   ]);
-  const req = requests.at(-1);
-  assert.deepEqual(req.requests.map((r) => [r.stateId, r.token, r.numDrafts]), [['3', 7, 2], ['4', 8, 1]]);
-  assert.equal(req.requests[0].previous.numAccepted, 1);
-  assert.equal(req.requests[1].minConfidence, 0.5);
-  assert.deepEqual(got.map((p) => [p.stateId, p.tokens, p.firstPosition]), [['3', [7], 6], ['4', [8], 10]]);
+  assert.deepEqual(batch.stateIds, ['3', 1n, 8]);
+  assert.deepEqual(batch.tokens, [13, 11, 1]);
+  assert.deepEqual(batch.numDrafts, [2, 3, 4]);
+  assert.deepEqual(batch.hiddens, Tensor.fp32([1, 2, 3, 4, 0.5, 0.5, 0.5, 0.5, 5, 6, 7, 8], [3, HIDDEN]));
+  assert.deepEqual(batch.numAccepted, [2, -1, 1]);
+  assert.deepEqual(batch.refeedRows, [2, 0, 0]);
+  assert.deepEqual(batch.refeedHiddens, refeed);
+  assert.deepEqual(batch.bitmaskRows, [0, 1, 2]);
+  assert.deepEqual(batch.bitmasks, Tensor.int32([5, 0, -1, -1, 3, 4], [3, 2])); // padded with 0
+  assert.deepEqual(batch.minConfidence, [0, 0, 0.5]);
+  const plain = batchOf([{ stateId: '3', token: 1, hidden: hiddens(1), position: 5, numDrafts: 1 }]);
+  assert.deepEqual(Object.keys(plain), ['stateIds', 'tokens', 'positions', 'hiddens', 'numDrafts']);
+  assert.throws(() => batchOf([{ stateId: '3', hidden: hiddens(2) }]), RangeError); // one row each
+  assert.throws(
+    () => batchOf([{ stateId: '3', hidden: hiddens(1) }, { stateId: '4', hidden: Tensor.fp32([1, 2]) }]),
+    RangeError,
+  );
+});
+
+test('stream.propose sends one state as a batch of one and answers its Proposal', async () => {
+  const stream = drafter.stream();
+  const hidden = Tensor.fp32([1, 2, 3, 4]);
+  const sent = requests.length;
+  // The fake answers a pair of messages: one state's, and one of a state it does not know.
+  const [p, gone] = await Promise.allSettled([
+    stream.propose('5', { token: 1, hidden, position: 9, numDrafts: 2, previous: { numAccepted: 0 } }),
+    stream.propose('0', { token: 1, hidden, position: 9, numDrafts: 2 }),
+  ]);
+  const req = requests[sent];
+  assert.deepEqual([req.stateIds, req.numDrafts, req.numAccepted], [['5'], [2], [0]]);
+  assert.deepEqual(req.hiddens.shape, ['1', String(HIDDEN)]);
+  assert.deepEqual(p.value, { stateId: '5', tokens: [0, 1], probs: [0.5, 0.5], confidence: 0.5, firstPosition: 10 });
+  assert.ok(gone.reason instanceof DrafterError);
+  assert.deepEqual([gone.reason.reason, gone.reason.field], ['STATE_NOT_FOUND', 'state_ids']);
+  await stream.close();
 });
 
 test('Tensor.fp32 and Tensor.int32 write the same bytes from typed arrays and from numbers', () => {

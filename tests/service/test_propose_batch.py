@@ -1,4 +1,5 @@
-"""ProposeColumns over a real server: a verifier's whole step in one message, as columns.
+"""ProposeBatch and ProposeStream over a real server: a verifier's whole step in one message,
+as columns.
 
 Every row is checked against the float64 oracle through the rows the contract
 says each state holds (tests/drafting.py), unary and on the stream; a bad row
@@ -17,7 +18,15 @@ from drafting import Expected, V, hiddens, tokens
 from mtp_reference import Reference
 from servers import SERVER_ARGS, start_server
 
-from mtpdraft.client import AsyncDrafterClient, DrafterClient, InvalidArgument
+from mtpdraft.client import (
+    AsyncDrafterClient,
+    DrafterClient,
+    FailedPrecondition,
+    InvalidArgument,
+    ProposeArgs,
+    StateNotFound,
+    Verdict,
+)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +98,7 @@ def test_steps_match_the_oracle_through_every_verdict(client, ref) -> None:
     try:
         ks = [3, 1, 4, 2]
         toks, hid, pos = v.inputs(0)
-        got = client.propose_columns(v.states, toks, pos, hid, ks)
+        got = client.propose_batch(v.states, toks, pos, hid, ks)
         want = [e.propose(toks[i], hid[i], ks[i]) for i, e in enumerate(v.expected)]
         assert_rows(got, want, pos)
 
@@ -105,7 +114,7 @@ def test_steps_match_the_oracle_through_every_verdict(client, ref) -> None:
         mask = torch.zeros(V, dtype=torch.bool)
         mask[allowed[0]] = True
         toks, hid, pos = v.inputs(1)
-        got = client.propose_columns(
+        got = client.propose_batch(
             v.states, toks, pos, hid, 3,
             num_accepted=accepted, refeed_rows=refeed_rows, refeed_hiddens=refeed,
             bitmask_rows=[0, 1, 0, 0], bitmasks=words.to(torch.int32),
@@ -117,7 +126,7 @@ def test_steps_match_the_oracle_through_every_verdict(client, ref) -> None:
         assert_rows(got, want, pos)
         assert all(t % 3 == 1 for t in got.drafts[1])
 
-        with client.columns_stream() as stream:
+        with client.stream() as stream:
             for step in (2, 3):
                 for e in v.expected:
                     e.verdict(1)
@@ -132,11 +141,141 @@ def test_steps_match_the_oracle_through_every_verdict(client, ref) -> None:
         v.free()
 
 
+def _words(allowed: list[list[int]], words: int) -> torch.Tensor:
+    """xgrammar's packed int32 rows allowing each row's tokens, `words` words a row."""
+    packed = torch.zeros(len(allowed), words, dtype=torch.int64)
+    for row, tokens_ in enumerate(allowed):
+        for t in tokens_:
+            packed[row, t // 32] |= 1 << (t % 32)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def _mask(allowed: list[list[int]]) -> torch.Tensor:
+    mask = torch.zeros(len(allowed), V, dtype=torch.bool)
+    for row, tokens_ in enumerate(allowed):
+        mask[row, tokens_] = True
+    return mask
+
+
+def test_propose_many_sends_states_given_one_by_one_as_columns(client, ref) -> None:
+    """ProposeArgs of three states made into one message: hiddens of two dtypes, refeeds of
+    2 rows, 1 flat row and none, bitmasks of fewer words and of two rows; each row is the
+    oracle's."""
+    v = Verifier(client, ref, [3, 7, 5], seed=61)
+    try:
+        toks, hid, pos = v.inputs(0)
+        sent = [hid[0], hid[1:2].to(torch.bfloat16), hid[2].to(torch.bfloat16)]
+        got = client.propose_many(
+            [ProposeArgs(v.states[i], toks[i], sent[i], pos[i], 3) for i in range(3)]
+        )
+        want = [e.propose(toks[i], sent[i].float(), 3) for i, e in enumerate(v.expected)]
+        assert_rows(got, want, pos)
+        assert [p.tokens for p in got.proposals()] == [d for d, _ in want]
+        assert [p.state_id for p in got.proposals()] == v.states
+
+        refeeds = [hiddens(2, 62), hiddens(1, 63)[0], None]
+        verdicts = [Verdict(2, refeeds[0]), Verdict(1, refeeds[1]), 0]
+        few_words = [[t for t in range(64) if t % 5 == 0]]  # 2 words: tokens past 63 masked
+        two_rows = [[t for t in range(V) if t % 2 == 0], [t for t in range(V) if t % 7 == 3]]
+        masks = [_words(few_words, 2)[0], None, _words(two_rows, (V + 31) // 32)]
+        for e, a, refeed in zip(v.expected, (2, 1, 0), refeeds, strict=True):
+            e.verdict(a, None if refeed is None else refeed.reshape(-1, 64))
+        toks, hid, pos = v.inputs(1)
+        args = [
+            ProposeArgs(v.states[i], toks[i], hid[i], pos[i], 3, masks[i], previous=verdicts[i])
+            for i in range(3)
+        ]
+        got = client.propose_many(args)
+        allowed = [_mask(few_words), None, _mask(two_rows)]
+        want = [e.propose(toks[i], hid[i], 3, allowed[i]) for i, e in enumerate(v.expected)]
+        assert_rows(got, want, pos)
+        assert all(t % 5 == 0 and t < 64 for t in got.drafts[0])
+        assert got.drafts[2, 0] % 2 == 0 and all(t % 7 == 3 for t in got.drafts[2, 1:])
+        for state in v.states:
+            client.after_verify(state, 0)
+    finally:
+        v.free()
+
+
+def test_a_failed_row_raises_from_its_proposal_alone(client, ref) -> None:
+    v = Verifier(client, ref, [4, 4], seed=65)
+    try:
+        toks, hid, pos = v.inputs(0)
+        got = client.propose_many(
+            [
+                ProposeArgs(v.states[0], toks[0], hid[0], pos[0], 2),
+                ProposeArgs(v.states[1], toks[1], hid[1], pos[1], 2, previous=Verdict(0)),
+            ]
+        )
+        assert got.proposal(0).tokens == v.expected[0].propose(toks[0], hid[0], 2)[0]
+        with pytest.raises(FailedPrecondition) as info:
+            got.proposal(1)
+        assert info.value.reason == "NO_PENDING_PROPOSAL"
+        with pytest.raises(FailedPrecondition):
+            got.proposals()
+        client.after_verify(v.states[0], 0)
+    finally:
+        v.free()
+
+
+def test_stream_messages_in_flight_on_one_state_are_served_in_the_order_sent(client, ref) -> None:
+    """Five steps of two states sent at once, each message carrying the verdict on the
+    previous one's proposal: only arrival order serves them all (a verdict before its
+    proposal is NO_PENDING_PROPOSAL), and each answer is the oracle's."""
+    v = Verifier(client, ref, [5, 8], seed=71)
+    try:
+        sent, want = [], []
+        for step in range(5):
+            accepted = None if step == 0 else [1, 0]
+            for i, e in enumerate(v.expected):
+                if accepted is not None:
+                    e.verdict(accepted[i])
+            toks, hid, pos = v.inputs(step)
+            want.append(([e.propose(toks[i], hid[i], 2) for i, e in enumerate(v.expected)], pos))
+            sent.append((toks, pos, hid, accepted))
+        with client.stream() as stream:
+            futures = [
+                stream.submit(v.states, toks, pos, hid, 2, num_accepted=accepted)
+                for toks, pos, hid, accepted in sent
+            ]
+            for future, (rows, pos) in zip(futures, want, strict=True):
+                assert_rows(future.result(timeout=60), rows, pos)
+        for state in v.states:
+            client.after_verify(state, 0)
+    finally:
+        v.free()
+
+
+def test_stream_propose_is_a_batch_of_one(client, ref) -> None:
+    v = Verifier(client, ref, [6], seed=75)
+    (state,), (e,) = v.states, v.expected
+    try:
+        toks, hid, pos = v.inputs(0)
+        with client.stream() as stream:
+            got = stream.propose(state, toks[0], hid[0], pos[0], 3)
+            assert (got.state_id, got.first_position) == (state, pos[0] + 1)
+            drafts, probs = e.propose(toks[0], hid[0], 3)
+            assert got.tokens == drafts and got.probs == pytest.approx(probs, abs=2e-4)
+            with pytest.raises(StateNotFound) as info:  # a failed row raises its error
+                stream.propose(state ^ 1, toks[0], hid[0], 1, 3)
+            assert info.value.field == "state_ids"
+            with pytest.raises(InvalidArgument) as info:  # so does a message refused whole
+                stream.propose(state, toks[0], hiddens(1, 0)[:, :8], pos[0] + 4, 3)
+            assert (info.value.reason, info.value.field) == ("BAD_SHAPE", "hiddens")
+            e.verdict(2)
+            toks, hid, pos = v.inputs(1)
+            got = stream.propose(state, toks[0], hid[0], e.next_position, 3, previous=2)
+            assert got.tokens == e.propose(toks[0], hid[0], 3)[0]
+        client.after_verify(state, 0)
+    finally:
+        v.free()
+
+
 def test_min_confidence_per_row_and_for_all(client, ref) -> None:
     v = Verifier(client, ref, [5, 5], seed=11)
     try:
         toks, hid, pos = v.inputs(0)
-        full = client.propose_columns(v.states, toks, pos, hid, 8)
+        full = client.propose_batch(v.states, toks, pos, hid, 8)
         for state in v.states:
             client.after_verify(state, 0)
         for i, e in enumerate(v.expected):
@@ -147,7 +286,7 @@ def test_min_confidence_per_row_and_for_all(client, ref) -> None:
         drop = next(i for i in range(1, 8) if running[i] < running[i - 1] - 1e-3)
         tau = float(running[drop] + running[drop - 1]) / 2
         toks, hid, pos = v.inputs(1)
-        got = client.propose_columns(v.states, toks, pos, hid, 8, min_confidence=[tau, 0.0])
+        got = client.propose_batch(v.states, toks, pos, hid, 8, min_confidence=[tau, 0.0])
         drafts, probs = v.expected[0].propose(toks[0], hid[0], 8)
         keep = next((i for i in range(8) if min(probs[: i + 1]) < tau), 8)
         assert got.counts[0] == keep and got.drafts[0, :keep].tolist() == drafts[:keep]
@@ -165,7 +304,7 @@ def test_a_bad_row_fails_alone_and_changes_nothing(client, ref) -> None:
         toks, hid, pos = v.inputs(0)
         bad_pos = [pos[0], pos[1] + 5, pos[2]]
         unknown = [*v.states[:2], v.states[2] ^ 1]
-        got = client.propose_columns(unknown, toks, bad_pos, hid, 2)
+        got = client.propose_batch(unknown, toks, bad_pos, hid, 2)
         assert got.counts.tolist() == [2, 0, 0]
         assert set(got.errors) == {1, 2}
         assert (got.errors[1].reason, got.errors[1].field) == ("POSITION_MISMATCH", "positions")
@@ -174,14 +313,14 @@ def test_a_bad_row_fails_alone_and_changes_nothing(client, ref) -> None:
         assert (got.drafts[1:] == -1).all()
         assert got.drafts[0].tolist() == v.expected[0].propose(toks[0], hid[0], 2)[0]
         # States 1 and 2 are as they were: the same step now drafts what the oracle says.
-        again = client.propose_columns(v.states[1:], toks[1:], pos[1:], hid[1:], 2)
+        again = client.propose_batch(v.states[1:], toks[1:], pos[1:], hid[1:], 2)
         want = [e.propose(toks[i + 1], hid[i + 1], 2) for i, e in enumerate(v.expected[1:])]
         assert_rows(again, want, pos[1:])
         # A state twice: the second row fails, the first is answered.
         for e in v.expected:
             e.verdict(0)
         toks, hid, pos = v.inputs(1)
-        got = client.propose_columns(
+        got = client.propose_batch(
             [v.states[0], v.states[0]], toks[:2], [pos[0]] * 2, hid[:2], 2, num_accepted=[0, 0]
         )
         assert got.counts.tolist() == [2, 0] and got.errors[1].reason == "DUPLICATE_STATE"
@@ -196,7 +335,7 @@ def test_a_row_asking_an_absurd_k_fails_alone_and_sizes_nothing(client, ref) -> 
     v = Verifier(client, ref, [3, 3], seed=23)
     try:
         toks, hid, pos = v.inputs(0)
-        got = client.propose_columns(v.states, toks, pos, hid, [2, 2**31 - 1])
+        got = client.propose_batch(v.states, toks, pos, hid, [2, 2**31 - 1])
         assert got.counts.tolist() == [2, 0] and got.drafts.shape[1] <= client.info().max_drafts
         assert got.errors[1].reason == "NUM_DRAFTS_OUT_OF_RANGE"
         assert got.drafts[0, :2].tolist() == v.expected[0].propose(toks[0], hid[0], 2)[0]
@@ -209,6 +348,7 @@ def test_a_row_asking_an_absurd_k_fails_alone_and_sizes_nothing(client, ref) -> 
     "change, reason, field",
     [
         (dict(positions=[9]), "COLUMNS_MISMATCH", "positions"),
+        (dict(state_ids=[]), "BATCH_SIZE_OUT_OF_RANGE", "state_ids"),
         (dict(num_drafts=[2, 2, 2]), "COLUMNS_MISMATCH", "num_drafts"),
         (dict(num_accepted=[0]), "COLUMNS_MISMATCH", "num_accepted"),
         (dict(hiddens=hiddens(3, 5)), "BAD_SHAPE", "hiddens"),
@@ -223,6 +363,11 @@ def test_a_row_asking_an_absurd_k_fails_alone_and_sizes_nothing(client, ref) -> 
             "COLUMNS_MISMATCH",
             "bitmasks",
         ),
+        (  # more words than the vocabulary has
+            dict(bitmask_rows=[1, 0], bitmasks=torch.zeros(1, 8, dtype=torch.int32)),
+            "BAD_SHAPE",
+            "bitmasks",
+        ),
     ],
 )
 def test_columns_that_do_not_fit_fail_the_call(client, ref, change, reason, field) -> None:
@@ -232,7 +377,7 @@ def test_columns_that_do_not_fit_fail_the_call(client, ref, change, reason, fiel
     v = Verifier(client, ref, [2, 2], seed=31)
     try:
         toks, hid, pos = v.inputs(0)
-        request = m.columns_request(v.states, toks, pos, hid, 2)
+        request = m.batch_request(v.states, toks, pos, hid, 2)
         for name, value in change.items():
             field_ = getattr(request, name)
             if isinstance(value, torch.Tensor):
@@ -241,10 +386,10 @@ def test_columns_that_do_not_fit_fail_the_call(client, ref, change, reason, fiel
                 del field_[:]
                 field_.extend(value)
         with pytest.raises(InvalidArgument) as info:
-            client._unary(client._stub.ProposeColumns, request, m.parse_columns, 30.0)
+            client._batch(request, 30.0)
         assert (info.value.reason, info.value.field) == (reason, field)
         # Nothing changed: the step as it should be drafts what the oracle says.
-        got = client.propose_columns(v.states, toks, pos, hid, 2)
+        got = client.propose_batch(v.states, toks, pos, hid, 2)
         assert_rows(got, [e.propose(toks[i], hid[i], 2) for i, e in enumerate(v.expected)], pos)
         for state in v.states:
             client.after_verify(state, 0)
@@ -256,7 +401,7 @@ def test_stream_answers_a_bad_message_and_goes_on(client, ref) -> None:
     v = Verifier(client, ref, [4], seed=41)
     try:
         toks, hid, pos = v.inputs(0)
-        with client.columns_stream() as stream:
+        with client.stream() as stream:
             with pytest.raises(InvalidArgument) as info:
                 stream.step(v.states, toks, pos, hiddens(2, 1)[:, :8].contiguous(), 2)
             assert info.value.reason == "BAD_SHAPE"
@@ -274,8 +419,8 @@ def test_async_client_steps_alike(address, client, ref) -> None:
 
         async def run():
             async with AsyncDrafterClient(address, timeout=30.0) as c:
-                unary = await c.propose_columns(v.states, toks, pos, hid.to(torch.bfloat16), 3)
-                async with c.columns_stream() as stream:
+                unary = await c.propose_batch(v.states, toks, pos, hid.to(torch.bfloat16), 3)
+                async with c.stream() as stream:
                     streamed = await stream.step(
                         v.states, toks2, pos2, hid2, 3, num_accepted=[0, 3]
                     )
