@@ -119,9 +119,9 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
 
     from mtpdraft.service import servicer, wire
     from mtpdraft.service.engine import admission, engine
-    from mtpdraft.service.engine.scheduler import ProposeScheduler
     from mtpdraft.service.model.decode_graphs import DecodeGraphs
     from mtpdraft.service.model.mtp_head import MTPHead
+    from mtpdraft.service.serving.scheduler import ProposeScheduler
 
     now = time.perf_counter_ns
 
@@ -206,7 +206,7 @@ def _batches_on(where: str) -> None:
     the loop's thread for a GPU engine; else every scheduler built from now on is set so)."""
     if where == "auto":
         return
-    from mtpdraft.service.engine.scheduler import ProposeScheduler
+    from mtpdraft.service.serving.scheduler import ProposeScheduler
 
     init = ProposeScheduler.__init__
 
@@ -260,17 +260,17 @@ def keep_awake() -> None:
 
 
 def _awake_server() -> None:
-    """Every LocalBackend started from now on keeps its loop awake."""
-    from mtpdraft.service.backend import LocalBackend
+    """Every ServingLoop started from now on keeps its event loop awake."""
+    from mtpdraft.service.serving.loop import ServingLoop
 
-    start = LocalBackend.start
+    start = ServingLoop.start
 
     @functools.wraps(start)
     def started(self) -> None:
         start(self)
         keep_awake()
 
-    LocalBackend.start = started
+    ServingLoop.start = started
 
 
 def _stamped_server(argv: list[str]) -> int:

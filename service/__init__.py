@@ -1,5 +1,6 @@
 """The drafter server: the gRPC servicer, the server and the `mtpdraft` command.
 
-`engine` holds the states and the propose / verify cycle (no gRPC), `model` the
-checkpoint loading and the MTP forward (no states).
+`serving` drives the engine from the event loop (its thread, the scheduler, leases),
+`engine` holds the states and the propose / verify cycle (no gRPC, no asyncio), `model`
+the checkpoint loading and the MTP forward (no states).
 """

@@ -42,7 +42,6 @@ def _load_serving() -> None:
     import torch
 
     from .engine.engine import DraftEngine
-    from .engine.runner import GIL_SWITCH_INTERVAL_S
     from .front_end import ListenError, check_free
     from .model.checkpoint import load_mtp_weights
     from .model.errors import CheckpointError
@@ -50,6 +49,7 @@ def _load_serving() -> None:
     from .model.mtp_head import MTPHead
     from .security import TokenSource, server_credentials
     from .server import DrafterServer, create_server
+    from .serving.runner import GIL_SWITCH_INTERVAL_S
     from .telemetry import Telemetry, providers_from_env, serve_metrics
 
 

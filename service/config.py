@@ -3,7 +3,7 @@ once, here.
 
 The command's parser is generated from `ServeConfig` and fills it (cli.py); the engine,
 the scheduler and the gRPC server are built from its values (`cli.build_engine`,
-`cli.build_server`), and the keyword defaults of `DrafterServer`, `LocalBackend` and
+`cli.build_server`), and the keyword defaults of `DrafterServer`, `ServingLoop` and
 `FrontEnd` are `DEFAULTS`'. A field's metadata holds its flag's help (and `choices`,
 `metavar`, `group`, and `shown_default` for a default better named than printed, where
 it has them); a bool field that defaults to True is the flag `--no-NAME`.

@@ -22,7 +22,7 @@ from .telemetry import Telemetry
 from .watchdog import EngineWatchdog
 
 if TYPE_CHECKING:
-    from .backend import LocalBackend
+    from .serving.loop import ServingLoop
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"]
@@ -108,7 +108,7 @@ class FrontEnd:
 
     def __init__(
         self,
-        backend: LocalBackend,
+        backend: ServingLoop,
         address: str,
         telemetry: Telemetry,
         *,

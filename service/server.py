@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .backend import LocalBackend
 from .config import DEFAULTS
 from .engine.engine import DraftEngine
 from .front_end import SERVICE_NAME, FrontEnd
+from .serving.loop import ServingLoop
 from .telemetry import Telemetry
 
 __all__ = ["SERVICE_NAME", "DrafterServer", "create_server"]
@@ -30,14 +30,14 @@ class DrafterServer:
         **front_end_options,
     ) -> None:
         self.engine = engine
-        self.backend = LocalBackend(engine, telemetry, max_queue=max_queue, batch_wait=batch_wait)
-        self.telemetry = self.backend.telemetry
-        self.runner, self.scheduler = self.backend.runner, self.backend.scheduler
-        self.front_end = FrontEnd(self.backend, address, self.telemetry, **front_end_options)
+        self.serving = ServingLoop(engine, telemetry, max_queue=max_queue, batch_wait=batch_wait)
+        self.telemetry = self.serving.telemetry
+        self.runner, self.scheduler = self.serving.runner, self.serving.scheduler
+        self.front_end = FrontEnd(self.serving, address, self.telemetry, **front_end_options)
         self.port = self.front_end.port
 
     async def start(self) -> None:
-        self.backend.start()
+        self.serving.start()
         await self.front_end.start()
 
     async def drain(self, grace: float) -> int:
@@ -45,7 +45,7 @@ class DrafterServer:
 
         Returns how many states were still live (and freed) at the end.
         """
-        return await self.backend.drain(grace, self.front_end)
+        return await self.serving.drain(grace, self.front_end)
 
     async def wait_for_termination(self) -> None:
         await self.front_end.server.wait_for_termination()

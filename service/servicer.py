@@ -1,6 +1,6 @@
 """The gRPC servicer: translates proto <-> backend calls and engine errors <-> status codes.
 
-The backend (backend.py) runs the engine's calls; Propose calls of every kind
+The backend (serving/loop.py) runs the engine's calls; Propose calls of every kind
 (unary, batch, each stream message) are batched across clients there. `wire` reads
 each request into the engine's types before the backend sees it (INVALID_ARGUMENT
 for a malformed one) and makes the responses from its results: no protobuf below
@@ -46,7 +46,7 @@ from .refusals import Throttle, refusals
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
-    from .backend import LocalBackend
+    from .serving.loop import ServingLoop
 
 log = logging.getLogger("mtpdraft.servicer")
 
@@ -215,7 +215,7 @@ def rpc(handler: Handler) -> Handler:
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(self, backend: LocalBackend, telemetry: Telemetry, max_message_bytes: int) -> None:
+    def __init__(self, backend: ServingLoop, telemetry: Telemetry, max_message_bytes: int) -> None:
         self.backend = backend
         self.telemetry = telemetry
         self.max_message_bytes = max_message_bytes

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 if TYPE_CHECKING:
     from grpc_health.v1.health import aio
 
-    from .engine.runner import EngineRunner
+    from .serving.runner import EngineRunner
 
 log = logging.getLogger("mtpdraft.watchdog")
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -1,1 +1,2 @@
-"""The drafter engine: states, KV blocks, leases and the propose / verify cycle; no gRPC."""
+"""The drafter engine: states, KV blocks, leases and the propose / verify cycle; no gRPC,
+no asyncio, no threads."""

@@ -1,7 +1,8 @@
 """The drafter engine: states, their KV blocks and the propose / verify cycle.
 
-Synchronous and single-threaded by design: the server runs every call on one
-worker thread, so no call sees another half done. It knows nothing of gRPC.
+Synchronous and single-threaded by design: the serving loop (service/serving/) runs
+every call on one worker thread, so no call sees another half done. It knows nothing
+of gRPC, asyncio or threads.
 
 Row bookkeeping (DESIGN.md, "The contract"): Propose(x, h[p-1], p) computes the
 committed row R0 = (x, h[p-1]) at row index p - 1 and the speculative rows

@@ -48,7 +48,7 @@ class CliServer:
 
     @property
     def scheduler(self):
-        return self.server.backend.scheduler
+        return self.server.serving.scheduler
 
     def run(self, coroutine: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)

@@ -21,11 +21,11 @@ from servers import PATIENCE, SERVER_ARGS, start_server
 from mtpdraft.client import DrafterClient, InvalidArgument
 from mtpdraft.client import messages as m
 from mtpdraft.service import cli
-from mtpdraft.service.backend import LocalBackend
 from mtpdraft.service.config import DEFAULTS, ServeConfig
-from mtpdraft.service.engine.runner import GIL_SWITCH_INTERVAL_S
 from mtpdraft.service.front_end import FrontEnd
 from mtpdraft.service.server import DrafterServer
+from mtpdraft.service.serving.loop import ServingLoop
+from mtpdraft.service.serving.runner import GIL_SWITCH_INTERVAL_S
 from mtpdraft.service.telemetry import Telemetry
 
 
@@ -268,7 +268,7 @@ def test_the_servers_keyword_defaults_are_the_commands() -> None:
         "batch_wait": DEFAULTS.batch_wait,
         "telemetry": None,
     }
-    assert defaults(LocalBackend) == defaults(DrafterServer)
+    assert defaults(ServingLoop) == defaults(DrafterServer)
     assert defaults(FrontEnd) == {
         "max_message_bytes": DEFAULTS.max_message_bytes,
         "reflection_enabled": DEFAULTS.reflection,

@@ -17,8 +17,8 @@ from drafting import hiddens, tokens
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mtpdraft.client import DrafterClient
-from mtpdraft.service.engine.runner import EngineRunner
 from mtpdraft.service.front_end import SERVICE_NAME
+from mtpdraft.service.serving.runner import EngineRunner
 from mtpdraft.service.watchdog import EngineWatchdog
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -11,12 +11,12 @@ from servers import PATIENCE, until
 
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.engine.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
-from mtpdraft.service.engine.runner import EngineRunner
-from mtpdraft.service.engine.scheduler import ProposeScheduler
 from mtpdraft.service.engine.types import ProposeArgs, Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import write_random_checkpoint
+from mtpdraft.service.serving.runner import EngineRunner
+from mtpdraft.service.serving.scheduler import ProposeScheduler
 
 
 @pytest.fixture(scope="module")

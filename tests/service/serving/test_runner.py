@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from mtpdraft.service.engine.runner import EngineRunner
+from mtpdraft.service.serving.runner import EngineRunner
 
 
 def test_calls_run_in_order_on_one_thread_and_return_their_results() -> None:

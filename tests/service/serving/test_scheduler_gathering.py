@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from mtpdraft.service.engine.runner import EngineRunner
-from mtpdraft.service.engine.scheduler import ProposeScheduler
 from mtpdraft.service.engine.step import Step, StepResult
 from mtpdraft.service.engine.types import ProposeArgs
+from mtpdraft.service.serving.runner import EngineRunner
+from mtpdraft.service.serving.scheduler import ProposeScheduler
 
 
 class TimedEngine:

@@ -42,12 +42,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from .engine import DraftEngine
-from .errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from ..engine.engine import DraftEngine
+from ..engine.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from ..engine.step import Step, StepResult
+from ..engine.types import BatchRun, Proposal, ProposeArgs
+from ..engine.validation import check_batch_size
 from .runner import EngineRunner
-from .step import Step, StepResult
-from .types import BatchRun, Proposal, ProposeArgs
-from .validation import check_batch_size
 
 
 @dataclass

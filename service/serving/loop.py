@@ -1,5 +1,6 @@
-"""The engine as the servicer calls it: `LocalBackend` runs each call on the engine's
-worker thread, Propose calls through the batching scheduler, and reaps expired leases.
+"""The serving loop: the engine as the servicer calls it. `ServingLoop` runs each call on
+the engine's worker thread (runner.py), Propose calls through the batching scheduler
+(scheduler.py), and reaps expired leases.
 
 Calls come in as the engine's types (the servicer reads the wire's messages into them
 with `wire`) and results go out as the engine's types (a ProposeBatch step's as a
@@ -13,15 +14,13 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .config import DEFAULTS
-from .engine import columns, errors
-from .engine.columns import Columns
-from .engine.engine import DraftEngine, PrefillSession
-from .engine.kv_transfer import KVChunk, KVHeader, KVImport
-from .engine.runner import EngineRunner
-from .engine.scheduler import ProposeScheduler
-from .engine.step import StepResult
-from .engine.types import (
+from ..config import DEFAULTS
+from ..engine import columns, errors
+from ..engine.columns import Columns
+from ..engine.engine import DraftEngine, PrefillSession
+from ..engine.kv_transfer import KVChunk, KVHeader, KVImport
+from ..engine.step import StepResult
+from ..engine.types import (
     PrefillChunk,
     Proposal,
     ProposeArgs,
@@ -30,16 +29,18 @@ from .engine.types import (
     TakenKV,
     Verdict,
 )
-from .telemetry import Telemetry
+from ..telemetry import Telemetry
+from .runner import EngineRunner
+from .scheduler import ProposeScheduler
 
 if TYPE_CHECKING:
-    from .front_end import FrontEnd
+    from ..front_end import FrontEnd
 
 log = logging.getLogger("mtpdraft.backend")
 _Session = TypeVar("_Session", PrefillSession, KVImport)
 
 
-class LocalBackend:
+class ServingLoop:
     """The engine in this process: its worker thread, the scheduler and the lease reaper,
     with the engine's metrics recorded by `telemetry`."""
 
