@@ -26,8 +26,10 @@ from bench_families import fp8_weights
 from results_file import write_results
 from shapes import DEEPSEEK_V3, GLM_45_AIR, MIMO_7B, QWEN3_NEXT_80B, SMALL, SMALL_MLA, SMALL_MOE
 
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
-from mtpdraft.service.engine.types import ProposeArgs, Verdict
+from mtpdraft.service.engine.step import Step, single
+from mtpdraft.service.engine.types import Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights, mtp_weights_from
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import random_tensors, write_random_checkpoint
@@ -60,10 +62,11 @@ def run(weights, dtype: torch.dtype, device: torch.device, args) -> tuple[np.nda
     ops = "triton" if device.type == "cuda" else "torch"
     head = MTPHead(weights, device, dtype, ops)
     rows = args.prompt + args.steps * (K + 1) + 1
-    engine = DraftEngine(
-        head, kv_blocks=args.states * -(-rows // 16), block_size=16, max_drafts=K,
+    config = ServeConfig(
+        kv_blocks=args.states * -(-rows // 16), block_size=16, max_drafts=K,
         max_batch=args.states,
     )  # fmt: skip
+    engine = DraftEngine(head, config)
     c, gen = head.config, torch.Generator().manual_seed(0)
     states, lengths = [], []
     for _ in range(args.states):
@@ -81,9 +84,15 @@ def run(weights, dtype: torch.dtype, device: torch.device, args) -> tuple[np.nda
             token = int(torch.randint(0, c.vocab_size, (1,), generator=gen))
             hidden = torch.randn(c.hidden_size, generator=gen)
             position, previous = lengths[i] + 1, verdicts[i]
-            requests.append(ProposeArgs(state, token, hidden, position, K, previous=previous))
+            requests.append(
+                single(
+                    state, token, hidden, position, K, previous=previous, shape=engine.step_shape
+                )
+            )
             lengths[i] += 1
-        got = engine.propose_batch(requests)
+        result = engine.step(Step.concat(requests))
+        assert not result.errors, result.errors
+        got = [result.proposal(i, state) for i, state in enumerate(states)]
         drafts.append([p.tokens for p in got])
         probs.append([p.probs for p in got])
         for i in range(args.states):

@@ -4,12 +4,12 @@ Measured in the MiMo-7B MTP shape with random weights (bf16), every state holdin
 2048-row prompt, K drafts per step, and each step carrying the previous step's
 verdict (0 accepted: the same rows every step, on both sides):
 
-1. the in-process draft step at batch 1 (engine.propose), p50;
+1. the in-process draft step at batch 1 (engine.step of one row), p50;
 2. the batch-1 hot path over gRPC on loopback: ProposeStream (a batch of one a message)
    and unary Propose (previous=...), p50, against (1) (DESIGN.md, "Targets": the stream
    at most 150 us above);
 3. 1, 8 and 64 concurrent streams (one state each) in drafts per second, against
-   the in-process batched step (engine.propose_batch) at the same batch sizes
+   the in-process batched step (engine.step, a row a state) at the same batch sizes
    (DESIGN.md, "Targets": at least 0.8x at 64), with the server's mean batch and, read from
    /proc over the measured steps, its event loop's CPU per message, how busy the
    loop was and the other threads' CPU per message (the engine thread's included);
@@ -204,19 +204,20 @@ def build_engine(argv: list[str]) -> tuple[Any, str | None]:
     except ImportError as exc:  # the CLI imports OpenTelemetry; the engine needs none
         import torch
 
+        from mtpdraft.service.config import ServeConfig
         from mtpdraft.service.engine.engine import DraftEngine
         from mtpdraft.service.model.checkpoint import load_mtp_weights
         from mtpdraft.service.model.mtp_head import MTPHead
 
         opts = dict(zip(argv[::2], argv[1::2], strict=True))
         head = MTPHead(load_mtp_weights(opts["--model"]), torch.device(opts["--device"]))
-        engine = DraftEngine(
-            head,
+        config = ServeConfig(
             kv_blocks=int(opts["--kv-blocks"]),
             block_size=BLOCK_SIZE,
             max_drafts=int(opts["--max-drafts"]),
             max_batch=int(opts["--max-batch"]),
         )
+        engine = DraftEngine(head, config)
         return engine, f"in-process engine built without the CLI ({exc})"
     config = cli.parse_serve(argv)
     cli.limit_cpu_threads()  # the threads `mtpdraft serve` runs with
@@ -224,8 +225,10 @@ def build_engine(argv: list[str]) -> tuple[Any, str | None]:
 
 
 def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, Any]:
-    """engine.propose_batch over `batch` states, timed per step after the warm-up."""
-    from mtpdraft.service.engine.types import ProposeArgs, Verdict
+    """engine.step over `batch` states, each its own Propose's row, timed per step after
+    the warm-up."""
+    from mtpdraft.service.engine.step import Step, single
+    from mtpdraft.service.engine.types import Verdict
 
     rng = random.Random(seed)
     prompt = _hiddens(work.prompt - 1, work, seed)
@@ -240,23 +243,22 @@ def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, 
     times, drafts = [], 0
     for step in range(work.warmup + work.steps):
         position = work.prompt + step  # 0 accepted: the bonus token is the next position
-        requests = [
-            ProposeArgs(
-                state_id=state,
-                token=token,
-                hidden=rows[i],
-                position=position,
-                num_drafts=work.num_drafts,
-                previous=Verdict(0) if step else None,
-            )
-            for i, state in enumerate(states)
-        ]
         started = time.perf_counter()
-        proposals = engine.propose_batch(requests)  # returns Python lists: synchronized
+        requests = Step.concat(
+            [
+                single(
+                    state, token, rows[i], position, work.num_drafts,
+                    previous=Verdict(0) if step else None, shape=engine.step_shape,
+                )
+                for i, state in enumerate(states)
+            ]
+        )  # fmt: skip
+        result = engine.step(requests)  # host arrays: synchronized
         elapsed = time.perf_counter() - started
+        assert not result.errors, result.errors
         if step >= work.warmup:
             times.append(elapsed)
-            drafts += sum(len(p.tokens) for p in proposals)
+            drafts += int(result.counts.sum())
     for state in states:
         engine.free_state(state)
     return {

@@ -11,7 +11,7 @@ is the verifier's round trip. Measured in the same run, as references:
 - the kernel-only chain: the K draft steps of B = V x S rows as one graph replay, with
   the host staging and the one wait (MTPHead.decode_chain), no engine around it;
 - the in-process engine: one ProposeBatch step as the server computes it (the
-  columns checked into a Step, then engine.propose_step), B = V x S;
+  columns checked into a Step, then engine.step), B = V x S;
 - the transport floor: a canned-reply grpc.aio server (grpc_floor.py) that answers the
   same request bytes one in-process step late, over TCP and a Unix socket; for V > 1,
   V verifier processes whose messages it answers together, one in-process step (of
@@ -153,34 +153,29 @@ def _prefilled(engine: Any, batch: int, work: Workload, seed: int) -> list[int]:
 
 def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, Any]:
     """The engine alone on B = `batch` states: a ProposeBatch step as the server
-    computes it (columns.step, then propose_step), and the kernel-only chain."""
+    computes it (columns.step, then engine.step), and the kernel-only chain."""
     import numpy as np
 
-    from mtpdraft.service.engine.columns import Columns
-    from mtpdraft.service.engine.columns import step as columns_step
+    from mtpdraft.service.engine import columns
     from mtpdraft.service.model.decode_chain import ChainInputs
 
-    c, k = engine.head.config, work.num_drafts
+    k = work.num_drafts
     states = _prefilled(engine, batch, work, seed)
     rows = _hiddens(batch, work, seed + 1)
     token = random.Random(seed).randrange(work.vocab_size)
     times, drafts = [], 0
     for index in range(work.warmup + work.steps):
-        step = Columns(
+        started = time.perf_counter()
+        step = columns.step(
+            engine.step_shape,
             state_ids=states,
             tokens=[token] * batch,
             positions=[work.prompt + index] * batch,  # 0 accepted: the bonus token is next
             hiddens=rows,
             num_drafts=[k],
             num_accepted=[0] * batch if index else [],
-            refeed_rows=[],
-            refeed_hiddens=None,
-            bitmask_rows=[],
-            bitmasks=None,
-            min_confidence=[],
         )
-        started = time.perf_counter()
-        result = engine.propose_step(columns_step(step, c.hidden_size, c.vocab_size, batch))
+        result = engine.step(step)
         elapsed = time.perf_counter() - started  # the result is host arrays: synchronized
         assert not result.errors, result.errors
         if index >= work.warmup:

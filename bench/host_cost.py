@@ -3,7 +3,7 @@
 One ProposeBatch step of B states (bf16 hiddens [B, H], K drafts, the verdicts fused)
 through every stage that runs on a host, each timed alone (median of --iters calls):
 the client building and serializing the request, the server parsing it and reading it
-into the engine's columns and Step, the server making and serializing the answer, the
+into the engine's Step (its columns checked), the server making and serializing the answer, the
 client parsing it. No GPU and no network: what the wire's protobuf and the checks cost
 per step on this machine's CPU, beside the served figures of bench_verifier.py. Writes
 host_cost.json and host_cost.md to --out-dir.
@@ -36,8 +36,7 @@ from results_file import write_results
 
 from mtpdraft.client.messages import batch_request, parse_batch
 from mtpdraft.service import wire
-from mtpdraft.service.engine.columns import step as columns_step
-from mtpdraft.service.engine.step import StepResult
+from mtpdraft.service.engine.step import StepResult, StepShape
 from mtpdraft.v1 import drafter_pb2 as pb
 
 VOCAB, K = 151680, 4
@@ -73,7 +72,7 @@ def stages(batch: int, hidden: int, iters: int, before: Callable[[], object]) ->
     request = build()
     data = request.SerializeToString()
     parsed = pb.ProposeBatchRequest.FromString(data)
-    columns = wire.batch(parsed)
+    shape = StepShape(hidden, VOCAB, max(batch, 1))
     result = StepResult(
         drafts=np.zeros((batch, K), np.int64),
         probs=np.full((batch, K), 0.5, np.float32),
@@ -91,9 +90,8 @@ def stages(batch: int, hidden: int, iters: int, before: Callable[[], object]) ->
         "client: build the request": timed(build),
         "client: serialize it": timed(request.SerializeToString),
         "server: parse it": timed(lambda: pb.ProposeBatchRequest.FromString(data)),
-        "server: read the columns (wire.batch)": timed(lambda: wire.batch(parsed)),
-        "server: check them into a Step": timed(
-            lambda: columns_step(columns, hidden, VOCAB, max(batch, 1))
+        "server: read the columns into a Step (wire.batch)": timed(
+            lambda: wire.batch(parsed, shape)
         ),
         "server: the answer, made and serialized": timed(
             lambda: wire.batch_answer(1, result, {}).SerializeToString()

@@ -43,11 +43,13 @@ from precision import (
     in_roundings,
     tie_gap,
 )
+from proposing import ProposeArgs, propose
 from results_file import write_results
 from served_chains import PROMPT_ROWS, bf16_checkpoint
 
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
-from mtpdraft.service.engine.types import ProposeArgs, Verdict
+from mtpdraft.service.engine.types import Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
 
@@ -95,7 +97,7 @@ def session(ref, engine, routed, rows: int, steps: int, seed: int, seen: dict) -
     for step in range(steps):
         x = int(torch.randint(0, vocab, (1,), generator=gen))
         h = torch.randn(hidden, generator=gen).to(torch.bfloat16)
-        got = engine.propose(ProposeArgs(state, x, h, len(tokens) + 1, 4))
+        got = propose(engine, ProposeArgs(state, x, h, len(tokens) + 1, 4))
         tokens, hiddens = [*tokens, x], torch.cat([hiddens, h.double()[None]])
         r0 = len(tokens) - 1
         chains = {"float64": hiddens, "routed": hiddens, "bf16": hiddens}
@@ -249,7 +251,8 @@ def main() -> int:
             ref = bf16_checkpoint(Path(folder), name)
             head = MTPHead(load_mtp_weights(folder), device, torch.bfloat16, ops)
         # Eager: the recorder sees every forward (a graph's replay would hide the chain's).
-        engine = DraftEngine(head, kv_blocks=160, block_size=16, max_drafts=8, cuda_graphs=False)
+        config = ServeConfig(kv_blocks=160, block_size=16, max_drafts=8, cuda_graphs=False)
+        engine = DraftEngine(head, config)
         records, seen = [], {}
         with ServiceRouting(head) as routed:
             for seed in range(args.sessions):

@@ -2,8 +2,8 @@
 
 Builds the engine as `mtpdraft serve` does on a small random MiMo checkpoint, prefills
 B states, then profiles (cProfile) --steps steps of B rows, each checked into a Step
-and drafted by engine.propose_step, and prints the engine's and the chain's functions
-by cumulative time: propose_step's time less decode_chain's is the host work around
+and drafted by engine.step, and prints the engine's and the chain's functions
+by cumulative time: step's time less decode_chain's is the host work around
 the kernels (the checks, the state table, the verdicts, the answer). On the CPU the
 chain is torch's and slow, but the host work is the same code as on a GPU.
 
@@ -25,8 +25,7 @@ from bench_service import Workload, _hiddens, build_engine, serve_argv
 from scratch import scratch_folder
 from shapes import MIMO_7B, SMALL
 
-from mtpdraft.service.engine.columns import Columns
-from mtpdraft.service.engine.columns import step as columns_step
+from mtpdraft.service.engine import columns
 from mtpdraft.service.model.synthetic import write_random_checkpoint
 
 
@@ -54,14 +53,16 @@ def main() -> int:
         session = engine.begin_prefill(state, 1)
         session.append(list(range(1, prompt)), prompt_hiddens)
         session.finish()
-    rows, c = _hiddens(b, work, 2), engine.head.config
+    rows = _hiddens(b, work, 2)
 
     def step(index: int) -> None:
-        columns = Columns(
-            states, [5] * b, [prompt + index] * b, rows, [4], [0] * b if index else [],
-            [], None, [], None, [],
+        engine.step(
+            columns.step(
+                engine.step_shape, state_ids=states, tokens=[5] * b,
+                positions=[prompt + index] * b, hiddens=rows, num_drafts=[4],
+                num_accepted=[0] * b if index else [],
+            )
         )  # fmt: skip
-        engine.propose_step(columns_step(columns, c.hidden_size, c.vocab_size, b))
 
     for index in range(3):
         step(index)

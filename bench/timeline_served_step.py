@@ -77,7 +77,7 @@ SERVER_HOPS = (
     ("server -> client: send, receive, parse", "ser_end", "c_received"),
     ("client: read the answer", "c_received", "c_done"),
 )
-# The engine's step (engine.propose_step), stamped from its calls: where the chain
+# The engine's step (engine.step), stamped from its calls: where the chain
 # runs as a graph replay (CUDA), and as one hop elsewhere.
 GRAPHED_ENGINE_HOPS = (
     ("engine: admit (the NaN/inf check included)", "engine_start", "admit_end"),
@@ -118,7 +118,7 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
     import torch
 
     from mtpdraft.service import servicer, wire
-    from mtpdraft.service.engine import admission, engine
+    from mtpdraft.service.engine import admission, columns, engine
     from mtpdraft.service.model.decode_graphs import DecodeGraphs
     from mtpdraft.service.model.mtp_head import MTPHead
     from mtpdraft.service.serving.scheduler import ProposeScheduler
@@ -139,11 +139,12 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
 
         setattr(owner, name, wrapper)
 
-    around(wire, "batch", "read_start", "read_end")
+    around(wire, "batch", "read_start", None)
+    around(columns, "step", "read_end", None)  # wire.batch's check of the columns read
     around(wire, "batch_answer", "answer_start", "answer_end")
     around(ProposeScheduler, "enqueue", "enqueued", None)
     around(ProposeScheduler, "_answer", "loop_back", None)  # back on the loop, either way
-    around(engine.DraftEngine, "propose_step", "engine_start", "engine_end")
+    around(engine.DraftEngine, "step", "engine_start", "engine_end")
     around(engine, "admit", None, "admit_end")
     around(engine, "draft", "draft_start", "draft_end")
     around(MTPHead, "decode_chain", "decode_start", None)
@@ -335,28 +336,27 @@ async def _steps(
 
 def _in_process_steps(argv: list[str], size: int, work: Workload) -> dict[str, Any]:
     """The engine alone, stamped: B states stepped as the server steps them (columns.step,
-    then propose_step), each step's window from before the first to after the second."""
+    then engine.step), each step's window from before the first to after the second."""
     from bench_service import build_engine
     from bench_verifier import _prefilled
 
-    from mtpdraft.service.engine.columns import Columns
-    from mtpdraft.service.engine.columns import step as columns_step
+    from mtpdraft.service.engine import columns
 
     stamps: list[tuple[str, int]] = []
     gpu_ms: list[float] = []
     install_stamps(stamps, gpu_ms)
     engine, _ = build_engine(argv)
-    c = engine.head.config
     states = _prefilled(engine, size, work, seed=size)
     hiddens = _hiddens(size, work, 2)
     steps, now = [], time.perf_counter_ns
     for index in range(work.warmup + work.steps):
-        columns = Columns(
-            states, [7] * size, [work.prompt + index] * size, hiddens, [work.num_drafts],
-            [0] * size if index else [], [], None, [], None, [],
-        )  # fmt: skip
         t = {"c_start": now()}
-        result = engine.propose_step(columns_step(columns, c.hidden_size, c.vocab_size, size))
+        step = columns.step(
+            engine.step_shape, state_ids=states, tokens=[7] * size,
+            positions=[work.prompt + index] * size, hiddens=hiddens,
+            num_drafts=[work.num_drafts], num_accepted=[0] * size if index else [],
+        )  # fmt: skip
+        result = engine.step(step)
         t["c_done"] = now()
         assert not result.errors and int(result.counts.sum()), result.errors
         if index >= work.warmup:

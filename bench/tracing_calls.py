@@ -32,11 +32,12 @@ from scratch import scratch_folder
 
 from mtpdraft.client import AsyncDrafterClient
 from mtpdraft.client import messages as m
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import write_random_checkpoint
-from mtpdraft.service.server import create_server
+from mtpdraft.service.server import DrafterServer
 from mtpdraft.service.telemetry import Telemetry
 
 PROMPT, K = 8, 2
@@ -75,16 +76,16 @@ async def calls_per_message(tracing: bool, streams: int, messages: int) -> dict[
     """{function: calls per message} on the server loop's thread."""
     folder = write_random_checkpoint(scratch_folder("tracing-calls-"), "mimo", seed=1)
     head = MTPHead(load_mtp_weights(folder), torch.device("cpu"))
-    engine = DraftEngine(head, kv_blocks=4096, block_size=4, max_drafts=8, max_batch=64)
+    engine = DraftEngine(head, ServeConfig(kv_blocks=4096, block_size=4, max_drafts=8))
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     telemetry = traced_telemetry() if tracing else Telemetry()
 
     async def made():
-        server, port = create_server(engine, "127.0.0.1:0", telemetry=telemetry)
+        server = DrafterServer(engine, ServeConfig(port=0), telemetry)
         await server.start()
-        return server, port
+        return server, server.port
 
     server, port = asyncio.run_coroutine_threadsafe(made(), loop).result(60)
     profile = cProfile.Profile()

@@ -35,7 +35,7 @@ def _load_serving() -> None:
     """Imports the serving stack (torch, grpc, the engine) into this module, once: the
     parser needs none of it, so `--help` and `--version` answer without a second of imports."""
     global torch, DraftEngine, GIL_SWITCH_INTERVAL_S, load_mtp_weights, CheckpointError
-    global KVCache, MTPHead, TokenSource, server_credentials, DrafterServer, create_server
+    global KVCache, MTPHead, TokenSource, server_credentials, DrafterServer
     global Telemetry, providers_from_env, serve_metrics, ListenError, check_free
     if "torch" in globals():
         return
@@ -48,7 +48,7 @@ def _load_serving() -> None:
     from .model.kv_cache import KVCache
     from .model.mtp_head import MTPHead
     from .security import TokenSource, server_credentials
-    from .server import DrafterServer, create_server
+    from .server import DrafterServer
     from .serving.runner import GIL_SWITCH_INTERVAL_S
     from .telemetry import Telemetry, providers_from_env, serve_metrics
 
@@ -135,7 +135,7 @@ def _parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Argu
 
 
 def _security(parser: argparse.ArgumentParser, config: ServeConfig) -> dict:
-    """create_server's credentials / tokens from the flags; bad flags or files exit."""
+    """DrafterServer's credentials / tokens from the flags; bad flags or files exit."""
     if bool(config.tls_cert) != bool(config.tls_key):
         parser.error("--tls-cert and --tls-key go together")
     if config.tls_client_ca and not config.tls_cert:
@@ -202,23 +202,13 @@ def _kv_blocks(config: ServeConfig, head: MTPHead) -> int:
 
 
 def build_engine(config: ServeConfig) -> DraftEngine:
-    """The engine `mtpdraft serve` runs, every limit from `config`."""
+    """The engine `mtpdraft serve` runs, every limit from `config`, its KV pool sized
+    where `--kv-blocks` does not say."""
     _load_serving()
     weights = load_mtp_weights(config.model)
     dtype = None if config.dtype is None else getattr(torch, config.dtype)
     head = MTPHead(weights, _device(config.device), dtype, ops=config.ops)
-    return DraftEngine(
-        head,
-        kv_blocks=_kv_blocks(config, head),
-        block_size=config.block_size,
-        max_states=config.max_states,
-        max_states_per_owner=config.max_states_per_client,
-        max_rows_per_state=config.max_rows_per_state,
-        max_drafts=config.max_drafts,
-        max_batch=config.max_batch,
-        state_ttl=config.state_ttl,
-        cuda_graphs=config.cuda_graphs,
-    )
+    return DraftEngine(head, dataclasses.replace(config, kv_blocks=_kv_blocks(config, head)))
 
 
 def build_server(
@@ -228,24 +218,11 @@ def build_server(
     security: dict | None = None,
 ) -> DrafterServer:
     """The server `mtpdraft serve` runs on `engine`, not yet started; `security`:
-    create_server's credentials / tokens (`_security`). Sets the process's GIL switch
+    DrafterServer's credentials / tokens (`_security`). Sets the process's GIL switch
     interval (see GIL_SWITCH_INTERVAL_S): the event loop and the engine thread share it."""
     _load_serving()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    server, _ = create_server(
-        engine,
-        config.address,
-        max_queue=config.max_queue,
-        batch_wait=config.batch_wait,
-        max_message_bytes=config.max_message_bytes,
-        reflection_enabled=config.reflection,
-        max_inflight=config.max_inflight,
-        unix_socket=config.unix_socket,
-        engine_stall_timeout=config.engine_stall_timeout,
-        telemetry=telemetry,
-        **(security or {}),
-    )
-    return server
+    return DrafterServer(engine, config, telemetry, **(security or {}))
 
 
 async def _serve(config: ServeConfig, security: dict, telemetry: Telemetry) -> int:

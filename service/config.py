@@ -1,12 +1,12 @@
 """`mtpdraft serve`'s options: one frozen dataclass, each option's default and help written
 once, here.
 
-The command's parser is generated from `ServeConfig` and fills it (cli.py); the engine,
-the scheduler and the gRPC server are built from its values (`cli.build_engine`,
-`cli.build_server`), and the keyword defaults of `DrafterServer`, `ServingLoop` and
-`FrontEnd` are `DEFAULTS`'. A field's metadata holds its flag's help (and `choices`,
-`metavar`, `group`, and `shown_default` for a default better named than printed, where
-it has them); a bool field that defaults to True is the flag `--no-NAME`.
+The command's parser is generated from `ServeConfig` and fills it (cli.py). The config
+is handed down whole: the engine (`DraftEngine`), the serving loop and its scheduler
+(`serving/`) and the gRPC front end each read their own fields of it, and none repeats
+a default. A field's metadata holds its flag's help (and `choices`, `metavar`, `group`,
+and `shown_default` for a default better named than printed, where it has them); a bool
+field that defaults to True is the flag `--no-NAME`.
 """
 
 from __future__ import annotations
@@ -78,6 +78,10 @@ class ServeConfig:
 
     # --- scheduling
     max_queue: int = _option(4096, "Propose calls waiting, at most (past it: RESOURCE_EXHAUSTED)")
+    # About one batch-1 step of MiMo-7B's MTP head on an H200 (2.2 ms): waiting less than
+    # a step for a verifier about to return costs the queued ones less than making it wait
+    # a whole step. With it, 8 closed-loop streams ran as batches of 8 instead of
+    # alternating 1 and 7: 4392 -> 5860 drafts/s (H200, MiMo-7B shape, K=4).
     batch_wait_us: float = _option(
         2000.0,
         "the most a batch waits for verifiers due back (0: start at once)",
@@ -168,6 +172,3 @@ class ServeConfig:
     def batch_wait(self) -> float:
         """--batch-wait-us in seconds, as the scheduler takes it."""
         return self.batch_wait_us * 1e-6
-
-
-DEFAULTS = ServeConfig()

@@ -1,4 +1,5 @@
-"""The gRPC side of the server: the Drafter service over the backend, health, reflection, auth."""
+"""The gRPC side of the server: the Drafter service over the serving loop, health,
+reflection, auth."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from mtpdraft.v1 import drafter_pb2 as pb
 
-from .config import DEFAULTS
 from .security import TokenAuthInterceptor, TokenSource
 from .servicer import DrafterServicer, add_library_service, add_to_server
 from .telemetry import Telemetry
 from .watchdog import EngineWatchdog
 
 if TYPE_CHECKING:
+    from .config import ServeConfig
     from .serving.loop import ServingLoop
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -96,33 +97,28 @@ def _check_unix_socket(path: str, address: str) -> None:
 
 
 class FrontEnd:
-    """A grpc.aio server bound to `address` (and to `unix_socket`, a path, if given),
-    serving `backend`; not yet started.
+    """A grpc.aio server bound to `config.address` (and to `config.unix_socket`, a path,
+    if given), serving `serving`; not yet started.
 
     `credentials` (e.g. `security.server_credentials(...)`) serves over TLS instead of
     plaintext; `tokens` (a `security.TokenSource` or the accepted tokens) makes every
     call but the health service's carry `authorization: Bearer <token>` metadata.
-    Health answers NOT_SERVING while the engine thread is stuck for `engine_stall_timeout`
-    seconds (watchdog.py; 0: never).
+    Health answers NOT_SERVING while the engine thread is stuck for
+    `config.engine_stall_timeout` seconds (watchdog.py; 0: never).
     """
 
     def __init__(
         self,
-        backend: ServingLoop,
-        address: str,
+        serving: ServingLoop,
+        config: ServeConfig,
         telemetry: Telemetry,
         *,
-        max_message_bytes: int = DEFAULTS.max_message_bytes,
-        reflection_enabled: bool = DEFAULTS.reflection,
-        max_inflight: int | None = DEFAULTS.max_inflight,
         credentials: grpc.ServerCredentials | None = None,
         tokens: TokenSource | Sequence[str | bytes] | None = None,
-        unix_socket: str | None = DEFAULTS.unix_socket,
-        engine_stall_timeout: float = DEFAULTS.engine_stall_timeout,
     ) -> None:
         self.health = health.aio.HealthServicer()
         self.watchdog = EngineWatchdog(
-            backend.runner, self.health, ("", SERVICE_NAME), engine_stall_timeout
+            serving.runner, self.health, ("", SERVICE_NAME), config.engine_stall_timeout
         )
         # Authentication first, so that an unauthenticated call is refused before any
         # other interceptor (telemetry's) or handler sees it.
@@ -137,22 +133,22 @@ class FrontEnd:
         # must fail, not share the port and split the clients' calls (and states) with it.
         self.server = grpc.aio.server(
             interceptors=interceptors,
-            maximum_concurrent_rpcs=max_inflight,
+            maximum_concurrent_rpcs=config.max_inflight,
             options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", config.max_message_bytes),
+                ("grpc.max_send_message_length", config.max_message_bytes),
                 ("grpc.so_reuseport", 0),
             ],
         )
-        servicer = DrafterServicer(backend, telemetry, max_message_bytes)
+        servicer = DrafterServicer(serving, telemetry, config.max_message_bytes)
         add_to_server(servicer, self.server)
         add_library_service(HEALTH, self.health, self.server)
-        if reflection_enabled:
+        if config.reflection:
             names = (SERVICE_NAME, HEALTH.full_name, reflection.SERVICE_NAME)
             add_library_service(REFLECTION, reflection.aio.ReflectionServicer(names), self.server)
-        self.port = self._bind(address, credentials)
-        if unix_socket is not None:
-            self._bind(f"unix:{unix_socket}", credentials)
+        self.port = self._bind(config.address, credentials)
+        if config.unix_socket is not None:
+            self._bind(f"unix:{config.unix_socket}", credentials)
 
     def _bind(self, address: str, credentials: grpc.ServerCredentials | None) -> int:
         check_free(address)

@@ -1,10 +1,11 @@
-"""The gRPC servicer: translates proto <-> backend calls and engine errors <-> status codes.
+"""The gRPC servicer: translates proto <-> the serving loop's calls and engine errors <->
+status codes.
 
-The backend (serving/loop.py) runs the engine's calls; Propose calls of every kind
+The serving loop (serving/) runs the engine's calls; Propose calls of every kind
 (unary, batch, each stream message) are batched across clients there. `wire` reads
-each request into the engine's types before the backend sees it (INVALID_ARGUMENT
-for a malformed one) and makes the responses from its results: no protobuf below
-this module. Each handler raises
+each request into the engine's types before the loop sees it (every propose message
+straight into a Step; INVALID_ARGUMENT for a malformed one) and makes the responses
+from its results (a StepResult): no protobuf below this module. Each handler raises
 engine errors; the `rpc` wrapper turns them into status codes (with ErrorInfo /
 BadRequest details) and records the RPC's duration.
 
@@ -215,14 +216,16 @@ def rpc(handler: Handler) -> Handler:
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(self, backend: ServingLoop, telemetry: Telemetry, max_message_bytes: int) -> None:
-        self.backend = backend
+    def __init__(self, serving: ServingLoop, telemetry: Telemetry, max_message_bytes: int) -> None:
+        self.serving = serving
+        # What a propose message is checked against as it becomes a Step.
+        self.shape = serving.engine.step_shape
         self.telemetry = telemetry
         self.max_message_bytes = max_message_bytes
 
     @rpc
     async def GetInfo(self, request, context):
-        info = await self.backend.info()
+        info = await self.serving.info()
         return pb.GetInfoResponse(
             **vars(info.engine),
             hidden_dtypes=wire.HIDDEN_DTYPES,
@@ -233,29 +236,30 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def AllocState(self, request, context):
-        state_id = await self.backend.alloc_state(_client_host(context.peer()))
+        state_id = await self.serving.alloc_state(_client_host(context.peer()))
         return pb.AllocStateResponse(state_id=state_id)
 
     @rpc
     async def Prefill(self, request_iterator: AsyncIterator[pb.PrefillChunk], context):
         with self.telemetry.kv_span("prefill"):
             chunks = _parsed(request_iterator, context.peer())
-            rows = await self.backend.prefill(wire.prefill_chunk(c) async for c in chunks)
+            rows = await self.serving.prefill(wire.prefill_chunk(c) async for c in chunks)
         return pb.PrefillResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
     @rpc
     async def Propose(self, request, context):
-        args = wire.propose_args(request)
+        step = wire.propose(request, self.shape)
         caller = self.telemetry.span_context()
-        timeout = context.time_remaining()
-        (proposal,) = await self.backend.propose([args], timeout, caller)
-        return wire.proposal(proposal)
+        result = await self.serving.propose(step, context.time_remaining(), caller)
+        if result.errors:  # its one row's: the call's status
+            raise result.errors[0]
+        return wire.proposal(step, result)
 
     @rpc
     async def ProposeBatch(self, request, context):
-        batch = wire.batch(request)
+        step = wire.batch(request, self.shape)
         caller = self.telemetry.span_context()
-        result = await self.backend.propose_batch(batch, context.time_remaining(), caller)
+        result = await self.serving.propose(step, context.time_remaining(), caller)
         return self._batch_answer(request, result, context)
 
     async def ProposeStream(self, request_iterator: AsyncIterator, context):
@@ -265,8 +269,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         caller = self.telemetry.span_context()  # the stream's, for all its messages
 
         def submit(msg: pb.ProposeBatchRequest):
-            batch = wire.batch(msg)
-            return self.backend.propose_batch(batch, context.time_remaining(), caller)
+            step = wire.batch(msg, self.shape)
+            return self.serving.propose(step, context.time_remaining(), caller)
 
         def refuse(request_id: int, error: pb.Error):
             return pb.ProposeBatchResponse(request_id=request_id, error=error)
@@ -354,13 +358,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     async def AfterVerify(self, request, context):
         with self.telemetry.kv_span("after_verify"):
             verdict = wire.verdict(request.verdict, "verdict")
-            rows = await self.backend.after_verify(request.state_id, verdict)
+            rows = await self.serving.after_verify(request.state_id, verdict)
         return pb.AfterVerifyResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
     @rpc
     async def TakeKV(self, request, context):
         with self.telemetry.kv_span("take"):
-            taken = await self.backend.take_kv(request.state_id)
+            taken = await self.serving.take_kv(request.state_id)
         return pb.TakeKVResponse(
             handle_id=taken.handle_id, num_rows=taken.num_rows, ttl_seconds=taken.ttl_seconds
         )
@@ -368,7 +372,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     @rpc
     async def InstallKV(self, request, context):
         with self.telemetry.kv_span("install"):
-            rows = await self.backend.install_kv(request.state_id, request.handle_id)
+            rows = await self.serving.install_kv(request.state_id, request.handle_id)
         return pb.InstallKVResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
     async def ExportKV(self, request, context):
@@ -386,7 +390,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 )
             asked = request.max_chunk_bytes or KV_CHUNK_BYTES
             size = min(asked, self.max_message_bytes - KV_CHUNK_OVERHEAD)
-            chunks = self.backend.export_kv(request.handle_id, size, request.keep_handle)
+            chunks = self.serving.export_kv(request.handle_id, size, request.keep_handle)
             async for chunk in chunks:
                 yield wire.kv_chunk(chunk)
         except errors.DrafterError as err:
@@ -403,13 +407,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     async def ImportKV(self, request_iterator: AsyncIterator[pb.KVChunk], context):
         with self.telemetry.kv_span("import"):
             chunks = _parsed(request_iterator, context.peer())
-            rows = await self.backend.import_kv(wire.read_kv_chunk(c) async for c in chunks)
+            rows = await self.serving.import_kv(wire.read_kv_chunk(c) async for c in chunks)
         return pb.ImportKVResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
     @rpc
     async def FreeState(self, request, context):
         with self.telemetry.kv_span("free"):
-            existed = await self.backend.free_state(request.state_id)
+            existed = await self.serving.free_state(request.state_id)
         return pb.FreeStateResponse(existed=existed)
 
 

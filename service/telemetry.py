@@ -39,12 +39,11 @@ from opentelemetry import metrics, trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from .engine.types import BatchRun
-
 if TYPE_CHECKING:
     import numpy as np
 
     from .engine.engine import DraftEngine
+    from .serving.scheduler import BatchRun
 
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 _MS_BUCKETS = [0.1, 0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 250, 1000, 5000]
@@ -297,7 +296,7 @@ class Telemetry:
             self.drafts.add(run.drafts)
         if not self.tracing:
             return
-        links = [trace.Link(context) for context in run.tags if context is not None]
+        links = [trace.Link(context) for context in run.callers if context is not None]
         # With no traced caller to sit under, a root span, whichever context this runs in.
         parent = Context()
         if links:

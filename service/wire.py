@@ -1,17 +1,19 @@
 """Between the wire's protobuf messages and the engine's types, both ways.
 
-In (the servicer, before the backend sees a request): a request's tensors are read
-and checked (dtype, shape, byte count; INVALID_ARGUMENT naming the field) into CPU
-tensors over a copy of the message's bytes, and its fields into the engine's
-ProposeArgs, Verdict, Columns and PrefillChunk.
+In (the servicer, before the serving loop sees a request): a request's tensors are
+read and checked (dtype, shape, byte count; INVALID_ARGUMENT naming the field) into
+CPU tensors over a copy of the message's bytes, and its fields into the engine's
+types: a Propose or a ProposeBatch message straight into the engine's `Step` (its
+columns checked by `columns.step`, a Propose's row by `step.single`), a Verdict, a
+PrefillChunk.
 A hidden's NaN/inf check is left to the engine, which checks a whole batch's at
 once: here, on the event loop, numpy would let go of the GIL for every row past
 500 elements and win it back from the busy engine thread (in one H200 run, 64 Go
 streams, checking each request here filled batches of 40 and 54 on average against
 60, 14.1k and 18.4k drafts/s against 17.5k and 19.6k).
 
-Out (the servicer): a Propose's proposal as a Proposal message, and a ProposeBatch
-step's rows as one ProposeBatchResponse.
+Out (the servicer): a step's StepResult, as a Proposal message (a Propose's one row)
+or as one ProposeBatchResponse.
 
 Both ways: exported KV (ExportKV's answers, ImportKV's requests) as KVChunk messages.
 """
@@ -24,11 +26,11 @@ import torch
 
 from mtpdraft.v1 import drafter_pb2 as pb
 
-from .engine.columns import Columns
+from .engine import columns
 from .engine.errors import InvalidArgument
 from .engine.kv_transfer import KVChunk, KVHeader
-from .engine.step import StepResult
-from .engine.types import PrefillChunk, Proposal, ProposeArgs, Verdict
+from .engine.step import Step, StepResult, StepShape, single
+from .engine.types import PrefillChunk, Verdict
 
 DTYPES: dict[int, torch.dtype] = {
     pb.DTYPE_BF16: torch.bfloat16,
@@ -109,15 +111,16 @@ def verdict(msg: pb.Verdict, field: str) -> Verdict:
     return Verdict(msg.num_accepted, refeed)
 
 
-def propose_args(msg: pb.ProposeRequest) -> ProposeArgs:
+def propose(msg: pb.ProposeRequest, shape: StepShape) -> Step:
+    """A ProposeRequest as a Step of one row."""
     if not msg.HasField("hidden"):
         raise InvalidArgument("hidden: required", reason="MISSING_FIELD", field="hidden")
-    return ProposeArgs(
-        state_id=msg.state_id,
-        token=msg.token,
-        hidden=read_tensor(msg.hidden, "hidden", HIDDEN_DTYPES),
-        position=msg.position,
-        num_drafts=msg.num_drafts,
+    return single(
+        msg.state_id,
+        msg.token,
+        read_tensor(msg.hidden, "hidden", HIDDEN_DTYPES),
+        msg.position,
+        msg.num_drafts,
         bitmask=(
             read_tensor(msg.bitmask, "bitmask", (pb.DTYPE_INT32,))
             if msg.HasField("bitmask")
@@ -125,6 +128,7 @@ def propose_args(msg: pb.ProposeRequest) -> ProposeArgs:
         ),
         min_confidence=msg.min_confidence,
         previous=verdict(msg.previous, "previous") if msg.HasField("previous") else None,
+        shape=shape,
     )
 
 
@@ -132,12 +136,13 @@ def _optional_tensor(msg: pb.Tensor, field: str, allowed: tuple[int, ...]) -> to
     return read_tensor(msg, field, allowed) if msg.ByteSize() else None
 
 
-def batch(msg: pb.ProposeBatchRequest) -> Columns:
-    """A ProposeBatchRequest's columns as the engine takes them (tensors over a copy of the
-    message's bytes)."""
+def batch(msg: pb.ProposeBatchRequest, shape: StepShape) -> Step:
+    """A ProposeBatchRequest's columns as a Step (tensors over a copy of the message's
+    bytes), or INVALID_ARGUMENT when they do not fit together."""
     if not msg.HasField("hiddens"):
         raise InvalidArgument("hiddens: required", reason="MISSING_FIELD", field="hiddens")
-    return Columns(
+    return columns.step(
+        shape,
         state_ids=list(msg.state_ids),
         tokens=list(msg.tokens),
         positions=list(msg.positions),
@@ -205,20 +210,21 @@ def kv_chunk(chunk: KVChunk) -> pb.KVChunk:
     return msg
 
 
-def proposal(p: Proposal) -> pb.Proposal:
+def proposal(step: Step, result: StepResult) -> pb.Proposal:
+    """A Propose's answer: the drafts of its step's one row (drafted: no error)."""
+    n = int(result.counts[0])
     return pb.Proposal(
-        state_id=p.state_id,
-        tokens=p.tokens,
-        probs=p.probs,
-        confidence=p.confidence,
-        first_position=p.first_position,
+        state_id=int(step.state_ids[0]),
+        tokens=result.drafts[0, :n].tolist(),
+        probs=result.probs[0, :n].tolist(),
+        confidence=float(result.confidences[0]),
+        first_position=int(result.first_positions[0]),
     )
 
 
 # Which column a per-state request's field comes from, for the errors of a row.
 COLUMN_OF_FIELD = {
     "state_id": "state_ids",
-    "requests": "state_ids",
     "token": "tokens",
     "position": "positions",
     "hidden": "hiddens",

@@ -70,25 +70,30 @@ SERVER_ARGS += ("--max-batch", "8", "--max-states", "32", "--grace-period", "2")
 
 
 class InProcessServer:
-    """A DrafterServer on loopback, its event loop on a background thread."""
+    """A DrafterServer on loopback (a free port), its event loop on a background thread;
+    `fields`: ServeConfig's."""
 
-    def __init__(self, engine, **options) -> None:
+    def __init__(self, engine, *, telemetry=None, credentials=None, tokens=None, **fields) -> None:
         import asyncio
         import threading
 
-        from mtpdraft.service.server import create_server
+        from mtpdraft.service.config import ServeConfig
+        from mtpdraft.service.server import DrafterServer
 
+        config = ServeConfig(port=0, **fields)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
 
         async def make():
-            server, port = create_server(engine, "127.0.0.1:0", **options)
+            server = DrafterServer(
+                engine, config, telemetry, credentials=credentials, tokens=tokens
+            )
             await server.start()
-            return server, port
+            return server
 
-        self.server, port = asyncio.run_coroutine_threadsafe(make(), self.loop).result(PATIENCE)
-        self.address = f"127.0.0.1:{port}"
+        self.server = asyncio.run_coroutine_threadsafe(make(), self.loop).result(PATIENCE)
+        self.address = f"127.0.0.1:{self.server.port}"
 
     def stop(self) -> None:
         import asyncio
@@ -109,15 +114,18 @@ def recording_tracer():
     return provider, exporter
 
 
-def small_engine(checkpoint: Path, **options):
-    """An in-process engine on the test checkpoint, with the shared server's limits."""
+def small_engine(checkpoint: Path, clock=None, **options):
+    """An in-process engine on the test checkpoint, with the shared server's limits
+    (`options`: ServeConfig's fields; `clock`: the engine's)."""
+    from mtpdraft.service.config import ServeConfig
     from mtpdraft.service.engine.engine import DraftEngine
     from mtpdraft.service.model.checkpoint import load_mtp_weights
     from mtpdraft.service.model.mtp_head import MTPHead
 
     head = MTPHead(load_mtp_weights(checkpoint), torch.device("cpu"))
     limits = {"kv_blocks": 256, "block_size": 4, "max_drafts": 8, "max_batch": 8} | options
-    return DraftEngine(head, **limits)
+    timing = {} if clock is None else {"clock": clock}
+    return DraftEngine(head, ServeConfig(**limits), **timing)
 
 
 async def until(predicate, what: str) -> None:

@@ -47,8 +47,9 @@ from safetensors import safe_open
 
 from mtpdraft.client import DrafterClient
 from mtpdraft.client import Verdict as ClientVerdict
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
-from mtpdraft.service.engine.types import ProposeArgs
+from mtpdraft.service.engine.step import single
 from mtpdraft.service.engine.types import Verdict as EngineVerdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.default_model import DEFAULT_CHECKPOINT
@@ -174,7 +175,7 @@ class LocalDrafter:
 
     def __init__(self, model_dir: Path, kv_blocks: int = 4096) -> None:
         head = MTPHead(load_mtp_weights(model_dir), torch.device("cpu"))
-        self.engine = DraftEngine(head, kv_blocks=kv_blocks)
+        self.engine = DraftEngine(head, ServeConfig(kv_blocks=kv_blocks))
 
     def alloc_state(self) -> int:
         return self.engine.alloc_state()
@@ -195,8 +196,14 @@ class LocalDrafter:
         refeed: torch.Tensor | None,
     ) -> Drafts:
         previous = None if accepted is None else EngineVerdict(accepted, refeed)
-        p = self.engine.propose(ProposeArgs(state, token, hidden, position, k, previous=previous))
-        return Drafts(list(p.tokens), list(p.probs))
+        step = single(
+            state, token, hidden, position, k, previous=previous, shape=self.engine.step_shape
+        )
+        result = self.engine.step(step)  # a step of one row: this state's
+        if result.errors:
+            raise result.errors[0]
+        p = result.proposal(0, state)
+        return Drafts(p.tokens, p.probs)
 
     def free_state(self, state: int) -> None:
         self.engine.free_state(state)

@@ -2,9 +2,8 @@
 
 Each check is an array operation over the B rows, made in the order a single
 Propose is checked (its own values first, whatever its state, then against its
-state), so a row fails with its first problem. A group fails with
-the first error among its rows; then the groups that passed are given their KV
-blocks in order, all or nothing per group. Nothing here changes a state.
+state), so a row fails with its first problem, alone; then the rows that passed
+are given their KV blocks in order. Nothing here changes a state.
 """
 
 from __future__ import annotations
@@ -153,37 +152,22 @@ def admit(
     """The rows of the step that run, given their states' slots (-1: no such state);
     `not_found` makes the error of a row whose state is not live."""
     first, base, error = _refused_rows(step, slots, table, limits, not_found)
-    errors: dict[int, DrafterError] = {}
-    failed_groups: dict[int, DrafterError] = {}
-    for i in np.flatnonzero(first):
-        err = error(int(first[i]), int(i))
-        errors[int(i)] = err
-        failed_groups.setdefault(int(step.groups[i]), err)
-    ok = ~np.isin(step.groups, list(failed_groups)) if failed_groups else np.ones(len(step), bool)
-    # KV blocks, group by group in order: a group that does not fit in what is left fails.
-    rows = np.flatnonzero(ok)
+    errors = {int(i): error(int(first[i]), int(i)) for i in np.flatnonzero(first)}
+    rows = np.flatnonzero(first == 0)
     need = table.extra_blocks(slots[rows], base[rows] + step.num_drafts[rows])
     if need.sum() > table.pool.num_free:
-        free = table.pool.num_free
-        groups = step.groups[rows]
-        for g in np.unique(groups):
-            members = groups == g
-            wanted = int(need[members].sum())
+        # KV blocks row by row in order: a row that does not fit in what is left fails.
+        free, fits = table.pool.num_free, np.ones(len(rows), bool)
+        for j, wanted in enumerate(need.tolist()):
             if wanted > free:
-                err = ResourceExhausted(
+                fits[j] = False
+                errors[int(rows[j])] = ResourceExhausted(
                     f"no free KV blocks: {wanted} needed, {free} of {table.pool.num_total} free",
                     reason="KV_BLOCKS_EXHAUSTED",
                 )
-                failed_groups[int(g)] = err
-                for i in rows[members]:
-                    errors.setdefault(int(i), err)
             else:
                 free -= wanted
-        ok = ~np.isin(step.groups, list(failed_groups))
-        rows = np.flatnonzero(ok)
-    # Every row of a failed group fails with the group's error.
-    for i in np.flatnonzero(~ok):
-        errors[int(i)] = failed_groups[int(step.groups[i])]
+        rows = rows[fits]
     return Admitted(rows, slots[rows], base[rows], errors)
 
 
@@ -224,10 +208,9 @@ def _empty_masks(step: Step) -> np.ndarray:
 
 
 def duplicate_state(step: Step, i: int) -> InvalidArgument:
-    """Row i's state came earlier in its batch (named by its index in its call)."""
-    in_group = i - int(np.searchsorted(step.groups, step.groups[i]))
+    """Row i's state came earlier in its batch."""
     return InvalidArgument(
-        f"requests[{in_group}]: state {step.state_ids[i]} appears twice in one batch",
+        f"state_id: state {step.state_ids[i]} appears twice in one batch",
         reason="DUPLICATE_STATE",
-        field="requests",
+        field="state_id",
     )

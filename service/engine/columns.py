@@ -1,5 +1,5 @@
-"""A verifier's step for many states as the wire gives it (a ProposeBatch message): checked
-as a whole, then a Step.
+"""A verifier's step for many states as the wire gives it (a ProposeBatch message's
+columns): checked as a whole, then a Step.
 
 The columns must fit together (lengths, tensor shapes, row counts) or the whole
 step is refused with INVALID_ARGUMENT; each row is then one state's Propose
@@ -9,31 +9,14 @@ step is refused with INVALID_ARGUMENT; each row is then one state's Propose
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .errors import InvalidArgument
-from .step import Step, padded_mask, refeed_rows
+from .step import Step, StepShape, padded_mask
+from .step import refeed_rows as checked_refeeds  # `refeed_rows` names a column here
 from .validation import as_rows
-
-
-@dataclass
-class Columns:
-    """B states' step (row i of every column is state_ids[i]'s); see ProposeBatchRequest."""
-
-    state_ids: Sequence[int]
-    tokens: Sequence[int]
-    positions: Sequence[int]
-    hiddens: torch.Tensor  # [B, H] ([H] for B = 1)
-    num_drafts: Sequence[int]  # B values, or one for all
-    num_accepted: Sequence[int]  # B values (-1: no verdict), or empty
-    refeed_rows: Sequence[int]  # B values, or empty
-    refeed_hiddens: torch.Tensor | None  # [sum(refeed_rows), H]
-    bitmask_rows: Sequence[int]  # B values, or empty
-    bitmasks: torch.Tensor | None  # [sum(bitmask_rows), W] int32
-    min_confidence: Sequence[float]  # B values, one for all, or empty
 
 
 def _mismatch(field: str, message: str) -> InvalidArgument:
@@ -74,24 +57,40 @@ def _ragged(tensor: torch.Tensor | None, counts: np.ndarray, field: str) -> torc
     return tensor if total else None
 
 
-def step(columns: Columns, hidden_size: int, vocab_size: int, max_batch: int) -> Step:
-    """The columns as a Step (each row its own group), or INVALID_ARGUMENT when they do
-    not fit together."""
-    c = columns
-    size = len(c.state_ids)
-    if not 1 <= size <= max_batch:
+def step(
+    shape: StepShape,
+    *,
+    state_ids: Sequence[int],
+    tokens: Sequence[int],
+    positions: Sequence[int],
+    hiddens: torch.Tensor,
+    num_drafts: Sequence[int],
+    num_accepted: Sequence[int] = (),
+    refeed_rows: Sequence[int] = (),
+    refeed_hiddens: torch.Tensor | None = None,
+    bitmask_rows: Sequence[int] = (),
+    bitmasks: torch.Tensor | None = None,
+    min_confidence: Sequence[float] = (),
+) -> Step:
+    """B states' columns (see ProposeBatchRequest) as a Step, or INVALID_ARGUMENT when
+    they do not fit together: `hiddens` [B, H] ([H] for B = 1); `num_drafts` and
+    `min_confidence` B values or one for all; `num_accepted` B values (-1: no verdict);
+    `refeed_rows` and `bitmask_rows` a row count per state of `refeed_hiddens`
+    ([sum, H]) and `bitmasks` ([sum, W] int32). An empty column is its default."""
+    size = len(state_ids)
+    if not 1 <= size <= shape.max_batch:
         raise InvalidArgument(
-            f"state_ids: {size} states, expected 1 to {max_batch}",
+            f"state_ids: {size} states, expected 1 to {shape.max_batch}",
             reason="BATCH_SIZE_OUT_OF_RANGE",
             field="state_ids",
         )
-    if not len(c.num_drafts):
+    if not len(num_drafts):
         raise _mismatch("num_drafts", "required: one value for every state, or one for all")
-    hiddens = as_rows(c.hiddens, size, hidden_size, "hiddens")
+    hiddens = as_rows(hiddens, size, shape.hidden_size, "hiddens")
     accepted = np.full(size, -1, np.int64)
-    if len(c.num_accepted):
-        accepted = _column(c.num_accepted, "num_accepted", size, np.int64)
-    refeed_counts = _counts(c.refeed_rows, "refeed_rows", size)
+    if len(num_accepted):
+        accepted = _column(num_accepted, "num_accepted", size, np.int64)
+    refeed_counts = _counts(refeed_rows, "refeed_rows", size)
     wrong = np.flatnonzero((refeed_counts != 0) & (refeed_counts != accepted))
     if len(wrong):
         i = int(wrong[0])
@@ -99,24 +98,25 @@ def step(columns: Columns, hidden_size: int, vocab_size: int, max_batch: int) ->
             "refeed_rows",
             f"state {i} has {refeed_counts[i]} refeed rows for {accepted[i]} accepted",
         )
-    refeeds = _ragged(c.refeed_hiddens, refeed_counts, "refeed_hiddens")
+    refeeds = _ragged(refeed_hiddens, refeed_counts, "refeed_hiddens")
     if refeeds is not None:
-        refeeds = refeed_rows(refeeds, int(refeed_counts.sum()), hidden_size, "refeed_hiddens")
-    mask_counts = _counts(c.bitmask_rows, "bitmask_rows", size)
-    masks = _ragged(c.bitmasks, mask_counts, "bitmasks")
+        refeeds = checked_refeeds(
+            refeeds, int(refeed_counts.sum()), shape.hidden_size, "refeed_hiddens"
+        )
+    mask_counts = _counts(bitmask_rows, "bitmask_rows", size)
+    masks = _ragged(bitmasks, mask_counts, "bitmasks")
     if masks is not None:
-        masks = padded_mask(masks, vocab_size, "bitmasks")
+        masks = padded_mask(masks, shape.vocab_size, "bitmasks")
     return Step(
-        state_ids=_column(c.state_ids, "state_ids", size, np.uint64),
-        tokens=_column(c.tokens, "tokens", size, np.int64),
-        positions=_column(c.positions, "positions", size, np.int64),
+        state_ids=_column(state_ids, "state_ids", size, np.uint64),
+        tokens=_column(tokens, "tokens", size, np.int64),
+        positions=_column(positions, "positions", size, np.int64),
         hiddens=hiddens,
-        num_drafts=_column(c.num_drafts, "num_drafts", size, np.int64, default=0),
+        num_drafts=_column(num_drafts, "num_drafts", size, np.int64, default=0),
         num_accepted=accepted,
         refeed_counts=refeed_counts,
         refeed_hiddens=refeeds,
         mask_counts=mask_counts,
         bitmasks=masks,
-        min_confidence=_column(c.min_confidence, "min_confidence", size, np.float64, default=0.0),
-        groups=np.arange(size),
+        min_confidence=_column(min_confidence, "min_confidence", size, np.float64, default=0.0),
     )

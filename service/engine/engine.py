@@ -2,7 +2,8 @@
 
 Synchronous and single-threaded by design: the serving loop (service/serving/) runs
 every call on one worker thread, so no call sees another half done. It knows nothing
-of gRPC, asyncio or threads.
+of gRPC, asyncio or threads. A Propose of any shape is a `step`: columns in
+(`Step`), columns out (`StepResult`).
 
 Row bookkeeping (DESIGN.md, "The contract"): Propose(x, h[p-1], p) computes the
 committed row R0 = (x, h[p-1]) at row index p - 1 and the speculative rows
@@ -16,6 +17,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,62 +43,61 @@ from .kv_transfer import KVChunk, KVExport, KVImport, model_fingerprint
 from .prefill import PrefillSession
 from .rows import Segment, run_segments
 from .state import DrafterState, KVHandle, StateTable
-from .step import Step, StepResult, verdict_refeed
-from .types import EngineInfo, Proposal, ProposeArgs, RowCount, TakenKV, Verdict
+from .step import Step, StepResult, StepShape, verdict_refeed
+from .types import EngineInfo, RowCount, TakenKV, Verdict
+
+if TYPE_CHECKING:
+    from ..config import ServeConfig
 
 # A debug line per event of a state's or a KV handle's life (alloc, free, lease expiry,
 # KV take / install / export / import): never per step.
 log = logging.getLogger("mtpdraft.engine")
 
+# The most rows of a Prefill computed in one forward.
+PREFILL_ROWS_PER_FORWARD = 1024
+
 
 class DraftEngine:
-    """Owns the MTP head, the KV pool, the states and the KV handles."""
+    """Owns the MTP head, the KV pool, the states and the KV handles.
+
+    Its limits are `config`'s (`mtpdraft serve`'s options), the KV pool's size
+    (`config.kv_blocks`) given: `cli.build_engine` sizes it from the device's memory
+    where the flag does not.
+    """
 
     def __init__(
         self,
         head: MTPHead,
+        config: ServeConfig,
         *,
-        kv_blocks: int,
-        block_size: int = 16,
-        max_states: int = 1024,
-        max_states_per_owner: int | None = None,
-        max_rows_per_state: int | None = None,
-        max_drafts: int = 16,
-        max_batch: int = 64,
-        state_ttl: float = 600.0,
-        prefill_rows_per_forward: int = 1024,
-        cuda_graphs: bool = True,
         clock: Callable[[], float] = time.monotonic,
         epoch: int | None = None,
     ) -> None:
+        if config.kv_blocks is None:
+            raise ValueError("config.kv_blocks: the KV pool's size in blocks is required")
         self.head = head
+        self.config = config
         # This instance's ids: a state id names the instance that issued it (ids.py).
         self.ids = Ids(epoch)
         c = head.config
-        self.kv = head.new_kv_cache(kv_blocks, block_size)
-        if cuda_graphs and head.device.type == "cuda":
-            head.capture_decode_graphs(self.kv, max_batch, max_drafts)
-        self.pool = BlockPool(kv_blocks)
-        self.block_size = block_size
+        self.kv = head.new_kv_cache(config.kv_blocks, config.block_size)
+        if config.cuda_graphs and head.device.type == "cuda":
+            head.capture_decode_graphs(self.kv, config.max_batch, config.max_drafts)
+        self.pool = BlockPool(config.kv_blocks)
         self.table = StateTable(
-            max_states,
-            -(-c.max_position_embeddings // block_size),
-            max_drafts,
-            block_size,
+            config.max_states,
+            -(-c.max_position_embeddings // config.block_size),
+            config.max_drafts,
+            config.block_size,
             self.pool,
             (c.hidden_size, head.dtype, head.device),
         )
         self.limits = Limits(
-            c.vocab_size, c.max_position_embeddings, max_drafts, max_rows_per_state
+            c.vocab_size, c.max_position_embeddings, config.max_drafts, config.max_rows_per_state
         )
-        self.max_states = max_states
-        self.max_states_per_owner = max_states_per_owner
-        self.max_rows_per_state = max_rows_per_state
+        # What the converter checks a request against before it is a Step.
+        self.step_shape = StepShape(c.hidden_size, c.vocab_size, config.max_batch)
         self._owned: dict[str, int] = {}
-        self.max_drafts = max_drafts
-        self.max_batch = max_batch
-        self.state_ttl = state_ttl
-        self.prefill_rows_per_forward = prefill_rows_per_forward
         self.clock = clock
         self.states: dict[int, DrafterState] = {}
         self.handles: dict[int, KVHandle] = {}
@@ -117,15 +118,15 @@ class DraftEngine:
             head_dim=c.head_dim,
             compute_dtype=str(self.head.dtype).removeprefix("torch."),
             device=str(self.head.device),
-            max_drafts=self.max_drafts,
-            max_batch=self.max_batch,
-            max_states=self.max_states,
+            max_drafts=self.config.max_drafts,
+            max_batch=self.config.max_batch,
+            max_states=self.config.max_states,
             live_states=len(self.states),
-            kv_block_size=self.block_size,
+            kv_block_size=self.config.block_size,
             kv_blocks_total=self.pool.num_total,
             kv_blocks_free=self.pool.num_free,
             kv_handles=len(self.handles),
-            state_ttl_seconds=self.state_ttl,
+            state_ttl_seconds=self.config.state_ttl,
             bitmask_words=(c.vocab_size + 31) // 32,
             draining=self.draining,
             instance_epoch=self.ids.epoch,
@@ -146,7 +147,7 @@ class DraftEngine:
         return state
 
     def _state_not_found(self, state_id: int) -> DrafterError:
-        return self.ids.state_not_found(state_id, self.state_ttl)
+        return self.ids.state_not_found(state_id, self.config.state_ttl)
 
     def _check_not_prefilling(self, state: DrafterState, action: str) -> None:
         if state.prefilling:
@@ -171,7 +172,7 @@ class DraftEngine:
         """Grows the state's blocks to hold `rows` rows (the last at index rows - 1)."""
         if rows > self.limits.max_position:
             raise position_too_large(rows - 1, self.limits.max_position, field)
-        limit = self.max_rows_per_state
+        limit = self.config.max_rows_per_state
         if limit is not None and rows > limit:
             raise ResourceExhausted(
                 f"state {state.id} would hold {rows} rows; the limit per state is {limit}",
@@ -196,12 +197,12 @@ class DraftEngine:
     def alloc_state(self, owner: str = "") -> int:
         if self.draining:
             raise Unavailable("the server is draining and takes no new states", reason="DRAINING")
-        if len(self.states) >= self.max_states:
+        if len(self.states) >= self.config.max_states:
             raise ResourceExhausted(
-                f"no free state slots: all {self.max_states} are taken",
+                f"no free state slots: all {self.config.max_states} are taken",
                 reason="STATES_EXHAUSTED",
             )
-        owned, limit = self._owned.get(owner, 0), self.max_states_per_owner
+        owned, limit = self._owned.get(owner, 0), self.config.max_states_per_client
         if limit is not None and owned >= limit:
             raise ResourceExhausted(
                 f"{owner or 'this client'} holds {owned} states, the limit per client",
@@ -241,7 +242,8 @@ class DraftEngine:
         # A Prefill stream renews the lease with every chunk; one silent for a whole
         # TTL is as dead as an idle state (its client may have vanished mid-stream).
         used = self.table.last_used
-        stale = [s.id for s in self.states.values() if now - used[s.slot] > self.state_ttl]
+        ttl = self.config.state_ttl
+        stale = [s.id for s in self.states.values() if now - used[s.slot] > ttl]
         for state_id in stale:
             rows = self._free(state_id)
             self.ids.expired(state_id)
@@ -300,8 +302,8 @@ class DraftEngine:
 
     def compute_rows(self, state: DrafterState, tokens: np.ndarray, hiddens: torch.Tensor) -> None:
         """Appends committed rows to the state (its blocks must hold them), in forwards
-        of at most prefill_rows_per_forward rows."""
-        step = self.prefill_rows_per_forward
+        of at most PREFILL_ROWS_PER_FORWARD rows."""
+        step = PREFILL_ROWS_PER_FORWARD
         for lo in range(0, len(tokens), step):
             rows = hiddens[lo : lo + step]  # moved to the device with the batch's inputs
             segment = Segment(state.slot, state.num_rows, tokens[lo : lo + step], rows)
@@ -366,53 +368,12 @@ class DraftEngine:
         state.trim()
         return RowCount(state.num_rows, state.next_position)
 
-    def propose(self, args: ProposeArgs) -> Proposal:
-        return self.propose_batch([args])[0]
-
-    def propose_batch(self, requests: list[ProposeArgs]) -> list[Proposal]:
-        """All or nothing: drafts for every request, or raises the first request's error."""
-        result = self.propose_groups([requests])[0]
-        if isinstance(result, DrafterError):
-            raise result
-        return result
-
-    def step_of(self, requests: list[ProposeArgs]) -> Step:
-        """The requests as one Step, all or nothing (see Step.from_requests)."""
-        c = self.head.config
-        return Step.from_requests(requests, c.hidden_size, c.vocab_size)
-
-    def propose_groups(
-        self, groups: list[list[ProposeArgs]]
-    ) -> list[list[Proposal] | DrafterError]:
-        """Drafts for many independent groups of requests in one batch (see propose_step)."""
-        results: list[list[Proposal] | DrafterError | None] = [None] * len(groups)
-        steps, placed = [], []
-        for index, group in enumerate(groups):
-            try:
-                check.check_batch_size(len(group), self.max_batch)
-                steps.append(self.step_of(group))
-                placed.append(index)
-            except DrafterError as err:
-                results[index] = err
-        if steps:
-            step = Step.concat(steps)
-            answer = self.propose_step(step)
-            lo = 0
-            for index, part in zip(placed, steps, strict=True):
-                hi = lo + len(part)
-                error = next((answer.errors[i] for i in range(lo, hi) if i in answer.errors), None)
-                ids = part.state_ids.tolist()
-                results[index] = error or [answer.proposal(lo + i, ids[i]) for i in range(hi - lo)]
-                lo = hi
-        return results  # type: ignore[return-value]
-
-    def propose_step(self, step: Step) -> StepResult:
+    def step(self, step: Step) -> StepResult:
         """Drafts for every row of the step, one batched forward per draft position.
 
-        The rows of a group stand or fail together; a failed row gets its group's
-        error in the answer and changes nothing. Rows of groups that pass are drafted
-        together: their verdicts applied, their chains run, their proposals left
-        pending.
+        Each row stands or fails alone: a failed row gets its error in the answer and
+        changes nothing. The rows that pass are drafted together: their verdicts
+        applied, their chains run, their proposals left pending.
         """
         b = len(step)
         slots = np.fromiter(
@@ -425,7 +386,7 @@ class DraftEngine:
         admitted = admit(step, slots, self.table, self.limits, self._state_not_found)
         # The largest K asked, a refused one (negative, or past max_drafts) within bounds:
         # a row asking K = 2**31 - 1 must not size the answer.
-        width = min(max(int(step.num_drafts.max()), 0), self.max_drafts) if b else 0
+        width = min(max(int(step.num_drafts.max()), 0), self.config.max_drafts) if b else 0
         result = StepResult(
             drafts=np.full((b, width), -1, np.int64),
             probs=np.zeros((b, width), np.float32),
@@ -524,7 +485,7 @@ class DraftEngine:
             id=self.ids.new(self.handles),
             blocks=self.table.detach_blocks(state.slot),
             num_rows=state.num_rows,
-            expires_at=self.clock() + self.state_ttl,
+            expires_at=self.clock() + self.config.state_ttl,
         )
         self.handles[handle.id] = handle
         state.num_rows = 0
@@ -535,14 +496,14 @@ class DraftEngine:
             handle.num_rows,
             len(handle.blocks),
         )
-        return TakenKV(handle.id, handle.num_rows, self.state_ttl)
+        return TakenKV(handle.id, handle.num_rows, self.config.state_ttl)
 
     def handle(self, handle_id: int) -> KVHandle:
         """The live handle, its lease renewed; NOT_FOUND if there is none."""
         handle = self.handles.get(handle_id)
         if handle is None:
             raise self.ids.handle_not_found(handle_id)
-        handle.expires_at = self.clock() + self.state_ttl
+        handle.expires_at = self.clock() + self.config.state_ttl
         return handle
 
     def release_handle(self, handle_id: int) -> None:

@@ -1,10 +1,9 @@
 """A propose step of many states as columns (`Step`), and its answer (`StepResult`).
 
-Every Propose the engine serves travels as a Step: a ProposeBatch message is one
-already (`columns.step`), a Propose call becomes one (`from_requests`), and the
-scheduler joins the calls of one batch into one (`concat`). Row i of every
-column is one state's request; `groups` says which rows stand or fail together
-(each row of a ProposeBatch step is its own).
+Every Propose the engine serves travels as a Step: the converter makes each propose
+message one (a ProposeBatch message with `columns.step`, a Propose with `single`), and
+the scheduler joins the calls of one batch into one (`concat`). Row i of every column
+is one state's request, and each row stands or fails alone.
 """
 
 from __future__ import annotations
@@ -15,8 +14,18 @@ import numpy as np
 import torch
 
 from .errors import DrafterError, InvalidArgument, num_accepted_negative
-from .types import Proposal, ProposeArgs, Verdict
+from .types import Proposal, Verdict
 from .validation import as_rows, check_floating
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a request is checked against before it is a Step: the model's hidden size,
+    its vocabulary (the bitmasks' width) and the most rows a step may hold."""
+
+    hidden_size: int
+    vocab_size: int
+    max_batch: int
 
 
 @dataclass
@@ -34,71 +43,63 @@ class Step:
     mask_counts: np.ndarray  # [B] int64: rows of bitmasks (0: no mask)
     bitmasks: torch.Tensor | None  # [sum(mask_counts), ceil(V / 32)] int32
     min_confidence: np.ndarray  # [B] float64
-    groups: np.ndarray  # [B] int64, non-decreasing: rows of a group stand or fail together
 
     def __len__(self) -> int:
         return len(self.state_ids)
 
     @staticmethod
     def concat(steps: list[Step]) -> Step:
-        """One step of many (their groups kept apart)."""
+        """One step of many, their rows in order."""
         if len(steps) == 1:
             return steps[0]
         columns = {}
         for f in fields(Step):
             parts = [getattr(s, f.name) for s in steps]
-            if f.name == "groups":
-                offsets = np.cumsum([0] + [int(g[-1]) + 1 for g in parts[:-1]])
-                columns[f.name] = np.concatenate(
-                    [g + o for g, o in zip(parts, offsets, strict=True)]
-                )
-            elif isinstance(parts[0], np.ndarray):
+            if isinstance(parts[0], np.ndarray):
                 columns[f.name] = np.concatenate(parts)
             else:
                 columns[f.name] = _cat([p for p in parts if p is not None])
         return Step(**columns)
 
-    @staticmethod
-    def from_requests(
-        requests: list[ProposeArgs], hidden_size: int, vocab_size: int, *, apart: bool = False
-    ) -> Step:
-        """The requests as one step: one group, or each its own with `apart`.
 
-        Raises InvalidArgument for a tensor of the wrong shape or dtype (the
-        request's field named), as the requests cannot be columns then.
-        """
-        hiddens, refeeds, refeed_counts, masks, mask_counts, accepted = [], [], [], [], [], []
-        for args in requests:
-            hiddens.append(_row(args.hidden, hidden_size))
-            a, refeed = -1, None
-            if args.previous is not None:
-                a = args.previous.num_accepted
-                refeed = verdict_refeed(args.previous, hidden_size, "previous")
-                if refeed is not None:
-                    refeeds.append(refeed)
-            accepted.append(a)
-            refeed_counts.append(0 if refeed is None else a)
-            mask = (
-                None if args.bitmask is None else padded_mask(args.bitmask, vocab_size, "bitmask")
-            )
-            if mask is not None:
-                masks.append(mask)
-            mask_counts.append(0 if mask is None else mask.shape[0])
-        count = len(requests)
-        return Step(
-            state_ids=np.fromiter((r.state_id for r in requests), np.uint64, count),
-            tokens=np.fromiter((r.token for r in requests), np.int64, count),
-            positions=np.fromiter((r.position for r in requests), np.int64, count),
-            hiddens=_cat(hiddens),
-            num_drafts=np.fromiter((r.num_drafts for r in requests), np.int64, count),
-            num_accepted=np.array(accepted, np.int64),
-            refeed_counts=np.array(refeed_counts, np.int64),
-            refeed_hiddens=_cat(refeeds),
-            mask_counts=np.array(mask_counts, np.int64),
-            bitmasks=_cat(masks),
-            min_confidence=np.fromiter((r.min_confidence for r in requests), np.float64, count),
-            groups=np.arange(count) if apart else np.zeros(count, np.int64),
-        )
+def single(
+    state_id: int,
+    token: int,
+    hidden: torch.Tensor,
+    position: int,
+    num_drafts: int,
+    bitmask: torch.Tensor | None = None,
+    min_confidence: float = 0.0,
+    previous: Verdict | None = None,
+    *,
+    shape: StepShape,
+) -> Step:
+    """One state's Propose as a Step of one row: `hidden` [H] or [1, H], `bitmask` int32
+    [W] or [n, W] (xgrammar's layout), `previous` the verdict on its pending proposal.
+
+    Raises InvalidArgument for a tensor of the wrong shape or dtype, naming the
+    Propose's field, as the request cannot be a row then.
+    """
+    row = as_rows(hidden, 1, shape.hidden_size, "hidden")
+    check_floating(row, "hidden")
+    accepted, refeed = -1, None
+    if previous is not None:
+        accepted = previous.num_accepted
+        refeed = verdict_refeed(previous, shape.hidden_size, "previous")
+    mask = None if bitmask is None else padded_mask(bitmask, shape.vocab_size, "bitmask")
+    return Step(
+        state_ids=np.array([state_id], np.uint64),
+        tokens=np.array([token], np.int64),
+        positions=np.array([position], np.int64),
+        hiddens=row,
+        num_drafts=np.array([num_drafts], np.int64),
+        num_accepted=np.array([accepted], np.int64),
+        refeed_counts=np.array([0 if refeed is None else accepted], np.int64),
+        refeed_hiddens=refeed,
+        mask_counts=np.array([0 if mask is None else mask.shape[0]], np.int64),
+        bitmasks=mask,
+        min_confidence=np.array([min_confidence], np.float64),
+    )
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -110,13 +111,6 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     if len({t.dtype for t in tensors}) > 1:
         tensors = [t.float() for t in tensors]
     return torch.cat(tensors)
-
-
-def _row(hidden: torch.Tensor, hidden_size: int) -> torch.Tensor:
-    """A Propose's hidden, [H] or [1, H], as [1, H]."""
-    hidden = as_rows(hidden, 1, hidden_size, "hidden")
-    check_floating(hidden, "hidden")
-    return hidden
 
 
 def verdict_refeed(verdict: Verdict, hidden_size: int, field: str) -> torch.Tensor | None:

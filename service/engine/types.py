@@ -18,18 +18,6 @@ class Verdict:
 
 
 @dataclass
-class ProposeArgs:
-    state_id: int
-    token: int
-    hidden: torch.Tensor  # [H] or [1, H]: target hidden at position - 1
-    position: int
-    num_drafts: int
-    bitmask: torch.Tensor | None = None  # int32 [W] or [n, W], xgrammar layout
-    min_confidence: float = 0.0
-    previous: Verdict | None = None
-
-
-@dataclass
 class PrefillChunk:
     """One message of a Prefill stream: its rows, and (first chunk) where they go."""
 
@@ -85,25 +73,3 @@ class EngineInfo:
     draining: bool
     instance_epoch: int  # carried by every id this instance issues (ids.py)
     model_fingerprint: str
-
-
-@dataclass
-class BatchRun:
-    """One batched forward as the scheduler ran it (time.time_ns), for telemetry."""
-
-    requests: int
-    calls: int
-    queued_ns: int  # when the oldest of its calls was queued
-    started_ns: int
-    done_ns: int
-    drafts: int  # draft tokens it made
-    tags: list  # each call's tag (see ProposeScheduler.enqueue), in the batch's order
-
-
-@dataclass
-class ServerInfo:
-    """GetInfo's answer, less what the gRPC front end adds."""
-
-    engine: EngineInfo
-    queued_calls: int
-    batch_size_counts: dict[int, int]  # requests per batch -> batches run

@@ -84,12 +84,3 @@ def check_hiddens(hiddens: torch.Tensor, rows: int, hidden_size: int, field: str
             f"{field}: holds NaN or infinite values", reason="NOT_FINITE", field=field
         )
     return hiddens
-
-
-def check_batch_size(size: int, max_batch: int) -> None:
-    if not 1 <= size <= max_batch:
-        raise InvalidArgument(
-            f"requests: {size} requests, expected 1 to {max_batch}",
-            reason="BATCH_SIZE_OUT_OF_RANGE",
-            field="requests",
-        )

@@ -1,10 +1,12 @@
-"""The serving loop: the engine as the servicer calls it. `ServingLoop` runs each call on
-the engine's worker thread (runner.py), Propose calls through the batching scheduler
-(scheduler.py), and reaps expired leases.
+"""The serving loop: the engine as the servicer calls it, from the event loop.
 
-Calls come in as the engine's types (the servicer reads the wire's messages into them
-with `wire`) and results go out as the engine's types (a ProposeBatch step's as a
-StepResult of columns), which the servicer turns into responses.
+`ServingLoop` runs each engine call on the engine's worker thread (runner.py), every
+Propose's Step through the batching scheduler (scheduler.py), reaps expired leases and
+keeps a Prefill's or an import's chunks together, rolled back when the stream breaks.
+Calls come in and results go out as the engine's types: the servicer converts them
+from and to the wire's messages. The server (server.py) starts it and, to shut down,
+takes its steps in turn (`stop_taking_states`, `states_gone`, `answer_queued`,
+`close`) between its own on the gRPC server.
 """
 
 from __future__ import annotations
@@ -12,54 +14,46 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..config import DEFAULTS
-from ..engine import columns, errors
-from ..engine.columns import Columns
+from ..engine import errors
 from ..engine.engine import DraftEngine, PrefillSession
 from ..engine.kv_transfer import KVChunk, KVHeader, KVImport
-from ..engine.step import StepResult
-from ..engine.types import (
-    PrefillChunk,
-    Proposal,
-    ProposeArgs,
-    RowCount,
-    ServerInfo,
-    TakenKV,
-    Verdict,
-)
+from ..engine.step import Step, StepResult
+from ..engine.types import EngineInfo, PrefillChunk, RowCount, TakenKV, Verdict
 from ..telemetry import Telemetry
 from .runner import EngineRunner
 from .scheduler import ProposeScheduler
 
 if TYPE_CHECKING:
-    from ..front_end import FrontEnd
+    from ..config import ServeConfig
 
 log = logging.getLogger("mtpdraft.backend")
 _Session = TypeVar("_Session", PrefillSession, KVImport)
 
 
-class ServingLoop:
-    """The engine in this process: its worker thread, the scheduler and the lease reaper,
-    with the engine's metrics recorded by `telemetry`."""
+@dataclass
+class ServerInfo:
+    """GetInfo's answer, less what the gRPC front end adds."""
 
-    def __init__(
-        self,
-        engine: DraftEngine,
-        telemetry: Telemetry | None = None,
-        *,
-        max_queue: int = DEFAULTS.max_queue,
-        batch_wait: float = DEFAULTS.batch_wait,
-    ) -> None:
-        self.telemetry = telemetry = telemetry or Telemetry()
+    engine: EngineInfo
+    queued_calls: int
+    batch_size_counts: dict[int, int]  # requests per batch -> batches run
+
+
+class ServingLoop:
+    """The engine in this process: its worker thread, the scheduler (its options
+    `config`'s) and the lease reaper, with the engine's metrics recorded by `telemetry`."""
+
+    def __init__(self, engine: DraftEngine, config: ServeConfig, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
         self.engine = engine
         self.runner = EngineRunner()
         self.scheduler = ProposeScheduler(
             engine,
             self.runner,
-            max_queue=max_queue,
-            batch_wait=batch_wait,
+            config,
             on_batch=telemetry.record_batch,
             # A GPU engine's step is short: a batch nobody else waits on may hold the loop.
             inline=engine.head.device.type == "cuda",
@@ -78,21 +72,12 @@ class ServingLoop:
         return await self.runner.call(self.engine.alloc_state, owner)
 
     def propose(
-        self, requests: list[ProposeArgs], timeout: float | None, caller: object
-    ) -> asyncio.Future[list[Proposal]]:
-        """Queues one call's requests; the future holds the proposals once their batch
+        self, step: Step, timeout: float | None, caller: object
+    ) -> asyncio.Future[StepResult]:
+        """Queues one call's step; the future holds its rows' results once their batch
         ran, and cancelling it takes the call out of the queue. `caller`: the call's
         span context (Telemetry.span_context), which its batch's span links."""
-        return self.scheduler.enqueue(requests, timeout, tag=caller)
-
-    def propose_batch(
-        self, request: Columns, timeout: float | None, caller: object
-    ) -> asyncio.Future[StepResult]:
-        """Queues a verifier's step (INVALID_ARGUMENT at once when its columns do not fit
-        together); the future holds its rows' results, as columns, once their batch ran."""
-        c = self.engine.head.config
-        step = columns.step(request, c.hidden_size, c.vocab_size, self.engine.max_batch)
-        return self.scheduler.enqueue(step, timeout, apart=True, tag=caller)
+        return self.scheduler.enqueue(step, timeout, caller)
 
     async def after_verify(self, state_id: int, verdict: Verdict) -> RowCount:
         return await self.runner.call(self.engine.after_verify, state_id, verdict)
@@ -227,32 +212,29 @@ class ServingLoop:
     async def _reap_forever(self) -> None:
         # A quarter of the TTL keeps an expired state's overstay under 25%, and at
         # most a second apart so that short TTLs (tests) act promptly.
-        period = min(max(self.engine.state_ttl / 4, 0.05), 1.0)
+        period = min(max(self.engine.config.state_ttl / 4, 0.05), 1.0)
         while True:
             await asyncio.sleep(period)
             states, handles = await self.runner.call(self.engine.reap_expired)
             if states or handles:
                 log.info("lease expired: freed %d states and %d KV handles", states, handles)
 
-    async def drain(self, grace: float, front_end: FrontEnd) -> int:
-        """Stops taking new states, lets live ones finish for up to `grace` seconds, stops
-        `front_end` and the engine, flushes the telemetry. Returns how many states were
-        still live (and freed)."""
+    async def stop_taking_states(self) -> None:
+        """New states are refused (UNAVAILABLE) from now on; live ones go on."""
         await self.runner.call(setattr, self.engine, "draining", True)
-        await front_end.enter_graceful_shutdown()
+
+    async def states_gone(self, timeout: float) -> None:
+        """Waits (at most `timeout` seconds) until no state is live."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
+        deadline = loop.time() + timeout
         while loop.time() < deadline and self.engine.states:
             await asyncio.sleep(0.05)
-        # Grace is over: refuse new Propose calls, answer the ones already taken,
-        # then close the connections (a taken request is never left unanswered).
+
+    async def answer_queued(self, timeout: float) -> None:
+        """New Propose calls are refused from now on; those already queued are answered
+        (waiting at most `timeout` seconds)."""
         self.scheduler.closing = True
-        await self.scheduler.settle(timeout=5.0)
-        # Half a second at least: time to write the answers just given.
-        await front_end.stop(max(0.5, min(1.0, deadline - loop.time())))
-        freed = await self.close()
-        self.telemetry.shutdown()
-        return freed
+        await self.scheduler.settle(timeout)
 
     async def close(self) -> int:
         """Stops the scheduler and the reaper, frees every state; returns how many were live."""

@@ -1,10 +1,11 @@
 """Merges concurrent Propose calls from many clients into batched forwards.
 
-Each call (a Propose, a ProposeBatch, a message of a ProposeStream) is a job: a
-Step of one or more requests, made as the call arrives. The loop takes the
-queued jobs in arrival order, as many as fit in one batch (at most max_batch
-requests, each state at most once), joins their Steps and runs them as one
-`propose_step` call: one batched forward per draft position. A job whose state
+Each call (a Propose, a ProposeBatch, a message of a ProposeStream) is a job: the
+Step the converter made of it, one row per state. The loop takes the queued jobs
+in arrival order, as many as fit in one batch (at most max_batch rows, each state
+at most once), joins their Steps and runs them as one `engine.step` call: one
+batched forward per draft position. Each job's future holds its rows of the
+answer (a StepResult), every row answered or failed on its own. A job whose state
 is already in the batch, or in a job that waits, waits for the next one: two
 calls on one state are served in arrival order, and no client is skipped twice
 in a row. While a batch computes, new jobs queue up; the next
@@ -40,25 +41,38 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ..engine.engine import DraftEngine
 from ..engine.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from ..engine.step import Step, StepResult
-from ..engine.types import BatchRun, Proposal, ProposeArgs
-from ..engine.validation import check_batch_size
 from .runner import EngineRunner
+
+if TYPE_CHECKING:
+    from ..config import ServeConfig
+
+
+@dataclass
+class BatchRun:
+    """One batched forward as the scheduler ran it (time.time_ns), for telemetry."""
+
+    requests: int  # rows
+    calls: int
+    queued_ns: int  # when the oldest of its calls was queued
+    started_ns: int
+    done_ns: int
+    drafts: int  # draft tokens it made
+    callers: list  # each call's `caller` (see ProposeScheduler.enqueue), in the batch's order
 
 
 @dataclass
 class _Job:
     step: Step
-    future: asyncio.Future
+    future: asyncio.Future  # the StepResult of its rows
     deadline: float | None  # loop time
     queued_ns: int  # time.time_ns
-    tag: object  # the caller's, handed back with the batch's BatchRun
+    caller: object  # handed back with the batch's BatchRun
     round_trip: float | None  # its states' answer-to-this-call time (the longest), if known
-    apart: bool = False  # each request stands or fails alone (a ProposeBatch step)
     states: set[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -66,15 +80,6 @@ class _Job:
 
     def __len__(self) -> int:
         return len(self.step)
-
-    def answer(self, result: StepResult) -> list[Proposal] | StepResult | BaseException:
-        """The call's answer from its rows of the batch's result."""
-        if self.apart:
-            return result
-        if result.errors:
-            return result.errors[min(result.errors)]  # the group's error, on every row
-        ids = self.step.state_ids.tolist()
-        return [result.proposal(i, state) for i, state in enumerate(ids)]
 
 
 # A state answered at loop time `at` whose last round trip took `round_trip` (None: its
@@ -87,12 +92,6 @@ def _late(at: float, round_trip: float | None) -> float:
     off doing something else (verifying, or gone)."""
     return at + (_FORGET_S if round_trip is None else 1.5 * round_trip)
 
-
-# About one batch-1 step of MiMo-7B's MTP head on an H200 (2.2 ms): waiting less
-# than a step for a verifier about to return costs the queued ones less than
-# making it wait a whole step. With it, 8 closed-loop streams ran as batches of 8
-# instead of alternating 1 and 7: 4392 -> 5860 drafts/s (H200, MiMo-7B shape, K=4).
-DEFAULT_BATCH_WAIT_S = 0.002
 
 # A state never seen back within a second is forgotten, so that the table of
 # answered states holds only verifiers in their decode loop.
@@ -108,21 +107,23 @@ T = TypeVar("T")
 
 
 class ProposeScheduler:
+    """Batches `engine.step` calls on `runner`'s thread, as `config` says (`max_queue`,
+    `batch_wait`); `inline`: a batch nobody else is due for may run on the loop's thread."""
+
     def __init__(
         self,
         engine: DraftEngine,
         runner: EngineRunner,
+        config: ServeConfig,
         *,
-        max_queue: int = 4096,
-        batch_wait: float = DEFAULT_BATCH_WAIT_S,
         on_batch: BatchObserver | None = None,
         inline: bool = False,
     ) -> None:
         self.engine = engine
         self.runner = runner
-        self.max_batch = engine.max_batch
-        self.max_queue = max_queue
-        self.batch_wait = batch_wait
+        self.max_batch = engine.step_shape.max_batch
+        self.max_queue = config.max_queue
+        self.batch_wait = config.batch_wait
         self.inline = inline
         self.on_batch = on_batch
         self.batch_sizes: Counter[int] = Counter()  # requests per batch -> batches run
@@ -159,29 +160,15 @@ class ProposeScheduler:
                 job.future.cancel()
         self._queue.clear()
 
-    async def submit(
-        self, requests: list[ProposeArgs] | Step, timeout: float | None = None
-    ) -> list[Proposal]:
-        """Queues one call's requests; returns their proposals once their batch ran."""
-        # Cancelling this await (the caller went away) cancels the future: the loop
-        # then skips the job, freeing its place.
-        return await self.enqueue(requests, timeout)
-
     def enqueue(
-        self,
-        requests: list[ProposeArgs] | Step,
-        timeout: float | None = None,
-        apart: bool = False,
-        tag: object = None,
-    ) -> asyncio.Future:
-        """Queues one call's requests; the future holds their proposals once their
-        batch ran. Cancelling it takes the call out of the queue. `apart` (a Step whose
-        rows stand or fail alone): the future holds the StepResult of its rows. `tag`
-        comes back in the BatchRun of the batch that ran the call (telemetry's span)."""
-        # A call larger than a batch could never be taken: refuse it here.
-        check_batch_size(len(requests), self.max_batch)
-        if not isinstance(requests, Step):
-            requests = self.engine.step_of(requests)
+        self, step: Step, timeout: float | None = None, caller: object = None
+    ) -> asyncio.Future[StepResult]:
+        """Queues one call's step; the future holds its rows' StepResult once their batch
+        ran, and cancelling it (the caller went away) takes the call out of the queue.
+        `caller` comes back in the BatchRun of the batch that ran the call (telemetry's
+        span)."""
+        if len(step) > self.max_batch:  # the converter's bounds: never taken into a batch
+            raise ValueError(f"a step of {len(step)} rows; a batch holds {self.max_batch}")
         if self.closing:
             raise Unavailable("the server is stopping", reason="DRAINING")
         if len(self._queue) >= self.max_queue:
@@ -193,10 +180,10 @@ class ProposeScheduler:
         now = loop.time()
         deadline = None if timeout is None else now + timeout
         pop = self._answered.pop
-        answered = [a[0] for s in requests.state_ids.tolist() if (a := pop(s, None)) is not None]
+        answered = [a[0] for s in step.state_ids.tolist() if (a := pop(s, None)) is not None]
         round_trip = now - min(answered) if answered else None
         future = loop.create_future()
-        job = _Job(requests, future, deadline, time.time_ns(), tag, round_trip, apart)
+        job = _Job(step, future, deadline, time.time_ns(), caller, round_trip)
         self._queue.append(job)
         self._wake.set()
         if self._awaited:
@@ -300,7 +287,7 @@ class ProposeScheduler:
         if not live:
             return live, None
         try:
-            return live, self.engine.propose_step(Step.concat([job.step for job in live]))
+            return live, self.engine.step(Step.concat([job.step for job in live]))
         except Exception as exc:  # a bug in the forward: fail the batch, keep serving
             return live, exc
 
@@ -326,13 +313,13 @@ class ProposeScheduler:
                         started_ns=started,
                         done_ns=done,
                         drafts=drafted,
-                        tags=[job.tag for job in live],
+                        callers=[job.caller for job in live],
                     )
                 )
         outcome, lo = {}, 0
         for job in live:
             rows = result if isinstance(result, BaseException) else result.rows(lo, lo + len(job))
-            outcome[id(job)] = rows if isinstance(rows, BaseException) else job.answer(rows)
+            outcome[id(job)] = rows
             lo += len(job)
         for job in batch:
             if job.future.done():  # cancelled (left out, or during compute: its effect stands)

@@ -33,7 +33,7 @@ from mtpdraft.client import DrafterClient, InvalidArgument
 from mtpdraft.service.cli import parse_serve
 
 # What a drain takes past --grace-period: 5 s answering the queued calls, 1 s stopping
-# (ServingLoop.drain).
+# (DrafterServer.drain).
 DRAIN_AFTER_GRACE_S = 6
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from proposing import ProposeArgs, propose
 
 from examples.tiny_mimo.model import (
     TinyMiMoConfig,
@@ -37,8 +38,8 @@ from examples.tiny_mimo.verify import (
     start_server,
 )
 from mtpdraft.client import DrafterClient
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
-from mtpdraft.service.engine.types import ProposeArgs
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
 
@@ -112,7 +113,8 @@ def test_example_mtp_matches_the_service_forward(tmp_path: Path) -> None:
     """Chained drafts of the service's MTPHead equal the example model's MTP forward."""
     folder = random_checkpoint(tmp_path, seed=3)
     model = load_checkpoint(folder, torch.float64)
-    engine = DraftEngine(MTPHead(load_mtp_weights(folder), torch.device("cpu")), kv_blocks=64)
+    head = MTPHead(load_mtp_weights(folder), torch.device("cpu"))
+    engine = DraftEngine(head, ServeConfig(kv_blocks=64))
     tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
     n, k = tokens.shape[1], 4
     with torch.no_grad():
@@ -121,7 +123,7 @@ def test_example_mtp_matches_the_service_forward(tmp_path: Path) -> None:
         session = engine.begin_prefill(state, 1)
         session.append(tokens[0, 1 : n - 1].tolist(), h[0, : n - 2].float())
         session.finish()
-        got = engine.propose(ProposeArgs(state, int(tokens[0, -1]), h[0, -2].float(), n - 1, k))
+        got = propose(engine, ProposeArgs(state, int(tokens[0, -1]), h[0, -2].float(), n - 1, k))
         # Rows (x_(i+1), h_i); then speculative rows (d_j, m of the previous row).
         row_tokens, row_hiddens = tokens[:, 1:], h[:, :-1]
         drafts, probs = [], []

@@ -591,7 +591,7 @@ def test_a_propose_past_its_deadline_while_queued_changes_nothing(mimo_checkpoin
             h = hiddens(1, 2)[0]
             # The engine thread is busy until the call has failed (as with another
             # client's long Prefill); the failed call is dropped before the next one.
-            server.server.runner.submit(release.wait, PATIENCE)
+            server.server.serving.runner.submit(release.wait, PATIENCE)
             with pytest.raises(DeadlineExceeded):
                 c.propose(s, 1, h, 6, 3, timeout=0.3)
             release.set()

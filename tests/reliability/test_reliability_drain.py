@@ -207,14 +207,14 @@ def test_requests_taken_before_the_grace_ends_are_answered(mimo_checkpoint) -> N
     """In-process, to see which messages the server took: each one must be answered."""
     server = InProcessServer(small_engine(mimo_checkpoint))
     taken: set[tuple[int, int]] = set()
-    enqueue = server.server.scheduler.enqueue  # every stream message's way in, as a Step
+    enqueue = server.server.serving.scheduler.enqueue  # every stream message's way in, as a Step
 
     def recording_enqueue(step, *args, **kwargs):
         queued = enqueue(step, *args, **kwargs)  # a refused call is not taken
         taken.update(zip(step.state_ids.tolist(), step.positions.tolist(), strict=True))
         return queued
 
-    server.server.scheduler.enqueue = recording_enqueue
+    server.server.serving.scheduler.enqueue = recording_enqueue
     draining, sigterm = threading.Event(), threading.Event()
     verifier = Verifier(server.address, True, draining, sigterm)
     thread = threading.Thread(target=verifier.run, daemon=True)
@@ -227,7 +227,7 @@ def test_requests_taken_before_the_grace_ends_are_answered(mimo_checkpoint) -> N
         time.sleep(grace - 0.5)
         # The engine is slow just as the grace ends (a long Prefill, say): the stream's
         # next messages are taken and wait for it.
-        server.server.runner.submit(time.sleep, 1.0)
+        server.server.serving.runner.submit(time.sleep, 1.0)
         assert drained.result(PATIENCE) == WINDOW  # the verifier's states, freed by the server
         thread.join(PATIENCE)
     finally:

@@ -66,12 +66,12 @@ def hold_the_engine(engine: DraftEngine) -> tuple[threading.Event, threading.Eve
     """Makes the engine's next batched forward wait until `release` is set (60 s at most):
     returns (entered, release). Calls that come meanwhile stay queued."""
     entered, release = threading.Event(), threading.Event()
-    forward = engine.propose_step
+    forward = engine.step
 
     def held(step):
         entered.set()
         release.wait(60)
         return forward(step)
 
-    engine.propose_step = held
+    engine.step = held
     return entered, release

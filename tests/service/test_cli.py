@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.metadata
-import inspect
 import signal
 import subprocess
 import sys
@@ -21,10 +20,7 @@ from servers import PATIENCE, SERVER_ARGS, start_server
 from mtpdraft.client import DrafterClient, InvalidArgument
 from mtpdraft.client import messages as m
 from mtpdraft.service import cli
-from mtpdraft.service.config import DEFAULTS, ServeConfig
-from mtpdraft.service.front_end import FrontEnd
-from mtpdraft.service.server import DrafterServer
-from mtpdraft.service.serving.loop import ServingLoop
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.serving.runner import GIL_SWITCH_INTERVAL_S
 from mtpdraft.service.telemetry import Telemetry
 
@@ -32,7 +28,7 @@ from mtpdraft.service.telemetry import Telemetry
 def test_the_parser_fills_a_serve_config_with_its_defaults() -> None:
     """Each default is written once, in ServeConfig: no flag given is the dataclass's
     defaults, and every field has its flag."""
-    assert cli.parse_serve([]) == ServeConfig() == DEFAULTS
+    assert cli.parse_serve([]) == ServeConfig()
     given = cli.parse_serve(
         [
             *("--max-queue", "7", "--batch-wait-us", "0", "--max-inflight", "3", "--no-reflection"),
@@ -41,7 +37,7 @@ def test_the_parser_fills_a_serve_config_with_its_defaults() -> None:
         ]
     )
     assert given == dataclasses.replace(
-        DEFAULTS,
+        ServeConfig(),
         max_queue=7,
         batch_wait_us=0.0,
         max_inflight=3,
@@ -52,7 +48,7 @@ def test_the_parser_fills_a_serve_config_with_its_defaults() -> None:
         host="::1",
         auth_token_file="tokens",
     )
-    assert given.batch_wait == 0.0 and DEFAULTS.batch_wait == pytest.approx(2e-3)
+    assert given.batch_wait == 0.0 and ServeConfig().batch_wait == pytest.approx(2e-3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         given.port = 1  # type: ignore[misc]
 
@@ -253,31 +249,6 @@ def test_kv_memory_fraction_sizes_the_pool_from_the_free_gpu_memory(monkeypatch)
 def test_kv_pool_blocks_is_at_least_one() -> None:
     assert cli.kv_pool_blocks(10 << 20, 0.5, 1 << 20) == 5
     assert cli.kv_pool_blocks(100, 0.5, 1 << 20) == 1
-
-
-def test_the_servers_keyword_defaults_are_the_commands() -> None:
-    def defaults(of) -> dict:
-        return {
-            name: p.default
-            for name, p in inspect.signature(of).parameters.items()
-            if p.default is not inspect.Parameter.empty
-        }
-
-    assert defaults(DrafterServer) == {
-        "max_queue": DEFAULTS.max_queue,
-        "batch_wait": DEFAULTS.batch_wait,
-        "telemetry": None,
-    }
-    assert defaults(ServingLoop) == defaults(DrafterServer)
-    assert defaults(FrontEnd) == {
-        "max_message_bytes": DEFAULTS.max_message_bytes,
-        "reflection_enabled": DEFAULTS.reflection,
-        "max_inflight": DEFAULTS.max_inflight,
-        "credentials": None,
-        "tokens": None,
-        "unix_socket": DEFAULTS.unix_socket,
-        "engine_stall_timeout": DEFAULTS.engine_stall_timeout,
-    }
 
 
 def test_the_server_sets_the_gil_switch_interval(mimo_checkpoint: Path) -> None:

@@ -140,12 +140,15 @@ def test_move_state_between_servers_and_its_refusals(client: DrafterClient, mimo
     dtype, refused with the source state whole."""
     import torch
 
+    from mtpdraft.service.config import ServeConfig
     from mtpdraft.service.engine.engine import DraftEngine
     from mtpdraft.service.model.checkpoint import load_mtp_weights
     from mtpdraft.service.model.mtp_head import MTPHead
 
     head = MTPHead(load_mtp_weights(mimo_checkpoint), torch.device("cpu"), torch.bfloat16)
-    other = InProcessServer(DraftEngine(head, kv_blocks=64, block_size=8, max_drafts=8))
+    other = InProcessServer(
+        DraftEngine(head, ServeConfig(kv_blocks=64, block_size=8, max_drafts=8))
+    )
     same = InProcessServer(small_engine(mimo_checkpoint, kv_blocks=64, block_size=16))
     try:
         with (

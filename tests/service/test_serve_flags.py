@@ -254,13 +254,13 @@ def test_ops_selects_the_op_set_and_both_draft_alike(serve) -> None:
 
 def test_no_cuda_graphs_reaches_the_engine(mimo_checkpoint, monkeypatch) -> None:
     """On the CPU there are no graphs either way: what the flag changes is the engine's
-    cuda_graphs argument (on a GPU, the test below and test_gpu_path.py's)."""
+    config's cuda_graphs (on a GPU, the test below and test_gpu_path.py's)."""
     asked: list[bool] = []
     real = cli.DraftEngine
 
-    def engine(head, **options):
-        asked.append(options["cuda_graphs"])
-        return real(head, **options)
+    def engine(head, config):
+        asked.append(config.cuda_graphs)
+        return real(head, config)
 
     monkeypatch.setattr(cli, "DraftEngine", engine)
     model = ("--model", str(mimo_checkpoint), "--device", "cpu", *SMALL)

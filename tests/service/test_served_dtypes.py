@@ -27,6 +27,7 @@ from served_chains import PROMPT_ROWS, Sequence, Tally, bf16_checkpoint, random_
 from servers import InProcessServer, start_server
 
 from mtpdraft.client import DrafterClient
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
@@ -108,7 +109,8 @@ def test_a_perturbed_later_chain_step_fails_the_check(tmp_path, device: str, dty
     ops = "triton" if device == "cuda" else "torch"
     head = MTPHead(load_mtp_weights(tmp_path), torch.device(device), getattr(torch, dtype), ops)
     # Eager, so that the chain's steps run through head.decode (a graph replays them).
-    engine = DraftEngine(head, kv_blocks=64, block_size=16, max_drafts=8, cuda_graphs=False)
+    config = ServeConfig(kv_blocks=64, block_size=16, max_drafts=8, cuda_graphs=False)
+    engine = DraftEngine(head, config)
     server = InProcessServer(engine)
     try:
         with DrafterClient(server.address, timeout=120) as client:

@@ -176,17 +176,17 @@ def test_a_failed_forward_answers_internal_and_the_stream_goes_on(mimo_checkpoin
     from mtpdraft.client import DrafterRpcError
 
     engine = small_engine(mimo_checkpoint)
-    forward = engine.propose_step
+    forward = engine.step
 
     def broken_once(step):
-        engine.propose_step = forward
+        engine.step = forward
         raise RuntimeError("a bug in the forward")
 
     server = InProcessServer(engine)
     try:
         with DrafterClient(server.address) as client, client.stream() as stream:
             state = _prompted(client, 5, 1)
-            engine.propose_step = broken_once
+            engine.step = broken_once
             with pytest.raises(DrafterRpcError) as failed:
                 stream.propose(state, 1, hiddens(1, 0), 6, 2)
             assert failed.value.code.name == "INTERNAL"

@@ -19,7 +19,7 @@ from opentelemetry.trace import SpanKind
 from servers import InProcessServer, recording_tracer, small_engine
 
 from mtpdraft.client import DrafterClient, Verdict
-from mtpdraft.service.engine.types import BatchRun
+from mtpdraft.service.serving.scheduler import BatchRun
 from mtpdraft.service.telemetry import Telemetry, providers_from_env
 
 
@@ -114,7 +114,9 @@ def test_client_span_parents_server_span_and_children(traced) -> None:
 def test_a_batch_no_caller_traced_is_a_root_span_whatever_span_is_current() -> None:
     tracer_provider, exporter = recording_tracer()
     telemetry = Telemetry(tracer_provider)
-    run = BatchRun(requests=1, calls=1, queued_ns=1, started_ns=2, done_ns=3, drafts=2, tags=[None])
+    run = BatchRun(
+        requests=1, calls=1, queued_ns=1, started_ns=2, done_ns=3, drafts=2, callers=[None]
+    )
     # Recorded where some other span is current: the batch does not sit under it.
     with tracer_provider.get_tracer("test").start_as_current_span("handler"):
         telemetry.record_batch(run)

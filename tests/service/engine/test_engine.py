@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 from mtp_reference import Reference
+from proposing import ProposeArgs, propose, propose_batch, step_of
 from torch.overrides import TorchFunctionMode
 
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine import admission
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.engine.errors import (
@@ -17,8 +19,8 @@ from mtpdraft.service.engine.errors import (
     NotFound,
     Unavailable,
 )
-from mtpdraft.service.engine.step import Step
-from mtpdraft.service.engine.types import Proposal, ProposeArgs, Verdict
+from mtpdraft.service.engine.step import Step, StepResult
+from mtpdraft.service.engine.types import Proposal, Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import write_random_checkpoint
@@ -54,7 +56,8 @@ def clock() -> Clock:
 
 @pytest.fixture
 def engine(head: MTPHead, clock: Clock) -> DraftEngine:
-    return DraftEngine(head, kv_blocks=64, block_size=4, max_drafts=8, state_ttl=10, clock=clock)
+    config = ServeConfig(kv_blocks=64, block_size=4, max_drafts=8, state_ttl=10)
+    return DraftEngine(head, config, clock=clock)
 
 
 # KV rows computed in batches of other sizes: the CPU's GEMM kernels block the sum by the
@@ -88,14 +91,14 @@ def assert_accounted(engine: DraftEngine) -> None:
     held += sum(len(hd.blocks) for hd in engine.handles.values())
     assert held + engine.pool.num_free == engine.pool.num_total
     for s in engine.states.values():
-        assert len(s.blocks) == -(-s.num_rows // engine.block_size)
+        assert len(s.blocks) == -(-s.num_rows // engine.config.block_size)
 
 
 @pytest.mark.parametrize("accepted", [0, 2, 4])
 def test_refeed_leaves_the_rows_a_fresh_prefill_would(engine: DraftEngine, accepted: int) -> None:
     prompt, hp = [5, 6, 7], h(3, 0)
     state = prefill(engine, prompt, hp)
-    proposal = engine.propose(ProposeArgs(state, 8, h(1, 1), 4, 4))
+    proposal = propose(engine, ProposeArgs(state, 8, h(1, 1), 4, 4))
     assert_accounted(engine)
     refeed = h(accepted, 2)
     engine.after_verify(state, Verdict(accepted, refeed))
@@ -111,7 +114,7 @@ def test_row_counts_through_every_verdict(engine: DraftEngine) -> None:
     state = prefill(engine, [1, 2, 3, 4, 5], h(5, 3))
     position = 6
     for step, (k, accepted, refeed) in enumerate([(3, 0, False), (3, 3, False), (5, 2, True)]):
-        p = engine.propose(ProposeArgs(state, 9, h(1, 10 + step), position, k))
+        p = propose(engine, ProposeArgs(state, 9, h(1, 10 + step), position, k))
         assert engine.states[state].num_rows == position - 1 + k  # R0 .. R(k-1)
         assert_accounted(engine)
         refeed_hiddens = h(accepted, 20 + step) if refeed else None
@@ -143,7 +146,7 @@ def test_a_chain_cut_short_holds_what_it_kept(engine: DraftEngine, ref: Referenc
     drafts, _, cut, tau = _threshold_that_cuts(ref)
     state = prefill(engine, [1, 2, 3, 4, 5], h(5, 5))
     free = engine.pool.num_free
-    got = engine.propose(ProposeArgs(state, 2, h(1, 31), 6, 8, min_confidence=tau))
+    got = propose(engine, ProposeArgs(state, 2, h(1, 31), 6, 8, min_confidence=tau))
     assert got.tokens == drafts[:cut]
     held = engine.states[state]
     assert held.pending.drafts == drafts[:cut] and held.pending.rows_computed == cut + 1
@@ -184,8 +187,8 @@ def test_batch_mixes_lengths_thresholds_and_masks(engine: DraftEngine, ref: Refe
         ]  # fmt: skip
 
     batched, single = states(), states()
-    together = engine.propose_batch(requests(batched))
-    alone = [engine.propose(args) for args in requests(single)]
+    together = propose_batch(engine, requests(batched))
+    alone = [propose(engine, args) for args in requests(single)]
     assert len(together[0].tokens) == 2
     stopped, unstopped = together[1], together[3]
     assert 0 < cut < 8 and stopped.tokens == drafts[:cut]
@@ -196,57 +199,62 @@ def test_batch_mixes_lengths_thresholds_and_masks(engine: DraftEngine, ref: Refe
     assert unstopped.confidence == pytest.approx(running[-1], abs=1e-4)
     assert set(together[2].tokens) <= {32, 33, 34, 35} and len(together[2].tokens) == 5
     # The chains stopped after different steps: the next proposals read each one's own.
-    together += engine.propose_batch(accept_all(batched, together))
-    alone += [engine.propose(args) for args in accept_all(single, alone)]
+    together += propose_batch(engine, accept_all(batched, together))
+    alone += [propose(engine, args) for args in accept_all(single, alone)]
     for one, many in zip(alone, together, strict=True):
         assert one.tokens == many.tokens
         assert one.probs == pytest.approx(many.probs, abs=1e-5)
     assert_accounted(engine)
 
 
-def test_a_failing_group_changes_nothing_and_its_batch_drafts_as_alone(
+def _step(engine: DraftEngine, requests: list[ProposeArgs]) -> StepResult:
+    """The requests as one step of the engine, a row each."""
+    return engine.step(step_of(requests, engine.step_shape))
+
+
+def test_a_failing_row_changes_nothing_and_its_batch_drafts_as_alone(
     engine: DraftEngine,
 ) -> None:
-    """One group of a batch with a NaN hidden is refused alone; the others draft as alone."""
+    """One row of a batch with a NaN hidden is refused alone; the others draft as alone."""
     nan = h(1, 41)
     nan[0, 5] = float("nan")
     good, bad = prefill(engine, [1, 2, 3], h(3, 40)), prefill(engine, [1, 2, 3], h(3, 40))
     free = engine.pool.num_free
-    together = engine.propose_groups(
-        [[ProposeArgs(good, 4, h(1, 42), 4, 3)], [ProposeArgs(bad, 4, nan, 4, 3)]]
-    )
-    refused = together[1]
-    assert isinstance(refused, InvalidArgument)
+    together = _step(engine, [ProposeArgs(good, 4, h(1, 42), 4, 3), ProposeArgs(bad, 4, nan, 4, 3)])
+    refused = together.errors[1]
+    assert isinstance(refused, InvalidArgument) and list(together.errors) == [1]
     assert (refused.reason, refused.field) == ("NOT_FINITE", "hidden")
+    assert together.counts[1] == 0 and (together.drafts[1] == -1).all()
     assert engine.states[bad].num_rows == 3 and engine.states[bad].pending is None
     assert engine.pool.num_free == free - 1  # good's rows 4..6 took one more block
     assert_accounted(engine)
-    alone = engine.propose(ProposeArgs(prefill(engine, [1, 2, 3], h(3, 40)), 4, h(1, 42), 4, 3))
-    (got,) = together[0]
+    alone = propose(engine, ProposeArgs(prefill(engine, [1, 2, 3], h(3, 40)), 4, h(1, 42), 4, 3))
+    got = together.proposal(0, good)
     assert (got.tokens, got.probs) == (alone.tokens, alone.probs)
 
 
-def test_a_nan_refeed_in_a_batch_refuses_its_group_alone(engine: DraftEngine) -> None:
+def test_a_nan_refeed_in_a_batch_refuses_its_row_alone(engine: DraftEngine) -> None:
     """Refeed hiddens are checked with the batch's hiddens: a NaN among them refuses
-    only the group that sent it, and leaves its state's proposal pending."""
+    only the row that sent it, and leaves its state's proposal pending."""
     good, bad = prefill(engine, [1, 2, 3], h(3, 40)), prefill(engine, [1, 2, 3], h(3, 40))
     for state in (good, bad):
-        engine.propose(ProposeArgs(state, 4, h(1, 41), 4, 4))
+        propose(engine, ProposeArgs(state, 4, h(1, 41), 4, 4))
     rows = {s: engine.states[s].num_rows for s in (good, bad)}
     nan = h(2, 43)
     nan[1, 7] = float("nan")
-    together = engine.propose_groups(
+    together = _step(
+        engine,
         [
-            [ProposeArgs(good, 5, h(1, 44), 7, 3, previous=Verdict(2, h(2, 43)))],
-            [ProposeArgs(bad, 5, h(1, 44), 7, 3, previous=Verdict(2, nan))],
-        ]
+            ProposeArgs(good, 5, h(1, 44), 7, 3, previous=Verdict(2, h(2, 43))),
+            ProposeArgs(bad, 5, h(1, 44), 7, 3, previous=Verdict(2, nan)),
+        ],
     )
-    refused = together[1]
-    assert isinstance(refused, InvalidArgument)
+    refused = together.errors[1]
+    assert isinstance(refused, InvalidArgument) and list(together.errors) == [1]
     assert (refused.reason, refused.field) == ("NOT_FINITE", "previous.refeed_hiddens")
     assert engine.states[bad].num_rows == rows[bad]
     assert engine.states[bad].pending is not None  # its verdict can still come
-    (drafted,) = together[0]
+    drafted = together.proposal(0, good)
     assert len(drafted.tokens) == 3 and drafted.first_position == 8
     assert_accounted(engine)
 
@@ -262,20 +270,22 @@ def test_non_finite_hiddens_fail_their_own_request_checked_once_a_batch(
         admission, "finite_rows", lambda rows: checked.append(len(rows)) or find(rows)
     )
     states = [prefill(engine, [1, 2, 3], h(3, 40)) for _ in range(3)]
-    engine.propose(ProposeArgs(states[2], 4, h(1, 41), 4, 2))
+    propose(engine, ProposeArgs(states[2], 4, h(1, 41), 4, 2))
     checked.clear()
     nan_hidden, inf_refeed = h(1, 42), h(1, 43)
     nan_hidden[0, 5], inf_refeed[0, 1] = float("nan"), float("inf")
-    together = engine.propose_groups(
+    together = _step(
+        engine,
         [
-            [ProposeArgs(states[0], 4, h(1, 42), 4, 3)],
-            [ProposeArgs(states[1], 4, nan_hidden, 4, 3)],
-            [ProposeArgs(states[2], 5, h(1, 44), 6, 3, previous=Verdict(1, inf_refeed))],
-        ]
+            ProposeArgs(states[0], 4, h(1, 42), 4, 3),
+            ProposeArgs(states[1], 4, nan_hidden, 4, 3),
+            ProposeArgs(states[2], 5, h(1, 44), 6, 3, previous=Verdict(1, inf_refeed)),
+        ],
     )
     assert sorted(checked) == [1, 3]  # the three hiddens in one call, the refeed row in one
-    assert len(together[0][0].tokens) == 3
-    for refused, field in zip(together[1:], ("hidden", "previous.refeed_hiddens"), strict=True):
+    assert together.counts[0] == 3 and 0 not in together.errors
+    for row, field in ((1, "hidden"), (2, "previous.refeed_hiddens")):
+        refused = together.errors[row]
         assert isinstance(refused, InvalidArgument)
         assert (refused.reason, refused.field) == ("NOT_FINITE", field)
     assert engine.states[states[2]].pending is not None  # unchanged: its verdict can come
@@ -316,19 +326,16 @@ def test_a_batch_makes_no_torch_call_per_request(
             counter.in_head = False
 
     monkeypatch.setattr(engine.head, "decode_chain", uncounted)
-    c = engine.head.config
     counts = []
     for n in (2, 6):
         states = [prefill(engine, [1, 2, 3], h(3, 40 + i)) for i in range(n)]
         calls = [
-            Step.from_requests(
-                [ProposeArgs(s, 4, h(1, 50 + i)[0], 4, 3)], c.hidden_size, c.vocab_size
-            )
+            step_of([ProposeArgs(s, 4, h(1, 50 + i)[0], 4, 3)], engine.step_shape)
             for i, s in enumerate(states)
         ]
         with counter:
             before = counter.count
-            result = engine.propose_step(Step.concat(calls))
+            result = engine.step(Step.concat(calls))
             counts.append(counter.count - before)
         assert result.counts.tolist() == [3] * n and not result.errors
     assert counts[0] == counts[1], counts
@@ -363,7 +370,7 @@ def test_prefill_abort_restores_the_state(engine: DraftEngine) -> None:
     session = engine.begin_prefill(state, 4)
     session.append([4, 5, 6, 7, 8], h(5, 1))
     with pytest.raises(FailedPrecondition):
-        engine.propose(ProposeArgs(state, 1, h(1, 2), 9, 2))  # the stream is open
+        propose(engine, ProposeArgs(state, 1, h(1, 2), 9, 2))  # the stream is open
     session.abort()
     assert engine.states[state].num_rows == 3
     for got, want in zip(kv_rows(engine, state), before, strict=True):
@@ -387,20 +394,21 @@ def test_a_batch_mixing_recomputed_and_chained_first_drafts_equals_one_by_one(
     recomputed), none accepted (chained from R0) and a first proposal, in one batch:
     the same drafts and KV rows as each state served alone."""
     verdicts = [Verdict(2, h(2, 7)), Verdict(3), Verdict(0), None]
-    engines = [DraftEngine(head, kv_blocks=64, block_size=4, max_drafts=8) for _ in range(2)]
+    config = ServeConfig(kv_blocks=64, block_size=4, max_drafts=8)
+    engines = [DraftEngine(head, config) for _ in range(2)]
     states: list[list[int]] = []
     for engine in engines:
         states.append([prefill(engine, [5 + i] * (6 + i), h(6 + i, i)) for i in range(4)])
         for i, verdict in enumerate(verdicts):
             if verdict is not None:  # a pending proposal of 3 drafts to judge
-                engine.propose(ProposeArgs(states[-1][i], 9, h(1, 20 + i)[0], 7 + i, 3))
+                propose(engine, ProposeArgs(states[-1][i], 9, h(1, 20 + i)[0], 7 + i, 3))
 
     def request(i: int, state: int) -> ProposeArgs:
         position = 7 + i + (0 if verdicts[i] is None else 1 + verdicts[i].num_accepted)
         return ProposeArgs(state, 11 + i, h(1, 30 + i)[0], position, 4, previous=verdicts[i])
 
-    batched = engines[0].propose_batch([request(i, s) for i, s in enumerate(states[0])])
-    alone = [engines[1].propose(request(i, s)) for i, s in enumerate(states[1])]
+    batched = propose_batch(engines[0], [request(i, s) for i, s in enumerate(states[0])])
+    alone = [propose(engines[1], request(i, s)) for i, s in enumerate(states[1])]
     for got, want in zip(batched, alone, strict=True):
         assert got.tokens == want.tokens
         assert got.probs == pytest.approx(want.probs, abs=1e-5)

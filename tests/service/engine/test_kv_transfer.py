@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from proposing import ProposeArgs, propose, step_of
 
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine import ids
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.engine.errors import (
@@ -18,8 +20,7 @@ from mtpdraft.service.engine.errors import (
     NotFound,
 )
 from mtpdraft.service.engine.kv_transfer import KVChunk, KVHeader, KVImport, model_fingerprint
-from mtpdraft.service.engine.step import Step
-from mtpdraft.service.engine.types import ProposeArgs, Verdict
+from mtpdraft.service.engine.types import Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import write_random_checkpoint
@@ -45,9 +46,10 @@ def head(checkpoint: Path) -> MTPHead:
     return MTPHead(load_mtp_weights(checkpoint), torch.device("cpu"))
 
 
-def engine_of(head: MTPHead, **options) -> DraftEngine:
+def engine_of(head: MTPHead, clock=None, epoch: int | None = None, **options) -> DraftEngine:
     limits = {"kv_blocks": 64, "block_size": 4, "max_drafts": 8, "state_ttl": 10} | options
-    return DraftEngine(head, **limits)
+    timing = {} if clock is None else {"clock": clock}
+    return DraftEngine(head, ServeConfig(**limits), epoch=epoch, **timing)
 
 
 def h(n: int, seed: int) -> torch.Tensor:
@@ -136,7 +138,7 @@ def test_a_state_whose_lease_expired_is_lost(head: MTPHead) -> None:
     state = prefilled(engine, 5, 1)
     clock.now = 11
     assert engine.reap_expired() == (1, 0)
-    err = reason_of(engine.propose, ProposeArgs(state, 1, h(1, 2), 6, 2))
+    err = reason_of(propose, engine, ProposeArgs(state, 1, h(1, 2), 6, 2))
     assert err.reason == "STATE_LOST" and "lease expired" in err.message
     assert_all_free(engine)
 
@@ -150,9 +152,7 @@ def test_a_columns_step_names_each_rows_loss(head: MTPHead) -> None:
     foreign = other.alloc_state()
     requests = [ProposeArgs(s, 3, h(1, i), 5 if s == live else 1, 2) for i, s in
                 enumerate([live, foreign, freed])]  # fmt: skip
-    c = head.config
-    step = Step.concat([Step.from_requests([r], c.hidden_size, c.vocab_size) for r in requests])
-    result = engine.propose_step(step)
+    result = engine.step(step_of(requests, engine.step_shape))
     assert result.counts[0] == 2
     assert {row: e.reason for row, e in result.errors.items()} == {
         1: "STATE_LOST",
@@ -171,7 +171,7 @@ def test_imported_kv_drafts_as_the_original(head: MTPHead, block_size: int) -> N
     destination = engine_of(head, block_size=block_size)
     state, twin = prefilled(source, 10, 5), prefilled(reference, 10, 5)
     for engine, s in ((source, state), (reference, twin)):  # a verdict, then settled
-        engine.propose(ProposeArgs(s, 9, h(1, 6), 11, 4))
+        propose(engine, ProposeArgs(s, 9, h(1, 6), 11, 4))
         engine.after_verify(s, Verdict(2, h(2, 7)))
     header, chunks = exported(source, state)
     assert (header.num_rows, header.model_family, header.dtype) == (13, "mimo", torch.float32)
@@ -180,8 +180,8 @@ def test_imported_kv_drafts_as_the_original(head: MTPHead, block_size: int) -> N
     assert not source.handles and source.pool.num_free == source.pool.num_total
     moved = imported(destination, header, chunks)
     assert destination.states[moved].next_position == 14
-    want = reference.propose(ProposeArgs(twin, 4, h(1, 8), 14, 5))
-    got = destination.propose(ProposeArgs(moved, 4, h(1, 8), 14, 5))
+    want = propose(reference, ProposeArgs(twin, 4, h(1, 8), 14, 5))
+    got = propose(destination, ProposeArgs(moved, 4, h(1, 8), 14, 5))
     assert got.tokens == want.tokens and got.probs == want.probs
 
 
@@ -272,7 +272,7 @@ def test_import_only_into_an_empty_idle_state(head: MTPHead) -> None:
     empty = destination.alloc_state()
     session = opened(destination, empty, header)
     with pytest.raises(FailedPrecondition) as err:  # busy until the import ends
-        destination.propose(ProposeArgs(empty, 1, h(1, 1), 1, 2))
+        propose(destination, ProposeArgs(empty, 1, h(1, 1), 1, 2))
     assert err.value.reason == "PREFILL_IN_PROGRESS"
     destination.free_state(empty)  # freed mid-import: the rest fails, nothing leaks
     with pytest.raises(NotFound):

@@ -12,9 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from proposing import ProposeArgs, propose_batch
 
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
-from mtpdraft.service.engine.types import ProposeArgs, Verdict
+from mtpdraft.service.engine.types import Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.decode_chain import ChainInputs
 from mtpdraft.service.model.kv_cache import KVCache
@@ -183,8 +185,8 @@ def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
     )  # fmt: skip
     weights = load_mtp_weights(tmp_path)
     engines = [
-        DraftEngine(MTPHead(weights, torch.device("cuda")), kv_blocks=512, max_batch=4,
-                    cuda_graphs=graphs)
+        DraftEngine(MTPHead(weights, torch.device("cuda")),
+                    ServeConfig(kv_blocks=512, max_batch=4, cuda_graphs=graphs))
         for graphs in (True, False)
     ]  # fmt: skip
     gen = torch.Generator().manual_seed(3)
@@ -204,7 +206,7 @@ def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
                             previous=Verdict(3) if step else None)
                 for i, s in enumerate(states)
             ]  # fmt: skip
-            got.append([(p.tokens, p.probs) for p in engine.propose_batch(requests)])
+            got.append([(p.tokens, p.probs) for p in propose_batch(engine, requests)])
         results.append(got)
     assert results[0] == results[1]
 

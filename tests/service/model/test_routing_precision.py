@@ -26,6 +26,7 @@ from served_chains import PROMPT_ROWS, Sequence, bf16_checkpoint, random_session
 from servers import InProcessServer
 
 from mtpdraft.client import DrafterClient
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
@@ -41,7 +42,8 @@ def test_bf16_drafts_differ_from_float64_only_by_routing_near_ties(tmp_path, nam
     ops = "triton" if device == "cuda" else "torch"
     head = MTPHead(load_mtp_weights(tmp_path), torch.device(device), torch.bfloat16, ops)
     # Eager: the recorder sees every forward (a graph's replay would hide the chain's).
-    engine = DraftEngine(head, kv_blocks=160, block_size=16, max_drafts=8, cuda_graphs=False)
+    config = ServeConfig(kv_blocks=160, block_size=16, max_drafts=8, cuda_graphs=False)
+    engine = DraftEngine(head, config)
     server = InProcessServer(engine)
     seen: dict[int, tuple[float, bool, float]] = {}
     u = UNIT_ROUNDOFF["bfloat16"]

@@ -7,11 +7,13 @@ import threading
 
 import pytest
 import torch
+from proposing import ProposeArgs, proposals, propose, step_of
 from servers import PATIENCE, until
 
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.engine.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
-from mtpdraft.service.engine.types import ProposeArgs, Verdict
+from mtpdraft.service.engine.types import Proposal, Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import write_random_checkpoint
@@ -30,7 +32,23 @@ def h(n: int, seed: int) -> torch.Tensor:
 
 
 def make_engine(head: MTPHead) -> DraftEngine:
-    return DraftEngine(head, kv_blocks=256, block_size=4, max_drafts=8, max_batch=8)
+    return DraftEngine(head, ServeConfig(kv_blocks=256, block_size=4, max_drafts=8, max_batch=8))
+
+
+def scheduler_of(engine: DraftEngine, runner: EngineRunner, **options) -> ProposeScheduler:
+    """A scheduler of `mtpdraft serve`'s defaults but for ServeConfig `options`, and
+    ProposeScheduler's `on_batch` and `inline`."""
+    kept = {name: options.pop(name) for name in ("on_batch", "inline") if name in options}
+    return ProposeScheduler(engine, runner, ServeConfig(**options), **kept)
+
+
+async def submit(
+    scheduler: ProposeScheduler, requests: list[ProposeArgs], timeout: float | None = None
+) -> list[Proposal]:
+    """One call's requests queued as one Step; their proposals once their batch ran (the
+    first failed row's error raised)."""
+    step = step_of(requests, scheduler.engine.step_shape)
+    return proposals(step, await scheduler.enqueue(step, timeout))
 
 
 def with_prompts(engine: DraftEngine, count: int) -> list[int]:
@@ -53,7 +71,7 @@ def test_concurrent_calls_merge_and_equal_sequential(head: MTPHead) -> None:
     sequential = make_engine(head)
     expected_states = with_prompts(sequential, 12)
     expected = [
-        [sequential.propose(step_args(s, i, step)) for i, s in enumerate(expected_states)]
+        [propose(sequential, step_args(s, i, step)) for i, s in enumerate(expected_states)]
         for step in range(3)
     ]
 
@@ -63,12 +81,12 @@ def test_concurrent_calls_merge_and_equal_sequential(head: MTPHead) -> None:
         def on_batch(run) -> None:
             sizes.append(run.requests)
 
-        scheduler = ProposeScheduler(engine, runner, on_batch=on_batch)
+        scheduler = scheduler_of(engine, runner, on_batch=on_batch)
         scheduler.start()
         states = with_prompts(engine, 12)
         got = []
         for step in range(3):
-            calls = [scheduler.submit([step_args(s, i, step)]) for i, s in enumerate(states)]
+            calls = [submit(scheduler, [step_args(s, i, step)]) for i, s in enumerate(states)]
             got.append([(await call)[0] for call in [asyncio.ensure_future(c) for c in calls]])
         await scheduler.stop()
         runner.shutdown()
@@ -88,17 +106,17 @@ async def _blocked(scheduler: ProposeScheduler) -> tuple[asyncio.Future, threadi
     behind it: (its call, the event)."""
     engine = scheduler.engine
     (state,) = with_prompts(engine, 1)
-    original = engine.propose_step
+    original = engine.step
     computing, release = threading.Event(), threading.Event()
 
     def slow(step):
-        engine.propose_step = original
+        engine.step = original
         computing.set()
         release.wait(PATIENCE)
         return original(step)
 
-    engine.propose_step = slow
-    call = asyncio.ensure_future(scheduler.submit([ProposeArgs(state, 1, h(1, 0), 3, 1)]))
+    engine.step = slow
+    call = asyncio.ensure_future(submit(scheduler, [ProposeArgs(state, 1, h(1, 0), 3, 1)]))
     await until(computing.is_set, "the slow batch")
     return call, release
 
@@ -106,16 +124,16 @@ async def _blocked(scheduler: ProposeScheduler) -> tuple[asyncio.Future, threadi
 def test_deadline_cancellation_and_queue_limit(head: MTPHead) -> None:
     async def scenario() -> None:
         engine, runner = make_engine(head), EngineRunner()
-        scheduler = ProposeScheduler(engine, runner, max_queue=3)
+        scheduler = scheduler_of(engine, runner, max_queue=3)
         scheduler.start()
         a, b, c = with_prompts(engine, 3)
         busy, release = await _blocked(scheduler)
-        late = asyncio.ensure_future(scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)], 0.1))
-        gone = asyncio.ensure_future(scheduler.submit([ProposeArgs(b, 1, h(1, 2), 4, 2)]))
-        kept = asyncio.ensure_future(scheduler.submit([ProposeArgs(c, 1, h(1, 3), 5, 2)]))
+        late = asyncio.ensure_future(submit(scheduler, [ProposeArgs(a, 1, h(1, 1), 3, 2)], 0.1))
+        gone = asyncio.ensure_future(submit(scheduler, [ProposeArgs(b, 1, h(1, 2), 4, 2)]))
+        kept = asyncio.ensure_future(submit(scheduler, [ProposeArgs(c, 1, h(1, 3), 5, 2)]))
         await until(lambda: scheduler.queued == 3, "three queued calls")
         with pytest.raises(ResourceExhausted):  # three calls wait: the queue is full
-            await scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)])
+            await submit(scheduler, [ProposeArgs(a, 1, h(1, 1), 3, 2)])
         gone.cancel()
         await asyncio.sleep(0.1)  # the late call's deadline passes while it waits
         release.set()
@@ -126,7 +144,7 @@ def test_deadline_cancellation_and_queue_limit(head: MTPHead) -> None:
         # Neither the late nor the cancelled call touched its state: both propose afresh.
         for state, position in ((a, 3), (b, 4)):
             assert engine.states[state].pending is None
-            (p,) = await scheduler.submit([ProposeArgs(state, 1, h(1, 4), position, 2)])
+            (p,) = await submit(scheduler, [ProposeArgs(state, 1, h(1, 4), position, 2)])
             assert p.first_position == position + 1
         await scheduler.stop()
         runner.shutdown()
@@ -137,13 +155,13 @@ def test_deadline_cancellation_and_queue_limit(head: MTPHead) -> None:
 def test_a_bad_call_fails_alone(head: MTPHead) -> None:
     async def scenario() -> None:
         engine, runner = make_engine(head), EngineRunner()
-        scheduler = ProposeScheduler(engine, runner)
+        scheduler = scheduler_of(engine, runner)
         scheduler.start()
         a, b = with_prompts(engine, 2)
         busy, release = await _blocked(scheduler)
-        good = asyncio.ensure_future(scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)]))
-        bad = asyncio.ensure_future(scheduler.submit([ProposeArgs(b, 1, h(1, 2), 9, 2)]))
-        twice = asyncio.ensure_future(scheduler.submit([ProposeArgs(a, 1, h(1, 1), 3, 2)]))
+        good = asyncio.ensure_future(submit(scheduler, [ProposeArgs(a, 1, h(1, 1), 3, 2)]))
+        bad = asyncio.ensure_future(submit(scheduler, [ProposeArgs(b, 1, h(1, 2), 9, 2)]))
+        twice = asyncio.ensure_future(submit(scheduler, [ProposeArgs(a, 1, h(1, 1), 3, 2)]))
         await until(lambda: scheduler.queued == 3, "three queued calls")
         release.set()
         await busy
@@ -166,9 +184,7 @@ def test_two_calls_on_one_state_are_served_in_arrival_order(head: MTPHead) -> No
 
     async def scenario() -> None:
         engine, runner, sizes = make_engine(head), EngineRunner(), []
-        scheduler = ProposeScheduler(
-            engine, runner, on_batch=lambda run: sizes.append(run.requests)
-        )
+        scheduler = scheduler_of(engine, runner, on_batch=lambda run: sizes.append(run.requests))
         scheduler.start()
         states = with_prompts(engine, 10)
 
@@ -176,10 +192,10 @@ def test_two_calls_on_one_state_are_served_in_arrival_order(head: MTPHead) -> No
             return ProposeArgs(states[i], 1, h(1, i), 3 + i, 2)
 
         busy, release = await _blocked(scheduler)
-        six = asyncio.ensure_future(scheduler.submit([first(i) for i in range(6)]))
-        three = asyncio.ensure_future(scheduler.submit([first(i) for i in (6, 7, 8)]))
+        six = asyncio.ensure_future(submit(scheduler, [first(i) for i in range(6)]))
+        three = asyncio.ensure_future(submit(scheduler, [first(i) for i in (6, 7, 8)]))
         verdict = ProposeArgs(states[6], 2, h(1, 20), 10, 2, previous=Verdict(0))
-        then = asyncio.ensure_future(scheduler.submit([verdict]))
+        then = asyncio.ensure_future(submit(scheduler, [verdict]))
         await until(lambda: scheduler.queued == 3, "three queued calls")
         release.set()
         await busy
@@ -195,13 +211,13 @@ def test_two_calls_on_one_state_are_served_in_arrival_order(head: MTPHead) -> No
 
 def _placed(engine: DraftEngine) -> list[str]:
     """Where each of the engine's batches runs from now on: "loop" or "engine" thread."""
-    loop_thread, original, where = threading.get_ident(), engine.propose_step, []
+    loop_thread, original, where = threading.get_ident(), engine.step, []
 
     def recorded(step):
         where.append("loop" if threading.get_ident() == loop_thread else "engine")
         return original(step)
 
-    engine.propose_step = recorded
+    engine.step = recorded
     return where
 
 
@@ -210,24 +226,26 @@ def test_a_batch_nobody_else_is_due_for_runs_on_the_loop_with_the_same_result(
 ) -> None:
     sequential = make_engine(head)
     expected_states = with_prompts(sequential, 6)
-    expected = [sequential.propose(step_args(s, i, step)) for step in range(2)
+    expected = [propose(sequential, step_args(s, i, step)) for step in range(2)
                 for i, s in enumerate(expected_states[:4])]  # fmt: skip
-    expected += [sequential.propose(step_args(s, i, 0)) for i, s in enumerate(expected_states)
+    expected += [propose(sequential, step_args(s, i, 0)) for i, s in enumerate(expected_states)
                  if i >= 4]  # fmt: skip
 
     async def scenario(inline: bool) -> tuple[list, list[str]]:
         engine, runner = make_engine(head), EngineRunner()
         where = _placed(engine)
-        scheduler = ProposeScheduler(engine, runner, inline=inline)
+        scheduler = scheduler_of(engine, runner, inline=inline)
         scheduler.start()
         states = with_prompts(engine, 6)
         got = []
         for step in range(2):  # one verifier of 4 states, alone, back every 0.2 s
             if step:
                 await asyncio.sleep(0.2)
-            got += await scheduler.submit([step_args(s, i, step) for i, s in enumerate(states[:4])])
+            got += await submit(
+                scheduler, [step_args(s, i, step) for i, s in enumerate(states[:4])]
+            )
         # A second verifier's first step, at once: the first one's are due back meanwhile.
-        got += await scheduler.submit([step_args(s, i + 4, 0) for i, s in enumerate(states[4:])])
+        got += await submit(scheduler, [step_args(s, i + 4, 0) for i, s in enumerate(states[4:])])
         await scheduler.stop()
         runner.shutdown()
         return got, where
@@ -246,13 +264,13 @@ def test_a_batch_waits_for_the_engine_threads_call_rather_than_overtake_it(
     async def scenario() -> None:
         engine, runner = make_engine(head), EngineRunner()
         where = _placed(engine)
-        scheduler = ProposeScheduler(engine, runner, inline=True)
+        scheduler = scheduler_of(engine, runner, inline=True)
         scheduler.start()
         (state,) = with_prompts(engine, 1)
         release = threading.Event()
         busy = asyncio.ensure_future(runner.call(release.wait, PATIENCE))
         await asyncio.sleep(0.05)  # the engine thread is inside it
-        call = asyncio.ensure_future(scheduler.submit([ProposeArgs(state, 1, h(1, 0), 3, 2)]))
+        call = asyncio.ensure_future(submit(scheduler, [ProposeArgs(state, 1, h(1, 0), 3, 2)]))
         await asyncio.sleep(0.05)
         assert not call.done() and not where
         release.set()

@@ -15,26 +15,23 @@ import numpy as np
 import pytest
 import torch
 
-from mtpdraft.service.engine.step import Step, StepResult
-from mtpdraft.service.engine.types import ProposeArgs
+from mtpdraft.service.config import ServeConfig
+from mtpdraft.service.engine.step import Step, StepResult, StepShape, single
 from mtpdraft.service.serving.runner import EngineRunner
 from mtpdraft.service.serving.scheduler import ProposeScheduler
 
 
 class TimedEngine:
-    """Answers every batch after `step` seconds; records the states of each batch."""
+    """Answers every batch after `step_time` seconds; records the states of each batch."""
 
-    max_batch = 8
+    step_shape = StepShape(hidden_size=4, vocab_size=8, max_batch=8)
 
-    def __init__(self, step: float) -> None:
-        self.step = step
+    def __init__(self, step_time: float) -> None:
+        self.step_time = step_time
         self.batches: list[set[int]] = []
 
-    def step_of(self, requests: list[ProposeArgs]) -> Step:
-        return Step.from_requests(requests, hidden_size=4, vocab_size=8)
-
-    def propose_step(self, step: Step) -> StepResult:
-        time.sleep(self.step)
+    def step(self, step: Step) -> StepResult:
+        time.sleep(self.step_time)
         self.batches.append(set(step.state_ids.tolist()))
         ones = np.ones((len(step), 1))
         drafts, probs = ones.astype(np.int64), ones.astype(np.float32)
@@ -60,14 +57,14 @@ def unit() -> float:
     return min(max(0.02, 5 * asyncio.run(latest())), 0.1)
 
 
-def _request(state: int, step: int) -> list[ProposeArgs]:
-    return [ProposeArgs(state, 1, torch.zeros(4), step, 1)]
+def _request(state: int, step: int) -> Step:
+    return single(state, 1, torch.zeros(4), step, 1, shape=TimedEngine.step_shape)
 
 
 async def _verifier(scheduler: ProposeScheduler, state: int, steps: int, think: float) -> None:
     """A verifier in its decode loop: propose, then `think` seconds before the next step."""
     for step in range(steps):
-        await scheduler.submit(_request(state, step))
+        await scheduler.enqueue(_request(state, step))
         await asyncio.sleep(think)
 
 
@@ -76,7 +73,8 @@ def _run(engine: TimedEngine, batch_wait: float, verifiers: list[tuple[int, int,
 
     async def scenario() -> float:
         runner = EngineRunner()
-        scheduler = ProposeScheduler(engine, runner, batch_wait=batch_wait)  # type: ignore[arg-type]
+        config = ServeConfig(batch_wait_us=batch_wait * 1e6)
+        scheduler = ProposeScheduler(engine, runner, config)  # type: ignore[arg-type]
         scheduler.start()
         started = time.monotonic()
         await asyncio.gather(*(_verifier(scheduler, *v) for v in verifiers))
@@ -94,7 +92,7 @@ def _staggered(unit: float) -> list[tuple[int, int, float]]:
 
 
 def test_verifiers_due_back_share_one_batch(unit: float) -> None:
-    engine = TimedEngine(step=2.5 * unit)
+    engine = TimedEngine(step_time=2.5 * unit)
     _run(engine, batch_wait=25 * unit, verifiers=_staggered(unit))
     # A state's round trip is known from its second call on: the first rounds run as
     # they come (state 0 gets one step ahead), then the batches hold all four.
@@ -103,13 +101,13 @@ def test_verifiers_due_back_share_one_batch(unit: float) -> None:
 
 
 def test_without_gathering_the_first_back_runs_alone(unit: float) -> None:
-    engine = TimedEngine(step=2.5 * unit)
+    engine = TimedEngine(step_time=2.5 * unit)
     _run(engine, batch_wait=0.0, verifiers=_staggered(unit))
     assert len(engine.batches) > 10  # split batches: what gathering prevents
 
 
 def test_a_lone_verifier_never_waits(unit: float) -> None:
-    engine = TimedEngine(step=0.001)
+    engine = TimedEngine(step_time=0.001)
     elapsed = _run(engine, batch_wait=250 * unit, verifiers=[(0, 6, 0.0)])
     assert elapsed < 100 * unit  # one wait would have taken 250
 
@@ -118,7 +116,7 @@ def test_a_verifier_that_stops_coming_back_holds_nobody(unit: float) -> None:
     # State 1 stops after 3 steps; state 0 goes on for 6. Were state 1 waited for until
     # batch_wait (250 units), state 0's last steps would take that long; 1.5 of state 1's
     # round trip (a few ms) is the most it may hold them.
-    engine = TimedEngine(step=0.001)
+    engine = TimedEngine(step_time=0.001)
     elapsed = _run(engine, batch_wait=250 * unit, verifiers=[(0, 6, 0.0), (1, 3, 0.0)])
     assert elapsed < 100 * unit
 
@@ -126,11 +124,12 @@ def test_a_verifier_that_stops_coming_back_holds_nobody(unit: float) -> None:
 def test_a_verifier_busy_verifying_holds_nobody(unit: float) -> None:
     # State 1 thinks for 30 units between steps (its target model is verifying): its
     # return is not due within batch_wait (10), so state 0 never waits for it.
-    engine = TimedEngine(step=0.001)
+    engine = TimedEngine(step_time=0.001)
 
     async def scenario() -> float:
         runner = EngineRunner()
-        scheduler = ProposeScheduler(engine, runner, batch_wait=10 * unit)  # type: ignore[arg-type]
+        config = ServeConfig(batch_wait_us=10 * unit * 1e6)
+        scheduler = ProposeScheduler(engine, runner, config)  # type: ignore[arg-type]
         scheduler.start()
         slow = asyncio.ensure_future(_verifier(scheduler, 1, 2, 30 * unit))
         await asyncio.sleep(36 * unit)  # state 1 has answered twice: its round trip is known
