@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from drafting import Expected, V
 from mtp_reference import Reference
 from proposing import ProposeArgs, propose, propose_batch, step_of
 from torch.overrides import TorchFunctionMode
@@ -417,3 +418,37 @@ def test_a_batch_mixing_recomputed_and_chained_first_drafts_equals_one_by_one(
         kb, vb = kv_rows(engines[1], b)
         torch.testing.assert_close(ka, kb, **KV_CLOSE)
         torch.testing.assert_close(va, vb, **KV_CLOSE)
+
+
+def test_several_states_refeed_in_one_step_as_the_oracle_says(
+    engine: DraftEngine, ref: Reference
+) -> None:
+    """Four states of different lengths in one step, each with a verdict that refeeds a
+    different number of rows (1 to 4): each state's drafts are the float64 oracle's for its
+    own refed rows (one state handed another's rows would draft otherwise), and its KV holds
+    the rows a fresh prefill of its committed rows would."""
+    states, oracles, requests, wanted = [], [], [], []
+    for i, n in enumerate((3, 6, 10, 15)):
+        tokens, hiddens = [(7 * i + j) % V for j in range(n)], h(n, 50 + i)
+        state, oracle = prefill(engine, tokens, hiddens), Expected(ref)
+        oracle.add(tokens, hiddens)
+        x, hx = 20 + i, h(1, 60 + i)
+        drafts, _ = oracle.propose(x, hx, 4)
+        assert propose(engine, ProposeArgs(state, x, hx, n + 1, 4)).tokens == drafts
+        accepted, refeed = i + 1, h(i + 1, 70 + i)
+        oracle.verdict(accepted, refeed)
+        x, hx = 30 + i, h(1, 80 + i)
+        previous = Verdict(accepted, refeed)
+        requests.append(ProposeArgs(state, x, hx, oracle.next_position, 3, previous=previous))
+        wanted.append(oracle.propose(x, hx, 3))
+        states.append(state)
+        oracles.append(oracle)
+    for got, (drafts, probs) in zip(propose_batch(engine, requests), wanted, strict=True):
+        assert got.tokens == drafts
+        assert got.probs == pytest.approx(probs, abs=1e-4)
+    for state, oracle in zip(states, oracles, strict=True):
+        fresh = prefill(engine, oracle.tokens, oracle.hiddens.float())
+        rows = len(oracle.tokens)  # the committed rows, R0 of the last proposal included
+        for got, want in zip(kv_rows(engine, state), kv_rows(engine, fresh), strict=True):
+            torch.testing.assert_close(got[:rows], want, **KV_CLOSE)
+    assert_accounted(engine)
