@@ -39,7 +39,7 @@ from .errors import (
     position_too_large,
 )
 from .ids import Ids
-from .kv_transfer import KVChunk, KVExport, KVImport, model_fingerprint
+from .kv_transfer import KVChunk, KVExport, KVHeader, KVImport, model_fingerprint
 from .prefill import PrefillSession
 from .rows import Segment, run_segments
 from .state import DrafterState, KVHandle, StateTable
@@ -137,6 +137,13 @@ class DraftEngine:
     def model_fingerprint(self) -> str:
         """Names the model's weights: replicas of one checkpoint report the same."""
         return model_fingerprint(self.head)
+
+    def kv_header(self, num_rows: int) -> KVHeader:
+        """This engine's KV described as an export's header, for `num_rows` rows."""
+        k = self.kv.k  # a row of K is [kv_heads, head_dim] (MLA: the latent's, [1, R])
+        return KVHeader(
+            self.model_fingerprint, self.head.family, k.dtype, k.shape[2], k.shape[3], num_rows
+        )
 
     def state(self, state_id: int) -> DrafterState:
         """The live state, its lease renewed; NOT_FOUND if there is none."""
