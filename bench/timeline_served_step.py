@@ -117,7 +117,7 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
     into `stamps`; the chain's replay time on the GPU into `gpu_ms`."""
     import torch
 
-    from mtpdraft.service import servicer, wire
+    from mtpdraft.service import convert, servicer
     from mtpdraft.service.engine import admission, columns, engine
     from mtpdraft.service.model.decode_graphs import DecodeGraphs
     from mtpdraft.service.model.mtp_head import MTPHead
@@ -139,9 +139,9 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
 
         setattr(owner, name, wrapper)
 
-    around(wire, "batch", "read_start", None)
-    around(columns, "step", "read_end", None)  # wire.batch's check of the columns read
-    around(wire, "batch_answer", "answer_start", "answer_end")
+    around(convert, "batch", "read_start", None)
+    around(columns, "step", "read_end", None)  # convert.batch's check of the columns read
+    around(convert, "batch_answer", "answer_start", "answer_end")
     around(ProposeScheduler, "enqueue", "enqueued", None)
     around(ProposeScheduler, "_answer", "loop_back", None)  # back on the loop, either way
     around(engine.DraftEngine, "step", "engine_start", "engine_end")
