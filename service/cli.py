@@ -41,8 +41,8 @@ def _load_serving() -> None:
         return
     import torch
 
+    from .addresses import ListenError, check_free
     from .engine.engine import DraftEngine
-    from .front_end import ListenError, check_free
     from .model.checkpoint import load_mtp_weights
     from .model.errors import CheckpointError
     from .model.kv_cache import KVCache
