@@ -229,13 +229,13 @@ def fake_chain(ms: float) -> None:
     from mtpdraft.service.model.decode_chain import ChainOutputs
     from mtpdraft.service.model.mtp_head import MTPHead
 
-    def waited(self, kv, chain, meanwhile=None):
+    def waited(self, kv, chain, before_wait=None):
         chain.step_rows(kv.block_size)  # the host's own work for a chain
         start = time.perf_counter()
         steps, n = chain.steps, len(chain)
         hiddens = torch.zeros(steps, n, self.config.hidden_size, dtype=self.dtype)
-        if meanwhile is not None:  # the caller's work runs under the chain, as on a GPU
-            meanwhile(hiddens)
+        if before_wait is not None:  # the caller's work runs under the chain, as on a GPU
+            before_wait(hiddens)
         time.sleep(max(0.0, ms / 1e3 - (time.perf_counter() - start)))
         return ChainOutputs(
             hiddens, np.zeros((steps, n), np.int64), np.full((steps, n), 0.5, np.float32)

@@ -423,17 +423,20 @@ class DraftEngine:
             recompute = [(int(judged[j]), segments[j]) for j in sorted(segments)]
         mask_starts = np.cumsum(step.mask_counts) - step.mask_counts
         index = t.device_index(slots)  # copied ahead of the chain, for the last hiddens
-        usual = not recompute and (k == k[0]).all()
-        done_meanwhile: list[bool] = []
+        # Whether the proposals may be recorded before the drafts come back, as if every
+        # draft is kept: no state recomputes rows and all ask the same K.
+        record_ahead = not recompute and (k == k[0]).all()
+        chain_ran = False
 
-        def meanwhile(hiddens: torch.Tensor) -> None:
+        def before_wait(hiddens: torch.Tensor) -> None:
             # Host work that needs no draft, done while the device drafts: the verdicts
-            # counted and, in the usual step, the proposals recorded as if every draft
-            # is kept (recorded again below if a chain is cut short).
+            # counted and, with record_ahead, the proposals recorded (again below if a
+            # chain is cut short).
+            nonlocal chain_ran
+            chain_ran = True
             self._count_verdicts(verdicts)
-            if usual:
+            if record_ahead:
                 self._record(slots, base_rows, k, k, index, hiddens[-1])
-            done_meanwhile.append(True)
 
         drafted, last_hiddens = draft(
             self.head,
@@ -451,11 +454,11 @@ class DraftEngine:
                 bitmasks=step.bitmasks,
                 recompute=recompute,
             ),
-            meanwhile,
+            before_wait,
         )
-        if not done_meanwhile:  # no chain ran
+        if not chain_ran:
             self._count_verdicts(verdicts)
-        if not (done_meanwhile and usual and (drafted.counts == k).all()):
+        if not (chain_ran and record_ahead and (drafted.counts == k).all()):
             self._record(
                 slots, base_rows, drafted.counts, drafted.rows_computed, index, last_hiddens
             )
