@@ -42,7 +42,7 @@ bench-precision:
 # bench/results/verifier.{json,md}), then one-state streams (bench/results/service.{json,md};
 # with a Go verifier's figures too where client/go/build/bin/mtpdraft-hotpath is built, make
 # polyglot-go; 64 streams on three starts of the server: one start can be 25% off another),
-# and where one served step of 64 states goes, hop by hop (bench/results/profile/timeline_*).
+# and where one served step of 64 states goes, hop by hop (bench/results/profile/timeline_stream_64.*).
 bench-service:
 	$(PYTHON) bench/bench_verifier.py --out-dir bench/results
 	$(PYTHON) bench/timeline_served_step.py --out-dir bench/results/profile

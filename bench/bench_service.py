@@ -43,185 +43,44 @@ service.md to --out-dir (bench/results by default; CPU smoke runs belong in /tmp
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import gc
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 # Kept free of torch at import: client worker processes (spawned) re-import this
 # file, and an fp32 client needs neither torch nor the service.
 import grpc_floor
-from client_processes import run_together
+from drafter_service import (
+    build_engine,
+    engine_states,
+    kv_blocks_for,
+    serve_argv,
+    start_server,
+    write_model,
+)
 from results_file import write_results
 from scratch import scratch_folder
 from server_process import CpuTrace, ServerProcess, cpu_per_message
 from shapes import MIMO_7B, SMALL
+from timing import log, percentiles_us
+from verifiers import CALL_TIMEOUT_S, client_processes, go_client, over_grpc
+from workload import Workload, random_hiddens
 
-# MiMo-7B's own config: room for a 2048-row prompt plus every measured step.
-MAX_POSITIONS = 32768
-BLOCK_SIZE = 16
 STREAM_OVERHEAD_TARGET_US = 150.0
 STREAMS_RATIO_TARGET = 0.8
-SERVER_START_TIMEOUT_S = 600.0  # loading a 3 GB checkpoint and capturing CUDA graphs
-CALL_TIMEOUT_S = 120.0
-
-
-_T0 = time.monotonic()
-
-
-def log(message: str) -> None:
-    print(f"[{time.monotonic() - _T0:6.1f} s] {message}", flush=True)
-
-
-# --- the workload ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What each state does: a prompt, then warm-up and measured steps of K drafts."""
-
-    prompt: int
-    num_drafts: int
-    warmup: int
-    steps: int
-    hidden_size: int
-    vocab_size: int
-    dtype: str  # "bfloat16" or "float32": hiddens on the wire and in-process
-
-    @property
-    def rows_per_state(self) -> int:
-        return self.prompt + self.warmup + self.steps + self.num_drafts + 1
-
-
-def percentiles_us(seconds: list[float]) -> dict[str, float]:
-    values = sorted(seconds)
-    if not values:
-        return {}
-
-    def at(q: float) -> float:
-        return values[min(len(values) - 1, int(q * len(values)))] * 1e6
-
-    return {
-        "p50_us": statistics.median(values) * 1e6,
-        "p90_us": at(0.90),
-        "p99_us": at(0.99),
-        "mean_us": statistics.fmean(values) * 1e6,
-        "samples": len(values),
-    }
-
-
-def _hiddens(rows: int, work: Workload, seed: int) -> Any:
-    """Random target hiddens [rows, H] on the host, in the workload's dtype."""
-    if work.dtype == "bfloat16":
-        import torch
-
-        gen = torch.Generator().manual_seed(seed)
-        return torch.randn(rows, work.hidden_size, generator=gen).to(torch.bfloat16)
-    import numpy as np
-
-    return np.random.default_rng(seed).standard_normal((rows, work.hidden_size), np.float32)
 
 
 # --- in-process: the engine alone --------------------------------------------------------------
-
-
-async def prefilled_states(
-    client: Any, size: int, work: Workload, rng: random.Random, prompt_seed: int
-) -> list[int]:
-    """`size` new states on the server behind `client`, each prefilled with one prompt of
-    work.prompt - 1 rows (random tokens from `rng`, hiddens from `prompt_seed`)."""
-    prompt = _hiddens(work.prompt - 1, work, prompt_seed)
-    states = [await client.alloc_state() for _ in range(size)]
-    tokens = [rng.randrange(work.vocab_size) for _ in range(work.prompt - 1)]
-    await asyncio.gather(*(client.prefill(s, tokens, prompt, 1) for s in states))
-    return states
-
-
-class BatchVerifier:
-    """One verifier of `size` prefilled states stepping them together, one
-    ProposeBatchRequest a step, each step carrying the last one's verdicts (0 accepted)."""
-
-    def __init__(self, client: Any, states: list[int], work: Workload) -> None:
-        import numpy as np
-
-        self.client, self.states, self.work = client, states, work
-        self.ids = np.array(states, dtype=np.uint64)
-        self.token = np.full(len(states), 7, dtype=np.int32)
-        self.hiddens = _hiddens(len(states), work, 2)
-
-    @classmethod
-    async def start(cls, target: str, size: int, work: Workload) -> BatchVerifier:
-        from mtpdraft.client import AsyncDrafterClient
-
-        client = AsyncDrafterClient(target, timeout=CALL_TIMEOUT_S)
-        states = await prefilled_states(client, size, work, random.Random(0), prompt_seed=1)
-        return cls(client, states, work)
-
-    def request(self, index: int) -> Any:
-        """Step `index`'s ProposeBatchRequest (the first carries no verdicts)."""
-        import numpy as np
-
-        from mtpdraft.client import messages as m
-
-        size, work = len(self.states), self.work
-        return m.batch_request(
-            self.ids, self.token, np.full(size, work.prompt + index), self.hiddens,
-            work.num_drafts, num_accepted=np.zeros(size, dtype=np.int32) if index else None,
-        )  # fmt: skip
-
-    async def close(self) -> None:
-        for state in self.states:
-            await self.client.free_state(state)
-        await self.client.close()
-
-
-def serve_argv(model: Path, device: str, kv_blocks: int, num_drafts: int) -> list[str]:
-    """`mtpdraft serve` options: the in-process engine and the servers use the same ones."""
-    return [
-        "--model", str(model), "--device", device, "--kv-blocks", str(kv_blocks),
-        "--block-size", str(BLOCK_SIZE), "--max-batch", "64", "--max-states", "1024",
-        "--max-drafts", str(max(num_drafts, 16)), "--port", "0",
-    ]  # fmt: skip
-
-
-def build_engine(argv: list[str]) -> tuple[Any, str | None]:
-    """The engine exactly as `mtpdraft serve ARGV` builds it; (engine, note)."""
-    try:
-        from mtpdraft.service import cli
-    except ImportError as exc:  # the CLI imports OpenTelemetry; the engine needs none
-        import torch
-
-        from mtpdraft.service.config import ServeConfig
-        from mtpdraft.service.engine.engine import DraftEngine
-        from mtpdraft.service.model.checkpoint import load_mtp_weights
-        from mtpdraft.service.model.mtp_head import MTPHead
-
-        opts = dict(zip(argv[::2], argv[1::2], strict=True))
-        head = MTPHead(load_mtp_weights(opts["--model"]), torch.device(opts["--device"]))
-        config = ServeConfig(
-            kv_blocks=int(opts["--kv-blocks"]),
-            block_size=BLOCK_SIZE,
-            max_drafts=int(opts["--max-drafts"]),
-            max_batch=int(opts["--max-batch"]),
-        )
-        engine = DraftEngine(head, config)
-        return engine, f"in-process engine built without the CLI ({exc})"
-    config = cli.parse_serve(argv)
-    cli.limit_cpu_threads()  # the threads `mtpdraft serve` runs with
-    return cli.build_engine(config), None
 
 
 def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, Any]:
@@ -230,16 +89,9 @@ def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, 
     from mtpdraft.service.engine.step import Step, single
     from mtpdraft.service.engine.types import Verdict
 
-    rng = random.Random(seed)
-    prompt = _hiddens(work.prompt - 1, work, seed)
-    rows = _hiddens(batch, work, seed + 1)
-    states = [engine.alloc_state() for _ in range(batch)]
-    for state in states:
-        session = engine.begin_prefill(state, 1)
-        tokens = [rng.randrange(work.vocab_size) for _ in range(work.prompt - 1)]
-        session.append(tokens, prompt)
-        session.finish()
-    token = rng.randrange(work.vocab_size)
+    states = engine_states(engine, batch, work, seed)
+    rows = random_hiddens(batch, work, seed + 1)
+    token = random.Random(seed).randrange(work.vocab_size)
     times, drafts = [], 0
     for step in range(work.warmup + work.steps):
         position = work.prompt + step  # 0 accepted: the bonus token is the next position
@@ -269,177 +121,7 @@ def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, 
     }
 
 
-# --- over gRPC: the clients ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ClientJob:
-    """One client process's part: `states` states (one stream each in stream mode)."""
-
-    target: str
-    mode: str  # "stream" or "unary"
-    states: int
-    work: Workload
-    seed: int
-
-
-async def _client_run(job: ClientJob, barrier: Any = None) -> dict[str, Any]:
-    """Prefills, warms up, waits at the barrier, then times every step of every state."""
-    from mtpdraft.client import AsyncDrafterClient, Verdict
-
-    work, rng = job.work, random.Random(job.seed)
-    client = AsyncDrafterClient(job.target, timeout=CALL_TIMEOUT_S)
-    await asyncio.wait_for(client.channel.channel_ready(), CALL_TIMEOUT_S)
-    prompt = _hiddens(work.prompt - 1, work, job.seed)
-    rows = _hiddens(job.states, work, job.seed + 1)
-    states: list[int] = []
-    streams = None
-    try:
-        for _ in range(job.states):
-            states.append(await client.alloc_state())
-        tokens = [rng.randrange(work.vocab_size) for _ in range(work.prompt - 1)]
-        await asyncio.gather(*(client.prefill(s, tokens, prompt, 1) for s in states))
-        if job.mode == "stream":
-            streams = [client.stream(timeout=None) for _ in states]
-        token = rng.randrange(work.vocab_size)
-        times: list[float] = []
-        drafts = 0
-
-        async def run(i: int, first: int, count: int, record: bool) -> float:
-            nonlocal drafts
-            propose = streams[i].propose if streams is not None else client.propose
-            for step in range(first, first + count):
-                previous = Verdict(0) if step else None
-                position = work.prompt + step  # 0 accepted: the bonus token is the next one
-                started = time.perf_counter()
-                proposal = await propose(
-                    states[i], token, rows[i], position, work.num_drafts, previous=previous
-                )
-                if record:
-                    times.append(time.perf_counter() - started)
-                    drafts += len(proposal.tokens)
-            return time.monotonic()
-
-        await asyncio.gather(*(run(i, 0, work.warmup, False) for i in range(job.states)))
-        if barrier is not None:  # every client process starts its measured steps together
-            await asyncio.to_thread(barrier.wait, CALL_TIMEOUT_S)
-        started = time.monotonic()
-        ends = await asyncio.gather(
-            *(run(i, work.warmup, work.steps, True) for i in range(job.states))
-        )
-        return {"times": times, "drafts": drafts, "started": started, "finished": max(ends)}
-    finally:
-        # Even after a failure: a state left behind would hold KV blocks that the
-        # next measurement on this server needs.
-        for stream in streams or ():
-            with contextlib.suppress(Exception):
-                await stream.close()
-        with contextlib.suppress(Exception):
-            await asyncio.gather(*(client.free_state(s) for s in states))
-        await client.close()
-
-
-def go_client(binary: str, target: str, streams: int, work: Workload, seed: int) -> dict[str, Any]:
-    """`streams` verifiers of the Go client (client/go's mtpdraft-hotpath), one process."""
-    cmd = [
-        binary, "-address", target, "-streams", str(streams), "-prompt", str(work.prompt),
-        "-num-drafts", str(work.num_drafts), "-warmup", str(work.warmup),
-        "-steps", str(work.steps), "-seed", str(seed),
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=CALL_TIMEOUT_S * 5)
-    if done.returncode:
-        raise RuntimeError(done.stderr.strip()[-500:] or f"exit status {done.returncode}")
-    ended = time.monotonic()
-    got = json.loads(done.stdout)
-    # Its window ends when it has its last answer, a few ms before it exits (it frees its
-    # states first): close enough to read the server's CPU over.
-    return got | {"samples": got["steps"], "window": (ended - got["window_s"], ended)}
-
-
-def over_grpc(
-    target: str, mode: str, streams: int, work: Workload, processes: int, seed: int
-) -> dict[str, Any]:
-    """`streams` concurrent verifiers over `processes` client processes; drafts per second
-    over the measured window (first measured step started to last one answered)."""
-    if processes <= 1:
-        parts = [asyncio.run(_client_run(ClientJob(target, mode, streams, work, seed)))]
-    else:
-        shares = [streams // processes + (i < streams % processes) for i in range(processes)]
-        jobs = [(ClientJob(target, mode, n, work, seed + i),) for i, n in enumerate(shares)]
-        parts = run_together(_client_run, jobs, SERVER_START_TIMEOUT_S, "a client process")
-    times = [t for p in parts for t in p["times"]]
-    drafts = sum(p["drafts"] for p in parts)
-    window = (min(p["started"] for p in parts), max(p["finished"] for p in parts))
-    return {
-        "mode": mode,
-        "streams": streams,
-        "client_processes": max(processes, 1),
-        **percentiles_us(times),
-        "drafts": drafts,
-        "drafts_per_s": drafts / (window[1] - window[0]),
-        "window": window,  # time.monotonic(), the same clock in every process
-    }
-
-
-# --- over gRPC: the server -------------------------------------------------------------------
-
-
-class _NoOpExporter:
-    """Accepts spans and drops them: what tracing costs in the server itself."""
-
-    def export(self, spans: Any) -> Any:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        pass
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
-
-
-def traced_telemetry() -> Any:
-    """Server spans through an SDK TracerProvider to an exporter that drops them: what
-    tracing costs the server itself."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    from mtpdraft.service.telemetry import Telemetry
-
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(_NoOpExporter()))  # type: ignore[arg-type]
-    return Telemetry(provider, None)
-
-
-def serve_main(argv: list[str], tracing: bool) -> int:
-    """The server process: `mtpdraft serve ARGV`'s engine and server, optionally traced;
-    prints "PORT n", serves until its stdin closes."""
-    from mtpdraft.service import cli
-    from mtpdraft.service.telemetry import Telemetry
-
-    config = cli.parse_serve(argv)
-    cli.limit_cpu_threads()
-
-    async def serve() -> None:
-        engine = cli.build_engine(config)
-        telemetry = traced_telemetry() if tracing else Telemetry()
-        server = cli.build_server(config, engine, telemetry)
-        await server.start()
-        print(f"PORT {server.port}", flush=True)
-        await asyncio.to_thread(sys.stdin.read)  # the bench closes our stdin to stop us
-        await server.drain(0)
-
-    asyncio.run(serve())
-    return 0
-
-
-def start_server(argv: list[str], tracing: bool) -> ServerProcess:
-    """This file's --serve mode (the service on ARGV) in a subprocess."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *argv]
-    if tracing:
-        cmd.append("--serve-tracing")
-    return ServerProcess(cmd, SERVER_START_TIMEOUT_S)
+# --- over gRPC ---------------------------------------------------------------------------------
 
 
 def floor_suite(
@@ -450,7 +132,7 @@ def floor_suite(
     from mtpdraft.client import ProposeArgs, Verdict
     from mtpdraft.client import messages as m
 
-    hidden = _hiddens(1, work, seed=1)[0]
+    hidden = random_hiddens(1, work, seed=1)[0]
     one = ProposeArgs(1, 7, hidden, work.prompt, work.num_drafts, previous=Verdict(0))
     request = m.batch_request_of([one]).SerializeToString()
     return grpc_floor.floor(
@@ -462,15 +144,6 @@ def floor_suite(
         work.steps,
         work.warmup,
     )
-
-
-def client_processes(streams: int, asked: int | None) -> int:
-    """The asyncio client processes for `streams` streams: as asked (at most one a
-    stream), or one up to 8 streams and beyond, up to 4 (a quarter of the cores): one
-    asyncio client process tops out at a few thousand messages per second."""
-    if asked is not None:
-        return min(streams, asked)
-    return 1 if streams <= 8 else max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def _attempt(what: str, notes: list[str], fn: Any, *args: Any) -> dict[str, Any]:
@@ -849,9 +522,6 @@ def main() -> int:
         metavar="JSON",
         help="measure nothing: write the markdown of an earlier service.json next to it",
     )
-    if sys.argv[1:2] == ["--serve"]:  # a server process: the rest is `mtpdraft serve` options
-        tracing = "--serve-tracing" in sys.argv
-        return serve_main([a for a in sys.argv[2:] if a != "--serve-tracing"], tracing)
     args = parser.parse_args()
     if args.render:
         report = json.loads(Path(args.render).read_text())
@@ -859,8 +529,6 @@ def main() -> int:
         return 0
 
     import torch
-
-    from mtpdraft.service.model.synthetic import write_random_checkpoint
 
     if (args.prompt is not None and args.prompt < 2) or (args.steps is not None and args.steps < 1):
         parser.error("--prompt needs at least 2 rows and --steps at least 1")
@@ -884,15 +552,12 @@ def main() -> int:
     if folder is None:
         folder = scratch_folder("bench-service-", in_memory=True)
         log(f"writing a random {'small' if args.small else 'MiMo-7B'} checkpoint")
-        write_random_checkpoint(
-            folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,
-            extra_config={"max_position_embeddings": MAX_POSITIONS},
-        )  # fmt: skip
+        write_model(folder, shape)
     if args.device == "cuda":
         device_name = torch.cuda.get_device_name()
     else:
         device_name = f"CPU ({platform.processor() or platform.machine()})"
-    kv_blocks = max(batches) * math.ceil(work.rows_per_state / BLOCK_SIZE) + 64
+    kv_blocks = kv_blocks_for(max(batches), work)
     argv = serve_argv(Path(folder), args.device, kv_blocks, work.num_drafts)
     argv += shlex.split(args.serve_options)
     report: dict[str, Any] = {

@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import gc
 import json
-import math
 import random
 import shlex
 import statistics
@@ -48,24 +47,21 @@ from pathlib import Path
 from typing import Any
 
 import grpc_floor
-from bench_service import (
-    BLOCK_SIZE,
-    CALL_TIMEOUT_S,
-    MAX_POSITIONS,
-    SERVER_START_TIMEOUT_S,
-    Workload,
-    _hiddens,
+from client_processes import run_together
+from drafter_service import (
     build_engine,
-    log,
-    percentiles_us,
-    prefilled_states,
+    engine_states,
+    kv_blocks_for,
     serve_argv,
     start_server,
+    write_model,
 )
-from client_processes import run_together
 from results_file import write_results
 from scratch import scratch_folder
 from shapes import MIMO_7B, SMALL
+from timing import log, percentiles_us
+from verifiers import CALL_TIMEOUT_S, RUN_TIMEOUT_S, prefilled_states
+from workload import Workload, random_hiddens
 
 MODES = ("batch", "stream", "many")
 
@@ -79,7 +75,7 @@ async def _verifier(target: str, mode: str, size: int, work: Workload, seed: int
     rng = random.Random(seed)
     client = AsyncDrafterClient(target, timeout=CALL_TIMEOUT_S)
     await asyncio.wait_for(client.channel.channel_ready(), CALL_TIMEOUT_S)
-    hiddens = _hiddens(size, work, seed + 1)
+    hiddens = random_hiddens(size, work, seed + 1)
     states: list[int] = []
     stream = None
     try:
@@ -133,22 +129,11 @@ async def _verifier(target: str, mode: str, size: int, work: Workload, seed: int
 def served(target: str, mode: str, verifiers: int, size: int, work: Workload) -> dict[str, Any]:
     """`verifiers` processes of `size` states each; drafts/s over the common window."""
     jobs = [(target, mode, size, work, 100 + i) for i in range(verifiers)]
-    parts = run_together(_verifier, jobs, SERVER_START_TIMEOUT_S, "a verifier")
+    parts = run_together(_verifier, jobs, RUN_TIMEOUT_S, "a verifier")
     drafts = sum(p["drafts"] for p in parts)
     window = max(p["finished"] for p in parts) - min(p["started"] for p in parts)
     times = [t for p in parts for t in p["times"]]
     return {**percentiles_us(times), "drafts": drafts, "drafts_per_s": drafts / window}
-
-
-def _prefilled(engine: Any, batch: int, work: Workload, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    prompt = _hiddens(work.prompt - 1, work, seed)
-    states = [engine.alloc_state() for _ in range(batch)]
-    for state in states:
-        session = engine.begin_prefill(state, 1)
-        session.append([rng.randrange(work.vocab_size) for _ in range(work.prompt - 1)], prompt)
-        session.finish()
-    return states
 
 
 def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, Any]:
@@ -160,8 +145,8 @@ def in_process(engine: Any, batch: int, work: Workload, seed: int) -> dict[str, 
     from mtpdraft.service.model.decode_chain import ChainInputs
 
     k = work.num_drafts
-    states = _prefilled(engine, batch, work, seed)
-    rows = _hiddens(batch, work, seed + 1)
+    states = engine_states(engine, batch, work, seed)
+    rows = random_hiddens(batch, work, seed + 1)
     token = random.Random(seed).randrange(work.vocab_size)
     times, drafts = [], 0
     for index in range(work.warmup + work.steps):
@@ -210,7 +195,7 @@ def batch_request(size: int, work: Workload) -> bytes:
 
     from mtpdraft.client.messages import batch_request as build
 
-    hiddens = _hiddens(size, work, 7)
+    hiddens = random_hiddens(size, work, 7)
     ids = np.arange(1, size + 1, dtype=np.uint64)
     msg = build(
         ids, np.ones(size, np.int32), np.full(size, work.prompt), hiddens, work.num_drafts,
@@ -273,7 +258,7 @@ def go_served(target: str, verifiers: int, size: int, work: Workload) -> dict[st
     cmd = [GO_HOTPATH, "-address", target, "-streams", str(verifiers), "-states", str(size)]
     cmd += ["-prompt", str(work.prompt), "-num-drafts", str(work.num_drafts)]
     cmd += ["-warmup", str(work.warmup), "-steps", str(work.steps)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=SERVER_START_TIMEOUT_S)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if done.returncode:
         raise RuntimeError(done.stderr.strip()[-300:])
     got = json.loads(done.stdout)
@@ -425,8 +410,6 @@ def main() -> int:
 
     import torch
 
-    from mtpdraft.service.model.synthetic import write_random_checkpoint
-
     shape = SMALL if args.small else MIMO_7B
     work = Workload(
         prompt=args.prompt or (64 if args.small else 2048),
@@ -445,12 +428,8 @@ def main() -> int:
     largest = max(v * s for v, s in shapes)
     folder = scratch_folder("bench-verifier-")
     log("writing a random checkpoint")
-    write_random_checkpoint(
-        folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,
-        extra_config={"max_position_embeddings": MAX_POSITIONS},
-    )  # fmt: skip
-    kv_blocks = largest * math.ceil(work.rows_per_state / BLOCK_SIZE) + 64
-    argv = serve_argv(Path(folder), args.device, kv_blocks, work.num_drafts)
+    write_model(folder, shape)
+    argv = serve_argv(Path(folder), args.device, kv_blocks_for(largest, work), work.num_drafts)
     report: dict[str, Any] = {
         "command": "python " + shlex.join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),

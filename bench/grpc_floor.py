@@ -26,6 +26,7 @@ from typing import Any
 
 from client_processes import run_together
 from server_process import ServerProcess, cpu_per_message
+from timing import percentiles_us
 
 SERVICE, METHOD = "mtpdraft.v1.Drafter", "ProposeStream"
 START_TIMEOUT_S = 60.0
@@ -124,8 +125,6 @@ def measure(
 ) -> dict[str, Any]:
     """`streams` streams over `processes` client processes: p50 and messages per second
     over the measured steps, which every process starts together."""
-    from bench_service import percentiles_us
-
     if processes <= 1:
         parts = [asyncio.run(_streams(target, streams, request, steps, warmup))]
     else:

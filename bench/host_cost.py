@@ -35,7 +35,7 @@ import torch
 from results_file import write_results
 
 from mtpdraft.client.messages import batch_request, parse_batch
-from mtpdraft.service import wire
+from mtpdraft.service import convert
 from mtpdraft.service.engine.step import StepResult, StepShape
 from mtpdraft.v1 import drafter_pb2 as pb
 
@@ -81,7 +81,7 @@ def stages(batch: int, hidden: int, iters: int, before: Callable[[], object]) ->
         first_positions=positions.astype(np.int64),
         errors={},
     )
-    answer = wire.batch_answer(1, result, {}).SerializeToString()
+    answer = convert.batch_answer(1, result, {}).SerializeToString()
 
     def timed(fn: Callable[[], object]) -> float:
         return timed_us(fn, iters, before)
@@ -90,11 +90,11 @@ def stages(batch: int, hidden: int, iters: int, before: Callable[[], object]) ->
         "client: build the request": timed(build),
         "client: serialize it": timed(request.SerializeToString),
         "server: parse it": timed(lambda: pb.ProposeBatchRequest.FromString(data)),
-        "server: read the columns into a Step (wire.batch)": timed(
-            lambda: wire.batch(parsed, shape)
+        "server: read the columns into a Step (convert.batch)": timed(
+            lambda: convert.batch(parsed, shape)
         ),
         "server: the answer, made and serialized": timed(
-            lambda: wire.batch_answer(1, result, {}).SerializeToString()
+            lambda: convert.batch_answer(1, result, {}).SerializeToString()
         ),
         "client: parse the answer": timed(
             lambda: parse_batch(pb.ProposeBatchResponse.FromString(answer), ids)

@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 
 import torch
-from bench_service import Workload, _hiddens, build_engine, serve_argv
+from drafter_service import build_engine, engine_states, serve_argv
 from scratch import scratch_folder
 from shapes import MIMO_7B, SMALL
+from workload import Workload, random_hiddens
 
 from mtpdraft.service.engine import columns
 from mtpdraft.service.model.synthetic import write_random_checkpoint
@@ -47,13 +48,8 @@ def main() -> int:
     blocks = b * ((prompt + args.steps + 8) // 16 + 2)
     engine, _ = build_engine(serve_argv(Path(folder), args.device, blocks, 4))
     work = Workload(prompt, 4, 3, args.steps, shape["hidden_size"], shape["vocab_size"], "bfloat16")
-    states = [engine.alloc_state() for _ in range(b)]
-    prompt_hiddens = _hiddens(prompt - 1, work, 1)
-    for state in states:
-        session = engine.begin_prefill(state, 1)
-        session.append(list(range(1, prompt)), prompt_hiddens)
-        session.finish()
-    rows = _hiddens(b, work, 2)
+    states = engine_states(engine, b, work, seed=1)
+    rows = random_hiddens(b, work, 2)
 
     def step(index: int) -> None:
         engine.step(

@@ -1,6 +1,6 @@
 """Where a served verifier step goes: one verifier, B states, ProposeBatch, profiled.
 
-Starts the server as bench_service does, steps B states with ProposeBatch
+Starts the server as the service's benches do (drafter_service.py), steps B states with ProposeBatch
 (0 accepted each step) and, over the measured steps, samples the server with
 py-spy (every thread, idle included, raw stacks) while the client times its
 own phases (building the request, the round trip, reading the answer). Writes
@@ -16,25 +16,18 @@ import argparse
 import asyncio
 import collections
 import json
-import math
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench_service import (
-    BLOCK_SIZE,
-    CALL_TIMEOUT_S,
-    MAX_POSITIONS,
-    BatchVerifier,
-    Workload,
-    log,
-    serve_argv,
-    start_server,
-)
+from drafter_service import kv_blocks_for, serve_argv, start_server, write_model
 from scratch import scratch_folder
 from shapes import MIMO_7B, SMALL
+from timing import log
+from verifiers import CALL_TIMEOUT_S, BatchVerifier
+from workload import Workload
 
 
 async def steps(target: str, size: int, work: Workload, record_s: float, spy: list[str]):
@@ -93,21 +86,14 @@ def main() -> int:
         print(summarize(Path(args.summarize)))
         return 0
 
-    import torch
-
-    from mtpdraft.service.model.synthetic import write_random_checkpoint
-
     shape = SMALL if args.small else MIMO_7B
     work = Workload(
         prompt=64 if args.small else 2048, num_drafts=4, warmup=20, steps=args.steps,
         hidden_size=shape["hidden_size"], vocab_size=shape["vocab_size"], dtype="bfloat16",
     )  # fmt: skip
     folder = scratch_folder("profile-served-step-")
-    write_random_checkpoint(
-        folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,
-        extra_config={"max_position_embeddings": MAX_POSITIONS},
-    )  # fmt: skip
-    kv_blocks = args.batch * math.ceil(work.rows_per_state / BLOCK_SIZE) + 64
+    write_model(folder, shape)
+    kv_blocks = kv_blocks_for(args.batch, work)
     server = start_server(serve_argv(Path(folder), args.device, kv_blocks, 4), tracing=False)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -36,22 +36,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_service import (
-    BLOCK_SIZE,
-    CALL_TIMEOUT_S,
-    MAX_POSITIONS,
+from drafter_service import (
     SERVER_START_TIMEOUT_S,
-    BatchVerifier,
-    Workload,
-    _hiddens,
-    log,
+    build_engine,
+    engine_states,
+    kv_blocks_for,
     serve_argv,
     serve_main,
+    write_model,
 )
 from results_file import write_results
 from scratch import scratch_folder
 from server_process import ServerProcess
 from shapes import MIMO_7B, SMALL
+from timing import log
+from verifiers import CALL_TIMEOUT_S, BatchVerifier
+from workload import Workload, random_hiddens
 
 STAMPS_ENV = "MTPDRAFT_TIMELINE_STAMPS"
 BATCHES_ON_ENV = "MTPDRAFT_TIMELINE_BATCHES_ON"
@@ -117,7 +117,7 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
     into `stamps`; the chain's replay time on the GPU into `gpu_ms`."""
     import torch
 
-    from mtpdraft.service import servicer, wire
+    from mtpdraft.service import convert, servicer
     from mtpdraft.service.engine import admission, columns, engine
     from mtpdraft.service.model.decode_graphs import DecodeGraphs
     from mtpdraft.service.model.mtp_head import MTPHead
@@ -139,9 +139,9 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
 
         setattr(owner, name, wrapper)
 
-    around(wire, "batch", "read_start", None)
-    around(columns, "step", "read_end", None)  # wire.batch's check of the columns read
-    around(wire, "batch_answer", "answer_start", "answer_end")
+    around(convert, "batch", "read_start", None)
+    around(columns, "step", "read_end", None)  # convert.batch's check of the columns read
+    around(convert, "batch_answer", "answer_start", "answer_end")
     around(ProposeScheduler, "enqueue", "enqueued", None)
     around(ProposeScheduler, "_answer", "loop_back", None)  # back on the loop, either way
     around(engine.DraftEngine, "step", "engine_start", "engine_end")
@@ -229,13 +229,13 @@ def fake_chain(ms: float) -> None:
     from mtpdraft.service.model.decode_chain import ChainOutputs
     from mtpdraft.service.model.mtp_head import MTPHead
 
-    def waited(self, kv, chain, meanwhile=None):
+    def waited(self, kv, chain, before_wait=None):
         chain.step_rows(kv.block_size)  # the host's own work for a chain
         start = time.perf_counter()
         steps, n = chain.steps, len(chain)
         hiddens = torch.zeros(steps, n, self.config.hidden_size, dtype=self.dtype)
-        if meanwhile is not None:  # the caller's work runs under the chain, as on a GPU
-            meanwhile(hiddens)
+        if before_wait is not None:  # the caller's work runs under the chain, as on a GPU
+            before_wait(hiddens)
         time.sleep(max(0.0, ms / 1e3 - (time.perf_counter() - start)))
         return ChainOutputs(
             hiddens, np.zeros((steps, n), np.int64), np.full((steps, n), 0.5, np.float32)
@@ -337,17 +337,14 @@ async def _steps(
 def _in_process_steps(argv: list[str], size: int, work: Workload) -> dict[str, Any]:
     """The engine alone, stamped: B states stepped as the server steps them (columns.step,
     then engine.step), each step's window from before the first to after the second."""
-    from bench_service import build_engine
-    from bench_verifier import _prefilled
-
     from mtpdraft.service.engine import columns
 
     stamps: list[tuple[str, int]] = []
     gpu_ms: list[float] = []
     install_stamps(stamps, gpu_ms)
     engine, _ = build_engine(argv)
-    states = _prefilled(engine, size, work, seed=size)
-    hiddens = _hiddens(size, work, 2)
+    states = engine_states(engine, size, work, seed=size)
+    hiddens = random_hiddens(size, work, 2)
     steps, now = [], time.perf_counter_ns
     for index in range(work.warmup + work.steps):
         t = {"c_start": now()}
@@ -469,8 +466,6 @@ def main() -> int:
 
     import torch
 
-    from mtpdraft.service.model.synthetic import write_random_checkpoint
-
     shape = SMALL if args.small else MIMO_7B
     work = Workload(
         prompt=64 if args.small else 2048, num_drafts=4, warmup=20, steps=args.steps,
@@ -478,12 +473,8 @@ def main() -> int:
     )  # fmt: skip
     folder = scratch_folder("timeline-")
     log("writing a random checkpoint")
-    write_random_checkpoint(
-        folder, "mimo", **shape, dtype=torch.bfloat16, seed=0,
-        extra_config={"max_position_embeddings": MAX_POSITIONS},
-    )  # fmt: skip
-    kv_blocks = args.batch * math.ceil(work.rows_per_state / BLOCK_SIZE) + 64
-    argv = serve_argv(Path(folder), args.device, kv_blocks, work.num_drafts)
+    write_model(folder, shape)
+    argv = serve_argv(Path(folder), args.device, kv_blocks_for(args.batch, work), work.num_drafts)
     log(f"stepping {args.batch} states")
     if args.in_process:
         if args.chain_ms is not None:

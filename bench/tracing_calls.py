@@ -4,7 +4,7 @@ A server on the CPU (a small random MiMo checkpoint, in this process, its event 
 a thread of its own) serves --streams ProposeStreams of one state each (a batch of
 one a message), --messages messages a stream; cProfile records the loop's thread
 while they run, once with telemetry off and once with server spans through an SDK
-TracerProvider to an exporter that drops them (bench_service's traced server). Call
+TracerProvider to an exporter that drops them (the benches' traced server, drafter_service.py). Call
 counts per message do not depend on the CPU's speed, unlike its time; the loop's own
 calls (its wake-ups, callbacks) move with how the messages happened to batch, so the
 table lists the calls made only with tracing on, per message. Writes tracing_calls.json
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_service import traced_telemetry
+from drafter_service import traced_telemetry
 from results_file import write_results
 from scratch import scratch_folder
 

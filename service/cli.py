@@ -41,8 +41,8 @@ def _load_serving() -> None:
         return
     import torch
 
+    from .addresses import ListenError, check_free
     from .engine.engine import DraftEngine
-    from .front_end import ListenError, check_free
     from .model.checkpoint import load_mtp_weights
     from .model.errors import CheckpointError
     from .model.kv_cache import KVCache
@@ -180,7 +180,7 @@ def limit_cpu_threads() -> None:
     Its host-side ops are small (a batch's checks, staging, bookkeeping; on a CPU server
     the forward's too): with a thread a core, each one wakes the pool, and the server's
     own threads (the event loop, gRPC's) wait behind torch's for a core
-    (bench/results/verifier_threads_*.md, verifier_cpu.md)."""
+    (bench/results/verifier_threads_*.md at 99f26ad, verifier_cpu*.md at ee1e501)."""
     _load_serving()
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)

@@ -3,7 +3,7 @@ once, here.
 
 The command's parser is generated from `ServeConfig` and fills it (cli.py). The config
 is handed down whole: the engine (`DraftEngine`), the serving loop and its scheduler
-(`serving/`) and the gRPC front end each read their own fields of it, and none repeats
+(`serving/`) and the gRPC server each read their own fields of it, and none repeats
 a default. A field's metadata holds its flag's help (and `choices`, `metavar`, `group`,
 and `shown_default` for a default better named than printed, where it has them); a bool
 field that defaults to True is the flag `--no-NAME`.

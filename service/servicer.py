@@ -2,7 +2,7 @@
 status codes.
 
 The serving loop (serving/) runs the engine's calls; Propose calls of every kind
-(unary, batch, each stream message) are batched across clients there. `wire` reads
+(unary, batch, each stream message) are batched across clients there. `convert` reads
 each request into the engine's types before the loop sees it (every propose message
 straight into a Step; INVALID_ARGUMENT for a malformed one) and makes the responses
 from its results (a StepResult): no protobuf below this module. Each handler raises
@@ -40,7 +40,7 @@ from opentelemetry.trace import Status, StatusCode
 from mtpdraft.v1 import drafter_pb2 as pb
 from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
-from . import wire
+from . import convert
 from .engine import errors
 from .engine.step import StepResult
 from .refusals import Throttle, refusals
@@ -106,7 +106,7 @@ def _stream_error(err: BaseException) -> pb.Error:
 def _row_error(err: errors.DrafterError) -> pb.Error:
     """A ProposeBatch row's error, naming the column its field comes from."""
     error = _error_value(err)
-    error.field = wire.COLUMN_OF_FIELD.get(err.field or "", err.field or "")
+    error.field = convert.COLUMN_OF_FIELD.get(err.field or "", err.field or "")
     return error
 
 
@@ -228,7 +228,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         info = await self.serving.info()
         return pb.GetInfoResponse(
             **vars(info.engine),
-            hidden_dtypes=wire.HIDDEN_DTYPES,
+            hidden_dtypes=convert.HIDDEN_DTYPES,
             max_message_bytes=self.max_message_bytes,
             batch_size_counts=info.batch_size_counts,
             queued_calls=info.queued_calls,
@@ -243,21 +243,21 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     async def Prefill(self, request_iterator: AsyncIterator[pb.PrefillChunk], context):
         with self.telemetry.kv_span("prefill"):
             chunks = _parsed(request_iterator, context.peer())
-            rows = await self.serving.prefill(wire.prefill_chunk(c) async for c in chunks)
+            rows = await self.serving.prefill(convert.prefill_chunk(c) async for c in chunks)
         return pb.PrefillResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
     @rpc
     async def Propose(self, request, context):
-        step = wire.propose(request, self.shape)
+        step = convert.propose(request, self.shape)
         caller = self.telemetry.span_context()
         result = await self.serving.propose(step, context.time_remaining(), caller)
         if result.errors:  # its one row's: the call's status
             raise result.errors[0]
-        return wire.proposal(step, result)
+        return convert.proposal(step, result)
 
     @rpc
     async def ProposeBatch(self, request, context):
-        step = wire.batch(request, self.shape)
+        step = convert.batch(request, self.shape)
         caller = self.telemetry.span_context()
         result = await self.serving.propose(step, context.time_remaining(), caller)
         return self._batch_answer(request, result, context)
@@ -269,7 +269,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         caller = self.telemetry.span_context()  # the stream's, for all its messages
 
         def submit(msg: pb.ProposeBatchRequest):
-            step = wire.batch(msg, self.shape)
+            step = convert.batch(msg, self.shape)
             return self.serving.propose(step, context.time_remaining(), caller)
 
         def refuse(request_id: int, error: pb.Error):
@@ -290,7 +290,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if failed and refusals.enabled():
             for row, err in result.errors.items():
                 _log_refused(err, context, f"{failed[row].field or 'row'}[{row}]")
-        return wire.batch_answer(msg.request_id, result, failed)
+        return convert.batch_answer(msg.request_id, result, failed)
 
     async def _answer_stream(self, name, request_iterator, context, submit, reply, refuse):
         """An async generator of a propose stream's answers (the form gRPC interceptors
@@ -357,7 +357,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     @rpc
     async def AfterVerify(self, request, context):
         with self.telemetry.kv_span("after_verify"):
-            verdict = wire.verdict(request.verdict, "verdict")
+            verdict = convert.verdict(request.verdict, "verdict")
             rows = await self.serving.after_verify(request.state_id, verdict)
         return pb.AfterVerifyResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
@@ -392,7 +392,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             size = min(asked, self.max_message_bytes - KV_CHUNK_OVERHEAD)
             chunks = self.serving.export_kv(request.handle_id, size, request.keep_handle)
             async for chunk in chunks:
-                yield wire.kv_chunk(chunk)
+                yield convert.kv_chunk(chunk)
         except errors.DrafterError as err:
             code = _CODES[type(err)]
             _log_refused(err, context)
@@ -407,7 +407,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     async def ImportKV(self, request_iterator: AsyncIterator[pb.KVChunk], context):
         with self.telemetry.kv_span("import"):
             chunks = _parsed(request_iterator, context.peer())
-            rows = await self.serving.import_kv(wire.read_kv_chunk(c) async for c in chunks)
+            rows = await self.serving.import_kv(convert.read_kv_chunk(c) async for c in chunks)
         return pb.ImportKVResponse(num_rows=rows.num_rows, next_position=rows.next_position)
 
     @rpc

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.decode_chain import ChainInputs, Meanwhile
+from ..model.decode_chain import BeforeWait, ChainInputs
 from ..model.kv_cache import KVCache
 from ..model.mtp_head import MTPHead
 from .rows import Segment, draft_segments
@@ -68,11 +68,11 @@ def draft(
     kv: KVCache,
     table: StateTable,
     plan: ChainPlan,
-    meanwhile: Meanwhile | None = None,
+    before_wait: BeforeWait | None = None,
 ) -> tuple[Drafted, torch.Tensor]:
     """The drafts of every state, and the output hidden of each one's last computed row
-    ([n, H] on the device). `meanwhile` runs while the device computes the chain, if one
-    runs (decode_chain.Meanwhile; its hiddens are the chained rows', in plan order)."""
+    ([n, H] on the device). `before_wait` runs while the device computes the chain, if one
+    runs (decode_chain.BeforeWait; its hiddens are the chained rows', in plan order)."""
     n, k = len(plan.slots), plan.num_drafts
     width = int(k.max())
     tokens = np.full((n, width), -1, np.int64)
@@ -87,7 +87,7 @@ def draft(
     chained = np.flatnonzero(limits > 0)
     out = None
     if len(chained):
-        out = _chain(head, kv, table, plan, chained, offsets, limits, first, meanwhile)
+        out = _chain(head, kv, table, plan, chained, offsets, limits, first, before_wait)
         if first is None and (k == width).all():  # every state took every step: a transpose
             tokens[:], probs[:] = out.tokens.T, out.probs.T
         else:
@@ -141,7 +141,7 @@ def _first_drafts(head, kv, table, plan: ChainPlan) -> _FirstDrafts:
     return _FirstDrafts(rows, hidden, drafts.cpu().numpy(), probs.float().cpu().numpy())
 
 
-def _chain(head, kv, table, plan: ChainPlan, chained, offsets, limits, first, meanwhile):
+def _chain(head, kv, table, plan: ChainPlan, chained, offsets, limits, first, before_wait):
     """The chain of decode steps of the rows `chained`: fresh ones start at R0,
     recomputing ones after their first draft (its token, R0's output hidden)."""
     whole = len(chained) == len(plan.slots)
@@ -168,7 +168,7 @@ def _chain(head, kv, table, plan: ChainPlan, chained, offsets, limits, first, me
             block_tables=table.block_tables(plan.slots[chained]),
             bitmasks=masks,
         ),
-        meanwhile,
+        before_wait,
     )
 
 

@@ -39,7 +39,7 @@ from .errors import (
     position_too_large,
 )
 from .ids import Ids
-from .kv_transfer import KVChunk, KVExport, KVImport, model_fingerprint
+from .kv_transfer import KVChunk, KVExport, KVHeader, KVImport, model_fingerprint
 from .prefill import PrefillSession
 from .rows import Segment, run_segments
 from .state import DrafterState, KVHandle, StateTable
@@ -137,6 +137,13 @@ class DraftEngine:
     def model_fingerprint(self) -> str:
         """Names the model's weights: replicas of one checkpoint report the same."""
         return model_fingerprint(self.head)
+
+    def kv_header(self, num_rows: int) -> KVHeader:
+        """This engine's KV described as an export's header, for `num_rows` rows."""
+        k = self.kv.k  # a row of K is [kv_heads, head_dim] (MLA: the latent's, [1, R])
+        return KVHeader(
+            self.model_fingerprint, self.head.family, k.dtype, k.shape[2], k.shape[3], num_rows
+        )
 
     def state(self, state_id: int) -> DrafterState:
         """The live state, its lease renewed; NOT_FOUND if there is none."""
@@ -416,17 +423,20 @@ class DraftEngine:
             recompute = [(int(judged[j]), segments[j]) for j in sorted(segments)]
         mask_starts = np.cumsum(step.mask_counts) - step.mask_counts
         index = t.device_index(slots)  # copied ahead of the chain, for the last hiddens
-        usual = not recompute and (k == k[0]).all()
-        done_meanwhile: list[bool] = []
+        # Whether the proposals may be recorded before the drafts come back, as if every
+        # draft is kept: no state recomputes rows and all ask the same K.
+        record_ahead = not recompute and (k == k[0]).all()
+        chain_ran = False
 
-        def meanwhile(hiddens: torch.Tensor) -> None:
+        def before_wait(hiddens: torch.Tensor) -> None:
             # Host work that needs no draft, done while the device drafts: the verdicts
-            # counted and, in the usual step, the proposals recorded as if every draft
-            # is kept (recorded again below if a chain is cut short).
+            # counted and, with record_ahead, the proposals recorded (again below if a
+            # chain is cut short).
+            nonlocal chain_ran
+            chain_ran = True
             self._count_verdicts(verdicts)
-            if usual:
+            if record_ahead:
                 self._record(slots, base_rows, k, k, index, hiddens[-1])
-            done_meanwhile.append(True)
 
         drafted, last_hiddens = draft(
             self.head,
@@ -444,11 +454,11 @@ class DraftEngine:
                 bitmasks=step.bitmasks,
                 recompute=recompute,
             ),
-            meanwhile,
+            before_wait,
         )
-        if not done_meanwhile:  # no chain ran
+        if not chain_ran:
             self._count_verdicts(verdicts)
-        if not (done_meanwhile and usual and (drafted.counts == k).all()):
+        if not (chain_ran and record_ahead and (drafted.counts == k).all()):
             self._record(
                 slots, base_rows, drafted.counts, drafted.rows_computed, index, last_hiddens
             )

@@ -9,14 +9,18 @@ another state's stale KV). An import reserves every announced row's blocks up fr
 writes rows as they come and gives the state its rows only when all have come: a
 refused header or chunk, a stream cut short or a cancelled call leave the state empty
 and its blocks free (`abort`).
+
+An export or an import sees the engine only as a `KVStore`, so that the engine imports
+this module and this module imports nothing of the engine.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -27,8 +31,9 @@ from .types import RowCount
 from .validation import is_finite
 
 if TYPE_CHECKING:
+    from ..model.kv_cache import KVCache
     from ..model.mtp_head import MTPHead
-    from .engine import DraftEngine
+    from .admission import Limits
     from .state import DrafterState, KVHandle
 
 log = logging.getLogger("mtpdraft.engine")  # the lifecycle's debug lines, as engine.py's
@@ -59,6 +64,30 @@ class KVChunk:
     k: torch.Tensor | None  # [n, kv_heads, head_dim]; None: no rows
     v: torch.Tensor | None
     state_id: int = 0  # ImportKV: the state to fill (first chunk; later ones 0 or the same)
+
+
+class KVStore(Protocol):
+    """What an export or an import asks of the engine: its KV cache and what that KV is,
+    the handle an export reads, the state an import fills."""
+
+    kv: KVCache
+    limits: Limits  # its max_position: the most rows a state may hold
+    states: Mapping[int, DrafterState]  # the live states by id, looked up as they are
+
+    def kv_header(self, num_rows: int) -> KVHeader:
+        """This engine's KV described as an export's header, for `num_rows` rows."""
+
+    def handle(self, handle_id: int) -> KVHandle:
+        """The live handle, its lease renewed; NOT_FOUND if there is none."""
+
+    def release_handle(self, handle_id: int) -> None:
+        """Frees the handle and its blocks, if it lives."""
+
+    def state(self, state_id: int) -> DrafterState:
+        """The live state, its lease renewed; NOT_FOUND if there is none."""
+
+    def reserve(self, state: DrafterState, rows: int, field: str) -> None:
+        """Grows the state's blocks to hold `rows` rows, or refuses naming `field`."""
 
 
 def model_fingerprint(head: MTPHead) -> str:
@@ -126,25 +155,17 @@ class KVExport:
     """A handle's rows read out chunk by chunk, on the engine thread. Every call looks
     the handle up again (and renews its lease): it may be installed or expire meanwhile."""
 
-    def __init__(self, engine: DraftEngine, handle_id: int) -> None:
-        self.engine = engine
+    def __init__(self, store: KVStore, handle_id: int) -> None:
+        self.store = store
         self.handle_id = handle_id
-        handle = self._handle()
-        self.header = KVHeader(
-            model_fingerprint=engine.model_fingerprint,
-            model_family=engine.head.family,
-            dtype=engine.kv.k.dtype,
-            num_kv_heads=engine.kv.k.shape[2],  # K's row shape (MLA: the latent's, [1, R])
-            head_dim=engine.kv.k.shape[3],
-            num_rows=handle.num_rows,
-        )
+        self.header = store.kv_header(self._handle().num_rows)
 
     def _handle(self) -> KVHandle:
-        return self.engine.handle(self.handle_id)
+        return self.store.handle(self.handle_id)
 
     def rows(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows first .. first + count - 1 as CPU tensors [count, kv_heads, head_dim]."""
-        handle, kv = self._handle(), self.engine.kv
+        handle, kv = self._handle(), self.store.kv
         rows = np.arange(first, min(first + count, handle.num_rows))
         slots = _row_slots(np.asarray(handle.blocks), rows, kv.block_size)
         k, v = kv.read(torch.from_numpy(slots).to(kv.k.device))
@@ -153,7 +174,7 @@ class KVExport:
     def finish(self, keep_handle: bool) -> None:
         """The export is complete: frees the handle unless asked to keep it."""
         if not keep_handle:
-            self.engine.release_handle(self.handle_id)
+            self.store.release_handle(self.handle_id)
         log.debug(
             "KV handle %d exported, %d rows; %s",
             self.handle_id,
@@ -167,7 +188,7 @@ class KVImport:
     rows checked before the state, every announced row's blocks reserved), later rows
     written as they come, the state's own at finish."""
 
-    def __init__(self, engine: DraftEngine, first: KVChunk) -> None:
+    def __init__(self, store: KVStore, first: KVChunk) -> None:
         header, state_id = first.header, first.state_id
         assert header is not None, "the first chunk carries the header"
         if header.num_rows < 0:
@@ -176,15 +197,15 @@ class KVImport:
                 reason="BAD_SHAPE",
                 field="header.num_rows",
             )
-        if header.num_rows > engine.limits.max_position:
+        if header.num_rows > store.limits.max_position:
             last_row = header.num_rows - 1
-            raise position_too_large(last_row, engine.limits.max_position, "header.num_rows")
-        self.engine, self.state_id, self.header = engine, state_id, header
+            raise position_too_large(last_row, store.limits.max_position, "header.num_rows")
+        self.store, self.state_id, self.header = store, state_id, header
         self.received = 0
         if first.k is not None:
             self._check_rows(first.first_row, first.k, first.v)
-        _check_header(engine, header)
-        state = engine.state(state_id)
+        _check_header(header, store.kv_header(header.num_rows))
+        state = store.state(state_id)
         if state.prefilling:
             raise FailedPrecondition(
                 f"cannot import KV: a Prefill or ImportKV stream is open on state {state_id}",
@@ -196,7 +217,7 @@ class KVImport:
                 "empty state",
                 reason="STATE_NOT_EMPTY",
             )
-        engine.reserve(state, header.num_rows, "header.num_rows")
+        store.reserve(state, header.num_rows, "header.num_rows")
         state.prefilling = True  # no other call may touch it until finish or abort
         if first.k is not None:
             try:
@@ -208,12 +229,12 @@ class KVImport:
     def write(self, first_row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores the next rows; each chunk must continue the one before."""
         self._check_rows(first_row, k, v)
-        self._store(self.engine.state(self.state_id), k, v)
+        self._store(self.store.state(self.state_id), k, v)
 
     def _check_rows(self, first_row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """A chunk's rows continue the ones received, within the header's, in its shape and
         dtype, finite."""
-        engine, h = self.engine, self.header
+        h = self.header
         if first_row != self.received:
             raise InvalidArgument(
                 f"first_row: {first_row} does not continue the rows received ({self.received})",
@@ -221,7 +242,7 @@ class KVImport:
                 field="first_row",
             )
         # V's row is K's (MLA: the rotated k_pe beside the latent, fixed by the model).
-        v_row = tuple(engine.kv.v.shape[2:])
+        v_row = tuple(self.store.kv.v.shape[2:])
         for name, t, row in (("k", k, (h.num_kv_heads, h.head_dim)), ("v", v, v_row)):
             shape = (k.shape[0], *row)
             if t.dim() != 3 or tuple(t.shape) != shape:
@@ -254,15 +275,14 @@ class KVImport:
         count = k.shape[0]
         if not count:
             return
-        kv, t = self.engine.kv, self.engine.table
-        rows = np.arange(self.received, self.received + count)
-        slots = _row_slots(t.blocks[state.slot], rows, kv.block_size)
+        kv = self.store.kv
+        slots = state.kv_slots(np.arange(self.received, self.received + count))
         kv.write(k.to(kv.k.device), v.to(kv.v.device), torch.from_numpy(slots).to(kv.k.device))
         self.received += count
 
     def finish(self) -> RowCount:
         """The stream ended: the state holds the rows if every announced one came."""
-        state = self.engine.state(self.state_id)
+        state = self.store.state(self.state_id)
         if self.received != self.header.num_rows:
             raise InvalidArgument(
                 f"the stream ended after {self.received} of the {self.header.num_rows} rows "
@@ -277,7 +297,7 @@ class KVImport:
 
     def abort(self) -> None:
         """Puts the state back as it was: empty, its reserved blocks free."""
-        state = self.engine.states.get(self.state_id)
+        state = self.store.states.get(self.state_id)
         if state is None:
             return
         state.prefilling = False
@@ -291,31 +311,28 @@ class KVImport:
         )
 
 
-def _check_header(engine: DraftEngine, header: KVHeader) -> None:
-    """The KV fits this engine: same dtype, KV shape and model (in that order, so that
-    each error names the first difference)."""
-    dtype = engine.kv.k.dtype
-    if header.dtype != dtype:
+def _check_header(header: KVHeader, ours: KVHeader) -> None:
+    """The KV `header` announces fits this engine's (`ours`): same dtype, KV shape and
+    model (in that order, so that each error names the first difference)."""
+    if header.dtype != ours.dtype:
         raise FailedPrecondition(
             f"the KV was exported in {_name(header.dtype)}; this server computes in "
-            f"{_name(dtype)} (serve both with the same --dtype)",
+            f"{_name(ours.dtype)} (serve both with the same --dtype)",
             reason="KV_DTYPE_MISMATCH",
             field="header.dtype",
         )
-    theirs = (header.num_kv_heads, header.head_dim)
-    ours = tuple(engine.kv.k.shape[2:])
-    if theirs != ours:
+    if (header.num_kv_heads, header.head_dim) != (ours.num_kv_heads, ours.head_dim):
         raise FailedPrecondition(
-            f"the KV has {theirs[0]} KV heads of {theirs[1]}; this server's model has "
-            f"{ours[0]} of {ours[1]}",
+            f"the KV has {header.num_kv_heads} KV heads of {header.head_dim}; this server's "
+            f"model has {ours.num_kv_heads} of {ours.head_dim}",
             reason="KV_SHAPE_MISMATCH",
             field="header.num_key_value_heads",
         )
-    if header.model_fingerprint != engine.model_fingerprint:
+    if header.model_fingerprint != ours.model_fingerprint:
         raise FailedPrecondition(
             f"the KV was computed by another model ({header.model_family or '?'}, fingerprint "
-            f"{header.model_fingerprint or '(none)'}); this server serves {engine.head.family}, "
-            f"fingerprint {engine.model_fingerprint}",
+            f"{header.model_fingerprint or '(none)'}); this server serves {ours.model_family}, "
+            f"fingerprint {ours.model_fingerprint}",
             reason="KV_MODEL_MISMATCH",
             field="header.model_fingerprint",
         )

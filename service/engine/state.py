@@ -183,6 +183,10 @@ class DrafterState:
     def blocks(self) -> list[int]:
         return self.table.blocks[self.slot, : self.table.num_blocks[self.slot]].tolist()
 
+    def kv_slots(self, rows: np.ndarray) -> np.ndarray:
+        """The flat KV slot of each of its rows (its blocks must hold them)."""
+        return self.table.kv_slots(np.full(len(rows), self.slot), rows)
+
     def touch(self, now: float) -> None:
         self.table.last_used[self.slot] = now
 

@@ -66,4 +66,4 @@ class ChainOutputs:
 # only wait): called once the chain is queued, with its steps' output hiddens
 # [steps, n, H], which are still being written, so only device work queued after the
 # chain may read them.
-Meanwhile = Callable[[torch.Tensor], None]
+BeforeWait = Callable[[torch.Tensor], None]

@@ -25,7 +25,7 @@ import torch
 from mtpdraft import kernels
 
 from .batch import RowBatch
-from .decode_chain import ChainInputs, ChainOutputs, Meanwhile
+from .decode_chain import BeforeWait, ChainInputs, ChainOutputs
 from .kv_cache import KVCache
 
 # Buckets double so that a batch pads by less than 2x; 64 is the default max batch.
@@ -162,14 +162,14 @@ class DecodeGraphs:
         )
 
     def run(
-        self, chain: ChainInputs, step_rows: np.ndarray, meanwhile: Meanwhile | None = None
+        self, chain: ChainInputs, step_rows: np.ndarray, before_wait: BeforeWait | None = None
     ) -> ChainOutputs:
         """The chain (see ChainInputs), given its step rows [steps, 3, n] on the host;
-        `meanwhile` runs while the device replays it."""
+        `before_wait` runs while the device replays it."""
         self.stage(chain, step_rows).replay()
-        if meanwhile is not None:
+        if before_wait is not None:
             b = self._bucket(len(chain))
-            meanwhile(b.out_h[: chain.steps, : len(chain)])
+            before_wait(b.out_h[: chain.steps, : len(chain)])
         return self.collect(chain)
 
     def stage(self, chain: ChainInputs, step_rows: np.ndarray) -> torch.cuda.CUDAGraph:

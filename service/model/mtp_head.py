@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .batch import RowBatch
 from .checkpoint import MTPWeights
 from .config import MTPConfig
-from .decode_chain import ChainInputs, ChainOutputs, Meanwhile
+from .decode_chain import BeforeWait, ChainInputs, ChainOutputs
 from .kv_cache import KVCache
 from .mla import LatentAttention
 from .moe import MoEMLP
@@ -221,18 +221,18 @@ class MTPHead:
         return hidden, tokens, probs
 
     def decode_chain(
-        self, kv: KVCache, chain: ChainInputs, meanwhile: Meanwhile | None = None
+        self, kv: KVCache, chain: ChainInputs, before_wait: BeforeWait | None = None
     ) -> ChainOutputs:
         """Runs a chain of decode steps (see ChainInputs); the host waits once, at the end.
 
         Replayed from CUDA graphs when they were captured and the chain fits them;
-        step by step (the same kernels, launched one by one) otherwise. `meanwhile`
-        runs on the host once the whole chain is queued, before the wait (Meanwhile).
+        step by step (the same kernels, launched one by one) otherwise. `before_wait`
+        runs on the host once the whole chain is queued, before the wait (BeforeWait).
         """
         step_rows = chain.step_rows(kv.block_size)
         graphs = self._graphs
         if graphs is not None and graphs.fits(chain):
-            return graphs.run(chain, step_rows, meanwhile)
+            return graphs.run(chain, step_rows, before_wait)
         dev, n = self.device, len(chain)
         step_rows = torch.from_numpy(step_rows).to(dev)
         tokens = torch.from_numpy(chain.tokens).to(dev)
@@ -246,6 +246,6 @@ class MTPHead:
             hiddens, tokens, probs = self.decode(batch, kv, None if masks is None else masks[j])
             outputs.append((hiddens, tokens, probs))
         out_h, out_t, out_p = (torch.stack(o) for o in zip(*outputs, strict=True))
-        if meanwhile is not None:
-            meanwhile(out_h)
+        if before_wait is not None:
+            before_wait(out_h)
         return ChainOutputs(out_h, out_t.cpu().numpy(), out_p.float().cpu().numpy())

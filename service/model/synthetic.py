@@ -1,9 +1,10 @@
 """Random-weight MTP checkpoints in the published namings of every family served.
 
-Used to build the embedded default model, benchmark models at real shapes (in
-memory: `random_tensors`), and test checkpoints (`write_random_checkpoint`): the
-tensors are what a real checkpoint of the family holds for its MTP layer, so the
-real loader reads them.
+For trying the service without a published checkpoint and for the tests' checkpoints
+(`write_random_checkpoint`, README.md, "Checkpoints"), and for the benchmarks' models at
+real shapes (in memory: `random_tensors`). The tensors are what a real checkpoint of the
+family holds for its MTP layer, so the real loader reads them. The embedded default
+model is not one of these: it is trained (default_model.py).
 """
 
 from __future__ import annotations

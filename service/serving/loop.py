@@ -35,7 +35,7 @@ _Session = TypeVar("_Session", PrefillSession, KVImport)
 
 @dataclass
 class ServerInfo:
-    """GetInfo's answer, less what the gRPC front end adds."""
+    """GetInfo's answer, less what the servicer adds."""
 
     engine: EngineInfo
     queued_calls: int

@@ -69,8 +69,8 @@ def test_info_over_mutual_tls_and_a_unix_socket_with_a_token(
 def test_a_draining_server_is_not_serving(mimo_checkpoint: Path, capsys) -> None:
     server = InProcessServer(small_engine(mimo_checkpoint))
     try:
-        front_end = server.server.front_end
-        asyncio.run_coroutine_threadsafe(front_end.enter_graceful_shutdown(), server.loop).result(
+        health = server.server.health  # NOT_SERVING for good, as a drain turns it
+        asyncio.run_coroutine_threadsafe(health.enter_graceful_shutdown(), server.loop).result(
             PATIENCE
         )
         assert _info("--target", server.address) == 1

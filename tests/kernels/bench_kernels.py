@@ -154,10 +154,10 @@ def bench_select_drafts() -> None:
         words = triton.cdiv(VOCAB, 32)
         bitmask = torch.randint(-(2**31), 2**31, (batch, words), device="cuda").int()
         for mask in (None, bitmask):
-            tag = "masked" if mask is not None else "no mask"
+            masking = "masked" if mask is not None else "no mask"
             nbytes = batch * VOCAB * 2 + (0 if mask is None else mask.numel() * 4)
             _row(
-                f"select_drafts b={batch} {tag}",
+                f"select_drafts b={batch} {masking}",
                 lambda logits=logits, mask=mask: select_drafts(logits, mask),
                 lambda logits=logits, mask=mask: select_drafts_torch(logits, mask),
                 nbytes,

@@ -33,8 +33,8 @@ from mtpdraft.client import (
     ResourceExhausted,
     Unavailable,
 )
-from mtpdraft.service import cli, front_end
-from mtpdraft.service.front_end import ListenError
+from mtpdraft.service import addresses, cli
+from mtpdraft.service.addresses import ListenError
 from mtpdraft.service.model.synthetic import write_random_checkpoint
 from mtpdraft.service.telemetry import Telemetry
 
@@ -176,7 +176,7 @@ def test_no_grpc_server_can_share_the_port(serve, mimo_checkpoint, monkeypatch) 
     stock = grpc.server(ThreadPoolExecutor(1))
     with pytest.raises(RuntimeError, match="Failed to bind"):
         stock.add_insecure_port(first.address)
-    monkeypatch.setattr(front_end, "check_free", lambda address: None)
+    monkeypatch.setattr(addresses, "check_free", lambda address: None)
     config = serve_args("--model", str(mimo_checkpoint), "--device", "cpu", *SMALL)
     config = dataclasses.replace(config, port=first.server.port)
 

@@ -72,7 +72,7 @@ def later_steps_perturbed(head: MTPHead, scale: float):
     chain, decode = head.decode_chain, head.decode
     gen = torch.Generator(head.device).manual_seed(0)
 
-    def perturbed_chain(kv, inputs, meanwhile=None):
+    def perturbed_chain(kv, inputs, before_wait=None):
         steps = 0
 
         def decode_step(batch, kv, bitmask):
@@ -86,7 +86,7 @@ def later_steps_perturbed(head: MTPHead, scale: float):
 
         head.decode = decode_step
         try:
-            return chain(kv, inputs, meanwhile)
+            return chain(kv, inputs, before_wait)
         finally:
             del head.decode
 

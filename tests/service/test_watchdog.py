@@ -17,7 +17,7 @@ from drafting import hiddens, tokens
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mtpdraft.client import DrafterClient
-from mtpdraft.service.front_end import SERVICE_NAME
+from mtpdraft.service.server import SERVICE_NAME
 from mtpdraft.service.serving.runner import EngineRunner
 from mtpdraft.service.watchdog import EngineWatchdog
 

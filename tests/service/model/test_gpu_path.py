@@ -159,7 +159,7 @@ def test_graphed_chain_equals_the_same_kernels_launched_one_by_one(tmp_path, mas
         chain.bitmasks = (bits << torch.arange(32, dtype=torch.int32)).sum(-1, dtype=torch.int32)
     kv_g, kv_e = _kv_pair(graphed, eager, len(limits) * chain.block_tables.shape[1])
     graphed.capture_decode_graphs(kv_g, max_batch=8, max_steps=4)
-    seen: list[torch.Tensor] = []  # meanwhile's hiddens, read on the device after the chain
+    seen: list[torch.Tensor] = []  # before_wait's hiddens, read on the device after the chain
     for _ in range(2):  # a second run reuses the graphs' buffers
         seen.clear()
         got = graphed.decode_chain(kv_g, chain, lambda hiddens: seen.append(hiddens.clone()))

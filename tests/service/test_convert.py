@@ -8,7 +8,7 @@ import torch
 
 from mtpdraft.client import messages as m
 from mtpdraft.client.types import Verdict as ClientVerdict
-from mtpdraft.service import wire
+from mtpdraft.service import convert
 from mtpdraft.service.engine.errors import InvalidArgument
 from mtpdraft.service.engine.step import StepShape
 from mtpdraft.v1 import drafter_pb2 as pb
@@ -35,14 +35,14 @@ def test_malformed_tensors_are_refused_with_their_field() -> None:
         bad.CopyFrom(good)
         spoil(bad)
         with pytest.raises(InvalidArgument) as refused:
-            wire.propose(bad, SHAPE)
+            convert.propose(bad, SHAPE)
         assert (refused.value.reason, refused.value.field) == (reason, "hidden")
     bad_refeed = pb.ProposeRequest()
     bad_refeed.CopyFrom(good)
     bad_refeed.previous.refeed_hiddens.CopyFrom(_tensor(torch.randn(1, 8)))
     bad_refeed.previous.refeed_hiddens.dtype = pb.DTYPE_INT32
     with pytest.raises(InvalidArgument) as refused:
-        wire.propose(bad_refeed, SHAPE)
+        convert.propose(bad_refeed, SHAPE)
     assert refused.value.field == "previous.refeed_hiddens"
 
 
@@ -52,7 +52,7 @@ def test_a_batchs_malformed_tensors_are_refused_with_their_column() -> None:
         num_accepted=[1, -1], refeed_rows=[1, 0], refeed_hiddens=torch.randn(1, 8),
         bitmask_rows=[0, 1], bitmasks=torch.tensor([[5, -1]], dtype=torch.int32),
     )  # fmt: skip
-    read = wire.batch(good, SHAPE)
+    read = convert.batch(good, SHAPE)
     assert read.state_ids.tolist() == [1, 2] and read.num_accepted.tolist() == [1, -1]
     assert read.refeed_hiddens.shape == (1, 8) and read.bitmasks.tolist() == [[5, -1]]
     assert read.refeed_counts.tolist() == [1, 0] and read.mask_counts.tolist() == [0, 1]
@@ -65,11 +65,11 @@ def test_a_batchs_malformed_tensors_are_refused_with_their_column() -> None:
             bad.CopyFrom(good)
             spoil(getattr(bad, column))
             with pytest.raises(InvalidArgument) as refused:
-                wire.batch(bad, SHAPE)
+                convert.batch(bad, SHAPE)
             assert (refused.value.reason, refused.value.field) == (reason, column)
     good.ClearField("hiddens")
     with pytest.raises(InvalidArgument) as refused:
-        wire.batch(good, SHAPE)
+        convert.batch(good, SHAPE)
     assert (refused.value.reason, refused.value.field) == ("MISSING_FIELD", "hiddens")
 
 
@@ -78,7 +78,7 @@ def test_tensors_keep_their_bits_and_shape(dtype: torch.dtype) -> None:
     values = torch.randn(2, 32).to(dtype)
     values[1, 3] = float("nan")  # read as it came: the engine checks a batch's at once
     for shaped in (values, values[0], torch.empty(0, 32, dtype=dtype)):
-        back = wire.read_tensor(_tensor(shaped), "hidden", wire.HIDDEN_DTYPES)
+        back = convert.read_tensor(_tensor(shaped), "hidden", convert.HIDDEN_DTYPES)
         assert back.dtype == dtype and back.shape == shaped.shape  # and the same bits:
         assert torch.equal(back.view(torch.uint8), shaped.contiguous().view(torch.uint8))
 
@@ -91,7 +91,7 @@ def test_a_request_becomes_a_step_of_one_row() -> None:
     request = m.propose_request(
         7, 2, hidden, 3, 4, bitmask=mask, min_confidence=0.25, previous=ClientVerdict(2, refeed)
     )
-    step, again = wire.propose(request, SHAPE), wire.propose(request, SHAPE)
+    step, again = convert.propose(request, SHAPE), convert.propose(request, SHAPE)
     assert len(step) == 1
     assert step.state_ids.tolist() == [7] and step.tokens.tolist() == [2]
     assert step.positions.tolist() == [3] and step.num_drafts.tolist() == [4]
@@ -102,6 +102,6 @@ def test_a_request_becomes_a_step_of_one_row() -> None:
     assert torch.equal(step.refeed_hiddens, refeed)
     step.hiddens += 1  # writable, and a buffer of its own: the engine may use it as it is
     assert torch.equal(again.hiddens, hidden.reshape(1, 8))
-    bare = wire.propose(pb.ProposeRequest(hidden=_tensor(hidden)), SHAPE)
+    bare = convert.propose(pb.ProposeRequest(hidden=_tensor(hidden)), SHAPE)
     assert bare.num_accepted.tolist() == [-1] and bare.refeed_hiddens is None
     assert bare.mask_counts.tolist() == [0] and bare.bitmasks is None
