@@ -236,7 +236,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def AllocState(self, request, context):
-        state_id = await self.serving.alloc_state(_client_host(context.peer()))
+        grammar = convert.grammar(request)
+        state_id = await self.serving.alloc_state(_client_host(context.peer()), grammar)
         return pb.AllocStateResponse(state_id=state_id)
 
     @rpc

@@ -73,3 +73,4 @@ class EngineInfo:
     draining: bool
     instance_epoch: int  # carried by every id this instance issues (ids.py)
     model_fingerprint: str
+    grammar_kinds: tuple[str, ...] = ()  # the kinds of grammar a state may have (none: no grammars)

@@ -35,7 +35,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_family", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "compute_dtype", "hidden_dtypes", "device", "max_drafts", "max_batch", "max_states", "live_states", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "kv_handles", "state_ttl_seconds", "max_message_bytes", "bitmask_words", "draining", "batch_size_counts", "queued_calls", "instance_epoch", "model_fingerprint")
+    __slots__ = ("model_family", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "compute_dtype", "hidden_dtypes", "device", "max_drafts", "max_batch", "max_states", "live_states", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "kv_handles", "state_ttl_seconds", "max_message_bytes", "bitmask_words", "draining", "batch_size_counts", "queued_calls", "instance_epoch", "model_fingerprint", "grammar_kinds")
     class BatchSizeCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class GetInfoResponse(_message.Message):
     QUEUED_CALLS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_KINDS_FIELD_NUMBER: _ClassVar[int]
     model_family: str
     hidden_size: int
     vocab_size: int
@@ -93,11 +94,26 @@ class GetInfoResponse(_message.Message):
     queued_calls: int
     instance_epoch: int
     model_fingerprint: str
-    def __init__(self, model_family: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., compute_dtype: _Optional[str] = ..., hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., device: _Optional[str] = ..., max_drafts: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_states: _Optional[int] = ..., live_states: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_handles: _Optional[int] = ..., state_ttl_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., bitmask_words: _Optional[int] = ..., draining: bool = ..., batch_size_counts: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ..., instance_epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    grammar_kinds: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_family: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., compute_dtype: _Optional[str] = ..., hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., device: _Optional[str] = ..., max_drafts: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_states: _Optional[int] = ..., live_states: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_handles: _Optional[int] = ..., state_ttl_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., bitmask_words: _Optional[int] = ..., draining: bool = ..., batch_size_counts: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ..., instance_epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., grammar_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("json_schema", "ebnf", "regex", "structural_tag")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    EBNF_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    ebnf: str
+    regex: str
+    structural_tag: str
+    def __init__(self, json_schema: _Optional[str] = ..., ebnf: _Optional[str] = ..., regex: _Optional[str] = ..., structural_tag: _Optional[str] = ...) -> None: ...
 
 class AllocStateRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("grammar",)
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    grammar: Grammar
+    def __init__(self, grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
 
 class AllocStateResponse(_message.Message):
     __slots__ = ("state_id",)

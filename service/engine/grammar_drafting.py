@@ -1,0 +1,194 @@
+"""Drafting for states with a grammar: every draft is one the state's grammar allows.
+
+A grammar state's mask for draft j + 1 depends on draft j, which the device has just
+drafted, so its chain runs one step at a time: each step masks the head's logits with
+the grammar's bitmask at that point (ANDed with the client's bitmask row, if it sent
+one), and the state's matcher moves on by the draft; after the chain every matcher is
+moved back to where the verifier's sequence stands. A state's chain stops before K where
+its grammar allows nothing more (it has ended, or it may only end and the vocabulary
+has no stop token), and at min_confidence as any chain does. States without a grammar
+are drafted as before (drafting.draft, one device-side chain), after the grammar states,
+whose outputs are copies by then.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..grammar.states import StateGrammars
+from ..model.decode_chain import BeforeWait, ChainInputs
+from ..model.kv_cache import KVCache
+from ..model.mtp_head import MTPHead
+from .drafting import ChainPlan, Drafted, draft
+from .rows import Segment, draft_segments
+from .state import StateTable
+
+
+def draft_with_grammars(
+    head: MTPHead,
+    kv: KVCache,
+    table: StateTable,
+    plan: ChainPlan,
+    before_wait: BeforeWait | None,
+    grammars: StateGrammars,
+) -> tuple[Drafted, torch.Tensor]:
+    """drafting.draft's answer for every state of the plan, grammar states drafted under
+    their grammars. `before_wait` runs only where no state has a grammar: its hiddens
+    are the whole plan's."""
+    with_grammar = grammars.which(plan.slots)
+    if not with_grammar.any():
+        return draft(head, kv, table, plan, before_wait)
+    if with_grammar.all():
+        return draft_grammar_states(head, kv, table, plan, grammars)
+    own, rest = np.flatnonzero(with_grammar), np.flatnonzero(~with_grammar)
+    constrained = draft_grammar_states(head, kv, table, _subplan(plan, own), grammars)
+    free = draft(head, kv, table, _subplan(plan, rest))
+    return _merged(plan, (own, *constrained), (rest, *free))
+
+
+def draft_grammar_states(
+    head: MTPHead, kv: KVCache, table: StateTable, plan: ChainPlan, grammars: StateGrammars
+) -> tuple[Drafted, torch.Tensor]:
+    """The drafts of states that all have a grammar, step by step, and each one's last
+    computed row's output hidden ([n, H] on the device, a copy)."""
+    n, k = len(plan.slots), plan.num_drafts
+    slots = plan.slots.tolist()
+    drafts = np.full((n, int(k.max())), -1, np.int64)
+    probs = np.zeros(drafts.shape, np.float32)
+    counts = np.zeros(n, np.int64)
+    rows_computed = np.ones(n, np.int64)  # R0 at least
+    running = np.full(n, np.inf)  # the chain confidence
+    advanced = np.zeros(n, np.int64)  # drafts each matcher moved on by, undone at the end
+    live = np.arange(n)  # the states whose chain goes on
+    masks = _with_client_masks(grammars.masks(slots), plan, live, 0)
+    allowed = masks.ne(0).any(dim=1).numpy()
+    # R0 is computed whatever the grammar says (it is a committed row); a state whose
+    # grammar allows nothing takes no draft from it.
+    unmasked = torch.where(torch.from_numpy(allowed)[:, None], masks, -1)
+    last, tokens, p = _first_step(head, kv, table, plan, unmasked)  # last: each state's
+    live, tokens, p = live[allowed], tokens[allowed], p[allowed]  # last row's output hidden
+    try:
+        for j in range(int(k.max())):
+            # `tokens`, `p`: draft j + 1 of each live state, from its row R(j).
+            rows_computed[live] = j + 1
+            running[live] = np.minimum(running[live], p)
+            kept = running[live] >= plan.min_confidence[live]  # else not kept, and the end
+            live, tokens, p = live[kept], tokens[kept], p[kept]
+            drafts[live, j], probs[live, j], counts[live] = tokens, p, j + 1
+            ended = grammars.advance([slots[i] for i in live], tokens.tolist())
+            advanced[live] += 1
+            live = live[~ended & (k[live] > j + 1)]
+            if not len(live):
+                break
+            masks = _with_client_masks(grammars.masks([slots[i] for i in live]), plan, live, j + 1)
+            allowed = masks.ne(0).any(dim=1).numpy()
+            live, masks = live[allowed], masks[torch.from_numpy(allowed)]
+            if not len(live):
+                break
+            at = torch.from_numpy(live).to(head.device)
+            hidden, tokens, p = _next_step(
+                head, kv, table, plan, live, j + 1, drafts[live, j], last[at], masks
+            )
+            last[at] = hidden
+    finally:
+        grammars.rollback(slots, advanced.tolist())
+    confidences = np.where(counts > 0, np.minimum(running, 1.0), 0.0)
+    # A chain cut by min_confidence kept the probability of the draft that cut it.
+    cut = (counts == 0) & np.isfinite(running)
+    confidences[cut] = running[cut]
+    return Drafted(drafts, probs, counts, confidences, rows_computed, drafts), last
+
+
+def _first_step(head, kv, table, plan: ChainPlan, masks: torch.Tensor):
+    """R0 of every state (after the rows its verdict recomputes, if any) and the draft
+    from it under `masks`: (output hiddens [n, H] on the device, drafts, probs)."""
+    if plan.recompute:
+        again = dict(plan.recompute)
+        segments = []
+        for i, slot in enumerate(plan.slots.tolist()):
+            r0 = plan.hiddens[i : i + 1]
+            if i in again:
+                seg = again[i]
+                hiddens = torch.cat(
+                    [seg.hiddens.to(head.device, head.dtype), r0.to(head.device, head.dtype)]
+                )
+                tokens = np.append(seg.tokens, plan.tokens[i])
+                segments.append(Segment(slot, seg.start_row, tokens, hiddens))
+            else:
+                segments.append(Segment(slot, int(plan.base_rows[i]), plan.tokens[i : i + 1], r0))
+        hidden, drafts, probs = draft_segments(head, kv, table, segments, masks.to(head.device))
+        return hidden, drafts.cpu().numpy(), probs.float().cpu().numpy()  # hidden: a gather
+    live = np.arange(len(plan.slots))
+    return _next_step(head, kv, table, plan, live, 0, plan.tokens, plan.hiddens, masks)
+
+
+def _next_step(head, kv, table, plan: ChainPlan, live, j: int, tokens, hiddens, masks):
+    """Row R(j) of each live state (token, hidden given) and the draft from it."""
+    out = head.decode_chain(
+        kv,
+        ChainInputs(
+            tokens=np.asarray(tokens, np.int64),
+            hiddens=hiddens,
+            positions=plan.base_rows[live] + j,
+            limits=np.ones(len(live), np.int64),
+            block_tables=table.block_tables(plan.slots[live]),
+            bitmasks=masks[None],
+        ),
+    )
+    # The chain's outputs may live in buffers the next chain reuses: copied.
+    return out.hiddens[0].clone(), out.tokens[0], out.probs[0]
+
+
+def _with_client_masks(masks: torch.Tensor, plan: ChainPlan, rows: np.ndarray, j: int):
+    """The grammar's masks ANDed with the client's row for draft j + 1, where it sent one
+    (a mask of fewer rows than drafts repeats its last row)."""
+    counts = plan.mask_counts[rows]
+    sent = np.flatnonzero(counts > 0)
+    if not len(sent):
+        return masks
+    index = plan.mask_starts[rows[sent]] + np.minimum(j, counts[sent] - 1)
+    masks[torch.from_numpy(sent)] &= plan.bitmasks[torch.from_numpy(index)]
+    return masks
+
+
+def _subplan(plan: ChainPlan, rows: np.ndarray) -> ChainPlan:
+    """The plan of some of its states (rows ascending): the client's bitmasks stay whole,
+    their starts index them."""
+    renumber = {int(i): j for j, i in enumerate(rows.tolist())}
+    return ChainPlan(
+        slots=plan.slots[rows],
+        tokens=plan.tokens[rows],
+        hiddens=plan.hiddens[torch.from_numpy(rows)],
+        base_rows=plan.base_rows[rows],
+        num_drafts=plan.num_drafts[rows],
+        min_confidence=plan.min_confidence[rows],
+        mask_starts=plan.mask_starts[rows],
+        mask_counts=plan.mask_counts[rows],
+        bitmasks=plan.bitmasks,
+        recompute=[(renumber[i], seg) for i, seg in plan.recompute if i in renumber],
+    )
+
+
+def _merged(plan: ChainPlan, *parts) -> tuple[Drafted, torch.Tensor]:
+    """The answers of parts of a plan, (rows, Drafted, last hiddens) each, in its order."""
+    n, width = len(plan.slots), int(plan.num_drafts.max())
+    drafts = np.full((n, width), -1, np.int64)
+    every = drafts.copy()
+    probs = np.zeros((n, width), np.float32)
+    counts, rows_computed = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    confidences = np.zeros(n, np.float64)
+    hiddens = None
+    for rows, d, h in parts:
+        w = d.drafts.shape[1]
+        drafts[rows, :w], probs[rows, :w] = d.drafts, d.probs
+        every[rows, : d.all_drafts.shape[1]] = d.all_drafts
+        counts[rows], rows_computed[rows], confidences[rows] = (
+            d.counts,
+            d.rows_computed,
+            d.confidences,
+        )
+        if hiddens is None:
+            hiddens = h.new_empty(n, h.shape[1])
+        hiddens[torch.from_numpy(rows).to(h.device)] = h
+    return Drafted(drafts, probs, counts, confidences, rows_computed, every), hiddens
