@@ -35,6 +35,7 @@ from .stream import AsyncProposeStream, ProposeStream
 from .sync_client import DrafterClient
 from .types import (
     BatchResult,
+    Grammar,
     InstallResult,
     KVHandle,
     PrefillResult,
@@ -56,6 +57,7 @@ __all__ = [
     "DrafterError",
     "DrafterRpcError",
     "FailedPrecondition",
+    "Grammar",
     "InstallResult",
     "InvalidArgument",
     "KVHandle",

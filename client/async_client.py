@@ -23,6 +23,7 @@ from .stream import AsyncProposeStream
 from .tracing import aio_interceptors as tracing_interceptors
 from .types import (
     BatchResult,
+    Grammar,
     InstallResult,
     KVHandle,
     PrefillResult,
@@ -148,9 +149,11 @@ class AsyncDrafterClient:
         """The server's model shape, limits and live counters."""
         return await self._unary(self._stub.GetInfo, m.get_info_request(), m.parse_info, timeout)
 
-    async def alloc_state(self, *, timeout: Timeout = DEFAULT) -> int:
+    async def alloc_state(
+        self, grammar: Grammar | None = None, *, timeout: Timeout = DEFAULT
+    ) -> int:
         """A new, empty state; returns its id."""
-        req = m.alloc_state_request()
+        req = m.alloc_state_request(grammar)
         return await self._unary(self._stub.AllocState, req, m.parse_alloc_state, timeout)
 
     async def prefill(

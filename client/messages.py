@@ -9,6 +9,7 @@ Prefill, whose chunks are then produced lazily while the stream is sent).
 from __future__ import annotations
 
 import enum
+import json
 import operator
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any, Literal, TypeAlias
@@ -21,6 +22,7 @@ from . import wire
 from .errors import error_from_value
 from .types import (
     BatchResult,
+    Grammar,
     InstallResult,
     KVHandle,
     PrefillResult,
@@ -102,11 +104,22 @@ def affinity_metadata(key: str | None) -> Metadata:
     return ((AFFINITY_HEADER, key),)
 
 
+# The kinds of Grammar, as the wire's Grammar message names them.
+GRAMMAR_KINDS = ("json_schema", "ebnf", "regex", "structural_tag")
+
+
 # --- requests --------------------------------------------------------------------------------
 
 
-def alloc_state_request() -> pb.AllocStateRequest:
-    return pb.AllocStateRequest()
+def alloc_state_request(grammar: Grammar | None = None) -> pb.AllocStateRequest:
+    if grammar is None:
+        return pb.AllocStateRequest()
+    given = {k: getattr(grammar, k) for k in GRAMMAR_KINDS if getattr(grammar, k) is not None}
+    if len(given) != 1:
+        raise ValueError(f"grammar: exactly one of {', '.join(GRAMMAR_KINDS)}, got {len(given)}")
+    ((kind, source),) = given.items()
+    text = source if isinstance(source, str) else json.dumps(source)
+    return pb.AllocStateRequest(grammar=pb.Grammar(**{kind: text}))
 
 
 def get_info_request() -> pb.GetInfoRequest:
@@ -555,4 +568,5 @@ def parse_info(resp: pb.GetInfoResponse) -> ServerInfo:
         queued_calls=int(resp.queued_calls),
         instance_epoch=int(resp.instance_epoch),
         model_fingerprint=resp.model_fingerprint,
+        grammar_kinds=tuple(resp.grammar_kinds),
     )

@@ -23,6 +23,7 @@ from .stream import ProposeStream
 from .tracing import traced_channel
 from .types import (
     BatchResult,
+    Grammar,
     InstallResult,
     KVHandle,
     PrefillResult,
@@ -146,9 +147,9 @@ class DrafterClient:
         """The server's model shape, limits and live counters."""
         return self._unary(self._stub.GetInfo, m.get_info_request(), m.parse_info, timeout)
 
-    def alloc_state(self, *, timeout: Timeout = DEFAULT) -> int:
+    def alloc_state(self, grammar: Grammar | None = None, *, timeout: Timeout = DEFAULT) -> int:
         """A new, empty state; returns its id."""
-        req = m.alloc_state_request()
+        req = m.alloc_state_request(grammar)
         return self._unary(self._stub.AllocState, req, m.parse_alloc_state, timeout)
 
     def prefill(

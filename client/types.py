@@ -127,6 +127,18 @@ class BatchResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Grammar:
+    """What every draft of a state obeys (AllocState): exactly one of a JSON schema (JSON
+    text or a dict), EBNF (xgrammar's GBNF dialect, a rule named root), a regular
+    expression, or a structural tag (JSON text or a dict, xgrammar's format)."""
+
+    json_schema: str | dict | None = None
+    ebnf: str | None = None
+    regex: str | None = None
+    structural_tag: str | dict | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ServerInfo:
     """GetInfo: the model shape, limits and live counters (dtypes by name, e.g. "bfloat16")."""
 
@@ -155,3 +167,4 @@ class ServerInfo:
     queued_calls: int = 0
     instance_epoch: int = 0  # the server instance's: every state id it issues carries it
     model_fingerprint: str = ""  # names the model's weights: replicas of one report the same
+    grammar_kinds: tuple[str, ...] = ()  # Grammar kinds AllocState takes (none: no grammars)
