@@ -96,7 +96,16 @@ export interface ServerInfo {
   draining: boolean;
   batchSizeCounts: Record<string, string>;
   queuedCalls: number;
+  /** The kinds of Grammar allocState takes ("json_schema", ...); empty: no grammars. */
+  grammarKinds: string[];
 }
+
+/** What every draft of a state obeys: exactly one kind (JSON may be given as an object). */
+export type Grammar =
+  | { jsonSchema: string | object }
+  | { ebnf: string }
+  | { regex: string }
+  | { structuralTag: string | object };
 
 /** A verifier's step for B states, as columns: row i of every column is stateIds[i]'s. */
 export interface Batch {
@@ -190,8 +199,8 @@ export declare class DrafterClient {
   affinityKey: string | null;
   close(): void;
   getInfo(): Promise<ServerInfo>;
-  /** A new, empty state; resolves to its id (a decimal string). */
-  allocState(): Promise<string>;
+  /** A new, empty state, with a grammar its drafts obey if given; resolves to its id. */
+  allocState(grammar?: Grammar | null): Promise<string>;
   /** Appends committed rows (tokens[i], hiddens[i]) at startPosition + i. All or nothing. */
   prefill(
     stateId: Id,

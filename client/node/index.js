@@ -70,6 +70,18 @@ const LITTLE_ENDIAN = os.endianness() === 'LE';
 
 let cachedService = null;
 
+const GRAMMAR_KINDS = ['jsonSchema', 'ebnf', 'regex', 'structuralTag'];
+
+// A Grammar message from { kind: source }: exactly one kind; an object source as JSON text.
+function grammarMessage(grammar) {
+  const kinds = Object.keys(grammar).filter((k) => grammar[k] !== undefined && grammar[k] !== null);
+  if (kinds.length !== 1 || !GRAMMAR_KINDS.includes(kinds[0])) {
+    throw new RangeError(`grammar: exactly one of ${GRAMMAR_KINDS.join(', ')}, got [${kinds}]`);
+  }
+  const source = grammar[kinds[0]];
+  return { [kinds[0]]: typeof source === 'string' ? source : JSON.stringify(source) };
+}
+
 function loadService(protoRoot = PROTO_ROOT) {
   if (protoRoot === PROTO_ROOT && cachedService) return cachedService;
   const definition = protoLoader.loadSync(PROTO_FILE, {
@@ -617,9 +629,15 @@ class DrafterClient {
     return info;
   }
 
-  /** A new, empty state; resolves to its id (a decimal string). */
-  async allocState() {
-    return (await this._unary('AllocState', {})).stateId;
+  /**
+   * A new, empty state; resolves to its id (a decimal string). `grammar`, if given, is what
+   * every draft of the state obeys: one of { jsonSchema }, { ebnf }, { regex } or
+   * { structuralTag } (text; a JSON schema or structural tag may be an object), the kinds
+   * getInfo().grammarKinds lists.
+   */
+  async allocState(grammar = null) {
+    return (await this._unary('AllocState', grammar ? { grammar: grammarMessage(grammar) } : {}))
+      .stateId;
   }
 
   /**

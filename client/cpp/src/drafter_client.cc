@@ -138,11 +138,15 @@ pb::GetInfoResponse DrafterClient::GetInfo() {
   return resp;
 }
 
-uint64_t DrafterClient::AllocState() {
+uint64_t DrafterClient::AllocState() { return AllocState(pb::Grammar()); }
+
+uint64_t DrafterClient::AllocState(const pb::Grammar& grammar) {
   grpc::ClientContext context;
   Prepare(&context);
+  pb::AllocStateRequest req;
+  if (grammar.kind_case() != pb::Grammar::KIND_NOT_SET) *req.mutable_grammar() = grammar;
   pb::AllocStateResponse resp;
-  Check(stub_->AllocState(&context, pb::AllocStateRequest(), &resp));
+  Check(stub_->AllocState(&context, req, &resp));
   return resp.state_id();
 }
 

@@ -349,6 +349,9 @@ class DrafterClient {
 
   pb::GetInfoResponse GetInfo();
   uint64_t AllocState();
+  // A new state whose every draft obeys `grammar` (one of its kinds set: json_schema, ebnf,
+  // regex or structural_tag); GetInfo().grammar_kinds() lists the kinds the server takes.
+  uint64_t AllocState(const pb::Grammar& grammar);
   // Appends rows (tokens[i], hiddens row i) at start_position + i, streamed in chunks of
   // chunk_rows rows (0: as many as fit in 4 MiB). All or nothing.
   PrefillResult Prefill(uint64_t state, int64_t start_position, const std::vector<int32_t>& tokens,

@@ -1,0 +1,43 @@
+'use strict';
+// allocState's grammar travels as the Grammar message's one kind, an object as JSON text;
+// anything but exactly one kind is refused before any call.
+
+const assert = require('node:assert/strict');
+const { after, before, test } = require('node:test');
+const { DrafterClient } = require('../index.js');
+const { startFake } = require('./fake_server.js');
+
+const requests = [];
+const fake = {
+  AllocState(call, callback) {
+    requests.push(call.request);
+    callback(null, { stateId: '9' });
+  },
+};
+
+let server;
+let address;
+
+before(async () => {
+  ({ server, address } = await startFake(fake));
+});
+
+after(() => server.forceShutdown());
+
+test('a grammar goes with AllocState as its one kind', async () => {
+  const drafter = new DrafterClient(address);
+  try {
+    requests.length = 0;
+    assert.equal(await drafter.allocState(), '9');
+    await drafter.allocState({ regex: '[a-z]+' });
+    await drafter.allocState({ jsonSchema: { type: 'object' } });
+    const set = (g) => ['jsonSchema', 'ebnf', 'regex', 'structuralTag'].filter((k) => g[k]);
+    const kinds = requests.map((r) => (r.grammar ? set(r.grammar).map((k) => [k, r.grammar[k]])[0] : null));
+    assert.deepEqual(kinds, [null, ['regex', '[a-z]+'], ['jsonSchema', '{"type":"object"}']]);
+    await assert.rejects(drafter.allocState({ regex: 'a', ebnf: 'root ::= "a"' }), RangeError);
+    await assert.rejects(drafter.allocState({ lark: 'x' }), RangeError);
+    assert.equal(requests.length, 3);
+  } finally {
+    drafter.close();
+  }
+});
