@@ -140,6 +140,63 @@ def test_grammar_drafts_are_the_oracles_masked_argmax_through_random_verdicts(
     step: random K, min_confidence, verdicts and refeeds; each proposal equals the float64
     oracle's under the grammar at the committed tokens, and every draft is one that an
     independent matcher, moved on only by committed tokens, allows."""
+    session(engine, ref, own_compiler)
+
+
+@pytest.mark.gpu
+def test_grammar_states_replay_cuda_graphs_as_eager_launches_do(checkpoint, own_compiler):
+    """On the GPU a grammar state's one-step chains replay the captured graphs (whose
+    outputs the next replay overwrites): the drafts equal an eager engine's, bit for bit,
+    through random verdicts, and obey the grammar."""
+    head = MTPHead(load_mtp_weights(checkpoint), torch.device("cuda"), torch.float32)
+    graphed = make_engine(head, checkpoint, max_batch=8)
+    eager = make_engine(head, checkpoint, max_batch=8, cuda_graphs=False)
+    assert head._graphs is not None
+    rng = random.Random(5)
+    runs = []
+    for engine in (graphed, eager):
+        states = []
+        for i, g in enumerate([*GRAMMARS, None]):
+            grammar = None if g is None else engine.grammars.compile(GrammarSpec(*g))
+            matcher = None if g is None else xgrammar.GrammarMatcher(compile_kind(own_compiler, *g))
+            states.append((start(engine, grammar, seed=i)[0], matcher))
+        runs.append(states)
+    previous, position = [None] * 4, [7] * 4
+    for step in range(10):
+        tokens = []
+        for _state, matcher in runs[0]:
+            ok = torch.ones(V, dtype=torch.bool) if matcher is None else allowed(matcher)
+            tokens.append(rng.choice(torch.nonzero(ok).flatten().tolist()) if ok.any() else None)
+        live = [i for i, t in enumerate(tokens) if t is not None]
+        k = [rng.randint(1, 6) for _ in live]
+        hidden = hiddens(len(live), 1000 + step)
+        results = []
+        for engine, states in zip((graphed, eager), runs, strict=True):
+            rows = [
+                ProposeArgs(states[i][0], tokens[i], hidden[j], position[i], k[j], None, 0.0,
+                            previous[i])
+                for j, i in enumerate(live)
+            ]  # fmt: skip
+            results.append(engine.step(step_of(rows, engine.step_shape)))
+        a_res, b_res = results
+        assert not a_res.errors and not b_res.errors
+        assert np.array_equal(a_res.drafts, b_res.drafts) and np.array_equal(
+            a_res.probs, b_res.probs
+        )
+        for j, i in enumerate(live):
+            drafts = a_res.drafts[j, : a_res.counts[j]].tolist()
+            matcher = runs[0][i][1]
+            if matcher is not None:
+                assert matcher.accept_token(tokens[i])
+                fork = matcher.fork()
+                assert all(fork.accept_token(d) for d in drafts)
+            a = rng.randint(0, len(drafts))
+            if matcher is not None:
+                assert all(matcher.accept_token(d) for d in drafts[:a])
+            previous[i], position[i] = Verdict(a), position[i] + a + 1
+
+
+def session(engine, ref, own_compiler) -> None:
     rng = random.Random(11)
     seqs = [Sequence(engine, ref, own_compiler, g, seed=i) for i, g in enumerate(GRAMMARS)]
     seqs.append(Sequence(engine, ref, own_compiler, None, seed=9))
