@@ -182,10 +182,13 @@ class AsyncDrafterClient:
         bitmask: Array | None = None,
         min_confidence: float = 0.0,
         previous: Verdict | int | None = None,
+        return_bitmasks: bool = False,
         timeout: Timeout = DEFAULT,
     ) -> Proposal:
         """Up to ``num_drafts`` drafts after ``token`` (its target hidden: ``hidden``, at
-        ``position - 1``). ``previous`` first applies the verdict on the pending proposal."""
+        ``position - 1``). ``previous`` first applies the verdict on the pending proposal.
+        ``return_bitmasks``: for a state with a grammar, the answer carries the grammar's
+        bitmask at each draft's position and the bonus position (``Proposal.bitmasks``)."""
         req = m.propose_request(
             state,
             token,
@@ -195,6 +198,7 @@ class AsyncDrafterClient:
             bitmask=bitmask,
             min_confidence=min_confidence,
             previous=previous,
+            return_bitmasks=return_bitmasks,
         )
         return await self._unary(self._stub.Propose, req, m.parse_proposal, timeout)
 
@@ -212,6 +216,7 @@ class AsyncDrafterClient:
         bitmask_rows: Array | Sequence[int] | None = None,
         bitmasks: Array | None = None,
         min_confidence: Array | Sequence[float] | float | None = None,
+        return_bitmasks: bool = False,
         timeout: Timeout = DEFAULT,
     ) -> BatchResult:
         """A verifier's whole step for B states in one message, as columns.
@@ -236,6 +241,7 @@ class AsyncDrafterClient:
             bitmask_rows=bitmask_rows,
             bitmasks=bitmasks,
             min_confidence=min_confidence,
+            return_bitmasks=return_bitmasks,
         )
         return await self._batch(req, timeout)
 

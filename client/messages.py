@@ -202,9 +202,10 @@ def propose_request(
     bitmask: wire.Array | None = None,
     min_confidence: float = 0.0,
     previous: Verdict | int | None = None,
+    return_bitmasks: bool = False,
 ) -> pb.ProposeRequest:
     """A ProposeRequest; ``previous`` fuses the pending proposal's AfterVerify into it."""
-    req = pb.ProposeRequest()
+    req = pb.ProposeRequest(return_bitmasks=return_bitmasks)
     req.state_id = _uint64(state, "state")
     req.token = _int(token, "token", _INT32_MIN, _INT32_MAX)
     wire.encode_hidden(hidden, ndims=(1, 2), name="hidden", into=req.hidden)
@@ -249,6 +250,7 @@ def batch_request(
     bitmask_rows: Any = None,
     bitmasks: wire.Array | None = None,
     min_confidence: Any = None,
+    return_bitmasks: bool = False,
 ) -> pb.ProposeBatchRequest:
     """A ProposeBatchRequest: B states' step as columns (see ``DrafterClient.propose_batch``)."""
     ids = np.asarray(state_ids.detach().cpu() if wire.is_torch_tensor(state_ids) else state_ids)
@@ -258,6 +260,7 @@ def batch_request(
         tokens=_column(tokens, "tokens", np.int32, size, one_for_all=False),
         positions=_column(positions, "positions", np.int64, size, one_for_all=False),
         num_drafts=_column(num_drafts, "num_drafts", np.int32, size, one_for_all=True),
+        return_bitmasks=return_bitmasks,
     )
     wire.encode_hidden(hiddens, ndims=(1, 2), name="hiddens", into=req.hiddens)
     if num_accepted is not None:
@@ -286,14 +289,16 @@ def batch_request(
     return req
 
 
-def batch_request_of(requests: Sequence[ProposeArgs]) -> pb.ProposeBatchRequest:
+def batch_request_of(
+    requests: Sequence[ProposeArgs], return_bitmasks: bool = False
+) -> pb.ProposeBatchRequest:
     """A ProposeBatchRequest from states given one by one: row i is ``requests[i]``'s (their
     hiddens stacked, their refeeds and bitmasks one after another, with each one's row
     count)."""
     if not requests:
         raise ValueError("requests: expected at least one")
     hiddens, refeeds, masks = _Rows("hidden"), _Rows("refeed_hiddens"), _Rows("bitmask")
-    req = pb.ProposeBatchRequest()
+    req = pb.ProposeBatchRequest(return_bitmasks=return_bitmasks)
     accepted, refeed_rows, mask_rows = [], [], []
     for i, a in enumerate(requests):
         if not isinstance(a, ProposeArgs):
@@ -499,6 +504,7 @@ def parse_proposal(resp: pb.Proposal) -> Proposal:
         probs=[float(p) for p in resp.probs],
         confidence=float(resp.confidence),
         first_position=int(resp.first_position),
+        bitmasks=wire.decode(resp.bitmasks) if resp.HasField("bitmasks") else None,
     )
 
 
@@ -514,7 +520,21 @@ def parse_batch(resp: pb.ProposeBatchResponse, state_ids: Sequence[int]) -> Batc
         confidences=np.array(resp.confidences[:], dtype=np.float32),
         first_positions=np.array(resp.first_positions[:], dtype=np.int64),
         errors={e.row: error_from_value(e.error) for e in resp.errors},
+        bitmasks=_batch_bitmasks(resp),
     )
+
+
+def _batch_bitmasks(resp: pb.ProposeBatchResponse) -> dict[int, np.ndarray]:
+    """Each row's grammar bitmasks, where the answer has any."""
+    if not resp.HasField("bitmasks"):
+        return {}
+    words = wire.decode(resp.bitmasks).reshape(-1, resp.bitmasks.shape[-1])
+    ends = np.cumsum(resp.bitmask_rows)
+    return {
+        row: words[end - n : end]
+        for row, (n, end) in enumerate(zip(resp.bitmask_rows, ends, strict=True))
+        if n
+    }
 
 
 def parse_after_verify(resp: pb.AfterVerifyResponse) -> VerifyResult:

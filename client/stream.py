@@ -52,12 +52,13 @@ def _one_state(
     bitmask: Array | None = None,
     min_confidence: float = 0.0,
     previous: Verdict | int | None = None,
+    return_bitmasks: bool = False,
 ) -> pb.ProposeBatchRequest:
     """A batch of one state (the arguments of ``DrafterClient.propose``)."""
     args = ProposeArgs(
         state, token, hidden, position, num_drafts, bitmask, min_confidence, previous
     )
-    return m.batch_request_of([args])
+    return m.batch_request_of([args], return_bitmasks)
 
 
 class ProposeStream:

@@ -178,10 +178,13 @@ class DrafterClient:
         bitmask: Array | None = None,
         min_confidence: float = 0.0,
         previous: Verdict | int | None = None,
+        return_bitmasks: bool = False,
         timeout: Timeout = DEFAULT,
     ) -> Proposal:
         """Up to ``num_drafts`` drafts after ``token`` (its target hidden: ``hidden``, at
-        ``position - 1``). ``previous`` first applies the verdict on the pending proposal."""
+        ``position - 1``). ``previous`` first applies the verdict on the pending proposal.
+        ``return_bitmasks``: for a state with a grammar, the answer carries the grammar's
+        bitmask at each draft's position and the bonus position (``Proposal.bitmasks``)."""
         req = m.propose_request(
             state,
             token,
@@ -191,6 +194,7 @@ class DrafterClient:
             bitmask=bitmask,
             min_confidence=min_confidence,
             previous=previous,
+            return_bitmasks=return_bitmasks,
         )
         return self._unary(self._stub.Propose, req, m.parse_proposal, timeout)
 
@@ -208,6 +212,7 @@ class DrafterClient:
         bitmask_rows: Array | Sequence[int] | None = None,
         bitmasks: Array | None = None,
         min_confidence: Array | Sequence[float] | float | None = None,
+        return_bitmasks: bool = False,
         timeout: Timeout = DEFAULT,
     ) -> BatchResult:
         """A verifier's whole step for B states in one message, as columns.
@@ -232,6 +237,7 @@ class DrafterClient:
             bitmask_rows=bitmask_rows,
             bitmasks=bitmasks,
             min_confidence=min_confidence,
+            return_bitmasks=return_bitmasks,
         )
         return self._batch(req, timeout)
 

@@ -60,6 +60,10 @@ class Proposal:
     probs: list[float]
     confidence: float
     first_position: int
+    # Asked with return_bitmasks, for a state with a grammar: [len(tokens) + 1, W] int32,
+    # row j the grammar's bitmask at position first_position + j (the last, the bonus
+    # position's should every draft be accepted); None otherwise.
+    bitmasks: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +108,9 @@ class BatchResult:
     confidences: np.ndarray  # [B] float32: each row's chain confidence
     first_positions: np.ndarray  # [B] int64: the position of each row's first draft
     errors: dict[int, DrafterError] = field(default_factory=dict)  # row -> its error
+    # Asked with return_bitmasks: row -> its grammar's bitmasks (Proposal.bitmasks), for
+    # the rows whose state has a grammar.
+    bitmasks: dict[int, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -119,6 +126,7 @@ class BatchResult:
             probs=self.probs[row, :n].tolist(),
             confidence=float(self.confidences[row]),
             first_position=int(self.first_positions[row]),
+            bitmasks=self.bitmasks.get(row),
         )
 
     def proposals(self) -> list[Proposal]:

@@ -223,15 +223,18 @@ def kv_chunk(chunk: KVChunk) -> pb.KVChunk:
     return msg
 
 
-def proposal(step: Step, result: StepResult) -> pb.Proposal:
-    """A Propose's answer: the drafts of its step's one row (drafted: no error)."""
+def proposal(step: Step, result: StepResult, with_bitmasks: bool = False) -> pb.Proposal:
+    """A Propose's answer: the drafts of its step's one row (drafted: no error), and with
+    `with_bitmasks` its grammar's bitmasks, where its state has a grammar."""
     n = int(result.counts[0])
+    masks = result.grammar_masks.get(0) if with_bitmasks else None
     return pb.Proposal(
         state_id=int(step.state_ids[0]),
         tokens=result.drafts[0, :n].tolist(),
         probs=result.probs[0, :n].tolist(),
         confidence=float(result.confidences[0]),
         first_position=int(result.first_positions[0]),
+        bitmasks=None if masks is None else tensor(masks),
     )
 
 
@@ -250,11 +253,20 @@ COLUMN_OF_FIELD = {
 
 
 def batch_answer(
-    request_id: int, result: StepResult, failed: dict[int, pb.Error]
+    request_id: int, result: StepResult, failed: dict[int, pb.Error], with_bitmasks: bool = False
 ) -> pb.ProposeBatchResponse:
     """A step's result as a ProposeBatchResponse, column by column; `failed` holds the
-    failed rows' errors (their columns are -1 and 0 already)."""
+    failed rows' errors (their columns are -1 and 0 already); with `with_bitmasks`, the
+    grammar states' bitmasks, row by row."""
+    masks = {}
+    if with_bitmasks and result.grammar_masks:
+        b, rows = len(result.counts), result.grammar_masks
+        masks = {
+            "bitmask_rows": [len(rows[i]) if i in rows else 0 for i in range(b)],
+            "bitmasks": tensor(torch.cat([rows[i] for i in sorted(rows)])),
+        }
     return pb.ProposeBatchResponse(
+        **masks,
         request_id=request_id,
         width=result.drafts.shape[1],
         drafts=result.drafts.ravel().tolist(),

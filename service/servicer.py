@@ -254,7 +254,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         result = await self.serving.propose(step, context.time_remaining(), caller)
         if result.errors:  # its one row's: the call's status
             raise result.errors[0]
-        return convert.proposal(step, result)
+        return convert.proposal(step, result, request.return_bitmasks)
 
     @rpc
     async def ProposeBatch(self, request, context):
@@ -291,7 +291,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if failed and refusals.enabled():
             for row, err in result.errors.items():
                 _log_refused(err, context, f"{failed[row].field or 'row'}[{row}]")
-        return convert.batch_answer(msg.request_id, result, failed)
+        return convert.batch_answer(msg.request_id, result, failed, msg.return_bitmasks)
 
     async def _answer_stream(self, name, request_iterator, context, submit, reply, refuse):
         """An async generator of a propose stream's answers (the form gRPC interceptors

@@ -72,6 +72,25 @@ def allowed(matcher: xgrammar.GrammarMatcher, vocab_size: int = V) -> torch.Tens
     return bits.flatten()[:vocab_size].bool()
 
 
+def unpacked(words, vocab_size: int = V) -> torch.Tensor:
+    """[rows, V] bool: the tokens each row of an int32 bitmask [rows, W] allows."""
+    words = torch.as_tensor(words, dtype=torch.int32).reshape(-1, (vocab_size + 31) // 32)
+    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def masks_along(matcher: xgrammar.GrammarMatcher, drafts: list[int]) -> torch.Tensor:
+    """[len(drafts) + 1, V] bool: what the grammar allows before each draft and after the
+    last (the matcher left where it was)."""
+    rows = [allowed(matcher)]
+    for d in drafts:
+        assert matcher.accept_token(d)
+        rows.append(allowed(matcher))
+    if drafts:
+        matcher.rollback(len(drafts))
+    return torch.stack(rows)
+
+
 def oracle_drafts(ref, tokens, hiddens, k, matcher, min_confidence=0.0, extra=None):
     """The float64 oracle's greedy chain after rows (tokens, hiddens) under the grammar
     at `matcher` (left where it was): each draft the argmax of the logits over the tokens

@@ -475,7 +475,7 @@ class DraftEngine:
             if record_ahead:
                 self._record(slots, base_rows, k, k, index, hiddens[-1])
 
-        drafted, last_hiddens = draft_with_grammars(
+        drafted, last_hiddens, grammar_masks = draft_with_grammars(
             self.head,
             self.kv,
             t,
@@ -507,6 +507,7 @@ class DraftEngine:
         result.counts[rows] = drafted.counts
         result.confidences[rows] = drafted.confidences
         result.first_positions[rows] = step.positions[rows] + 1
+        result.grammar_masks.update({int(rows[i]): m for i, m in grammar_masks.items()})
 
     def _count_verdicts(self, verdicts: tuple[np.ndarray, np.ndarray] | None) -> None:
         """Hands (drafts proposed, drafts accepted) of some verdicts to on_verdicts."""

@@ -32,26 +32,31 @@ def draft_with_grammars(
     plan: ChainPlan,
     before_wait: BeforeWait | None,
     grammars: StateGrammars,
-) -> tuple[Drafted, torch.Tensor]:
+) -> tuple[Drafted, torch.Tensor, dict[int, torch.Tensor]]:
     """drafting.draft's answer for every state of the plan, grammar states drafted under
-    their grammars. `before_wait` runs only where no state has a grammar: its hiddens
-    are the whole plan's."""
+    their grammars, and each grammar state's masks (draft_grammar_states) by its row of
+    the plan. `before_wait` runs only where no state has a grammar: its hiddens are the
+    whole plan's."""
     with_grammar = grammars.which(plan.slots)
     if not with_grammar.any():
-        return draft(head, kv, table, plan, before_wait)
+        return (*draft(head, kv, table, plan, before_wait), {})
     if with_grammar.all():
         return draft_grammar_states(head, kv, table, plan, grammars)
     own, rest = np.flatnonzero(with_grammar), np.flatnonzero(~with_grammar)
-    constrained = draft_grammar_states(head, kv, table, _subplan(plan, own), grammars)
+    drafted, hiddens, masks = draft_grammar_states(head, kv, table, _subplan(plan, own), grammars)
     free = draft(head, kv, table, _subplan(plan, rest))
-    return _merged(plan, (own, *constrained), (rest, *free))
+    merged = _merged(plan, (own, drafted, hiddens), (rest, *free))
+    return (*merged, {int(own[i]): m for i, m in masks.items()})
 
 
 def draft_grammar_states(
     head: MTPHead, kv: KVCache, table: StateTable, plan: ChainPlan, grammars: StateGrammars
-) -> tuple[Drafted, torch.Tensor]:
-    """The drafts of states that all have a grammar, step by step, and each one's last
-    computed row's output hidden ([n, H] on the device, a copy)."""
+) -> tuple[Drafted, torch.Tensor, dict[int, torch.Tensor]]:
+    """The drafts of states that all have a grammar, step by step; each one's last
+    computed row's output hidden ([n, H] on the device, a copy); and each one's grammar
+    masks, [count + 1, W] int32 on the host: row j the grammar's at draft j + 1's position
+    (the client's bitmask not applied), the last row the bonus position's after every
+    draft (all zero where the grammar has ended), for a verifier to mask its logits."""
     n, k = len(plan.slots), plan.num_drafts
     slots = plan.slots.tolist()
     drafts = np.full((n, int(k.max())), -1, np.int64)
@@ -61,7 +66,9 @@ def draft_grammar_states(
     running = np.full(n, np.inf)  # the chain confidence
     advanced = np.zeros(n, np.int64)  # drafts each matcher moved on by, undone at the end
     live = np.arange(n)  # the states whose chain goes on
-    masks = _with_client_masks(grammars.masks(slots), plan, live, 0)
+    grammar = grammars.masks(slots)
+    seen: list[list[torch.Tensor]] = [[row] for row in grammar]  # each state's masks
+    masks = _with_client_masks(grammar.clone(), plan, live, 0)
     allowed = masks.ne(0).any(dim=1).numpy()
     # R0 is computed whatever the grammar says (it is a committed row); a state whose
     # grammar allows nothing takes no draft from it.
@@ -81,7 +88,10 @@ def draft_grammar_states(
             live = live[~ended & (k[live] > j + 1)]
             if not len(live):
                 break
-            masks = _with_client_masks(grammars.masks([slots[i] for i in live]), plan, live, j + 1)
+            grammar = grammars.masks([slots[i] for i in live])
+            for i, row in zip(live.tolist(), grammar, strict=True):
+                seen[i].append(row)
+            masks = _with_client_masks(grammar.clone(), plan, live, j + 1)
             allowed = masks.ne(0).any(dim=1).numpy()
             live, masks = live[allowed], masks[torch.from_numpy(allowed)]
             if not len(live):
@@ -91,13 +101,19 @@ def draft_grammar_states(
                 head, kv, table, plan, live, j + 1, drafts[live, j], last[at], masks
             )
             last[at] = hidden
+        # A chain that drafted K, or whose last draft ended the grammar, lacks the bonus
+        # position's mask: the grammar's after its last draft.
+        short = [i for i in range(n) if len(seen[i]) == counts[i]]
+        for i, row in zip(short, grammars.masks([slots[i] for i in short]), strict=True):
+            seen[i].append(row)
     finally:
         grammars.rollback(slots, advanced.tolist())
     confidences = np.where(counts > 0, np.minimum(running, 1.0), 0.0)
     # A chain cut by min_confidence kept the probability of the draft that cut it.
     cut = (counts == 0) & np.isfinite(running)
     confidences[cut] = running[cut]
-    return Drafted(drafts, probs, counts, confidences, rows_computed, drafts), last
+    drafted = Drafted(drafts, probs, counts, confidences, rows_computed, drafts)
+    return drafted, last, {i: torch.stack(rows) for i, rows in enumerate(seen)}
 
 
 def _first_step(head, kv, table, plan: ChainPlan, masks: torch.Tensor):

@@ -8,7 +8,7 @@ is one state's request, and each row stands or fails alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -167,9 +167,11 @@ class StepResult:
     confidences: np.ndarray  # [B] float64: the chain confidence (0 for a failed row)
     first_positions: np.ndarray  # [B] int64 (0 for a failed row)
     errors: dict[int, DrafterError]  # row -> why it failed; its state is unchanged
+    # row -> its grammar's bitmasks, [count + 1, W] int32 (rows of states with a grammar)
+    grammar_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def rows(self, lo: int, hi: int) -> StepResult:
-        """Rows lo .. hi - 1 (a view), their errors renumbered from 0."""
+        """Rows lo .. hi - 1 (a view), their errors and grammar masks renumbered from 0."""
         return StepResult(
             self.drafts[lo:hi],
             self.probs[lo:hi],
@@ -177,6 +179,7 @@ class StepResult:
             self.confidences[lo:hi],
             self.first_positions[lo:hi],
             {row - lo: err for row, err in self.errors.items() if lo <= row < hi},
+            {row - lo: m for row, m in self.grammar_masks.items() if lo <= row < hi},
         )
 
     def proposal(self, row: int, state_id: int) -> Proposal:

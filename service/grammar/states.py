@@ -133,6 +133,8 @@ class StateGrammars:
         """[len(slots), W] int32 on the host: each state's allowed next tokens (all zero
         where its grammar has ended), filled on xgrammar's threads in parallel."""
         out = torch.zeros(len(slots), self.words, dtype=torch.int32)
+        if not slots:
+            return out
         live = [i for i, s in enumerate(slots) if not self.matchers[s].is_terminated()]
         if live:
             matchers = [self.matchers[slots[i]] for i in live]

@@ -12,7 +12,15 @@ import pytest
 import torch
 import xgrammar
 from drafting import Expected, hiddens
-from grammars import EOS, allowed, compiler, oracle_drafts, write_tokenizer
+from grammars import (
+    EOS,
+    allowed,
+    compiler,
+    masks_along,
+    oracle_drafts,
+    unpacked,
+    write_tokenizer,
+)
 from mtp_reference import Reference
 from servers import PATIENCE, SERVER_ARGS, start_server
 
@@ -66,9 +74,19 @@ def test_a_served_grammar_state_drafts_the_oracles_masked_argmax(grammar_server,
                 want, probs, outs = oracle_drafts(ref, exp.tokens, exp.hiddens, 4, matcher)
                 exp.last = (want, outs)
                 got = stream.propose(
-                    state, token, hidden.numpy(), exp.next_position - 1, 4, previous=previous
+                    state,
+                    token,
+                    hidden.numpy(),
+                    exp.next_position - 1,
+                    4,
+                    previous=previous,
+                    return_bitmasks=step % 2 == 0,
                 )
                 assert got.tokens == want
+                if step % 2 == 0:  # the verifier's masks: the grammar's at each position
+                    assert torch.equal(unpacked(got.bitmasks), masks_along(matcher, want))
+                else:
+                    assert got.bitmasks is None
                 np.testing.assert_allclose(got.probs, probs, rtol=1e-4, atol=1e-5)
                 drafted += len(want)
                 a = rng.randint(0, len(want))
@@ -99,8 +117,12 @@ def test_a_refused_token_is_a_row_error_over_the_wire(grammar_server):
                 with pytest.raises(InvalidArgument) as err:
                     await drafter.propose(state, ord("x"), hiddens(1, 1)[0].numpy(), 1, 2)
                 assert err.value.reason == "TOKEN_REJECTED_BY_GRAMMAR"
-                got = await drafter.propose(state, ord("7"), hiddens(1, 1)[0].numpy(), 1, 3)
+                got = await drafter.propose(
+                    state, ord("7"), hiddens(1, 1)[0].numpy(), 1, 3, return_bitmasks=True
+                )
                 assert got.tokens and all(chr(t).isdigit() for t in got.tokens if t != EOS)
+                digits = unpacked(got.bitmasks)[:, ord("0") : ord("9") + 1]
+                assert got.bitmasks.shape == (len(got.tokens) + 1, 7) and digits.all()
             finally:
                 await drafter.free_state(state)
 
@@ -113,3 +135,25 @@ def test_a_server_without_a_tokenizer_serves_no_grammar(client):
         client.alloc_state(Grammar(regex="a+"))
     assert err.value.reason == "GRAMMARS_UNAVAILABLE"
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_batch_answers_its_grammar_rows_bitmasks(grammar_server):
+    with DrafterClient(grammar_server.address, timeout=PATIENCE) as drafter:
+        free, digits = drafter.alloc_state(), drafter.alloc_state(Grammar(regex="[0-9]{2}"))
+        try:
+            step = drafter.propose_batch(
+                [free, digits], [5, ord("4")], [1, 1], hiddens(2, 3).numpy(), 3,
+                return_bitmasks=True,
+            )  # fmt: skip
+            assert set(step.bitmasks) == {1}
+            assert step.proposal(0).bitmasks is None
+            masks = unpacked(step.proposal(1).bitmasks)
+            # After "4": one digit more, then only the checkpoint's stop token, then nothing.
+            assert step.counts[1] == 2 and chr(step.drafts[1, 0]).isdigit()
+            assert step.drafts[1, 1] == EOS
+            assert masks[0, ord("0") : ord("9") + 1].all() and masks[0].sum() == 10
+            assert masks[1].tolist() == [t == EOS for t in range(masks.shape[1])]
+            assert not masks[2].any()  # after the stop token: the grammar has ended
+        finally:
+            drafter.free_state(free)
+            drafter.free_state(digits)

@@ -12,7 +12,16 @@ import pytest
 import torch
 import xgrammar
 from drafting import Expected, H, V, hiddens
-from grammars import EOS, allowed, compile_kind, compiler, oracle_drafts, write_tokenizer
+from grammars import (
+    EOS,
+    allowed,
+    compile_kind,
+    compiler,
+    masks_along,
+    oracle_drafts,
+    unpacked,
+    write_tokenizer,
+)
 from mtp_reference import Reference
 from proposing import ProposeArgs, propose, step_of
 
@@ -230,6 +239,11 @@ def session(engine, ref, own_compiler) -> None:
                 assert all(fork.accept_token(d) for d in got)
                 drafted += len(got)
                 ended += fork.is_terminated()
+                # What a verifier masks its logits with: the grammar's at each position.
+                masks = unpacked(result.grammar_masks[i])
+                assert torch.equal(masks, masks_along(seq.matcher, got))
+            else:
+                assert i not in result.grammar_masks
             a = rng.randint(0, len(got))
             refeed = hiddens(a, rng.randrange(10**6)) if a and rng.random() < 0.5 else None
             verdicts[seq.state] = Verdict(a, refeed)
