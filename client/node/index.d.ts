@@ -41,6 +41,8 @@ export interface ProposeArgs {
   minConfidence?: number;
   /** The fused verdict on the pending proposal (its AfterVerify). */
   previous?: Verdict | null;
+  /** For a state with a grammar: answer its bitmask at each draft's and the bonus position. */
+  returnBitmasks?: boolean;
 }
 
 /** One state of a batch given state by state (batchOf). */
@@ -54,6 +56,8 @@ export interface Proposal {
   probs: number[];
   confidence: number;
   firstPosition: number;
+  /** Asked with returnBitmasks, for a state with a grammar: int32 [tokens + 1, words]. */
+  bitmasks?: TensorMessage;
 }
 
 export interface Rows {
@@ -123,6 +127,8 @@ export interface Batch {
   bitmaskRows?: Int32Array | Iterable<number> | null;
   bitmasks?: TensorMessage | null;
   minConfidence?: Float32Array | Iterable<number> | number | null;
+  /** Answer each grammar state's bitmasks (BatchResult.bitmaskRows, bitmasks). */
+  returnBitmasks?: boolean;
 }
 
 /** A batch's answer as typed arrays: row i is stateIds[i]'s. */
@@ -138,6 +144,9 @@ export interface BatchResult {
   firstPositions: Float64Array;
   /** The failed rows: row -> its error (that state is unchanged). */
   errors: Map<number, DrafterError>;
+  /** With returnBitmasks: each row's rows of bitmasks (counts[i] + 1 for a grammar state). */
+  bitmaskRows: Int32Array;
+  bitmasks: TensorMessage | null;
   /** Row `row` as a Proposal; throws its error if it failed. */
   proposal(row: number): Proposal;
 }

@@ -216,8 +216,12 @@ function parseRows(resp) {
 }
 
 // The ProposeRequest of propose's arguments.
-function proposeRequest(stateId, { token, hidden, position, numDrafts, bitmask, minConfidence, previous }) {
+function proposeRequest(
+  stateId,
+  { token, hidden, position, numDrafts, bitmask, minConfidence, previous, returnBitmasks },
+) {
   const req = { stateId, token, hidden, position, numDrafts, minConfidence: minConfidence ?? 0 };
+  if (returnBitmasks) req.returnBitmasks = true;
   if (bitmask) req.bitmask = bitmask;
   if (previous) req.previous = verdictMessage(previous);
   return req;
@@ -230,6 +234,8 @@ function parseProposal(p) {
     probs: p.probs,
     confidence: p.confidence,
     firstPosition: Number(p.firstPosition),
+    // With returnBitmasks, for a state with a grammar: its bitmasks (a Tensor message).
+    ...(p.bitmasks ? { bitmasks: p.bitmasks } : {}),
   };
 }
 
@@ -351,6 +357,7 @@ function batchRequest(step) {
   if (step.minConfidence != null) {
     req.minConfidence = column(step.minConfidence, 'minConfidence', floatValue, { oneForAll: true });
   }
+  if (step.returnBitmasks) req.returnBitmasks = true;
   return req;
 }
 
@@ -369,6 +376,9 @@ function parseBatch(resp, req) {
     confidences: Float32Array.from(resp.confidences),
     firstPositions: Float64Array.from(resp.firstPositions, Number),
     errors,
+    // With returnBitmasks: each row's rows of `bitmasks` (counts[i] + 1 for a grammar state).
+    bitmaskRows: Int32Array.from(resp.bitmaskRows ?? []),
+    bitmasks: resp.bitmasks ?? null,
   };
   result.proposal = (row) => {
     if (errors.has(row)) throw errors.get(row);
@@ -682,8 +692,10 @@ class DrafterClient {
   /**
    * Drafts after `token` (its target hidden `hidden`, at position - 1): args are { token,
    * hidden, position, numDrafts } and the options bitmask (int32 tensor), minConfidence,
-   * previous: { numAccepted, refeedHiddens } (the fused verdict on the pending proposal).
-   * Resolves to { stateId, tokens, probs, confidence, firstPosition }.
+   * previous: { numAccepted, refeedHiddens } (the fused verdict on the pending proposal),
+   * returnBitmasks (for a state with a grammar: its bitmask at each draft's position and the
+   * bonus position, as `bitmasks`, an int32 Tensor message [tokens + 1, words]).
+   * Resolves to { stateId, tokens, probs, confidence, firstPosition, bitmasks? }.
    */
   async propose(stateId, args) {
     return parseProposal(await this._unary('Propose', proposeRequest(stateId, args)));

@@ -209,12 +209,25 @@ pb::ProposeRequest ProposeRequestOf(uint64_t state, const ProposeArgs& args) {
   if (args.bitmask) args.bitmask->ToProto(req.mutable_bitmask());
   req.set_min_confidence(args.min_confidence);
   if (args.previous) FillVerdict(*args.previous, req.mutable_previous());
+  req.set_return_bitmasks(args.return_bitmasks);
   return req;
+}
+
+// An int32 tensor's values (its raw little-endian bytes, as the wire carries them).
+std::vector<int32_t> Int32s(const pb::Tensor& t) {
+  std::vector<int32_t> out(t.data().size() / 4);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const auto* b = reinterpret_cast<const unsigned char*>(t.data().data()) + 4 * i;
+    out[i] = static_cast<int32_t>(uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 |
+                                  uint32_t{b[3]} << 24);
+  }
+  return out;
 }
 
 Proposal ProposalOf(const pb::Proposal& p) {
   return {p.state_id(), {p.tokens().begin(), p.tokens().end()},
-          {p.probs().begin(), p.probs().end()}, p.confidence(), p.first_position()};
+          {p.probs().begin(), p.probs().end()}, p.confidence(), p.first_position(),
+          p.has_bitmasks() ? Int32s(p.bitmasks()) : std::vector<int32_t>()};
 }
 
 // An error carried as a value as the status a unary call would have failed with. A code this client
@@ -247,6 +260,7 @@ pb::ProposeBatchRequest BatchRequestOf(const Batch& step) {
   req.mutable_bitmask_rows()->Add(step.bitmask_rows.begin(), step.bitmask_rows.end());
   if (step.bitmasks) step.bitmasks->ToProto(req.mutable_bitmasks());
   req.mutable_min_confidence()->Add(step.min_confidence.begin(), step.min_confidence.end());
+  req.set_return_bitmasks(step.return_bitmasks);
   return req;
 }
 
@@ -288,6 +302,8 @@ BatchResult BatchResultOf(const pb::ProposeBatchResponse& resp, std::vector<uint
     r.errors.insert_or_assign(
         e.row(), DrafterError(StatusOf(e.error()), e.error().reason(), e.error().field()));
   }
+  r.bitmask_rows.assign(resp.bitmask_rows().begin(), resp.bitmask_rows().end());
+  if (resp.has_bitmasks()) r.bitmasks = Int32s(resp.bitmasks());
   return r;
 }
 

@@ -31,6 +31,8 @@ type Batch struct {
 	// MinConfidence stops a state's drafting as ProposeArgs.MinConfidence does: B values, one
 	// for every state, or empty (draft all K).
 	MinConfidence []float32
+	// ReturnBitmasks asks for each grammar state's bitmasks (BatchResult.Bitmasks).
+	ReturnBitmasks bool
 }
 
 // BatchRequest is one state of a batch given state by state: the state and its Propose inputs.
@@ -183,6 +185,11 @@ type BatchResult struct {
 	// as its field (ErrorDetails reads both). A failed row's state is unchanged. Nil when
 	// every row was answered.
 	Errors map[int]error
+	// With ReturnBitmasks: each row's number of Bitmasks rows (Counts[i] + 1 for a state with
+	// a grammar, else 0), and those rows, [sum(BitmaskRows), words] int32 (a Proposal's
+	// Bitmasks, row by row).
+	BitmaskRows []int32
+	Bitmasks    *pb.Tensor
 }
 
 // Len is the number of rows, B.
@@ -230,6 +237,8 @@ func batchRequest(b Batch) *pb.ProposeBatchRequest {
 		BitmaskRows:   b.BitmaskRows,
 		Bitmasks:      b.Bitmasks.message(),
 		MinConfidence: b.MinConfidence,
+
+		ReturnBitmasks: b.ReturnBitmasks,
 	}
 	if h := b.Hiddens; h.DType != pb.DType_DTYPE_UNSPECIFIED || h.Shape != nil || h.Data != nil {
 		req.Hiddens = h.message() // a zero Tensor is sent as absent
@@ -252,7 +261,8 @@ func batchResult(resp *pb.ProposeBatchResponse, stateIDs []uint64) (*BatchResult
 		}
 	}
 	r := &BatchResult{StateIDs: stateIDs, Width: width, Drafts: resp.Drafts, Probs: resp.Probs,
-		Counts: resp.DraftCounts, Confidences: resp.Confidences, FirstPositions: resp.FirstPositions}
+		Counts: resp.DraftCounts, Confidences: resp.Confidences, FirstPositions: resp.FirstPositions,
+		BitmaskRows: resp.BitmaskRows, Bitmasks: resp.Bitmasks}
 	for _, e := range resp.Errors {
 		if r.Errors == nil {
 			r.Errors = map[int]error{}

@@ -146,6 +146,9 @@ type ProposeArgs struct {
 	Bitmask       *Tensor  // optional xgrammar packed int32 bitmask
 	MinConfidence float32  // 0: draft all NumDrafts
 	Previous      *Verdict // optional: the fused AfterVerify of the pending proposal
+	// ReturnBitmasks asks, for a state with a grammar, for the grammar's bitmask at each
+	// draft's position and the bonus position (the Proposal's Bitmasks).
+	ReturnBitmasks bool
 }
 
 // Client wraps the generated stub. It is safe for concurrent use.
@@ -290,6 +293,8 @@ func proposeRequest(state uint64, args ProposeArgs) *pb.ProposeRequest {
 		Bitmask:       args.Bitmask.message(),
 		MinConfidence: args.MinConfidence,
 		Previous:      verdict(args.Previous),
+
+		ReturnBitmasks: args.ReturnBitmasks,
 	}
 }
 

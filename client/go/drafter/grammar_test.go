@@ -55,3 +55,39 @@ func TestAllocStateSendsItsGrammar(t *testing.T) {
 		}
 	}
 }
+
+// maskDrafter answers a Propose that asks for bitmasks with one row of them.
+type maskDrafter struct{ pb.UnimplementedDrafterServer }
+
+func (maskDrafter) Propose(_ context.Context, req *pb.ProposeRequest) (*pb.Proposal, error) {
+	p := &pb.Proposal{StateId: req.StateId}
+	if req.ReturnBitmasks {
+		p.Bitmasks = &pb.Tensor{Dtype: pb.DType_DTYPE_INT32, Shape: []int64{1, 1}, Data: []byte{1, 0, 0, 0}}
+	}
+	return p, nil
+}
+
+func TestProposeAsksForBitmasks(t *testing.T) {
+	listener := bufconn.Listen(1 << 20)
+	server := grpc.NewServer()
+	pb.RegisterDrafterServer(server, maskDrafter{})
+	go server.Serve(listener)
+	t.Cleanup(server.Stop)
+	conn, err := grpc.Dial("bufnet", grpc.WithInsecure(),
+		grpc.WithContextDialer(func(context.Context, string) (net.Conn, error) { return listener.Dial() }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := New(conn)
+	defer c.Close()
+	for _, ask := range []bool{false, true} {
+		p, err := c.Propose(context.Background(), 3, ProposeArgs{Token: 1, Hidden: FP32([]float32{0}),
+			Position: 1, NumDrafts: 1, ReturnBitmasks: ask})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if (p.GetBitmasks() != nil) != ask {
+			t.Fatalf("ReturnBitmasks %v: bitmasks %v", ask, p.GetBitmasks())
+		}
+	}
+}

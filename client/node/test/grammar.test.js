@@ -4,7 +4,7 @@
 
 const assert = require('node:assert/strict');
 const { after, before, test } = require('node:test');
-const { DrafterClient } = require('../index.js');
+const { DrafterClient, Tensor } = require('../index.js');
 const { startFake } = require('./fake_server.js');
 
 const requests = [];
@@ -12,6 +12,11 @@ const fake = {
   AllocState(call, callback) {
     requests.push(call.request);
     callback(null, { stateId: '9' });
+  },
+  Propose(call, callback) {
+    const asked = call.request.returnBitmasks;
+    const bitmasks = { dtype: 'DTYPE_INT32', shape: ['1', '1'], data: Buffer.from([1, 0, 0, 0]) };
+    callback(null, { stateId: '9', tokens: [], probs: [], ...(asked ? { bitmasks } : {}) });
   },
 };
 
@@ -37,6 +42,18 @@ test('a grammar goes with AllocState as its one kind', async () => {
     await assert.rejects(drafter.allocState({ regex: 'a', ebnf: 'root ::= "a"' }), RangeError);
     await assert.rejects(drafter.allocState({ lark: 'x' }), RangeError);
     assert.equal(requests.length, 3);
+  } finally {
+    drafter.close();
+  }
+});
+
+test('returnBitmasks asks a Propose for its grammar bitmasks', async () => {
+  const drafter = new DrafterClient(address);
+  try {
+    const args = { token: 1, hidden: Tensor.fp32([0]), position: 1, numDrafts: 1 };
+    assert.equal((await drafter.propose('9', args)).bitmasks, undefined);
+    const p = await drafter.propose('9', { ...args, returnBitmasks: true });
+    assert.deepEqual(p.bitmasks.shape.map(Number), [1, 1]);
   } finally {
     drafter.close();
   }

@@ -156,6 +156,8 @@ struct ProposeArgs {
   std::optional<Tensor> bitmask;  // xgrammar packed int32 bitmask
   float min_confidence = 0.0f;
   std::optional<Verdict> previous;  // fused AfterVerify of the pending proposal
+  // For a state with a grammar: answer its bitmask at each draft's and the bonus position.
+  bool return_bitmasks = false;
 };
 
 struct Proposal {
@@ -164,6 +166,9 @@ struct Proposal {
   std::vector<float> probs;
   float confidence = 0.0f;
   int64_t first_position = 0;
+  // Asked with return_bitmasks, for a state with a grammar: [tokens + 1, bitmask_words]
+  // int32 row-major, row j the grammar's bitmask at first_position + j; empty otherwise.
+  std::vector<int32_t> bitmasks;
 };
 
 // A verifier's step for B states as columns (ProposeBatchRequest): row i of every column is
@@ -184,6 +189,7 @@ struct Batch {
   ArrayView<int32_t> bitmask_rows;  // B counts of bitmasks rows, each 0 (no mask) or 1 .. K
   std::optional<Tensor> bitmasks;   // [sum(bitmask_rows), bitmask_words] int32, state by state
   ArrayView<float> min_confidence;  // B values, one for every state, or empty (draft all K)
+  bool return_bitmasks = false;     // answer each grammar state's bitmasks
 };
 
 // One state of a batch given state by state (BatchOf): the state and its Propose.
@@ -228,6 +234,10 @@ struct BatchResult {
   std::vector<float> confidences;        // B values: each row's chain confidence
   std::vector<int64_t> first_positions;  // B values: the position of each row's first draft
   std::map<int32_t, DrafterError> errors;  // the failed rows' errors, by row
+  // With return_bitmasks: each row's rows of bitmasks (counts[i] + 1 for a grammar state,
+  // else 0), and those rows, [sum(bitmask_rows), bitmask_words] int32 row-major.
+  std::vector<int32_t> bitmask_rows;
+  std::vector<int32_t> bitmasks;
 
   // B, the number of rows.
   size_t size() const { return counts.size(); }
