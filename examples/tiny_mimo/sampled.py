@@ -79,8 +79,9 @@ def speculate(
     n = len(prompt)
     seqs = [_Sequence(model, prompt, n + new_tokens + k + 2) for _ in range(batch)]
     hiddens, _ = seqs[0].forward(prompt[:-1])  # h_0 .. h_(n-2): the drafter's rows
-    for s in seqs[1:]:
-        for kept, given in zip(s.cache.k + s.cache.v, seqs[0].cache.k + seqs[0].cache.v, strict=False):
+    first = seqs[0].cache
+    for s in seqs[1:]:  # the prompt's KV, computed once
+        for kept, given in zip(s.cache.k + s.cache.v, first.k + first.v, strict=True):
             kept.copy_(given)
         s.cache.length = n - 1
     sampling = Sampling(temperature, seed=seed) if sampled else Sampling()
