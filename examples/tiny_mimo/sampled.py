@@ -36,13 +36,14 @@ from .model import KVCache, TinyMiMoForCausalLM
 @dataclass
 class Speculated:
     """Every token emitted: its slot in its verify step (j: the j-th token the step
-    emitted), the token, and the target's distribution p at its position; and the drafts
-    accepted per verify step."""
+    emitted), the token, and the target's distribution p at its position; and per verify
+    step, the drafts accepted and the sequence it was of."""
 
     slots: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     target: list[np.ndarray] = field(default_factory=list)  # [V] float64 each
     accepted: list[int] = field(default_factory=list)
+    sequences: list[int] = field(default_factory=list)
 
 
 class _Sequence:
@@ -128,6 +129,7 @@ def speculate(
                 out.tokens += emitted
                 out.target += list(p[j, : a + 1])
                 out.accepted.append(a)
+                out.sequences.append(i)
                 s = seqs[i]
                 s.cache.truncate(len(s.tokens) + a)  # keeps the last token and d1..da
                 s.tokens += emitted
@@ -170,3 +172,8 @@ def rank_chi_square(out: Speculated, slot: int, bins: int = 12) -> tuple[float, 
     if exp[-1] < 5:
         obs, exp = np.append(obs[:-2], obs[-2:].sum()), np.append(exp[:-2], exp[-2:].sum())
     return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1, len(picked)
+
+
+def chi_square_critical(df: int) -> float:
+    """The chi-square's 1e-6 upper critical value (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + 4.753 * (2 / (9 * df)) ** 0.5) ** 3

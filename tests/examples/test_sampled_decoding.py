@@ -15,10 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sampling_reference import chi_square_critical
 
 from examples.tiny_mimo.model import load_checkpoint
-from examples.tiny_mimo.sampled import rank_chi_square, speculate
+from examples.tiny_mimo.sampled import chi_square_critical, rank_chi_square, speculate
 from examples.tiny_mimo.verify import find_trained_checkpoint
 from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
