@@ -182,11 +182,16 @@ class DrafterClient:
         min_confidence: float = 0.0,
         previous: Verdict | int | None = None,
         sampling: SamplingParams | None = None,
+        draft_cap: int = 0,
+        verify_token_cost: float = 0.0,
         timeout: Timeout = DEFAULT,
     ) -> Proposal:
         """Up to ``num_drafts`` drafts after ``token`` (its target hidden: ``hidden``, at
         ``position - 1``). ``previous`` first applies the verdict on the pending proposal;
-        ``sampling`` changes the state's sampling from this step on."""
+        ``sampling`` changes the state's sampling from this step on. ``num_drafts`` 0
+        lets the drafter choose how many, up to ``draft_cap`` (0: the server's
+        max_drafts), for the most tokens per verify cost, one more token costing
+        ``verify_token_cost`` of a verify step."""
         req = m.propose_request(
             state,
             token,
@@ -197,6 +202,8 @@ class DrafterClient:
             min_confidence=min_confidence,
             previous=previous,
             sampling=sampling,
+            draft_cap=draft_cap,
+            verify_token_cost=verify_token_cost,
         )
         return self._unary(self._stub.Propose, req, m.parse_proposal, timeout)
 
@@ -215,6 +222,8 @@ class DrafterClient:
         bitmasks: Array | None = None,
         min_confidence: Array | Sequence[float] | float | None = None,
         sampling: Mapping[int, SamplingParams] | None = None,
+        draft_caps: Array | Sequence[int] | int | None = None,
+        verify_token_costs: Array | Sequence[float] | float | None = None,
         timeout: Timeout = DEFAULT,
     ) -> BatchResult:
         """A verifier's whole step for B states in one message, as columns.
@@ -225,8 +234,10 @@ class DrafterClient:
         (``refeed_rows`` B counts of ``refeed_hiddens`` rows, 0 or num_accepted), its
         bitmask (``bitmask_rows`` B counts of ``bitmasks`` rows, 0 for none) and
         min_confidence (B values or one); ``sampling`` maps rows to their states' new
-        sampling parameters. A row that fails has its error in
-        ``errors`` and leaves its state unchanged; the other rows are answered.
+        sampling parameters; a row asking ``num_drafts`` 0 has the drafter choose its K,
+        up to ``draft_caps`` for ``verify_token_costs`` (B values or one). A row that
+        fails has its error in ``errors`` and leaves its state unchanged; the other rows
+        are answered.
         """
         req = m.batch_request(
             state_ids,
@@ -241,6 +252,8 @@ class DrafterClient:
             bitmasks=bitmasks,
             min_confidence=min_confidence,
             sampling=sampling,
+            draft_caps=draft_caps,
+            verify_token_costs=verify_token_costs,
         )
         return self._batch(req, timeout)
 

@@ -135,6 +135,8 @@ def propose(msg: pb.ProposeRequest, shape: StepShape) -> Step:
         min_confidence=msg.min_confidence,
         previous=verdict(msg.previous, "previous") if msg.HasField("previous") else None,
         sampling=sampling(msg.sampling) if msg.HasField("sampling") else None,
+        draft_cap=msg.draft_cap,
+        verify_token_cost=msg.verify_token_cost,
         shape=shape,
     )
 
@@ -163,6 +165,8 @@ def batch(msg: pb.ProposeBatchRequest, shape: StepShape) -> Step:
         min_confidence=list(msg.min_confidence),
         sampling_rows=list(msg.sampling_rows),
         sampling=[sampling(p) for p in msg.sampling],
+        draft_caps=list(msg.draft_caps),
+        verify_token_costs=list(msg.verify_token_costs),
     )
 
 
@@ -245,6 +249,8 @@ COLUMN_OF_FIELD = {
     "num_drafts": "num_drafts",
     "bitmask": "bitmasks",
     "min_confidence": "min_confidence",
+    "draft_cap": "draft_caps",
+    "verify_token_cost": "verify_token_costs",
     "previous.num_accepted": "num_accepted",
     "previous.refeed_hiddens": "refeed_hiddens",
 }

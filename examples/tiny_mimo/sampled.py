@@ -43,6 +43,7 @@ class Speculated:
     tokens: list[int] = field(default_factory=list)
     target: list[np.ndarray] = field(default_factory=list)  # [V] float64 each
     accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)  # drafts handed to the verifier
     sequences: list[int] = field(default_factory=list)
 
 
@@ -74,9 +75,12 @@ def speculate(
     rng: np.random.Generator,
     sampled: bool = True,
     q_given: str | None = None,
+    verify_token_cost: float | None = None,
 ) -> Speculated:
     """`batch` sequences after `prompt` (its last token is the first proposed), each run
-    until it emitted `new_tokens` tokens; their drafter states seeded `seed`."""
+    until it emitted `new_tokens` tokens; their drafter states seeded `seed`. Temperature
+    0 verifies greedily (p one-hot at the target's argmax). With `verify_token_cost`
+    the drafter chooses how many drafts, up to `k`, for that cost of a verify token."""
     n = len(prompt)
     seqs = [_Sequence(model, prompt, n + new_tokens + k + 2) for _ in range(batch)]
     hiddens, _ = seqs[0].forward(prompt[:-1])  # h_0 .. h_(n-2): the drafter's rows
@@ -85,7 +89,8 @@ def speculate(
         for kept, given in zip(s.cache.k + s.cache.v, first.k + first.v, strict=True):
             kept.copy_(given)
         s.cache.length = n - 1
-    sampling = Sampling(temperature, seed=seed) if sampled else Sampling()
+    sampling = Sampling(temperature, seed=seed) if sampled and temperature > 0 else Sampling()
+    chooses = verify_token_cost is not None
     states = [engine.alloc_state(sampling=sampling) for _ in range(batch)]
     out = Speculated()
     try:
@@ -104,7 +109,9 @@ def speculate(
                     tokens=[seqs[i].tokens[-1] for i in running],
                     positions=[len(seqs[i].tokens) - 1 for i in running],
                     hiddens=torch.stack([last_hidden[i] for i in running]),
-                    num_drafts=[k],
+                    num_drafts=[0 if chooses else k],
+                    draft_caps=[k],
+                    verify_token_costs=[verify_token_cost or 0.0],
                     num_accepted=[accepted[i] for i in running],
                     refeed_rows=[0 if refeed[i] is None else len(refeed[i]) for i in running],
                     refeed_hiddens=_rows([refeed[i] for i in running]),
@@ -113,15 +120,18 @@ def speculate(
             assert not result.errors, result.errors
             drafts = result.drafts
             q_ids, q_probs = result.q_ids, result.q_probs
-            if not sampled or q_given == "one_hot":  # the drafts alone
+            if q_ids is None or q_given == "one_hot":  # the drafts alone
                 q_ids, q_probs = drafts[..., None], np.ones((*drafts.shape, 1))
             elif q_given == "shifted":
                 q_ids, q_probs = np.roll(q_ids, -1, axis=1), np.roll(q_probs, -1, axis=1)
             # One target forward per sequence over [last token, d1..dK].
-            rows = [seqs[i].forward([seqs[i].tokens[-1], *drafts[j].tolist()])
+            counts = result.counts
+            rows = [seqs[i].forward([seqs[i].tokens[-1], *drafts[j, : counts[j]].tolist()])
                     for j, i in enumerate(running)]  # fmt: skip
-            p = torch.softmax(torch.stack([r[1] for r in rows]) / temperature, -1).numpy()
-            verdict = accept(drafts, q_ids, q_probs, p, rng=rng)
+            p = np.zeros((len(running), k + 1, model.config.vocab_size))
+            for j, (_, logits) in enumerate(rows):
+                p[j, : counts[j] + 1] = _target_probs(logits, temperature)
+            verdict = accept(drafts, q_ids, q_probs, p, counts=counts, rng=rng)
             for j, i in enumerate(running):
                 a, token = int(verdict.num_accepted[j]), int(verdict.next_tokens[j])
                 emitted = [*drafts[j, :a].tolist(), token]
@@ -129,6 +139,7 @@ def speculate(
                 out.tokens += emitted
                 out.target += list(p[j, : a + 1])
                 out.accepted.append(a)
+                out.drafted.append(int(counts[j]))
                 out.sequences.append(i)
                 s = seqs[i]
                 s.cache.truncate(len(s.tokens) + a)  # keeps the last token and d1..da
@@ -141,6 +152,13 @@ def speculate(
     finally:
         for state in states:
             engine.free_state(state)
+
+
+def _target_probs(logits: torch.Tensor, temperature: float) -> np.ndarray:
+    """The target's sampling distribution: softmax(logits / T), or at T = 0 its argmax."""
+    if temperature > 0:
+        return torch.softmax(logits / temperature, -1).numpy()
+    return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double().numpy()
 
 
 def _rows(parts: list[torch.Tensor | None]) -> torch.Tensor | None:

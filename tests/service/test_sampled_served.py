@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from draft_count_reference import chosen
 from mtp_reference import Reference
 from sampling_reference import check_chain
 from servers import SERVER_ARGS, start_server
@@ -146,3 +147,28 @@ def test_sampling_rows_that_do_not_fit_refuse_the_message(client, ref, rows) -> 
     assert client.propose(state, tokens[-1], hiddens[-1], PROMPT + 1, K).q_ids is None
     client.free_state(state)
     np.testing.assert_equal(client.info().live_states, 0)
+
+
+def test_the_drafter_chooses_k_over_every_path(client, ref) -> None:
+    """num_drafts 0: the count kept is the rule's over the chain drafted to the cap (a
+    twin state asks for the cap), through Propose, ProposeBatch and the stream."""
+    cost, cap = 0.15, 4
+    for path in ("propose", "batch", "stream"):
+        fixed, tokens, hiddens = prompt(client, ref, 7)
+        auto, _, _ = prompt(client, ref, 7)
+        full = client.propose(fixed, tokens[-1], hiddens[-1], PROMPT + 1, cap)
+        args = (auto, tokens[-1], hiddens[-1], PROMPT + 1, 0)
+        if path == "propose":
+            got = client.propose(*args, draft_cap=cap, verify_token_cost=cost)
+        elif path == "batch":
+            got = client.propose_batch(
+                [auto], [tokens[-1]], [PROMPT + 1], hiddens[-1:], 0, draft_caps=cap,
+                verify_token_costs=cost,
+            ).proposal(0)  # fmt: skip
+        else:
+            with client.stream() as stream:
+                got = stream.propose(*args, draft_cap=cap, verify_token_cost=cost)
+        n = chosen(full.probs, 1.0, cost)
+        assert got.tokens == full.tokens[:n], path
+        client.free_state(fixed)
+        client.free_state(auto)
