@@ -26,11 +26,15 @@ import numpy as np
 import torch
 
 from mtpdraft.client.sampling import accept
+from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine import columns
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.engine.sampling import Sampling
+from mtpdraft.service.model.checkpoint import load_mtp_weights
+from mtpdraft.service.model.mtp_head import MTPHead
 
-from .model import KVCache, TinyMiMoForCausalLM
+from .model import KVCache, TinyMiMoForCausalLM, load_checkpoint
+from .verify import find_trained_checkpoint
 
 
 @dataclass
@@ -45,6 +49,18 @@ class Speculated:
     accepted: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)  # drafts handed to the verifier
     sequences: list[int] = field(default_factory=list)
+
+
+def trained(max_drafts: int, **config) -> tuple[TinyMiMoForCausalLM, DraftEngine]:
+    """The trained tiny MiMo's target and a DraftEngine on its MTP head, both float32 on
+    the CPU (one torch thread); `config`: more ServeConfig fields."""
+    folder = find_trained_checkpoint()
+    if folder is None:
+        raise SystemExit("the trained tiny MiMo is not here")
+    torch.set_num_threads(1)
+    head = MTPHead(load_mtp_weights(folder), torch.device("cpu"), torch.float32)
+    engine = DraftEngine(head, ServeConfig(kv_blocks=4096, max_drafts=max_drafts, **config))
+    return load_checkpoint(folder, torch.float32), engine
 
 
 class _Sequence:

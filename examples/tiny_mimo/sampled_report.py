@@ -24,16 +24,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from mtpdraft.service.config import ServeConfig
-from mtpdraft.service.engine.engine import DraftEngine
-from mtpdraft.service.model.checkpoint import load_mtp_weights
-from mtpdraft.service.model.mtp_head import MTPHead
-
-from .model import load_checkpoint
-from .sampled import chi_square_critical, rank_chi_square, speculate
-from .verify import find_trained_checkpoint, held_out_prompts
+from .sampled import chi_square_critical, rank_chi_square, speculate, trained
+from .verify import held_out_prompts
 
 
 def kept_per_step(runs) -> tuple[float, float, int]:
@@ -75,13 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-k", type=int, default=4)
     p.add_argument("--report-dir", type=Path)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    folder = find_trained_checkpoint()
-    if folder is None:
-        raise SystemExit("the trained tiny MiMo is not here")
-    model = load_checkpoint(folder, torch.float32)
-    head = MTPHead(load_mtp_weights(folder), torch.device("cpu"), torch.float32)
-    engine = DraftEngine(head, ServeConfig(kv_blocks=4096, max_drafts=args.max_k))
+    model, engine = trained(args.max_k)
     prompts = held_out_prompts(args.prompts, args.prompt_len, 0)
     rows = []
     for t in (float(x) for x in args.temperatures.split(",")):
@@ -98,13 +85,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{time.time() - start:.1f} s)", flush=True)  # fmt: skip
             rows.append(row)
     if args.report_dir:
-        write(args, folder, rows)
+        write(args, rows)
     return 0
 
 
-def write(args: argparse.Namespace, folder: Path, rows: list[dict]) -> None:
+def write(args: argparse.Namespace, rows: list[dict]) -> None:
     command = "python3 -m examples.tiny_mimo.sampled_report " + shlex.join(sys.argv[1:])
-    report = {"command": command, "checkpoint": folder.name, "cpu": platform.processor()
+    report = {"command": command, "cpu": platform.processor()
               or platform.machine(), "args": {k: str(v) for k, v in vars(args).items()},
               "rows": rows}  # fmt: skip
     args.report_dir.mkdir(parents=True, exist_ok=True)

@@ -16,13 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from examples.tiny_mimo.model import load_checkpoint
-from examples.tiny_mimo.sampled import chi_square_critical, rank_chi_square, speculate
+from examples.tiny_mimo.sampled import chi_square_critical, rank_chi_square, speculate, trained
 from examples.tiny_mimo.verify import find_trained_checkpoint
-from mtpdraft.service.config import ServeConfig
-from mtpdraft.service.engine.engine import DraftEngine
-from mtpdraft.service.model.checkpoint import load_mtp_weights
-from mtpdraft.service.model.mtp_head import MTPHead
 
 PROMPT = list(b"import os\nimport sys\n\n\ndef main(")
 K = 3
@@ -30,14 +25,10 @@ K = 3
 
 @pytest.fixture(scope="module")
 def models():
-    folder = find_trained_checkpoint()
-    if folder is None:
+    if find_trained_checkpoint() is None:
         pytest.skip("the trained tiny MiMo is not here")
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    head = MTPHead(load_mtp_weights(folder), torch.device("cpu"), torch.float32)
-    config = ServeConfig(kv_blocks=2048, max_batch=64, max_drafts=K, max_sample_top_k=64)
-    yield load_checkpoint(folder, torch.float32), DraftEngine(head, config)
+    yield trained(K, max_sample_top_k=64)
     torch.set_num_threads(threads)
 
 
