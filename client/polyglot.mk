@@ -57,6 +57,7 @@ PG_GO_PROTOC = protoc -I$(PG_PROTO_DIR) --go_out=$(1) --go_opt=module=$(PG_GO_MO
 PG_CPP_DIR := client/cpp
 PG_CPP_BUILD := $(PG_CPP_DIR)/build
 PG_CPP_BIN := $(PG_CPP_BUILD)/mtpdraft-conformance
+PG_CPP_SAMPLING := $(PG_CPP_BUILD)/mtpdraft-sampling
 PG_CPP_PREFIX := $(abspath $(PG_CPP_BUILD)/install)
 PG_CPP_EXAMPLES := $(PG_CPP_BUILD)/example/drafter-example $(PG_CPP_BUILD)/example-subdir/drafter-example
 PG_CPP_SRCS := $(PG_PROTO) $(wildcard $(PG_CPP_DIR)/CMakeLists.txt $(PG_CPP_DIR)/cmake/* \
@@ -130,7 +131,7 @@ $(PG_GO_EXAMPLE): $(PG_GO_MODFILE) $(PG_GO_EXAMPLE_DIR)/go.mod $(wildcard $(PG_G
 	cd $(PG_GO_EXAMPLE_DIR) && $(PG_GO_MOD_ENV) go vet -modfile=$(abspath $(PG_GO_BUILD)/gomod/example.mod) . && \
 		$(PG_GO_MOD_ENV) go build -modfile=$(abspath $(PG_GO_BUILD)/gomod/example.mod) -o $(abspath $@) .
 
-polyglot-cpp: $(PG_CPP_BIN) $(PG_CPP_EXAMPLES)
+polyglot-cpp: $(PG_CPP_BIN) $(PG_CPP_SAMPLING) $(PG_CPP_EXAMPLES)
 
 # (A recipe line starting with + shares make's job slots with the build that cmake runs.)
 $(PG_CPP_BIN): $(PG_CPP_SRCS)
@@ -138,6 +139,10 @@ $(PG_CPP_BIN): $(PG_CPP_SRCS)
 	+cmake --build $(PG_CPP_BUILD)/cmake
 	cmake --install $(PG_CPP_BUILD)/cmake --prefix $(PG_CPP_PREFIX) >/dev/null
 	cp $(PG_CPP_BUILD)/cmake/mtpdraft-conformance $@
+
+# Built with the conformance runner (MTPDRAFT_CLIENT_CONFORMANCE).
+$(PG_CPP_SAMPLING): $(PG_CPP_BIN)
+	cp $(PG_CPP_BUILD)/cmake/mtpdraft-sampling $@
 
 $(PG_CPP_BUILD)/example/drafter-example: $(PG_CPP_BIN) $(PG_CPP_EXAMPLE_SRCS)
 	$(PG_CMAKE) -S $(PG_CPP_DIR)/examples -B $(PG_CPP_BUILD)/example -DCMAKE_PREFIX_PATH=$(PG_CPP_PREFIX)
@@ -156,6 +161,12 @@ polyglot-conformance: polyglot
 	node client/node/conformance.js --address $(ADDRESS) --vector $(PG_VECTOR)
 	$(PG_GO_BIN) -address $(ADDRESS) -vector $(PG_VECTOR)
 	$(PG_CPP_BIN) --address $(ADDRESS) --vector $(PG_VECTOR)
+
+# Checks each client's accept against the sampling vector (no server).
+polyglot-sampling: polyglot
+	node client/node/sampling_conformance.js --vector $(PG_SAMPLING_VECTOR)
+	$(PG_GO_SAMPLING) -vector $(PG_SAMPLING_VECTOR)
+	$(PG_CPP_SAMPLING) --vector $(PG_SAMPLING_VECTOR)
 
 polyglot-clean:
 	rm -rf $(PG_GO_BUILD) $(PG_CPP_BUILD) client/node/node_modules client/node/proto \
