@@ -7,7 +7,7 @@ parses each response, and every ``grpc.RpcError`` is raised as a typed
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -28,6 +28,7 @@ from .types import (
     PrefillResult,
     Proposal,
     ProposeArgs,
+    SamplingParams,
     ServerInfo,
     Verdict,
     VerifyResult,
@@ -146,9 +147,12 @@ class DrafterClient:
         """The server's model shape, limits and live counters."""
         return self._unary(self._stub.GetInfo, m.get_info_request(), m.parse_info, timeout)
 
-    def alloc_state(self, *, timeout: Timeout = DEFAULT) -> int:
-        """A new, empty state; returns its id."""
-        req = m.alloc_state_request()
+    def alloc_state(
+        self, *, sampling: SamplingParams | None = None, timeout: Timeout = DEFAULT
+    ) -> int:
+        """A new, empty state; returns its id. ``sampling``: how its drafts are chosen
+        (default greedy)."""
+        req = m.alloc_state_request(sampling)
         return self._unary(self._stub.AllocState, req, m.parse_alloc_state, timeout)
 
     def prefill(
@@ -177,10 +181,12 @@ class DrafterClient:
         bitmask: Array | None = None,
         min_confidence: float = 0.0,
         previous: Verdict | int | None = None,
+        sampling: SamplingParams | None = None,
         timeout: Timeout = DEFAULT,
     ) -> Proposal:
         """Up to ``num_drafts`` drafts after ``token`` (its target hidden: ``hidden``, at
-        ``position - 1``). ``previous`` first applies the verdict on the pending proposal."""
+        ``position - 1``). ``previous`` first applies the verdict on the pending proposal;
+        ``sampling`` changes the state's sampling from this step on."""
         req = m.propose_request(
             state,
             token,
@@ -190,6 +196,7 @@ class DrafterClient:
             bitmask=bitmask,
             min_confidence=min_confidence,
             previous=previous,
+            sampling=sampling,
         )
         return self._unary(self._stub.Propose, req, m.parse_proposal, timeout)
 
@@ -207,6 +214,7 @@ class DrafterClient:
         bitmask_rows: Array | Sequence[int] | None = None,
         bitmasks: Array | None = None,
         min_confidence: Array | Sequence[float] | float | None = None,
+        sampling: Mapping[int, SamplingParams] | None = None,
         timeout: Timeout = DEFAULT,
     ) -> BatchResult:
         """A verifier's whole step for B states in one message, as columns.
@@ -216,7 +224,8 @@ class DrafterClient:
         its pending proposal (``num_accepted``: B values, -1 for none), its refeed
         (``refeed_rows`` B counts of ``refeed_hiddens`` rows, 0 or num_accepted), its
         bitmask (``bitmask_rows`` B counts of ``bitmasks`` rows, 0 for none) and
-        min_confidence (B values or one). A row that fails has its error in
+        min_confidence (B values or one); ``sampling`` maps rows to their states' new
+        sampling parameters. A row that fails has its error in
         ``errors`` and leaves its state unchanged; the other rows are answered.
         """
         req = m.batch_request(
@@ -231,6 +240,7 @@ class DrafterClient:
             bitmask_rows=bitmask_rows,
             bitmasks=bitmasks,
             min_confidence=min_confidence,
+            sampling=sampling,
         )
         return self._batch(req, timeout)
 

@@ -42,6 +42,7 @@ from .ids import Ids
 from .kv_transfer import KVChunk, KVExport, KVHeader, KVImport, model_fingerprint
 from .prefill import PrefillSession
 from .rows import Segment, run_segments
+from .sampling import GREEDY, Sampling, changes
 from .state import DrafterState, KVHandle, StateTable
 from .step import Step, StepResult, StepShape, verdict_refeed
 from .types import EngineInfo, RowCount, TakenKV, Verdict
@@ -131,6 +132,7 @@ class DraftEngine:
             draining=self.draining,
             instance_epoch=self.ids.epoch,
             model_fingerprint=self.model_fingerprint,
+            max_sample_top_k=min(self.config.max_sample_top_k, c.vocab_size),
         )
 
     @functools.cached_property
@@ -201,7 +203,10 @@ class DraftEngine:
 
     # ---- lifecycle ---------------------------------------------------------
 
-    def alloc_state(self, owner: str = "") -> int:
+    def alloc_state(self, owner: str = "", sampling: Sampling = GREEDY) -> int:
+        """A new state, its drafts chosen as `sampling` says (its values checked,
+        INVALID_ARGUMENT naming the field `sampling`)."""
+        sampling = sampling.checked("sampling")
         if self.draining:
             raise Unavailable("the server is draining and takes no new states", reason="DRAINING")
         if len(self.states) >= self.config.max_states:
@@ -217,6 +222,7 @@ class DraftEngine:
             )
         state_id = self.ids.new(self.states)
         slot = self.table.take_slot(self.clock())
+        self.table.set_sampling(np.array([slot]), changes([sampling]))
         self.states[state_id] = DrafterState(state_id, owner, slot, self.table)
         self._owned[owner] = owned + 1
         log.debug("state %d allocated for %s (%d live)", state_id, owner or "-", len(self.states))
@@ -411,6 +417,7 @@ class DraftEngine:
     def _draft(self, step, rows, slots, base_rows, result: StepResult) -> None:
         t = self.table
         k = step.num_drafts[rows]
+        t.set_sampling(slots, step.sampling[rows])
         t.grow(slots, base_rows + k)
         recompute: list[tuple[int, Segment]] = []
         judged = np.flatnonzero(step.num_accepted[rows] >= 0)
@@ -453,6 +460,9 @@ class DraftEngine:
                 mask_counts=step.mask_counts[rows],
                 bitmasks=step.bitmasks,
                 recompute=recompute,
+                sampling=t.sampling[slots],
+                state_ids=step.state_ids[rows],
+                support=self.config.max_sample_top_k,
             ),
             before_wait,
         )
@@ -469,6 +479,12 @@ class DraftEngine:
         result.counts[rows] = drafted.counts
         result.confidences[rows] = drafted.confidences
         result.first_positions[rows] = step.positions[rows] + 1
+        if drafted.q_ids is not None:
+            b, support = len(step), drafted.q_ids.shape[2]
+            result.q_ids = np.zeros((b, result.drafts.shape[1], support), np.int64)
+            result.q_probs = np.zeros(result.q_ids.shape, np.float32)
+            result.q_ids[rows, :width] = drafted.q_ids
+            result.q_probs[rows, :width] = drafted.q_probs
 
     def _count_verdicts(self, verdicts: tuple[np.ndarray, np.ndarray] | None) -> None:
         """Hands (drafts proposed, drafts accepted) of some verdicts to on_verdicts."""

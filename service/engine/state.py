@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .block_pool import BlockPool
+from .sampling import GREEDY, PARAMS
 
 
 class StateTable:
@@ -39,6 +40,7 @@ class StateTable:
         self.pending_count = np.zeros(capacity, np.int64)
         self.pending_drafts = np.zeros((capacity, max_drafts), np.int64)
         self.pending_computed = np.zeros(capacity, np.int64)
+        self.sampling = np.zeros(capacity, PARAMS)  # how its drafts are chosen (sampling.py)
         # Output hidden of its last computed row: the hidden of the row of the last
         # draft, should all drafts be accepted.
         self.last_hidden = torch.zeros(capacity, size, dtype=dtype, device=device)
@@ -61,8 +63,16 @@ class StateTable:
         self.num_rows[slot] = self.num_blocks[slot] = 0
         self.prefilling[slot] = False
         self.pending_row[slot] = -1
+        self.sampling[slot] = tuple(getattr(GREEDY, name) for name in PARAMS.names)
         self.last_used[slot] = now
         return slot
+
+    def set_sampling(self, slots: np.ndarray, changes: np.ndarray) -> None:
+        """The slots take the sampling of their rows of a step's changes column that are set."""
+        changed = changes["set"]
+        if changed.any():
+            for name in PARAMS.names:
+                self.sampling[name][slots[changed]] = changes[name][changed]
 
     def release_slot(self, slot: int) -> None:
         self.pool.free(self.detach_blocks(slot))

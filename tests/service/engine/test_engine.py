@@ -452,3 +452,15 @@ def test_several_states_refeed_in_one_step_as_the_oracle_says(
         for got, want in zip(kv_rows(engine, state), kv_rows(engine, fresh), strict=True):
             torch.testing.assert_close(got[:rows], want, **KV_CLOSE)
     assert_accounted(engine)
+
+
+def test_a_step_leaves_the_callers_tensors_as_they_were(engine: DraftEngine) -> None:
+    """The recomputed first draft's hidden feeds the chain; it must not be written into
+    the caller's hidden (in process, the caller keeps using its tensors)."""
+    state = prefill(engine, [1, 2, 3], h(3, 90))
+    first = propose(engine, ProposeArgs(state, 4, h(1, 91), 4, 3))
+    hidden, refeed = h(1, 92), h(2, 93)
+    kept = hidden.clone(), refeed.clone()
+    previous = Verdict(2, refeed)
+    propose(engine, ProposeArgs(state, 5, hidden, first.first_position + 2, 3, previous=previous))
+    assert torch.equal(hidden, kept[0]) and torch.equal(refeed, kept[1])
