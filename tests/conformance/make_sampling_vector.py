@@ -6,7 +6,7 @@ client's sampling.accept, and its Go, Node.js and C++ ports) case by case.
 Inputs come from seeded generators, one a case; the uniforms are chosen so that each row
 keeps the drafts its case asks for, or lie just off a decision's boundary (1e-9 relative,
 far beyond float64's rounding, far inside any sloppiness a port might have). Expectations
-come from sampling_reference.py (exact rational arithmetic over the float64 inputs, never
+come from acceptance_reference.py (exact rational arithmetic over the float64 inputs, never
 the code under test), which must agree with its own plain float64 run, and every deciding
 comparison must clear its MIN_GAP, so that any float64 implementation decides alike.
 `--check` only compares a fresh vector with the file.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from sampling_reference import MIN_GAP, verdicts
+from acceptance_reference import MIN_GAP, verdicts
 
 VECTOR_PATH = Path(__file__).with_name("sampling_vector.json")
 FORMAT = "mtpdraft-sampling/1"

@@ -1,5 +1,5 @@
 """sampling_vector.json is what make_sampling_vector.py writes, its expectations are the
-exact reference's (sampling_reference.py, not the clients' code), every decision in it
+exact reference's (acceptance_reference.py, not the clients' code), every decision in it
 clears the gap that makes float64 ports agree, and its cases reach every path of the rule."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from acceptance_reference import MIN_GAP, row_verdict, verdicts
 from make_sampling_vector import VECTOR_PATH, build_vector, dumps
-from sampling_reference import MIN_GAP, row_verdict, verdicts
 
 VECTOR = json.loads(VECTOR_PATH.read_text())
 
