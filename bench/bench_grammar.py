@@ -100,7 +100,7 @@ def run(engine, states, grammar, work: Workload, steps: int, seed: int) -> list[
 
 
 def fresh(engine, grammar, work: Workload, seed: int) -> int:
-    state = engine.alloc_state("", grammar)
+    state = engine.alloc_state("", grammar=grammar)
     session = engine.begin_prefill(state, 1)
     session.append([7] * (work.prompt - 1), random_hiddens(work.prompt - 1, work, seed))
     session.finish()

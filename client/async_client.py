@@ -7,7 +7,7 @@ is raised as a typed ``DrafterError``. Use it from one event loop.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -29,6 +29,7 @@ from .types import (
     PrefillResult,
     Proposal,
     ProposeArgs,
+    SamplingParams,
     ServerInfo,
     Verdict,
     VerifyResult,
@@ -150,10 +151,15 @@ class AsyncDrafterClient:
         return await self._unary(self._stub.GetInfo, m.get_info_request(), m.parse_info, timeout)
 
     async def alloc_state(
-        self, grammar: Grammar | None = None, *, timeout: Timeout = DEFAULT
+        self,
+        grammar: Grammar | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        timeout: Timeout = DEFAULT,
     ) -> int:
-        """A new, empty state; returns its id."""
-        req = m.alloc_state_request(grammar)
+        """A new, empty state; returns its id. ``grammar``: what every draft obeys (none by
+        default); ``sampling``: how its drafts are chosen (default greedy)."""
+        req = m.alloc_state_request(sampling, grammar)
         return await self._unary(self._stub.AllocState, req, m.parse_alloc_state, timeout)
 
     async def prefill(
@@ -182,13 +188,20 @@ class AsyncDrafterClient:
         bitmask: Array | None = None,
         min_confidence: float = 0.0,
         previous: Verdict | int | None = None,
+        sampling: SamplingParams | None = None,
+        draft_cap: int = 0,
+        verify_token_cost: float = 0.0,
         return_bitmasks: bool = False,
         timeout: Timeout = DEFAULT,
     ) -> Proposal:
         """Up to ``num_drafts`` drafts after ``token`` (its target hidden: ``hidden``, at
-        ``position - 1``). ``previous`` first applies the verdict on the pending proposal.
-        ``return_bitmasks``: for a state with a grammar, the answer carries the grammar's
-        bitmask at each draft's position and the bonus position (``Proposal.bitmasks``)."""
+        ``position - 1``). ``previous`` first applies the verdict on the pending proposal;
+        ``sampling`` changes the state's sampling from this step on. ``num_drafts`` 0
+        lets the drafter choose how many, up to ``draft_cap`` (0: the server's
+        max_drafts), for the most tokens per verify cost, one more token costing
+        ``verify_token_cost`` of a verify step. ``return_bitmasks``: for a state with a
+        grammar, the answer carries the grammar's bitmask at each draft's position and the
+        bonus position (``Proposal.bitmasks``)."""
         req = m.propose_request(
             state,
             token,
@@ -198,6 +211,9 @@ class AsyncDrafterClient:
             bitmask=bitmask,
             min_confidence=min_confidence,
             previous=previous,
+            sampling=sampling,
+            draft_cap=draft_cap,
+            verify_token_cost=verify_token_cost,
             return_bitmasks=return_bitmasks,
         )
         return await self._unary(self._stub.Propose, req, m.parse_proposal, timeout)
@@ -216,6 +232,9 @@ class AsyncDrafterClient:
         bitmask_rows: Array | Sequence[int] | None = None,
         bitmasks: Array | None = None,
         min_confidence: Array | Sequence[float] | float | None = None,
+        sampling: Mapping[int, SamplingParams] | None = None,
+        draft_caps: Array | Sequence[int] | int | None = None,
+        verify_token_costs: Array | Sequence[float] | float | None = None,
         return_bitmasks: bool = False,
         timeout: Timeout = DEFAULT,
     ) -> BatchResult:
@@ -226,8 +245,11 @@ class AsyncDrafterClient:
         its pending proposal (``num_accepted``: B values, -1 for none), its refeed
         (``refeed_rows`` B counts of ``refeed_hiddens`` rows, 0 or num_accepted), its
         bitmask (``bitmask_rows`` B counts of ``bitmasks`` rows, 0 for none) and
-        min_confidence (B values or one). A row that fails has its error in
-        ``errors`` and leaves its state unchanged; the other rows are answered.
+        min_confidence (B values or one); ``sampling`` maps rows to their states' new
+        sampling parameters; a row asking ``num_drafts`` 0 has the drafter choose its K,
+        up to ``draft_caps`` for ``verify_token_costs`` (B values or one). A row that
+        fails has its error in ``errors`` and leaves its state unchanged; the other rows
+        are answered.
         """
         req = m.batch_request(
             state_ids,
@@ -241,6 +263,9 @@ class AsyncDrafterClient:
             bitmask_rows=bitmask_rows,
             bitmasks=bitmasks,
             min_confidence=min_confidence,
+            sampling=sampling,
+            draft_caps=draft_caps,
+            verify_token_costs=verify_token_costs,
             return_bitmasks=return_bitmasks,
         )
         return await self._batch(req, timeout)

@@ -26,7 +26,7 @@ from mtpdraft.v1 import drafter_pb2 as pb
 
 from . import messages as m
 from .errors import DrafterError, Unavailable, error_from_value, from_rpc_error
-from .types import BatchResult, Proposal, ProposeArgs, Verdict
+from .types import BatchResult, Proposal, ProposeArgs, SamplingParams, Verdict
 from .wire import Array
 
 _CLOSE = object()
@@ -52,12 +52,16 @@ def _one_state(
     bitmask: Array | None = None,
     min_confidence: float = 0.0,
     previous: Verdict | int | None = None,
+    sampling: SamplingParams | None = None,
+    draft_cap: int = 0,
+    verify_token_cost: float = 0.0,
     return_bitmasks: bool = False,
 ) -> pb.ProposeBatchRequest:
     """A batch of one state (the arguments of ``DrafterClient.propose``)."""
     args = ProposeArgs(
-        state, token, hidden, position, num_drafts, bitmask, min_confidence, previous
-    )
+        state, token, hidden, position, num_drafts, bitmask, min_confidence, previous,
+        sampling, draft_cap, verify_token_cost,
+    )  # fmt: skip
     return m.batch_request_of([args], return_bitmasks)
 
 

@@ -52,14 +52,35 @@ class KVHandle:
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How a state's drafts are chosen (vLLM's parameters): temperature 0 is greedy;
+    above 0 each draft is drawn from q, the draft head's distribution after temperature,
+    min_p, top_k and top_p, and its q comes back with it (``Proposal.q_ids``). top_k 0 or
+    -1 and top_p 1 cut nothing. The seed keys the draws with the state, the draft's
+    position and its index, so the same key draws the same token alone or in any batch."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Proposal:
-    """K (or fewer, when min_confidence stopped the chain) draft tokens for one state."""
+    """K (or fewer, when min_confidence stopped the chain) draft tokens for one state.
+
+    Sampled drafts carry their q: ``q_ids[j]`` and ``q_probs[j]`` are draft j's support
+    and probabilities (most probable first, 0 past the support), ``probs[j]`` is
+    q(tokens[j]): what ``sampling.accept`` takes."""
 
     state_id: int
     tokens: list[int]
     probs: list[float]
     confidence: float
     first_position: int
+    q_ids: list[list[int]] | None = None
+    q_probs: list[list[float]] | None = None
     # Asked with return_bitmasks, for a state with a grammar: [len(tokens) + 1, W] int32,
     # row j the grammar's bitmask at position first_position + j (the last, the bonus
     # position's should every draft be accepted); None otherwise.
@@ -92,6 +113,9 @@ class ProposeArgs:
     bitmask: Array | None = None
     min_confidence: float = 0.0
     previous: Verdict | int | None = None
+    sampling: SamplingParams | None = None  # the state's sampling from this step on
+    draft_cap: int = 0  # num_drafts 0: the most drafts the drafter may choose (0: max_drafts)
+    verify_token_cost: float = 0.0  # num_drafts 0: one more token's share of a verify step
 
 
 @dataclass(frozen=True)
@@ -108,6 +132,10 @@ class BatchResult:
     confidences: np.ndarray  # [B] float32: each row's chain confidence
     first_positions: np.ndarray  # [B] int64: the position of each row's first draft
     errors: dict[int, DrafterError] = field(default_factory=dict)  # row -> its error
+    # When some row's drafts were sampled: each draft's q, [B, width, support] (a greedy
+    # row's: its draft alone, probability 1); None when none was.
+    q_ids: np.ndarray | None = None  # int32
+    q_probs: np.ndarray | None = None  # float32
     # Asked with return_bitmasks: row -> its grammar's bitmasks (Proposal.bitmasks), for
     # the rows whose state has a grammar.
     bitmasks: dict[int, np.ndarray] = field(default_factory=dict)
@@ -126,6 +154,8 @@ class BatchResult:
             probs=self.probs[row, :n].tolist(),
             confidence=float(self.confidences[row]),
             first_position=int(self.first_positions[row]),
+            q_ids=None if self.q_ids is None else self.q_ids[row, :n].tolist(),
+            q_probs=None if self.q_probs is None else self.q_probs[row, :n].tolist(),
             bitmasks=self.bitmasks.get(row),
         )
 
@@ -175,4 +205,5 @@ class ServerInfo:
     queued_calls: int = 0
     instance_epoch: int = 0  # the server instance's: every state id it issues carries it
     model_fingerprint: str = ""  # names the model's weights: replicas of one report the same
+    max_sample_top_k: int = 0  # the most tokens a sampled draft's q holds
     grammar_kinds: tuple[str, ...] = ()  # Grammar kinds AllocState takes (none: no grammars)

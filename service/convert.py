@@ -29,6 +29,7 @@ from mtpdraft.v1 import drafter_pb2 as pb
 from .engine import columns
 from .engine.errors import InvalidArgument
 from .engine.kv_transfer import KVChunk, KVHeader
+from .engine.sampling import Sampling
 from .engine.step import Step, StepResult, StepShape, single
 from .engine.types import PrefillChunk, Verdict
 from .grammar.spec import GrammarSpec
@@ -124,6 +125,11 @@ def verdict(msg: pb.Verdict, field: str) -> Verdict:
     return Verdict(msg.num_accepted, refeed)
 
 
+def sampling(msg: pb.SamplingParams) -> Sampling:
+    """Sampling parameters as the engine takes them (checked there)."""
+    return Sampling(msg.temperature, msg.top_k, msg.top_p, msg.min_p, msg.seed)
+
+
 def propose(msg: pb.ProposeRequest, shape: StepShape) -> Step:
     """A ProposeRequest as a Step of one row."""
     if not msg.HasField("hidden"):
@@ -141,6 +147,9 @@ def propose(msg: pb.ProposeRequest, shape: StepShape) -> Step:
         ),
         min_confidence=msg.min_confidence,
         previous=verdict(msg.previous, "previous") if msg.HasField("previous") else None,
+        sampling=sampling(msg.sampling) if msg.HasField("sampling") else None,
+        draft_cap=msg.draft_cap,
+        verify_token_cost=msg.verify_token_cost,
         shape=shape,
     )
 
@@ -167,6 +176,10 @@ def batch(msg: pb.ProposeBatchRequest, shape: StepShape) -> Step:
         bitmask_rows=list(msg.bitmask_rows),
         bitmasks=_optional_tensor(msg.bitmasks, "bitmasks", (pb.DTYPE_INT32,)),
         min_confidence=list(msg.min_confidence),
+        sampling_rows=list(msg.sampling_rows),
+        sampling=[sampling(p) for p in msg.sampling],
+        draft_caps=list(msg.draft_caps),
+        verify_token_costs=list(msg.verify_token_costs),
     )
 
 
@@ -228,7 +241,7 @@ def proposal(step: Step, result: StepResult, with_bitmasks: bool = False) -> pb.
     `with_bitmasks` its grammar's bitmasks, where its state has a grammar."""
     n = int(result.counts[0])
     masks = result.grammar_masks.get(0) if with_bitmasks else None
-    return pb.Proposal(
+    answer = pb.Proposal(
         state_id=int(step.state_ids[0]),
         tokens=result.drafts[0, :n].tolist(),
         probs=result.probs[0, :n].tolist(),
@@ -236,6 +249,11 @@ def proposal(step: Step, result: StepResult, with_bitmasks: bool = False) -> pb.
         first_position=int(result.first_positions[0]),
         bitmasks=None if masks is None else tensor(masks),
     )
+    if result.q_ids is not None:
+        answer.q_support = result.q_ids.shape[2]
+        answer.q_ids.extend(result.q_ids[0, :n].ravel().tolist())
+        answer.q_probs.extend(result.q_probs[0, :n].ravel().tolist())
+    return answer
 
 
 # Which column a per-state request's field comes from, for the errors of a row.
@@ -247,6 +265,8 @@ COLUMN_OF_FIELD = {
     "num_drafts": "num_drafts",
     "bitmask": "bitmasks",
     "min_confidence": "min_confidence",
+    "draft_cap": "draft_caps",
+    "verify_token_cost": "verify_token_costs",
     "previous.num_accepted": "num_accepted",
     "previous.refeed_hiddens": "refeed_hiddens",
 }
@@ -258,15 +278,7 @@ def batch_answer(
     """A step's result as a ProposeBatchResponse, column by column; `failed` holds the
     failed rows' errors (their columns are -1 and 0 already); with `with_bitmasks`, the
     grammar states' bitmasks, row by row."""
-    masks = {}
-    if with_bitmasks and result.grammar_masks:
-        b, rows = len(result.counts), result.grammar_masks
-        masks = {
-            "bitmask_rows": [len(rows[i]) if i in rows else 0 for i in range(b)],
-            "bitmasks": tensor(torch.cat([rows[i] for i in sorted(rows)])),
-        }
-    return pb.ProposeBatchResponse(
-        **masks,
+    answer = pb.ProposeBatchResponse(
         request_id=request_id,
         width=result.drafts.shape[1],
         drafts=result.drafts.ravel().tolist(),
@@ -276,3 +288,13 @@ def batch_answer(
         first_positions=result.first_positions.tolist(),
         errors=[pb.RowError(row=row, error=error) for row, error in sorted(failed.items())],
     )
+    if result.q_ids is not None:
+        answer.q_support = result.q_ids.shape[2]
+        answer.q_ids.extend(result.q_ids.ravel().tolist())
+        answer.q_probs.extend(result.q_probs.ravel().tolist())
+    if with_bitmasks and result.grammar_masks:
+        rows = result.grammar_masks
+        b = len(result.counts)
+        answer.bitmask_rows.extend(len(rows[i]) if i in rows else 0 for i in range(b))
+        answer.bitmasks.CopyFrom(tensor(torch.cat([rows[i] for i in sorted(rows)])))
+    return answer

@@ -53,7 +53,7 @@ def decode(model, engine, grammar, prompt: list[int], k: int, constrained: bool,
     logits = model.target_logits(hiddens[-1:].to(next(model.parameters()).dtype))[0]
     token = int(logits.masked_fill(~allowed(verifier, vocab), -torch.inf).argmax())
     assert verifier.accept_token(token)
-    state = engine.alloc_state("", grammar if constrained else None)
+    state = engine.alloc_state("", grammar=grammar if constrained else None)
     out, accepted = [token], []
     try:
         session = engine.begin_prefill(state, 1)

@@ -25,6 +25,7 @@ from .errors import (
     position_out_of_range,
     position_too_large,
 )
+from .sampling import first_bad, sampling_error
 from .state import StateTable
 from .step import Step
 from .validation import finite_rows
@@ -61,13 +62,15 @@ def _refused_rows(
     the first check of the state; its other checks are moot for them."""
     known = slots >= 0
     s = np.where(known, slots, 0)  # unknown rows read slot 0, their state checks are moot
-    a, k, positions = step.num_accepted, step.num_drafts, step.positions
+    a, k, positions = step.num_accepted, step.drafts_asked(limits.max_drafts), step.positions
+    auto, caps, costs = step.num_drafts == 0, step.draft_caps, step.verify_costs
     tokens, confidence, state = step.tokens, step.min_confidence, step.state_ids
     verdict = a >= 0
     pending_row, pending_count = table.pending_row[s], table.pending_count[s]
     has_pending = pending_row >= 0
     base = np.where(verdict, pending_row + 1 + a, table.num_rows[s])
     limit = limits.max_rows_per_state
+    bad_sampling = first_bad(step.sampling)
     checks: list[tuple[np.ndarray, Callable[[int], DrafterError]]] = [
         # --- the request's own values
         (_duplicates(step), lambda i: duplicate_state(step, i)),
@@ -84,6 +87,16 @@ def _refused_rows(
             field="token",
         )),
         (~_finite(step.hiddens), lambda i: not_finite("hidden")),
+        (auto & ((caps < 0) | (caps > limits.max_drafts)), lambda i: InvalidArgument(
+            f"draft_cap: {caps[i]} is outside [0, {limits.max_drafts}] (0: max_drafts)",
+            reason="DRAFT_CAP_OUT_OF_RANGE",
+            field="draft_cap",
+        )),
+        (auto & ~(np.isfinite(costs) & (costs >= 0)), lambda i: InvalidArgument(
+            f"verify_token_cost: {costs[i]}; it must be finite and >= 0",
+            reason="VERIFY_TOKEN_COST_OUT_OF_RANGE",
+            field="verify_token_cost",
+        )),
         ((k < 1) | (k > limits.max_drafts), lambda i: InvalidArgument(
             f"num_drafts: {k[i]} is outside [1, {limits.max_drafts}]",
             reason="NUM_DRAFTS_OUT_OF_RANGE",
@@ -104,6 +117,9 @@ def _refused_rows(
             "bitmask: a row allows no token of the vocabulary",
             reason="EMPTY_BITMASK",
             field="bitmask",
+        )),
+        (bad_sampling > 0, lambda i: sampling_error(
+            step.sampling, i, int(bad_sampling[i]), "sampling"
         )),
         # The last draft's row, at index position - 1 + K, stays below the limit.
         (positions > limits.max_position - k, lambda i: position_too_large(
@@ -154,7 +170,8 @@ def admit(
     first, base, error = _refused_rows(step, slots, table, limits, not_found)
     errors = {int(i): error(int(first[i]), int(i)) for i in np.flatnonzero(first)}
     rows = np.flatnonzero(first == 0)
-    need = table.extra_blocks(slots[rows], base[rows] + step.num_drafts[rows])
+    k = step.drafts_asked(limits.max_drafts)
+    need = table.extra_blocks(slots[rows], base[rows] + k[rows])
     if need.sum() > table.pool.num_free:
         # KV blocks row by row in order: a row that does not fit in what is left fails.
         free, fits = table.pool.num_free, np.ones(len(rows), bool)

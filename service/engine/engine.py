@@ -44,6 +44,7 @@ from .ids import Ids
 from .kv_transfer import KVChunk, KVExport, KVHeader, KVImport, model_fingerprint
 from .prefill import PrefillSession
 from .rows import Segment, run_segments
+from .sampling import GREEDY, Sampling, changes
 from .state import DrafterState, KVHandle, StateTable
 from .step import Step, StepResult, StepShape, verdict_refeed
 from .types import EngineInfo, RowCount, TakenKV, Verdict
@@ -143,6 +144,7 @@ class DraftEngine:
             draining=self.draining,
             instance_epoch=self.ids.epoch,
             model_fingerprint=self.model_fingerprint,
+            max_sample_top_k=min(self.config.max_sample_top_k, c.vocab_size),
             grammar_kinds=self.grammars.kinds,
         )
 
@@ -214,8 +216,16 @@ class DraftEngine:
 
     # ---- lifecycle ---------------------------------------------------------
 
-    def alloc_state(self, owner: str = "", grammar: xgrammar.CompiledGrammar | None = None) -> int:
-        """A new state; with `grammar` (from grammars.compile), every draft obeys it."""
+    def alloc_state(
+        self,
+        owner: str = "",
+        sampling: Sampling = GREEDY,
+        grammar: xgrammar.CompiledGrammar | None = None,
+    ) -> int:
+        """A new state, its drafts chosen as `sampling` says (its values checked,
+        INVALID_ARGUMENT naming the field `sampling`); with `grammar` (from
+        grammars.compile), every draft obeys it."""
+        sampling = sampling.checked("sampling")
         if self.draining:
             raise Unavailable("the server is draining and takes no new states", reason="DRAINING")
         if len(self.states) >= self.config.max_states:
@@ -231,6 +241,7 @@ class DraftEngine:
             )
         state_id = self.ids.new(self.states)
         slot = self.table.take_slot(self.clock())
+        self.table.set_sampling(np.array([slot]), changes([sampling]))
         self.states[state_id] = DrafterState(state_id, owner, slot, self.table)
         if grammar is not None:
             self.grammars.attach(slot, grammar)
@@ -345,6 +356,7 @@ class DraftEngine:
         `refeeds`: the target's hiddens of the accepted drafts, where a verdict has them."""
         t = self.table
         first, k = t.pending_row[slots], t.pending_count[slots]
+        t.count_verdicts(slots, accepted)
         computed_end = first + t.pending_computed[slots]
         rows_after = first + 1 + accepted
         keep = np.minimum(rows_after, computed_end)
@@ -412,7 +424,8 @@ class DraftEngine:
         admitted = admit(step, slots, self.table, self.limits, self._state_not_found)
         # The largest K asked, a refused one (negative, or past max_drafts) within bounds:
         # a row asking K = 2**31 - 1 must not size the answer.
-        width = min(max(int(step.num_drafts.max()), 0), self.config.max_drafts) if b else 0
+        asked = step.drafts_asked(self.config.max_drafts)
+        width = min(max(int(asked.max()), 0), self.config.max_drafts) if b else 0
         result = StepResult(
             drafts=np.full((b, width), -1, np.int64),
             probs=np.zeros((b, width), np.float32),
@@ -447,7 +460,10 @@ class DraftEngine:
 
     def _draft(self, step, rows, slots, base_rows, result: StepResult) -> None:
         t = self.table
-        k = step.num_drafts[rows]
+        k = step.drafts_asked(self.config.max_drafts)[rows]
+        # Rows that leave K to the drafter: their verify token cost (NaN: K was asked).
+        costs = np.where(step.num_drafts[rows] == 0, step.verify_costs[rows], np.nan)
+        t.set_sampling(slots, step.sampling[rows])
         t.grow(slots, base_rows + k)
         recompute: list[tuple[int, Segment]] = []
         judged = np.flatnonzero(step.num_accepted[rows] >= 0)
@@ -462,7 +478,7 @@ class DraftEngine:
         index = t.device_index(slots)  # copied ahead of the chain, for the last hiddens
         # Whether the proposals may be recorded before the drafts come back, as if every
         # draft is kept: no state recomputes rows and all ask the same K.
-        record_ahead = not recompute and (k == k[0]).all()
+        record_ahead = not recompute and (k == k[0]).all() and np.isnan(costs).all()
         chain_ran = False
 
         def before_wait(hiddens: torch.Tensor) -> None:
@@ -490,6 +506,11 @@ class DraftEngine:
                 mask_counts=step.mask_counts[rows],
                 bitmasks=step.bitmasks,
                 recompute=recompute,
+                sampling=t.sampling[slots],
+                verify_costs=costs,
+                calibration=t.calibration(slots),
+                state_ids=step.state_ids[rows],
+                support=self.config.max_sample_top_k,
             ),
             before_wait,
             self.grammars,
@@ -502,11 +523,18 @@ class DraftEngine:
             )
         t.pending_drafts[slots, : drafted.all_drafts.shape[1]] = drafted.all_drafts
         width = drafted.drafts.shape[1]
+        t.pending_probs[slots, :width] = drafted.probs
         result.drafts[rows, :width] = drafted.drafts
         result.probs[rows, :width] = drafted.probs
         result.counts[rows] = drafted.counts
         result.confidences[rows] = drafted.confidences
         result.first_positions[rows] = step.positions[rows] + 1
+        if drafted.q_ids is not None:
+            b, support = len(step), drafted.q_ids.shape[2]
+            result.q_ids = np.zeros((b, result.drafts.shape[1], support), np.int64)
+            result.q_probs = np.zeros(result.q_ids.shape, np.float32)
+            result.q_ids[rows, :width] = drafted.q_ids
+            result.q_probs[rows, :width] = drafted.q_probs
         result.grammar_masks.update({int(rows[i]): m for i, m in grammar_masks.items()})
 
     def _count_verdicts(self, verdicts: tuple[np.ndarray, np.ndarray] | None) -> None:

@@ -20,6 +20,7 @@ from ..grammar.states import StateGrammars
 from ..model.decode_chain import BeforeWait, ChainInputs
 from ..model.kv_cache import KVCache
 from ..model.mtp_head import MTPHead
+from . import draft_count
 from .drafting import ChainPlan, Drafted, draft
 from .rows import Segment, draft_segments
 from .state import StateTable
@@ -52,19 +53,25 @@ def draft_with_grammars(
 def draft_grammar_states(
     head: MTPHead, kv: KVCache, table: StateTable, plan: ChainPlan, grammars: StateGrammars
 ) -> tuple[Drafted, torch.Tensor, dict[int, torch.Tensor]]:
-    """The drafts of states that all have a grammar, step by step; each one's last
-    computed row's output hidden ([n, H] on the device, a copy); and each one's grammar
-    masks, [count + 1, W] int32 on the host: row j the grammar's at draft j + 1's position
-    (the client's bitmask not applied), the last row the bonus position's after every
-    draft (all zero where the grammar has ended), for a verifier to mask its logits."""
+    """The drafts of states that all have a grammar, step by step (greedy or sampled as
+    each state's sampling says: a sampled draft's q is the masked distribution); each
+    one's last computed row's output hidden ([n, H] on the device, a copy); and each one's
+    grammar masks, [count + 1, W] int32 on the host: row j the grammar's at draft j + 1's
+    position (the client's bitmask not applied), the last row the bonus position's after
+    every draft (all zero where the grammar has ended), for a verifier to mask its logits."""
     n, k = len(plan.slots), plan.num_drafts
-    slots = plan.slots.tolist()
-    drafts = np.full((n, int(k.max())), -1, np.int64)
-    probs = np.zeros(drafts.shape, np.float32)
+    width, slots = int(k.max()), plan.slots.tolist()
+    drafts = np.full((n, width), -1, np.int64)
+    probs = np.zeros((n, width), np.float32)
+    drawn = np.zeros((n, width), np.float32)  # every draft's probability, a cut one's too
+    q = None  # each kept draft's q, when some state samples
+    if plan.chain_sampling(np.arange(n), np.zeros(n, np.int64)) is not None:
+        support = min(plan.support, head.config.vocab_size)
+        q = (np.zeros((n, width, support), np.int64), np.zeros((n, width, support), np.float32))
     counts = np.zeros(n, np.int64)
     rows_computed = np.ones(n, np.int64)  # R0 at least
-    running = np.full(n, np.inf)  # the chain confidence
     advanced = np.zeros(n, np.int64)  # drafts each matcher moved on by, undone at the end
+    outputs = []  # step j: (the states that computed R(j), its output hiddens)
     live = np.arange(n)  # the states whose chain goes on
     grammar = grammars.masks(slots)
     seen: list[list[torch.Tensor]] = [[row] for row in grammar]  # each state's masks
@@ -73,17 +80,21 @@ def draft_grammar_states(
     # R0 is computed whatever the grammar says (it is a committed row); a state whose
     # grammar allows nothing takes no draft from it.
     unmasked = torch.where(torch.from_numpy(allowed)[:, None], masks, -1)
-    last, tokens, p = _first_step(head, kv, table, plan, unmasked)  # last: each state's
-    live, tokens, p = live[allowed], tokens[allowed], p[allowed]  # last row's output hidden
+    hidden, chosen = _first_step(head, kv, table, plan, unmasked)
+    outputs.append((live, hidden))
+    live, chosen = live[allowed], _rows(chosen, allowed)
     try:
-        for j in range(int(k.max())):
-            # `tokens`, `p`: draft j + 1 of each live state, from its row R(j).
+        for j in range(width):
+            # `chosen`: draft j + 1 of each live state, from its row R(j).
             rows_computed[live] = j + 1
-            running[live] = np.minimum(running[live], p)
-            kept = running[live] >= plan.min_confidence[live]  # else not kept, and the end
-            live, tokens, p = live[kept], tokens[kept], p[kept]
-            drafts[live, j], probs[live, j], counts[live] = tokens, p, j + 1
-            ended = grammars.advance([slots[i] for i in live], tokens.tolist())
+            drawn[live, j] = chosen[1]
+            running = drawn[live, : j + 1].min(axis=1)
+            kept = running >= plan.min_confidence[live]  # else not kept, and the end
+            live, chosen = live[kept], _rows(chosen, kept)
+            drafts[live, j], probs[live, j], counts[live] = chosen[0], chosen[1], j + 1
+            if q is not None:
+                q[0][live, j], q[1][live, j] = chosen[2], chosen[3]
+            ended = grammars.advance([slots[i] for i in live], chosen[0].tolist())
             advanced[live] += 1
             live = live[~ended & (k[live] > j + 1)]
             if not len(live):
@@ -96,11 +107,12 @@ def draft_grammar_states(
             live, masks = live[allowed], masks[torch.from_numpy(allowed)]
             if not len(live):
                 break
-            at = torch.from_numpy(live).to(head.device)
-            hidden, tokens, p = _next_step(
-                head, kv, table, plan, live, j + 1, drafts[live, j], last[at], masks
+            before, hiddens = outputs[j]
+            at = torch.from_numpy(np.searchsorted(before, live)).to(hiddens.device)
+            hidden, chosen = _next_step(
+                head, kv, table, plan, live, j + 1, drafts[live, j], hiddens[at], masks
             )
-            last[at] = hidden
+            outputs.append((live, hidden))
         # A chain that drafted K, or whose last draft ended the grammar, lacks the bonus
         # position's mask: the grammar's after its last draft.
         short = [i for i in range(n) if len(seen[i]) == counts[i]]
@@ -108,17 +120,59 @@ def draft_grammar_states(
             seen[i].append(row)
     finally:
         grammars.rollback(slots, advanced.tolist())
-    confidences = np.where(counts > 0, np.minimum(running, 1.0), 0.0)
-    # A chain cut by min_confidence kept the probability of the draft that cut it.
-    cut = (counts == 0) & np.isfinite(running)
-    confidences[cut] = running[cut]
-    drafted = Drafted(drafts, probs, counts, confidences, rows_computed, drafts)
+    _chosen_counts(plan, drafts, probs, q, counts, rows_computed, seen)
+    # The chain confidence: the running minimum, through the first draft not kept.
+    through = np.minimum(counts + 1, rows_computed)  # >= 1
+    upto = np.arange(width)[None, :] < through[:, None]
+    confidences = np.where(upto, drawn, np.inf).min(axis=1)
+    confidences[drawn[:, 0] == 0] = 0.0  # no draft drawn: the grammar allowed none
+    last = torch.empty(n, head.config.hidden_size, dtype=head.dtype, device=head.device)
+    for step, (rows, hiddens) in enumerate(outputs):
+        ends = np.flatnonzero(rows_computed[rows] == step + 1)
+        if len(ends):
+            last[torch.from_numpy(rows[ends]).to(head.device)] = hiddens[
+                torch.from_numpy(ends).to(hiddens.device)
+            ]
+    drafted = Drafted(drafts, probs, counts, confidences.astype(np.float64), rows_computed, drafts)
+    if q is not None:
+        drafted.q_ids, drafted.q_probs = _cut_support(*q)
     return drafted, last, {i: torch.stack(rows) for i, rows in enumerate(seen)}
+
+
+def _chosen_counts(plan: ChainPlan, drafts, probs, q, counts, rows_computed, seen) -> None:
+    """Where the drafter chooses how many drafts to keep (num_drafts 0, draft_count.py),
+    its choice among the grammar's drafts: the rest are dropped, the row of the first one
+    dropped stays computed, and the masks end at its position."""
+    chooses = np.flatnonzero(~np.isnan(plan.verify_costs))
+    if not len(chooses):
+        return
+    at_most = draft_count.counts(
+        probs[chooses], counts[chooses], plan.calibration[chooses], plan.verify_costs[chooses]
+    )
+    for i, keep in zip(chooses.tolist(), at_most.tolist(), strict=True):
+        if keep < counts[i]:
+            drafts[i, keep:], probs[i, keep:], counts[i] = -1, 0, keep
+            rows_computed[i] = keep + 1
+            seen[i][keep + 1 :] = []
+            if q is not None:
+                q[0][i, keep:], q[1][i, keep:] = 0, 0
+
+
+def _cut_support(ids: np.ndarray, probs: np.ndarray):
+    """q with its support cut to the widest q kept (0 past each row's count already)."""
+    support = max(int((probs > 0).sum(-1).max(initial=0)), 1)
+    return ids[..., :support], probs[..., :support]
+
+
+def _rows(chosen: tuple, keep: np.ndarray) -> tuple:
+    """The drafts chosen (tokens, probs, q ids, q probs: numpy) of the rows kept."""
+    return tuple(None if c is None else c[keep] for c in chosen)
 
 
 def _first_step(head, kv, table, plan: ChainPlan, masks: torch.Tensor):
     """R0 of every state (after the rows its verdict recomputes, if any) and the draft
-    from it under `masks`: (output hiddens [n, H] on the device, drafts, probs)."""
+    from it under `masks`: (output hiddens [n, H] on the device, the drafts chosen)."""
+    n = len(plan.slots)
     if plan.recompute:
         again = dict(plan.recompute)
         segments = []
@@ -133,14 +187,17 @@ def _first_step(head, kv, table, plan: ChainPlan, masks: torch.Tensor):
                 segments.append(Segment(slot, seg.start_row, tokens, hiddens))
             else:
                 segments.append(Segment(slot, int(plan.base_rows[i]), plan.tokens[i : i + 1], r0))
-        hidden, drafts, probs = draft_segments(head, kv, table, segments, masks.to(head.device))
-        return hidden, drafts.cpu().numpy(), probs.float().cpu().numpy()  # hidden: a gather
-    live = np.arange(len(plan.slots))
+        sampling = plan.chain_sampling(np.arange(n), np.zeros(n, np.int64))
+        hidden, chosen = draft_segments(head, kv, table, segments, masks.to(head.device), sampling)
+        q = (None, None) if sampling is None else (chosen.q_ids, chosen.q_probs)
+        picked = (chosen.tokens, chosen.probs.float(), *q)
+        return hidden, tuple(None if t is None else t.cpu().numpy() for t in picked)
+    live = np.arange(n)
     return _next_step(head, kv, table, plan, live, 0, plan.tokens, plan.hiddens, masks)
 
 
 def _next_step(head, kv, table, plan: ChainPlan, live, j: int, tokens, hiddens, masks):
-    """Row R(j) of each live state (token, hidden given) and the draft from it."""
+    """Row R(j) of each live state (token, hidden given) and draft j + 1 from it."""
     out = head.decode_chain(
         kv,
         ChainInputs(
@@ -150,10 +207,12 @@ def _next_step(head, kv, table, plan: ChainPlan, live, j: int, tokens, hiddens, 
             limits=np.ones(len(live), np.int64),
             block_tables=table.block_tables(plan.slots[live]),
             bitmasks=masks[None],
+            sampling=plan.chain_sampling(live, np.full(len(live), j, np.int64)),
         ),
     )
+    q = (None, None) if out.q_ids is None else (out.q_ids[0], out.q_probs[0])
     # The chain's outputs may live in buffers the next chain reuses: copied.
-    return out.hiddens[0].clone(), out.tokens[0], out.probs[0]
+    return out.hiddens[0].clone(), (out.tokens[0], out.probs[0], *q)
 
 
 def _with_client_masks(masks: torch.Tensor, plan: ChainPlan, rows: np.ndarray, j: int):
@@ -183,6 +242,11 @@ def _subplan(plan: ChainPlan, rows: np.ndarray) -> ChainPlan:
         mask_counts=plan.mask_counts[rows],
         bitmasks=plan.bitmasks,
         recompute=[(renumber[i], seg) for i, seg in plan.recompute if i in renumber],
+        sampling=plan.sampling[rows],
+        state_ids=plan.state_ids[rows],
+        support=plan.support,
+        verify_costs=plan.verify_costs[rows],
+        calibration=plan.calibration[rows],
     )
 
 
@@ -194,17 +258,30 @@ def _merged(plan: ChainPlan, *parts) -> tuple[Drafted, torch.Tensor]:
     probs = np.zeros((n, width), np.float32)
     counts, rows_computed = np.zeros(n, np.int64), np.zeros(n, np.int64)
     confidences = np.zeros(n, np.float64)
+    sampled = [d for _, d, _ in parts if d.q_ids is not None]
+    q = None
+    if sampled:
+        support = max(d.q_ids.shape[2] for d in sampled)
+        q = (np.zeros((n, width, support), np.int64), np.zeros((n, width, support), np.float32))
     hiddens = None
     for rows, d, h in parts:
         w = d.drafts.shape[1]
         drafts[rows, :w], probs[rows, :w] = d.drafts, d.probs
         every[rows, : d.all_drafts.shape[1]] = d.all_drafts
         counts[rows], rows_computed[rows], confidences[rows] = (
-            d.counts,
-            d.rows_computed,
-            d.confidences,
-        )
+            d.counts, d.rows_computed, d.confidences
+        )  # fmt: skip
+        if d.q_ids is not None:
+            support = d.q_ids.shape[2]
+            q[0][rows, :w, :support], q[1][rows, :w, :support] = d.q_ids, d.q_probs
+        elif q is not None:  # a greedy part's q: each draft alone, probability 1
+            kept = np.arange(w)[None, :] < d.counts[:, None]
+            q[0][rows, :w, 0] = np.where(kept, d.drafts, 0)
+            q[1][rows, :w, 0] = kept
         if hiddens is None:
             hiddens = h.new_empty(n, h.shape[1])
         hiddens[torch.from_numpy(rows).to(h.device)] = h
-    return Drafted(drafts, probs, counts, confidences, rows_computed, every), hiddens
+    drafted = Drafted(drafts, probs, counts, confidences, rows_computed, every)
+    if q is not None:
+        drafted.q_ids, drafted.q_probs = q
+    return drafted, hiddens

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import draft_count
 from .block_pool import BlockPool
+from .sampling import GREEDY, PARAMS
 
 
 class StateTable:
@@ -39,6 +41,12 @@ class StateTable:
         self.pending_count = np.zeros(capacity, np.int64)
         self.pending_drafts = np.zeros((capacity, max_drafts), np.int64)
         self.pending_computed = np.zeros(capacity, np.int64)
+        self.pending_probs = np.zeros((capacity, max_drafts), np.float32)
+        # Per depth j, its proposals whose first j + 1 drafts its verifier accepted and
+        # those their probabilities predicted, summed with a decay (draft_count.py).
+        self.accepted_sum = np.zeros((capacity, max_drafts), np.float64)
+        self.predicted_sum = np.zeros((capacity, max_drafts), np.float64)
+        self.sampling = np.zeros(capacity, PARAMS)  # how its drafts are chosen (sampling.py)
         # Output hidden of its last computed row: the hidden of the row of the last
         # draft, should all drafts be accepted.
         self.last_hidden = torch.zeros(capacity, size, dtype=dtype, device=device)
@@ -61,8 +69,27 @@ class StateTable:
         self.num_rows[slot] = self.num_blocks[slot] = 0
         self.prefilling[slot] = False
         self.pending_row[slot] = -1
+        self.accepted_sum[slot] = self.predicted_sum[slot] = 0
+        self.sampling[slot] = tuple(getattr(GREEDY, name) for name in PARAMS.names)
         self.last_used[slot] = now
         return slot
+
+    def count_verdicts(self, slots: np.ndarray, accepted: np.ndarray) -> None:
+        """Adds verdicts on the slots' pending proposals to their decayed sums."""
+        probs, counts = self.pending_probs[slots], self.pending_count[slots]
+        hit, predicted = draft_count.verdicts(probs, counts, accepted)
+        self.accepted_sum[slots] = draft_count.DECAY * self.accepted_sum[slots] + hit
+        self.predicted_sum[slots] = draft_count.DECAY * self.predicted_sum[slots] + predicted
+
+    def calibration(self, slots: np.ndarray) -> np.ndarray:
+        return draft_count.calibration(self.accepted_sum[slots], self.predicted_sum[slots])
+
+    def set_sampling(self, slots: np.ndarray, changes: np.ndarray) -> None:
+        """The slots take the sampling of their rows of a step's changes column that are set."""
+        changed = changes["set"]
+        if changed.any():
+            for name in PARAMS.names:
+                self.sampling[name][slots[changed]] = changes[name][changed]
 
     def release_slot(self, slot: int) -> None:
         self.pool.free(self.detach_blocks(slot))

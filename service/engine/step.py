@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
+from . import sampling as draws
 from .errors import DrafterError, InvalidArgument, num_accepted_negative
 from .types import Proposal, Verdict
 from .validation import as_rows, check_floating
@@ -43,9 +44,19 @@ class Step:
     mask_counts: np.ndarray  # [B] int64: rows of bitmasks (0: no mask)
     bitmasks: torch.Tensor | None  # [sum(mask_counts), ceil(V / 32)] int32
     min_confidence: np.ndarray  # [B] float64
+    sampling: np.ndarray  # [B] sampling.CHANGES: new sampling parameters (`set`), if any
+    # Where num_drafts is 0 (the drafter chooses K, draft_count.py): the most drafts it
+    # may choose (0: max_drafts), and the cost of verifying one more token.
+    draft_caps: np.ndarray  # [B] int64
+    verify_costs: np.ndarray  # [B] float64
 
     def __len__(self) -> int:
         return len(self.state_ids)
+
+    def drafts_asked(self, max_drafts: int) -> np.ndarray:
+        """[B] K of each row: its num_drafts, or where that is 0, its cap (0: max_drafts)."""
+        cap = np.where(self.draft_caps == 0, max_drafts, self.draft_caps)
+        return np.where(self.num_drafts == 0, cap, self.num_drafts)
 
     @staticmethod
     def concat(steps: list[Step]) -> Step:
@@ -71,11 +82,16 @@ def single(
     bitmask: torch.Tensor | None = None,
     min_confidence: float = 0.0,
     previous: Verdict | None = None,
+    sampling: draws.Sampling | None = None,
+    draft_cap: int = 0,
+    verify_token_cost: float = 0.0,
     *,
     shape: StepShape,
 ) -> Step:
     """One state's Propose as a Step of one row: `hidden` [H] or [1, H], `bitmask` int32
-    [W] or [n, W] (xgrammar's layout), `previous` the verdict on its pending proposal.
+    [W] or [n, W] (xgrammar's layout), `previous` the verdict on its pending proposal,
+    `sampling` the state's sampling from this step on (None: unchanged); with
+    num_drafts 0, `draft_cap` and `verify_token_cost` as a ProposeRequest's.
 
     Raises InvalidArgument for a tensor of the wrong shape or dtype, naming the
     Propose's field, as the request cannot be a row then.
@@ -99,6 +115,9 @@ def single(
         mask_counts=np.array([0 if mask is None else mask.shape[0]], np.int64),
         bitmasks=mask,
         min_confidence=np.array([min_confidence], np.float64),
+        sampling=draws.changes([sampling]),
+        draft_caps=np.array([draft_cap], np.int64),
+        verify_costs=np.array([verify_token_cost], np.float64),
     )
 
 
@@ -167,6 +186,10 @@ class StepResult:
     confidences: np.ndarray  # [B] float64: the chain confidence (0 for a failed row)
     first_positions: np.ndarray  # [B] int64 (0 for a failed row)
     errors: dict[int, DrafterError]  # row -> why it failed; its state is unchanged
+    # Each draft's q as its support (sampled drafts; a greedy row's: its draft alone),
+    # [B, width, support], probability 0 past a row's q and count; support 0: none sampled.
+    q_ids: np.ndarray | None = None  # int64
+    q_probs: np.ndarray | None = None  # float32
     # row -> its grammar's bitmasks, [count + 1, W] int32 (rows of states with a grammar)
     grammar_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -179,6 +202,8 @@ class StepResult:
             self.confidences[lo:hi],
             self.first_positions[lo:hi],
             {row - lo: err for row, err in self.errors.items() if lo <= row < hi},
+            None if self.q_ids is None else self.q_ids[lo:hi],
+            None if self.q_probs is None else self.q_probs[lo:hi],
             {row - lo: m for row, m in self.grammar_masks.items() if lo <= row < hi},
         )
 
@@ -190,4 +215,6 @@ class StepResult:
             probs=self.probs[row, :n].tolist(),
             confidence=float(self.confidences[row]),
             first_position=int(self.first_positions[row]),
+            q_ids=None if self.q_ids is None else self.q_ids[row, :n].tolist(),
+            q_probs=None if self.q_probs is None else self.q_probs[row, :n].tolist(),
         )

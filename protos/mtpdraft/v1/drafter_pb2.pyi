@@ -35,7 +35,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_family", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "compute_dtype", "hidden_dtypes", "device", "max_drafts", "max_batch", "max_states", "live_states", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "kv_handles", "state_ttl_seconds", "max_message_bytes", "bitmask_words", "draining", "batch_size_counts", "queued_calls", "instance_epoch", "model_fingerprint", "grammar_kinds")
+    __slots__ = ("model_family", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "compute_dtype", "hidden_dtypes", "device", "max_drafts", "max_batch", "max_states", "live_states", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "kv_handles", "state_ttl_seconds", "max_message_bytes", "bitmask_words", "draining", "batch_size_counts", "queued_calls", "instance_epoch", "model_fingerprint", "max_sample_top_k", "grammar_kinds")
     class BatchSizeCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class GetInfoResponse(_message.Message):
     QUEUED_CALLS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_SAMPLE_TOP_K_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_KINDS_FIELD_NUMBER: _ClassVar[int]
     model_family: str
     hidden_size: int
@@ -94,8 +95,23 @@ class GetInfoResponse(_message.Message):
     queued_calls: int
     instance_epoch: int
     model_fingerprint: str
+    max_sample_top_k: int
     grammar_kinds: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_family: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., compute_dtype: _Optional[str] = ..., hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., device: _Optional[str] = ..., max_drafts: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_states: _Optional[int] = ..., live_states: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_handles: _Optional[int] = ..., state_ttl_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., bitmask_words: _Optional[int] = ..., draining: bool = ..., batch_size_counts: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ..., instance_epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., grammar_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, model_family: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., compute_dtype: _Optional[str] = ..., hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., device: _Optional[str] = ..., max_drafts: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_states: _Optional[int] = ..., live_states: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_handles: _Optional[int] = ..., state_ttl_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., bitmask_words: _Optional[int] = ..., draining: bool = ..., batch_size_counts: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ..., instance_epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_sample_top_k: _Optional[int] = ..., grammar_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("json_schema", "ebnf", "regex", "structural_tag")
@@ -110,10 +126,12 @@ class Grammar(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., ebnf: _Optional[str] = ..., regex: _Optional[str] = ..., structural_tag: _Optional[str] = ...) -> None: ...
 
 class AllocStateRequest(_message.Message):
-    __slots__ = ("grammar",)
+    __slots__ = ("sampling", "grammar")
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    sampling: SamplingParams
     grammar: Grammar
-    def __init__(self, grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
 
 class AllocStateResponse(_message.Message):
     __slots__ = ("state_id",)
@@ -152,7 +170,7 @@ class Verdict(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("state_id", "token", "hidden", "position", "num_drafts", "bitmask", "min_confidence", "previous", "return_bitmasks")
+    __slots__ = ("state_id", "token", "hidden", "position", "num_drafts", "bitmask", "min_confidence", "previous", "sampling", "draft_cap", "verify_token_cost", "return_bitmasks")
     STATE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +179,9 @@ class ProposeRequest(_message.Message):
     BITMASK_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CAP_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
     RETURN_BITMASKS_FIELD_NUMBER: _ClassVar[int]
     state_id: int
     token: int
@@ -170,24 +191,33 @@ class ProposeRequest(_message.Message):
     bitmask: Tensor
     min_confidence: float
     previous: Verdict
+    sampling: SamplingParams
+    draft_cap: int
+    verify_token_cost: float
     return_bitmasks: bool
-    def __init__(self, state_id: _Optional[int] = ..., token: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., position: _Optional[int] = ..., num_drafts: _Optional[int] = ..., bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., previous: _Optional[_Union[Verdict, _Mapping]] = ..., return_bitmasks: bool = ...) -> None: ...
+    def __init__(self, state_id: _Optional[int] = ..., token: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., position: _Optional[int] = ..., num_drafts: _Optional[int] = ..., bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., previous: _Optional[_Union[Verdict, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_cap: _Optional[int] = ..., verify_token_cost: _Optional[float] = ..., return_bitmasks: bool = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("state_id", "tokens", "probs", "confidence", "first_position", "bitmasks")
+    __slots__ = ("state_id", "tokens", "probs", "confidence", "first_position", "q_support", "q_ids", "q_probs", "bitmasks")
     STATE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    Q_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    Q_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     BITMASKS_FIELD_NUMBER: _ClassVar[int]
     state_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
     confidence: float
     first_position: int
+    q_support: int
+    q_ids: _containers.RepeatedScalarFieldContainer[int]
+    q_probs: _containers.RepeatedScalarFieldContainer[float]
     bitmasks: Tensor
-    def __init__(self, state_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., confidence: _Optional[float] = ..., first_position: _Optional[int] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, state_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., confidence: _Optional[float] = ..., first_position: _Optional[int] = ..., q_support: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message", "reason", "field")
@@ -202,7 +232,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class ProposeBatchRequest(_message.Message):
-    __slots__ = ("request_id", "state_ids", "tokens", "positions", "hiddens", "num_drafts", "num_accepted", "refeed_rows", "refeed_hiddens", "bitmask_rows", "bitmasks", "min_confidence", "return_bitmasks")
+    __slots__ = ("request_id", "state_ids", "tokens", "positions", "hiddens", "num_drafts", "num_accepted", "refeed_rows", "refeed_hiddens", "bitmask_rows", "bitmasks", "min_confidence", "sampling_rows", "sampling", "draft_caps", "verify_token_costs", "return_bitmasks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +245,10 @@ class ProposeBatchRequest(_message.Message):
     BITMASK_ROWS_FIELD_NUMBER: _ClassVar[int]
     BITMASKS_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CAPS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_TOKEN_COSTS_FIELD_NUMBER: _ClassVar[int]
     RETURN_BITMASKS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     state_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -228,11 +262,15 @@ class ProposeBatchRequest(_message.Message):
     bitmask_rows: _containers.RepeatedScalarFieldContainer[int]
     bitmasks: Tensor
     min_confidence: _containers.RepeatedScalarFieldContainer[float]
+    sampling_rows: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _containers.RepeatedCompositeFieldContainer[SamplingParams]
+    draft_caps: _containers.RepeatedScalarFieldContainer[int]
+    verify_token_costs: _containers.RepeatedScalarFieldContainer[float]
     return_bitmasks: bool
-    def __init__(self, request_id: _Optional[int] = ..., state_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., refeed_rows: _Optional[_Iterable[int]] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[_Iterable[float]] = ..., return_bitmasks: bool = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., state_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., refeed_rows: _Optional[_Iterable[int]] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[_Iterable[float]] = ..., sampling_rows: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., draft_caps: _Optional[_Iterable[int]] = ..., verify_token_costs: _Optional[_Iterable[float]] = ..., return_bitmasks: bool = ...) -> None: ...
 
 class ProposeBatchResponse(_message.Message):
-    __slots__ = ("request_id", "width", "drafts", "probs", "draft_counts", "confidences", "first_positions", "errors", "error", "bitmask_rows", "bitmasks")
+    __slots__ = ("request_id", "width", "drafts", "probs", "draft_counts", "confidences", "first_positions", "errors", "error", "q_support", "q_ids", "q_probs", "bitmask_rows", "bitmasks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +280,9 @@ class ProposeBatchResponse(_message.Message):
     FIRST_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    Q_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    Q_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     BITMASK_ROWS_FIELD_NUMBER: _ClassVar[int]
     BITMASKS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
@@ -253,9 +294,12 @@ class ProposeBatchResponse(_message.Message):
     first_positions: _containers.RepeatedScalarFieldContainer[int]
     errors: _containers.RepeatedCompositeFieldContainer[RowError]
     error: Error
+    q_support: int
+    q_ids: _containers.RepeatedScalarFieldContainer[int]
+    q_probs: _containers.RepeatedScalarFieldContainer[float]
     bitmask_rows: _containers.RepeatedScalarFieldContainer[int]
     bitmasks: Tensor
-    def __init__(self, request_id: _Optional[int] = ..., width: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., first_positions: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[RowError, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., width: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., first_positions: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[RowError, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., q_support: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RowError(_message.Message):
     __slots__ = ("row", "error")

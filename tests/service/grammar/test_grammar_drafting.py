@@ -28,6 +28,7 @@ from proposing import ProposeArgs, propose, step_of
 from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
 from mtpdraft.service.engine.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from mtpdraft.service.engine.sampling import Sampling
 from mtpdraft.service.engine.types import Verdict
 from mtpdraft.service.grammar.spec import GrammarSpec
 from mtpdraft.service.model.checkpoint import load_mtp_weights
@@ -89,7 +90,7 @@ def engine(head, checkpoint) -> DraftEngine:
 
 def start(engine, grammar=None, prompt=6, seed=0):
     """A state with `prompt` rows, its Expected rows and its independent matcher."""
-    state = engine.alloc_state("", grammar)
+    state = engine.alloc_state("", grammar=grammar)
     toks = torch.randint(0, 128, (prompt,), generator=torch.Generator().manual_seed(seed))
     hid = hiddens(prompt, seed)
     session = engine.begin_prefill(state, 1)
@@ -399,3 +400,53 @@ def test_the_default_checkpoint_ships_its_byte_tokenizer():
     assert info.decoded_vocab == [bytes([i]) for i in range(256)]
     assert info.stop_token_ids == []
     assert H == 64
+
+
+def test_sampled_drafts_are_drawn_from_the_grammars_masked_distribution(engine, own_compiler):
+    """A sampled grammar state's drafts obey its grammar and each draft's q holds only
+    tokens the grammar allows there (q is the masked distribution), its probabilities
+    summing to 1; a greedy state of the same batch answers q as its drafts alone."""
+    sampled = Sampling(temperature=1.5, seed=7)
+    grammar = engine.grammars.compile(GrammarSpec("json_schema", SCHEMA))
+    state = engine.alloc_state("", sampled, grammar=grammar)
+    free = engine.alloc_state("")
+    for s, seed in ((state, 1), (free, 2)):
+        session = engine.begin_prefill(s, 1)
+        session.append([1, 2, 3, 4, 5, 6], hiddens(6, seed))
+        session.finish()
+    matcher = xgrammar.GrammarMatcher(compile_kind(own_compiler, "json_schema", SCHEMA))
+    rng = random.Random(3)
+    position, previous, token = 7, None, ord("{")
+    drawn = 0
+    for step in range(6):
+        assert matcher.accept_token(token)
+        rows = [
+            ProposeArgs(state, token, hiddens(1, 50 + step)[0], position, 4, previous=previous),
+            ProposeArgs(free, 5, hiddens(1, 60 + step)[0], 7, 2),
+        ]
+        result = engine.step(step_of(rows, engine.step_shape))
+        assert not result.errors
+        drafts = result.drafts[0, : result.counts[0]].tolist()
+        masks = masks_along(matcher, drafts)
+        for j, d in enumerate(drafts):
+            support = result.q_probs[0, j] > 0
+            assert masks[j, d] and masks[j][result.q_ids[0, j][support]].all()
+            assert abs(result.q_probs[0, j].sum() - 1) < 1e-4
+            assert result.q_probs[0, j][result.q_ids[0, j] == d].sum() == result.probs[0, j]
+        drawn += len(drafts)
+        free_count = result.counts[1]
+        assert (result.q_probs[1, :free_count, 0] == 1).all()
+        assert (result.q_ids[1, :free_count, 0] == result.drafts[1, :free_count]).all()
+        engine.free_state(free)
+        free = engine.alloc_state("")
+        session = engine.begin_prefill(free, 1)
+        session.append([1, 2, 3, 4, 5, 6], hiddens(6, 2))
+        session.finish()
+        a = rng.randint(0, len(drafts))
+        for d in drafts[:a]:
+            assert matcher.accept_token(d)
+        ok = torch.nonzero(allowed(matcher)).flatten().tolist()
+        if not ok:
+            break
+        token, previous, position = rng.choice(ok), Verdict(a), position + a + 1
+    assert drawn > 6
