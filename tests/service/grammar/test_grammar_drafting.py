@@ -450,3 +450,36 @@ def test_sampled_drafts_are_drawn_from_the_grammars_masked_distribution(engine, 
             break
         token, previous, position = rng.choice(ok), Verdict(a), position + a + 1
     assert drawn > 6
+
+
+def test_the_drafters_own_count_cuts_among_the_grammars_drafts(engine, own_compiler):
+    """num_drafts 0: the drafter keeps some of the grammar's drafts (up to draft_cap, fewer
+    the dearer a verified token); the state's rows and matcher stay in step through every
+    verdict, and the masks end at the first draft not kept."""
+    grammar = engine.grammars.compile(GrammarSpec("regex", REGEX))
+    matcher = xgrammar.GrammarMatcher(compile_kind(own_compiler, "regex", REGEX))
+    state = engine.alloc_state("", grammar=grammar)
+    session = engine.begin_prefill(state, 1)
+    session.append([1, 2, 3, 4, 5, 6], hiddens(6, 4))
+    session.finish()
+    rng = random.Random(8)
+    position, previous, token, kept = 7, None, ord("a"), []
+    for step in range(8):
+        assert matcher.accept_token(token)
+        cost = rng.choice([0.0, 0.3, 2.0])
+        args = ProposeArgs(state, token, hiddens(1, 70 + step)[0], position, 0,
+                           previous=previous, draft_cap=5, verify_token_cost=cost)  # fmt: skip
+        result = engine.step(step_of([args], engine.step_shape))
+        assert not result.errors
+        drafts = result.drafts[0, : result.counts[0]].tolist()
+        assert len(drafts) <= 5
+        assert torch.equal(unpacked(result.grammar_masks[0]), masks_along(matcher, drafts))
+        kept.append(len(drafts))
+        a = rng.randint(0, len(drafts))
+        for d in drafts[:a]:
+            assert matcher.accept_token(d)
+        ok = torch.nonzero(allowed(matcher)).flatten().tolist()
+        if not ok:
+            break
+        token, previous, position = rng.choice(ok), Verdict(a), position + a + 1
+    assert len(set(kept)) > 1  # the count followed the cost
