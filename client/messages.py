@@ -189,8 +189,10 @@ def propose_request(
     bitmask: wire.Array | None = None,
     min_confidence: float = 0.0,
     previous: Verdict | int | None = None,
+    step_number: int = 0,
 ) -> pb.ProposeRequest:
-    """A ProposeRequest; ``previous`` fuses the pending proposal's AfterVerify into it."""
+    """A ProposeRequest; ``previous`` fuses the pending proposal's AfterVerify into it,
+    ``step_number`` numbers the step (0: not numbered)."""
     req = pb.ProposeRequest()
     req.state_id = _uint64(state, "state")
     req.token = _int(token, "token", _INT32_MIN, _INT32_MAX)
@@ -202,6 +204,7 @@ def propose_request(
         wire.encode_bitmask(bitmask, into=req.bitmask)
     if previous is not None:
         verdict_message(previous, into=req.previous)
+    req.step_number = _uint64(step_number, "step_number")
     return req
 
 
@@ -236,6 +239,7 @@ def batch_request(
     bitmask_rows: Any = None,
     bitmasks: wire.Array | None = None,
     min_confidence: Any = None,
+    step_numbers: Any = None,
 ) -> pb.ProposeBatchRequest:
     """A ProposeBatchRequest: B states' step as columns (see ``DrafterClient.propose_batch``)."""
     ids = np.asarray(state_ids.detach().cpu() if wire.is_torch_tensor(state_ids) else state_ids)
@@ -270,6 +274,10 @@ def batch_request(
         req.min_confidence.extend(
             _column(min_confidence, "min_confidence", np.float32, size, one_for_all=True)
         )
+    if step_numbers is not None:
+        req.step_numbers.extend(
+            _column(step_numbers, "step_numbers", np.uint64, size, one_for_all=True)
+        )
     return req
 
 
@@ -290,6 +298,7 @@ def batch_request_of(requests: Sequence[ProposeArgs]) -> pb.ProposeBatchRequest:
         req.positions.append(_int(a.position, "position", -(2**63), 2**63 - 1))
         req.num_drafts.append(_int(a.num_drafts, "num_drafts", _INT32_MIN, _INT32_MAX))
         req.min_confidence.append(float(a.min_confidence))
+        req.step_numbers.append(_uint64(a.step_number, "step_number"))
         if hiddens.add(a.hidden, wire.HIDDEN_DTYPES, i) != 1:
             raise ValueError(f"requests[{i}].hidden: expected one row, [H] or [1, H]")
         verdict = a.previous
@@ -310,6 +319,8 @@ def batch_request_of(requests: Sequence[ProposeArgs]) -> pb.ProposeBatchRequest:
         masks.into(req.bitmasks)
     if not any(req.min_confidence):
         del req.min_confidence[:]
+    if not any(req.step_numbers):
+        del req.step_numbers[:]
     return req
 
 

@@ -177,10 +177,16 @@ class DrafterClient:
         bitmask: Array | None = None,
         min_confidence: float = 0.0,
         previous: Verdict | int | None = None,
+        step_number: int = 0,
         timeout: Timeout = DEFAULT,
     ) -> Proposal:
         """Up to ``num_drafts`` drafts after ``token`` (its target hidden: ``hidden``, at
-        ``position - 1``). ``previous`` first applies the verdict on the pending proposal."""
+        ``position - 1``). ``previous`` first applies the verdict on the pending proposal.
+
+        ``step_number`` (increasing with each of the state's steps; 0: none) makes the
+        call safe to send again when its outcome is unknown (a deadline, a broken
+        connection): the server answers a step it applied as it did, and applies it no
+        second time (``recovery.retry_step``)."""
         req = m.propose_request(
             state,
             token,
@@ -190,6 +196,7 @@ class DrafterClient:
             bitmask=bitmask,
             min_confidence=min_confidence,
             previous=previous,
+            step_number=step_number,
         )
         return self._unary(self._stub.Propose, req, m.parse_proposal, timeout)
 
@@ -207,6 +214,7 @@ class DrafterClient:
         bitmask_rows: Array | Sequence[int] | None = None,
         bitmasks: Array | None = None,
         min_confidence: Array | Sequence[float] | float | None = None,
+        step_numbers: Array | Sequence[int] | int | None = None,
         timeout: Timeout = DEFAULT,
     ) -> BatchResult:
         """A verifier's whole step for B states in one message, as columns.
@@ -215,8 +223,9 @@ class DrafterClient:
         hidden (``hiddens`` [B, H]), K (``num_drafts``: B values or one), the verdict on
         its pending proposal (``num_accepted``: B values, -1 for none), its refeed
         (``refeed_rows`` B counts of ``refeed_hiddens`` rows, 0 or num_accepted), its
-        bitmask (``bitmask_rows`` B counts of ``bitmasks`` rows, 0 for none) and
-        min_confidence (B values or one). A row that fails has its error in
+        bitmask (``bitmask_rows`` B counts of ``bitmasks`` rows, 0 for none),
+        min_confidence (B values or one) and step number (``step_numbers``: B values or
+        one, as ``propose``'s ``step_number``). A row that fails has its error in
         ``errors`` and leaves its state unchanged; the other rows are answered.
         """
         req = m.batch_request(
@@ -231,6 +240,7 @@ class DrafterClient:
             bitmask_rows=bitmask_rows,
             bitmasks=bitmasks,
             min_confidence=min_confidence,
+            step_numbers=step_numbers,
         )
         return self._batch(req, timeout)
 

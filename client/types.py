@@ -88,6 +88,7 @@ class ProposeArgs:
     bitmask: Array | None = None
     min_confidence: float = 0.0
     previous: Verdict | int | None = None
+    step_number: int = 0  # 0: not numbered (see DrafterClient.propose)
 
 
 @dataclass(frozen=True)

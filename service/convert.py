@@ -128,6 +128,7 @@ def propose(msg: pb.ProposeRequest, shape: StepShape) -> Step:
         ),
         min_confidence=msg.min_confidence,
         previous=verdict(msg.previous, "previous") if msg.HasField("previous") else None,
+        step_number=msg.step_number,
         shape=shape,
     )
 
@@ -154,6 +155,7 @@ def batch(msg: pb.ProposeBatchRequest, shape: StepShape) -> Step:
         bitmask_rows=list(msg.bitmask_rows),
         bitmasks=_optional_tensor(msg.bitmasks, "bitmasks", (pb.DTYPE_INT32,)),
         min_confidence=list(msg.min_confidence),
+        step_numbers=list(msg.step_numbers),
     )
 
 
@@ -233,6 +235,7 @@ COLUMN_OF_FIELD = {
     "min_confidence": "min_confidence",
     "previous.num_accepted": "num_accepted",
     "previous.refeed_hiddens": "refeed_hiddens",
+    "step_number": "step_numbers",
 }
 
 

@@ -26,6 +26,7 @@ class ProposeArgs:
     bitmask: torch.Tensor | None = None  # int32 [W] or [n, W], xgrammar layout
     min_confidence: float = 0.0
     previous: Verdict | None = None
+    step_number: int = 0  # 0: not numbered
 
 
 def step_of(requests: list[ProposeArgs], shape: StepShape) -> Step:

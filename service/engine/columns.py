@@ -71,10 +71,12 @@ def step(
     bitmask_rows: Sequence[int] = (),
     bitmasks: torch.Tensor | None = None,
     min_confidence: Sequence[float] = (),
+    step_numbers: Sequence[int] = (),
 ) -> Step:
     """B states' columns (see ProposeBatchRequest) as a Step, or INVALID_ARGUMENT when
     they do not fit together: `hiddens` [B, H] ([H] for B = 1); `num_drafts` and
-    `min_confidence` B values or one for all; `num_accepted` B values (-1: no verdict);
+    `min_confidence` and `step_numbers` B values or one for all; `num_accepted` B values
+    (-1: no verdict);
     `refeed_rows` and `bitmask_rows` a row count per state of `refeed_hiddens`
     ([sum, H]) and `bitmasks` ([sum, W] int32). An empty column is its default."""
     size = len(state_ids)
@@ -119,4 +121,5 @@ def step(
         mask_counts=mask_counts,
         bitmasks=masks,
         min_confidence=_column(min_confidence, "min_confidence", size, np.float64, default=0.0),
+        step_numbers=_column(step_numbers, "step_numbers", size, np.uint64, default=0),
     )

@@ -26,7 +26,7 @@ from ..model.mtp_head import MTPHead
 from . import validation as check
 from .admission import Limits, admit
 from .block_pool import BlockPool
-from .drafting import ChainPlan, draft
+from .drafting import ChainPlan, Drafted, draft
 from .errors import (
     DrafterError,
     FailedPrecondition,
@@ -380,7 +380,9 @@ class DraftEngine:
 
         Each row stands or fails alone: a failed row gets its error in the answer and
         changes nothing. The rows that pass are drafted together: their verdicts
-        applied, their chains run, their proposals left pending.
+        applied, their chains run, their proposals left pending. A row that retries the
+        step of its state's pending proposal (its step number) is answered with that
+        proposal, and changes nothing.
         """
         b = len(step)
         slots = np.fromiter(
@@ -394,6 +396,9 @@ class DraftEngine:
         # The largest K asked, a refused one (negative, or past max_drafts) within bounds:
         # a row asking K = 2**31 - 1 must not size the answer.
         width = min(max(int(step.num_drafts.max()), 0), self.config.max_drafts) if b else 0
+        retried = admitted.retried_slots
+        if len(retried):  # a retry asking fewer drafts than it was answered
+            width = max(width, int(self.table.pending_count[retried].max()))
         result = StepResult(
             drafts=np.full((b, width), -1, np.int64),
             probs=np.zeros((b, width), np.float32),
@@ -402,11 +407,25 @@ class DraftEngine:
             first_positions=np.zeros(b, np.int64),
             errors=admitted.errors,
         )
+        self._answer_again(admitted.retried, retried, result)
         rows = admitted.rows
         if not len(rows):
             return result
         self._draft(step, rows, admitted.slots, admitted.base_rows, result)
         return result
+
+    def _answer_again(self, rows: np.ndarray, slots: np.ndarray, result: StepResult) -> None:
+        """The retried rows' answers: their states' pending proposals, as first answered."""
+        if not len(rows):
+            return
+        t, width = self.table, result.drafts.shape[1]
+        counts = t.pending_count[slots]
+        kept = np.arange(width)[None, :] < counts[:, None]
+        result.drafts[rows] = np.where(kept, t.pending_drafts[slots, :width], -1)
+        result.probs[rows] = np.where(kept, t.pending_probs[slots, :width], 0)
+        result.counts[rows] = counts
+        result.confidences[rows] = t.pending_confidence[slots]
+        result.first_positions[rows] = t.pending_row[slots] + 2  # R0's position, plus one
 
     def _draft(self, step, rows, slots, base_rows, result: StepResult) -> None:
         t = self.table
@@ -464,11 +483,21 @@ class DraftEngine:
             )
         t.pending_drafts[slots, : drafted.all_drafts.shape[1]] = drafted.all_drafts
         width = drafted.drafts.shape[1]
+        self._remember_answer(slots, step.step_numbers[rows], drafted)
         result.drafts[rows, :width] = drafted.drafts
         result.probs[rows, :width] = drafted.probs
         result.counts[rows] = drafted.counts
         result.confidences[rows] = drafted.confidences
         result.first_positions[rows] = step.positions[rows] + 1
+
+    def _remember_answer(self, slots: np.ndarray, numbers: np.ndarray, drafted: Drafted) -> None:
+        """What a retry of these states' steps is answered: their step numbers and what
+        their proposals were answered besides the drafts, which the table keeps."""
+        t = self.table
+        t.pending_step[slots] = numbers
+        t.last_step[slots] = np.maximum(t.last_step[slots], numbers)
+        t.pending_probs[slots, : drafted.probs.shape[1]] = drafted.probs
+        t.pending_confidence[slots] = drafted.confidences
 
     def _count_verdicts(self, verdicts: tuple[np.ndarray, np.ndarray] | None) -> None:
         """Hands (drafts proposed, drafts accepted) of some verdicts to on_verdicts."""

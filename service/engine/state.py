@@ -39,6 +39,13 @@ class StateTable:
         self.pending_count = np.zeros(capacity, np.int64)
         self.pending_drafts = np.zeros((capacity, max_drafts), np.int64)
         self.pending_computed = np.zeros(capacity, np.int64)
+        # What the pending proposal was answered besides its drafts, and the number of the
+        # step that made it (0: none), so that a retry of that step is answered again; the
+        # highest step number applied, below which a step is stale.
+        self.pending_probs = np.zeros((capacity, max_drafts), np.float32)
+        self.pending_confidence = np.zeros(capacity, np.float64)
+        self.pending_step = np.zeros(capacity, np.uint64)
+        self.last_step = np.zeros(capacity, np.uint64)
         # Output hidden of its last computed row: the hidden of the row of the last
         # draft, should all drafts be accepted.
         self.last_hidden = torch.zeros(capacity, size, dtype=dtype, device=device)
@@ -61,6 +68,7 @@ class StateTable:
         self.num_rows[slot] = self.num_blocks[slot] = 0
         self.prefilling[slot] = False
         self.pending_row[slot] = -1
+        self.pending_step[slot] = self.last_step[slot] = 0
         self.last_used[slot] = now
         return slot
 

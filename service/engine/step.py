@@ -43,6 +43,9 @@ class Step:
     mask_counts: np.ndarray  # [B] int64: rows of bitmasks (0: no mask)
     bitmasks: torch.Tensor | None  # [sum(mask_counts), ceil(V / 32)] int32
     min_confidence: np.ndarray  # [B] float64
+    # [B] uint64: the verifier's number of the state's step (0: none), which makes a
+    # retry of the step answer as the step did (admission.py)
+    step_numbers: np.ndarray
 
     def __len__(self) -> int:
         return len(self.state_ids)
@@ -71,11 +74,13 @@ def single(
     bitmask: torch.Tensor | None = None,
     min_confidence: float = 0.0,
     previous: Verdict | None = None,
+    step_number: int = 0,
     *,
     shape: StepShape,
 ) -> Step:
     """One state's Propose as a Step of one row: `hidden` [H] or [1, H], `bitmask` int32
-    [W] or [n, W] (xgrammar's layout), `previous` the verdict on its pending proposal.
+    [W] or [n, W] (xgrammar's layout), `previous` the verdict on its pending proposal,
+    `step_number` the step's number (0: none).
 
     Raises InvalidArgument for a tensor of the wrong shape or dtype, naming the
     Propose's field, as the request cannot be a row then.
@@ -99,6 +104,7 @@ def single(
         mask_counts=np.array([0 if mask is None else mask.shape[0]], np.int64),
         bitmasks=mask,
         min_confidence=np.array([min_confidence], np.float64),
+        step_numbers=np.array([step_number], np.uint64),
     )
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mtpdraft/v1/drafter.proto\x12\x0bmtpdraft.v1\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.mtpdraft.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x10\n\x0eGetInfoRequest\"\xc8\x05\n\x0fGetInfoResponse\x12\x14\n\x0cmodel_family\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1b\n\x13num_attention_heads\x18\x04 \x01(\x05\x12\x1b\n\x13num_key_value_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x15\n\rcompute_dtype\x18\x07 \x01(\t\x12)\n\rhidden_dtypes\x18\x08 \x03(\x0e\x32\x12.mtpdraft.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x12\n\nmax_drafts\x18\n \x01(\x05\x12\x11\n\tmax_batch\x18\x0b \x01(\x05\x12\x12\n\nmax_states\x18\x0c \x01(\x05\x12\x13\n\x0blive_states\x18\r \x01(\x05\x12\x15\n\rkv_block_size\x18\x0e \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x0f \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x10 \x01(\x05\x12\x12\n\nkv_handles\x18\x11 \x01(\x05\x12\x19\n\x11state_ttl_seconds\x18\x12 \x01(\x01\x12\x19\n\x11max_message_bytes\x18\x13 \x01(\x03\x12\x15\n\rbitmask_words\x18\x14 \x01(\x05\x12\x10\n\x08\x64raining\x18\x15 \x01(\x08\x12L\n\x11\x62\x61tch_size_counts\x18\x16 \x03(\x0b\x32\x31.mtpdraft.v1.GetInfoResponse.BatchSizeCountsEntry\x12\x14\n\x0cqueued_calls\x18\x17 \x01(\x05\x12\x16\n\x0einstance_epoch\x18\x18 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x19 \x01(\t\x1a\x36\n\x14\x42\x61tchSizeCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x13\n\x11\x41llocStateRequest\"&\n\x12\x41llocStateResponse\x12\x10\n\x08state_id\x18\x01 \x01(\x04\"\x82\x01\n\x0cPrefillChunk\x12\x10\n\x08state_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12$\n\x07hiddens\x18\x04 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x12\n\ntotal_rows\x18\x05 \x01(\x03\":\n\x0fPrefillResponse\x12\x10\n\x08num_rows\x18\x01 \x01(\x03\x12\x15\n\rnext_position\x18\x02 \x01(\x03\"L\n\x07Verdict\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12+\n\x0erefeed_hiddens\x18\x02 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\"\xe8\x01\n\x0eProposeRequest\x12\x10\n\x08state_id\x18\x01 \x01(\x04\x12\r\n\x05token\x18\x02 \x01(\x05\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x10\n\x08position\x18\x04 \x01(\x03\x12\x12\n\nnum_drafts\x18\x05 \x01(\x05\x12$\n\x07\x62itmask\x18\x06 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x16\n\x0emin_confidence\x18\x07 \x01(\x02\x12&\n\x08previous\x18\x08 \x01(\x0b\x32\x14.mtpdraft.v1.VerdictJ\x04\x08\t\x10\n\"g\n\x08Proposal\x12\x10\n\x08state_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\x12\x12\n\nconfidence\x18\x04 \x01(\x02\x12\x16\n\x0e\x66irst_position\x18\x05 \x01(\x03\"E\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x66ield\x18\x04 \x01(\t\"\xc6\x02\n\x13ProposeBatchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\tstate_ids\x18\x02 \x03(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x11\n\tpositions\x18\x04 \x03(\x03\x12$\n\x07hiddens\x18\x05 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x12\n\nnum_drafts\x18\x06 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x07 \x03(\x05\x12\x13\n\x0brefeed_rows\x18\x08 \x03(\x05\x12+\n\x0erefeed_hiddens\x18\t \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x14\n\x0c\x62itmask_rows\x18\n \x03(\x05\x12%\n\x08\x62itmasks\x18\x0b \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x16\n\x0emin_confidence\x18\x0c \x03(\x02\"\xe6\x01\n\x14ProposeBatchResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\r\n\x05width\x18\x02 \x01(\x05\x12\x0e\n\x06\x64rafts\x18\x03 \x03(\x05\x12\r\n\x05probs\x18\x04 \x03(\x02\x12\x14\n\x0c\x64raft_counts\x18\x05 \x03(\x05\x12\x13\n\x0b\x63onfidences\x18\x06 \x03(\x02\x12\x17\n\x0f\x66irst_positions\x18\x07 \x03(\x03\x12%\n\x06\x65rrors\x18\x08 \x03(\x0b\x32\x15.mtpdraft.v1.RowError\x12!\n\x05\x65rror\x18\t \x01(\x0b\x32\x12.mtpdraft.v1.Error\":\n\x08RowError\x12\x0b\n\x03row\x18\x01 \x01(\x05\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.mtpdraft.v1.Error\"M\n\x12\x41\x66terVerifyRequest\x12\x10\n\x08state_id\x18\x01 \x01(\x04\x12%\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.mtpdraft.v1.Verdict\">\n\x13\x41\x66terVerifyResponse\x12\x10\n\x08num_rows\x18\x01 \x01(\x03\x12\x15\n\rnext_position\x18\x02 \x01(\x03\"!\n\rTakeKVRequest\x12\x10\n\x08state_id\x18\x01 \x01(\x04\"J\n\x0eTakeKVResponse\x12\x11\n\thandle_id\x18\x01 \x01(\x04\x12\x10\n\x08num_rows\x18\x02 \x01(\x03\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\"7\n\x10InstallKVRequest\x12\x10\n\x08state_id\x18\x01 \x01(\x04\x12\x11\n\thandle_id\x18\x02 \x01(\x04\"<\n\x11InstallKVResponse\x12\x10\n\x08num_rows\x18\x01 \x01(\x03\x12\x15\n\rnext_position\x18\x02 \x01(\x03\"R\n\x0f\x45xportKVRequest\x12\x11\n\thandle_id\x18\x01 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\x03\x12\x13\n\x0bkeep_handle\x18\x03 \x01(\x08\"\x9f\x01\n\x08KVHeader\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0cmodel_family\x18\x02 \x01(\t\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.mtpdraft.v1.DType\x12\x1b\n\x13num_key_value_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x10\n\x08num_rows\x18\x06 \x01(\x03\"\x95\x01\n\x07KVChunk\x12\x10\n\x08state_id\x18\x01 \x01(\x04\x12%\n\x06header\x18\x02 \x01(\x0b\x32\x15.mtpdraft.v1.KVHeader\x12\x11\n\tfirst_row\x18\x03 \x01(\x03\x12\x1e\n\x01k\x18\x04 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x1e\n\x01v\x18\x05 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\";\n\x10ImportKVResponse\x12\x10\n\x08num_rows\x18\x01 \x01(\x03\x12\x15\n\rnext_position\x18\x02 \x01(\x03\"$\n\x10\x46reeStateRequest\x12\x10\n\x08state_id\x18\x01 \x01(\x04\"$\n\x11\x46reeStateResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08*_\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_FP32\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x32\x84\x07\n\x07\x44rafter\x12\x44\n\x07GetInfo\x12\x1b.mtpdraft.v1.GetInfoRequest\x1a\x1c.mtpdraft.v1.GetInfoResponse\x12M\n\nAllocState\x12\x1e.mtpdraft.v1.AllocStateRequest\x1a\x1f.mtpdraft.v1.AllocStateResponse\x12\x44\n\x07Prefill\x12\x19.mtpdraft.v1.PrefillChunk\x1a\x1c.mtpdraft.v1.PrefillResponse(\x01\x12=\n\x07Propose\x12\x1b.mtpdraft.v1.ProposeRequest\x1a\x15.mtpdraft.v1.Proposal\x12S\n\x0cProposeBatch\x12 .mtpdraft.v1.ProposeBatchRequest\x1a!.mtpdraft.v1.ProposeBatchResponse\x12X\n\rProposeStream\x12 .mtpdraft.v1.ProposeBatchRequest\x1a!.mtpdraft.v1.ProposeBatchResponse(\x01\x30\x01\x12P\n\x0b\x41\x66terVerify\x12\x1f.mtpdraft.v1.AfterVerifyRequest\x1a .mtpdraft.v1.AfterVerifyResponse\x12\x41\n\x06TakeKV\x12\x1a.mtpdraft.v1.TakeKVRequest\x1a\x1b.mtpdraft.v1.TakeKVResponse\x12J\n\tInstallKV\x12\x1d.mtpdraft.v1.InstallKVRequest\x1a\x1e.mtpdraft.v1.InstallKVResponse\x12@\n\x08\x45xportKV\x12\x1c.mtpdraft.v1.ExportKVRequest\x1a\x14.mtpdraft.v1.KVChunk0\x01\x12\x41\n\x08ImportKV\x12\x14.mtpdraft.v1.KVChunk\x1a\x1d.mtpdraft.v1.ImportKVResponse(\x01\x12J\n\tFreeState\x12\x1d.mtpdraft.v1.FreeStateRequest\x1a\x1e.mtpdraft.v1.FreeStateResponseB7Z5github.com/mtpdraft/mtpdraft/client/go/gen/mtpdraftv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mtpdraft/v1/drafter.proto\x12\x0bmtpdraft.v1\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.mtpdraft.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x10\n\x0eGetInfoRequest\"\xc8\x05\n\x0fGetInfoResponse\x12\x14\n\x0cmodel_family\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1b\n\x13num_attention_heads\x18\x04 \x01(\x05\x12\x1b\n\x13num_key_value_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x15\n\rcompute_dtype\x18\x07 \x01(\t\x12)\n\rhidden_dtypes\x18\x08 \x03(\x0e\x32\x12.mtpdraft.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x12\n\nmax_drafts\x18\n \x01(\x05\x12\x11\n\tmax_batch\x18\x0b \x01(\x05\x12\x12\n\nmax_states\x18\x0c \x01(\x05\x12\x13\n\x0blive_states\x18\r \x01(\x05\x12\x15\n\rkv_block_size\x18\x0e \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x0f \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x10 \x01(\x05\x12\x12\n\nkv_handles\x18\x11 \x01(\x05\x12\x19\n\x11state_ttl_seconds\x18\x12 \x01(\x01\x12\x19\n\x11max_message_bytes\x18\x13 \x01(\x03\x12\x15\n\rbitmask_words\x18\x14 \x01(\x05\x12\x10\n\x08\x64raining\x18\x15 \x01(\x08\x12L\n\x11\x62\x61tch_size_counts\x18\x16 \x03(\x0b\x32\x31.mtpdraft.v1.GetInfoResponse.BatchSizeCountsEntry\x12\x14\n\x0cqueued_calls\x18\x17 \x01(\x05\x12\x16\n\x0einstance_epoch\x18\x18 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x19 \x01(\t\x1a\x36\n\x14\x42\x61tchSizeCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x13\n\x11\x41llocStateRequest\"&\n\x12\x41llocStateResponse\x12\x10\n\x08state_id\x18\x01 \x01(\x04\"\x82\x01\n\x0cPrefillChunk\x12\x10\n\x08state_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12$\n\x07hiddens\x18\x04 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x12\n\ntotal_rows\x18\x05 \x01(\x03\":\n\x0fPrefillResponse\x12\x10\n\x08num_rows\x18\x01 \x01(\x03\x12\x15\n\rnext_position\x18\x02 \x01(\x03\"L\n\x07Verdict\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12+\n\x0erefeed_hiddens\x18\x02 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\"\xfd\x01\n\x0eProposeRequest\x12\x10\n\x08state_id\x18\x01 \x01(\x04\x12\r\n\x05token\x18\x02 \x01(\x05\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x10\n\x08position\x18\x04 \x01(\x03\x12\x12\n\nnum_drafts\x18\x05 \x01(\x05\x12$\n\x07\x62itmask\x18\x06 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x16\n\x0emin_confidence\x18\x07 \x01(\x02\x12&\n\x08previous\x18\x08 \x01(\x0b\x32\x14.mtpdraft.v1.Verdict\x12\x13\n\x0bstep_number\x18\n \x01(\x04J\x04\x08\t\x10\n\"g\n\x08Proposal\x12\x10\n\x08state_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\x12\x12\n\nconfidence\x18\x04 \x01(\x02\x12\x16\n\x0e\x66irst_position\x18\x05 \x01(\x03\"E\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x66ield\x18\x04 \x01(\t\"\xdc\x02\n\x13ProposeBatchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\tstate_ids\x18\x02 \x03(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x11\n\tpositions\x18\x04 \x03(\x03\x12$\n\x07hiddens\x18\x05 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x12\n\nnum_drafts\x18\x06 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x07 \x03(\x05\x12\x13\n\x0brefeed_rows\x18\x08 \x03(\x05\x12+\n\x0erefeed_hiddens\x18\t \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x14\n\x0c\x62itmask_rows\x18\n \x03(\x05\x12%\n\x08\x62itmasks\x18\x0b \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x16\n\x0emin_confidence\x18\x0c \x03(\x02\x12\x14\n\x0cstep_numbers\x18\r \x03(\x04\"\xe6\x01\n\x14ProposeBatchResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\r\n\x05width\x18\x02 \x01(\x05\x12\x0e\n\x06\x64rafts\x18\x03 \x03(\x05\x12\r\n\x05probs\x18\x04 \x03(\x02\x12\x14\n\x0c\x64raft_counts\x18\x05 \x03(\x05\x12\x13\n\x0b\x63onfidences\x18\x06 \x03(\x02\x12\x17\n\x0f\x66irst_positions\x18\x07 \x03(\x03\x12%\n\x06\x65rrors\x18\x08 \x03(\x0b\x32\x15.mtpdraft.v1.RowError\x12!\n\x05\x65rror\x18\t \x01(\x0b\x32\x12.mtpdraft.v1.Error\":\n\x08RowError\x12\x0b\n\x03row\x18\x01 \x01(\x05\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.mtpdraft.v1.Error\"M\n\x12\x41\x66terVerifyRequest\x12\x10\n\x08state_id\x18\x01 \x01(\x04\x12%\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.mtpdraft.v1.Verdict\">\n\x13\x41\x66terVerifyResponse\x12\x10\n\x08num_rows\x18\x01 \x01(\x03\x12\x15\n\rnext_position\x18\x02 \x01(\x03\"!\n\rTakeKVRequest\x12\x10\n\x08state_id\x18\x01 \x01(\x04\"J\n\x0eTakeKVResponse\x12\x11\n\thandle_id\x18\x01 \x01(\x04\x12\x10\n\x08num_rows\x18\x02 \x01(\x03\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\"7\n\x10InstallKVRequest\x12\x10\n\x08state_id\x18\x01 \x01(\x04\x12\x11\n\thandle_id\x18\x02 \x01(\x04\"<\n\x11InstallKVResponse\x12\x10\n\x08num_rows\x18\x01 \x01(\x03\x12\x15\n\rnext_position\x18\x02 \x01(\x03\"R\n\x0f\x45xportKVRequest\x12\x11\n\thandle_id\x18\x01 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\x03\x12\x13\n\x0bkeep_handle\x18\x03 \x01(\x08\"\x9f\x01\n\x08KVHeader\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0cmodel_family\x18\x02 \x01(\t\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.mtpdraft.v1.DType\x12\x1b\n\x13num_key_value_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x10\n\x08num_rows\x18\x06 \x01(\x03\"\x95\x01\n\x07KVChunk\x12\x10\n\x08state_id\x18\x01 \x01(\x04\x12%\n\x06header\x18\x02 \x01(\x0b\x32\x15.mtpdraft.v1.KVHeader\x12\x11\n\tfirst_row\x18\x03 \x01(\x03\x12\x1e\n\x01k\x18\x04 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\x12\x1e\n\x01v\x18\x05 \x01(\x0b\x32\x13.mtpdraft.v1.Tensor\";\n\x10ImportKVResponse\x12\x10\n\x08num_rows\x18\x01 \x01(\x03\x12\x15\n\rnext_position\x18\x02 \x01(\x03\"$\n\x10\x46reeStateRequest\x12\x10\n\x08state_id\x18\x01 \x01(\x04\"$\n\x11\x46reeStateResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08*_\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_FP32\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x32\x84\x07\n\x07\x44rafter\x12\x44\n\x07GetInfo\x12\x1b.mtpdraft.v1.GetInfoRequest\x1a\x1c.mtpdraft.v1.GetInfoResponse\x12M\n\nAllocState\x12\x1e.mtpdraft.v1.AllocStateRequest\x1a\x1f.mtpdraft.v1.AllocStateResponse\x12\x44\n\x07Prefill\x12\x19.mtpdraft.v1.PrefillChunk\x1a\x1c.mtpdraft.v1.PrefillResponse(\x01\x12=\n\x07Propose\x12\x1b.mtpdraft.v1.ProposeRequest\x1a\x15.mtpdraft.v1.Proposal\x12S\n\x0cProposeBatch\x12 .mtpdraft.v1.ProposeBatchRequest\x1a!.mtpdraft.v1.ProposeBatchResponse\x12X\n\rProposeStream\x12 .mtpdraft.v1.ProposeBatchRequest\x1a!.mtpdraft.v1.ProposeBatchResponse(\x01\x30\x01\x12P\n\x0b\x41\x66terVerify\x12\x1f.mtpdraft.v1.AfterVerifyRequest\x1a .mtpdraft.v1.AfterVerifyResponse\x12\x41\n\x06TakeKV\x12\x1a.mtpdraft.v1.TakeKVRequest\x1a\x1b.mtpdraft.v1.TakeKVResponse\x12J\n\tInstallKV\x12\x1d.mtpdraft.v1.InstallKVRequest\x1a\x1e.mtpdraft.v1.InstallKVResponse\x12@\n\x08\x45xportKV\x12\x1c.mtpdraft.v1.ExportKVRequest\x1a\x14.mtpdraft.v1.KVChunk0\x01\x12\x41\n\x08ImportKV\x12\x14.mtpdraft.v1.KVChunk\x1a\x1d.mtpdraft.v1.ImportKVResponse(\x01\x12J\n\tFreeState\x12\x1d.mtpdraft.v1.FreeStateRequest\x1a\x1e.mtpdraft.v1.FreeStateResponseB7Z5github.com/mtpdraft/mtpdraft/client/go/gen/mtpdraftv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'Z5github.com/mtpdraft/mtpdraft/client/go/gen/mtpdraftv1'
   _globals['_GETINFORESPONSE_BATCHSIZECOUNTSENTRY']._loaded_options = None
   _globals['_GETINFORESPONSE_BATCHSIZECOUNTSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=3122
-  _globals['_DTYPE']._serialized_end=3217
+  _globals['_DTYPE']._serialized_start=3165
+  _globals['_DTYPE']._serialized_end=3260
   _globals['_TENSOR']._serialized_start=42
   _globals['_TENSOR']._serialized_end=114
   _globals['_GETINFOREQUEST']._serialized_start=116
@@ -55,41 +55,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERDICT']._serialized_start=1103
   _globals['_VERDICT']._serialized_end=1179
   _globals['_PROPOSEREQUEST']._serialized_start=1182
-  _globals['_PROPOSEREQUEST']._serialized_end=1414
-  _globals['_PROPOSAL']._serialized_start=1416
-  _globals['_PROPOSAL']._serialized_end=1519
-  _globals['_ERROR']._serialized_start=1521
-  _globals['_ERROR']._serialized_end=1590
-  _globals['_PROPOSEBATCHREQUEST']._serialized_start=1593
-  _globals['_PROPOSEBATCHREQUEST']._serialized_end=1919
-  _globals['_PROPOSEBATCHRESPONSE']._serialized_start=1922
-  _globals['_PROPOSEBATCHRESPONSE']._serialized_end=2152
-  _globals['_ROWERROR']._serialized_start=2154
-  _globals['_ROWERROR']._serialized_end=2212
-  _globals['_AFTERVERIFYREQUEST']._serialized_start=2214
-  _globals['_AFTERVERIFYREQUEST']._serialized_end=2291
-  _globals['_AFTERVERIFYRESPONSE']._serialized_start=2293
-  _globals['_AFTERVERIFYRESPONSE']._serialized_end=2355
-  _globals['_TAKEKVREQUEST']._serialized_start=2357
-  _globals['_TAKEKVREQUEST']._serialized_end=2390
-  _globals['_TAKEKVRESPONSE']._serialized_start=2392
-  _globals['_TAKEKVRESPONSE']._serialized_end=2466
-  _globals['_INSTALLKVREQUEST']._serialized_start=2468
-  _globals['_INSTALLKVREQUEST']._serialized_end=2523
-  _globals['_INSTALLKVRESPONSE']._serialized_start=2525
-  _globals['_INSTALLKVRESPONSE']._serialized_end=2585
-  _globals['_EXPORTKVREQUEST']._serialized_start=2587
-  _globals['_EXPORTKVREQUEST']._serialized_end=2669
-  _globals['_KVHEADER']._serialized_start=2672
-  _globals['_KVHEADER']._serialized_end=2831
-  _globals['_KVCHUNK']._serialized_start=2834
-  _globals['_KVCHUNK']._serialized_end=2983
-  _globals['_IMPORTKVRESPONSE']._serialized_start=2985
-  _globals['_IMPORTKVRESPONSE']._serialized_end=3044
-  _globals['_FREESTATEREQUEST']._serialized_start=3046
-  _globals['_FREESTATEREQUEST']._serialized_end=3082
-  _globals['_FREESTATERESPONSE']._serialized_start=3084
-  _globals['_FREESTATERESPONSE']._serialized_end=3120
-  _globals['_DRAFTER']._serialized_start=3220
-  _globals['_DRAFTER']._serialized_end=4120
+  _globals['_PROPOSEREQUEST']._serialized_end=1435
+  _globals['_PROPOSAL']._serialized_start=1437
+  _globals['_PROPOSAL']._serialized_end=1540
+  _globals['_ERROR']._serialized_start=1542
+  _globals['_ERROR']._serialized_end=1611
+  _globals['_PROPOSEBATCHREQUEST']._serialized_start=1614
+  _globals['_PROPOSEBATCHREQUEST']._serialized_end=1962
+  _globals['_PROPOSEBATCHRESPONSE']._serialized_start=1965
+  _globals['_PROPOSEBATCHRESPONSE']._serialized_end=2195
+  _globals['_ROWERROR']._serialized_start=2197
+  _globals['_ROWERROR']._serialized_end=2255
+  _globals['_AFTERVERIFYREQUEST']._serialized_start=2257
+  _globals['_AFTERVERIFYREQUEST']._serialized_end=2334
+  _globals['_AFTERVERIFYRESPONSE']._serialized_start=2336
+  _globals['_AFTERVERIFYRESPONSE']._serialized_end=2398
+  _globals['_TAKEKVREQUEST']._serialized_start=2400
+  _globals['_TAKEKVREQUEST']._serialized_end=2433
+  _globals['_TAKEKVRESPONSE']._serialized_start=2435
+  _globals['_TAKEKVRESPONSE']._serialized_end=2509
+  _globals['_INSTALLKVREQUEST']._serialized_start=2511
+  _globals['_INSTALLKVREQUEST']._serialized_end=2566
+  _globals['_INSTALLKVRESPONSE']._serialized_start=2568
+  _globals['_INSTALLKVRESPONSE']._serialized_end=2628
+  _globals['_EXPORTKVREQUEST']._serialized_start=2630
+  _globals['_EXPORTKVREQUEST']._serialized_end=2712
+  _globals['_KVHEADER']._serialized_start=2715
+  _globals['_KVHEADER']._serialized_end=2874
+  _globals['_KVCHUNK']._serialized_start=2877
+  _globals['_KVCHUNK']._serialized_end=3026
+  _globals['_IMPORTKVRESPONSE']._serialized_start=3028
+  _globals['_IMPORTKVRESPONSE']._serialized_end=3087
+  _globals['_FREESTATEREQUEST']._serialized_start=3089
+  _globals['_FREESTATEREQUEST']._serialized_end=3125
+  _globals['_FREESTATERESPONSE']._serialized_start=3127
+  _globals['_FREESTATERESPONSE']._serialized_end=3163
+  _globals['_DRAFTER']._serialized_start=3263
+  _globals['_DRAFTER']._serialized_end=4163
 # @@protoc_insertion_point(module_scope)

@@ -136,7 +136,7 @@ class Verdict(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("state_id", "token", "hidden", "position", "num_drafts", "bitmask", "min_confidence", "previous")
+    __slots__ = ("state_id", "token", "hidden", "position", "num_drafts", "bitmask", "min_confidence", "previous", "step_number")
     STATE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class ProposeRequest(_message.Message):
     BITMASK_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    STEP_NUMBER_FIELD_NUMBER: _ClassVar[int]
     state_id: int
     token: int
     hidden: Tensor
@@ -153,7 +154,8 @@ class ProposeRequest(_message.Message):
     bitmask: Tensor
     min_confidence: float
     previous: Verdict
-    def __init__(self, state_id: _Optional[int] = ..., token: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., position: _Optional[int] = ..., num_drafts: _Optional[int] = ..., bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., previous: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
+    step_number: int
+    def __init__(self, state_id: _Optional[int] = ..., token: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., position: _Optional[int] = ..., num_drafts: _Optional[int] = ..., bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., previous: _Optional[_Union[Verdict, _Mapping]] = ..., step_number: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("state_id", "tokens", "probs", "confidence", "first_position")
@@ -182,7 +184,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class ProposeBatchRequest(_message.Message):
-    __slots__ = ("request_id", "state_ids", "tokens", "positions", "hiddens", "num_drafts", "num_accepted", "refeed_rows", "refeed_hiddens", "bitmask_rows", "bitmasks", "min_confidence")
+    __slots__ = ("request_id", "state_ids", "tokens", "positions", "hiddens", "num_drafts", "num_accepted", "refeed_rows", "refeed_hiddens", "bitmask_rows", "bitmasks", "min_confidence", "step_numbers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +197,7 @@ class ProposeBatchRequest(_message.Message):
     BITMASK_ROWS_FIELD_NUMBER: _ClassVar[int]
     BITMASKS_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_NUMBERS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     state_ids: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -207,7 +210,8 @@ class ProposeBatchRequest(_message.Message):
     bitmask_rows: _containers.RepeatedScalarFieldContainer[int]
     bitmasks: Tensor
     min_confidence: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[int] = ..., state_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., refeed_rows: _Optional[_Iterable[int]] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[_Iterable[float]] = ...) -> None: ...
+    step_numbers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[int] = ..., state_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., refeed_rows: _Optional[_Iterable[int]] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[_Iterable[float]] = ..., step_numbers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeBatchResponse(_message.Message):
     __slots__ = ("request_id", "width", "drafts", "probs", "draft_counts", "confidences", "first_positions", "errors", "error")

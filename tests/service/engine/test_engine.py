@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -451,4 +452,59 @@ def test_several_states_refeed_in_one_step_as_the_oracle_says(
         rows = len(oracle.tokens)  # the committed rows, R0 of the last proposal included
         for got, want in zip(kv_rows(engine, state), kv_rows(engine, fresh), strict=True):
             torch.testing.assert_close(got[:rows], want, **KV_CLOSE)
+    assert_accounted(engine)
+
+
+def test_a_retried_step_is_answered_as_it_was_and_runs_once(engine: DraftEngine) -> None:
+    """A numbered step sent again (its client never saw the answer) gets the answer its
+    proposal was given and changes nothing: it drafts no second time, nor applies its
+    verdict twice. Its twin, never retried, drafts the same all along."""
+    retried, twin = (prefill(engine, [1, 2, 3], h(3, 50)) for _ in range(2))
+    steps = [
+        ProposeArgs(0, 4, h(1, 51), 4, 3, step_number=1),
+        ProposeArgs(0, 9, h(1, 52), 6, 4, previous=Verdict(1, h(1, 53)), step_number=2),
+        ProposeArgs(0, 7, h(1, 54), 9, 2, previous=Verdict(2), step_number=5),
+    ]
+
+    def sent(args: ProposeArgs, state: int) -> ProposeArgs:
+        # Its own hidden: a chain may write its first drafts' hiddens over the step's.
+        return replace(args, state_id=state, hidden=args.hidden.clone())
+
+    for args in steps:
+        answer = propose(engine, sent(args, retried))
+        rows, pending = engine.states[retried].num_rows, engine.states[retried].pending
+        free = engine.pool.num_free
+        for _ in range(2):
+            assert propose(engine, sent(args, retried)) == answer
+            assert engine.states[retried].num_rows == rows
+            assert engine.states[retried].pending == pending
+            assert engine.pool.num_free == free
+        assert propose(engine, sent(args, twin)) == replace(answer, state_id=twin)
+    # Step 5 is pending: an older number, or 5 at another position, is stale.
+    for stale in [replace(steps[1], step_number=2), replace(steps[2], position=8)]:
+        with pytest.raises(FailedPrecondition) as err:
+            propose(engine, sent(stale, retried))
+        assert err.value.reason == "STALE_STEP"
+    # Once the proposal has its verdict, its step is over: sent again, it is stale too.
+    engine.after_verify(retried, Verdict(0))
+    with pytest.raises(FailedPrecondition) as err:
+        propose(engine, sent(steps[2], retried))
+    assert err.value.reason == "STALE_STEP"
+    assert_accounted(engine)
+
+
+def test_a_retry_in_a_batch_is_answered_beside_new_steps(engine: DraftEngine) -> None:
+    """A retried row and new ones in one step: the retry is answered from its pending
+    proposal, even where it asks fewer drafts, and the others draft as alone."""
+    a, b, alone = (prefill(engine, [1, 2, 3], h(3, 60)) for _ in range(3))
+    first = propose(engine, ProposeArgs(a, 4, h(1, 61), 4, 4, step_number=7))
+    step = [
+        ProposeArgs(a, 4, h(1, 61), 4, 2, step_number=7),  # K 2: answered its 4 drafts
+        ProposeArgs(b, 4, h(1, 62), 4, 3, step_number=7),
+    ]
+    together = _step(engine, step)
+    assert not together.errors and together.drafts.shape[1] == 4
+    assert together.proposal(0, a) == first
+    by_itself = propose(engine, ProposeArgs(alone, 4, h(1, 62), 4, 3))
+    assert together.proposal(1, b) == replace(by_itself, state_id=b)  # one row ran
     assert_accounted(engine)
