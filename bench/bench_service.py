@@ -70,10 +70,10 @@ from drafter_service import (
 )
 from results_file import write_results
 from scratch import scratch_folder
+from served_verifiers import CALL_TIMEOUT_S, client_processes, go_client, over_grpc
 from server_process import CpuTrace, ServerProcess, cpu_per_message
 from shapes import MIMO_7B, SMALL
 from timing import log, percentiles_us
-from verifiers import CALL_TIMEOUT_S, client_processes, go_client, over_grpc
 from workload import Workload, random_hiddens
 
 STREAM_OVERHEAD_TARGET_US = 150.0

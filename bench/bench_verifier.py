@@ -58,9 +58,9 @@ from drafter_service import (
 )
 from results_file import write_results
 from scratch import scratch_folder
+from served_verifiers import CALL_TIMEOUT_S, RUN_TIMEOUT_S, prefilled_states
 from shapes import MIMO_7B, SMALL
 from timing import log, percentiles_us
-from verifiers import CALL_TIMEOUT_S, RUN_TIMEOUT_S, prefilled_states
 from workload import Workload, random_hiddens
 
 MODES = ("batch", "stream", "many")

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from drafter_service import kv_blocks_for, serve_argv, start_server, write_model
 from scratch import scratch_folder
+from served_verifiers import CALL_TIMEOUT_S, BatchVerifier
 from shapes import MIMO_7B, SMALL
 from timing import log
-from verifiers import CALL_TIMEOUT_S, BatchVerifier
 from workload import Workload
 
 

@@ -47,10 +47,10 @@ from drafter_service import (
 )
 from results_file import write_results
 from scratch import scratch_folder
+from served_verifiers import CALL_TIMEOUT_S, BatchVerifier
 from server_process import ServerProcess
 from shapes import MIMO_7B, SMALL
 from timing import log
-from verifiers import CALL_TIMEOUT_S, BatchVerifier
 from workload import Workload, random_hiddens
 
 STAMPS_ENV = "MTPDRAFT_TIMELINE_STAMPS"

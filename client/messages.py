@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
@@ -26,6 +26,7 @@ from .types import (
     PrefillResult,
     Proposal,
     ProposeArgs,
+    SamplingParams,
     ServerInfo,
     Verdict,
     VerifyResult,
@@ -105,8 +106,26 @@ def affinity_metadata(key: str | None) -> Metadata:
 # --- requests --------------------------------------------------------------------------------
 
 
-def alloc_state_request() -> pb.AllocStateRequest:
-    return pb.AllocStateRequest()
+def alloc_state_request(sampling: SamplingParams | None = None) -> pb.AllocStateRequest:
+    req = pb.AllocStateRequest()
+    if sampling is not None:
+        sampling_message(sampling, into=req.sampling)
+    return req
+
+
+def sampling_message(
+    sampling: SamplingParams, into: pb.SamplingParams | None = None
+) -> pb.SamplingParams:
+    """A SamplingParams message (its values are the server's to check)."""
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+    msg = pb.SamplingParams() if into is None else into
+    msg.temperature = float(sampling.temperature)
+    msg.top_k = _int(sampling.top_k, "sampling.top_k", _INT32_MIN, _INT32_MAX)
+    msg.top_p = float(sampling.top_p)
+    msg.min_p = float(sampling.min_p)
+    msg.seed = _uint64(sampling.seed, "sampling.seed")
+    return msg
 
 
 def get_info_request() -> pb.GetInfoRequest:
@@ -189,10 +208,12 @@ def propose_request(
     bitmask: wire.Array | None = None,
     min_confidence: float = 0.0,
     previous: Verdict | int | None = None,
+    sampling: SamplingParams | None = None,
     step_number: int = 0,
 ) -> pb.ProposeRequest:
     """A ProposeRequest; ``previous`` fuses the pending proposal's AfterVerify into it,
-    ``step_number`` numbers the step (0: not numbered)."""
+    ``sampling`` changes the state's sampling from this step on, ``step_number`` numbers
+    the step (0: not numbered)."""
     req = pb.ProposeRequest()
     req.state_id = _uint64(state, "state")
     req.token = _int(token, "token", _INT32_MIN, _INT32_MAX)
@@ -204,6 +225,8 @@ def propose_request(
         wire.encode_bitmask(bitmask, into=req.bitmask)
     if previous is not None:
         verdict_message(previous, into=req.previous)
+    if sampling is not None:
+        sampling_message(sampling, into=req.sampling)
     req.step_number = _uint64(step_number, "step_number")
     return req
 
@@ -239,9 +262,11 @@ def batch_request(
     bitmask_rows: Any = None,
     bitmasks: wire.Array | None = None,
     min_confidence: Any = None,
+    sampling: Mapping[int, SamplingParams] | None = None,
     step_numbers: Any = None,
 ) -> pb.ProposeBatchRequest:
-    """A ProposeBatchRequest: B states' step as columns (see ``DrafterClient.propose_batch``)."""
+    """A ProposeBatchRequest: B states' step as columns (see ``DrafterClient.propose_batch``);
+    ``sampling`` maps rows to their states' new sampling."""
     ids = np.asarray(state_ids.detach().cpu() if wire.is_torch_tensor(state_ids) else state_ids)
     size = len(ids.reshape(-1))
     req = pb.ProposeBatchRequest(
@@ -274,11 +299,20 @@ def batch_request(
         req.min_confidence.extend(
             _column(min_confidence, "min_confidence", np.float32, size, one_for_all=True)
         )
+    if sampling:
+        _sampling_rows(req, sampling)
     if step_numbers is not None:
         req.step_numbers.extend(
             _column(step_numbers, "step_numbers", np.uint64, size, one_for_all=True)
         )
     return req
+
+
+def _sampling_rows(req: pb.ProposeBatchRequest, sampling: Mapping[int, SamplingParams]) -> None:
+    """The rows of ``sampling`` in order, each with its parameters."""
+    for row in sorted(sampling):
+        req.sampling_rows.append(_int(row, "sampling row", 0, len(req.state_ids) - 1))
+        sampling_message(sampling[row], into=req.sampling.add())
 
 
 def batch_request_of(requests: Sequence[ProposeArgs]) -> pb.ProposeBatchRequest:
@@ -309,6 +343,7 @@ def batch_request_of(requests: Sequence[ProposeArgs]) -> pb.ProposeBatchRequest:
         refeed_rows.append(0 if refeed is None else refeeds.add(refeed, wire.HIDDEN_DTYPES, i))
         mask_rows.append(0 if a.bitmask is None else masks.add(a.bitmask, wire.BITMASK_DTYPES, i))
     hiddens.into(req.hiddens)
+    _sampling_rows(req, {i: a.sampling for i, a in enumerate(requests) if a.sampling})
     if any(n >= 0 for n in accepted):
         req.num_accepted.extend(accepted)
     if any(refeed_rows):
@@ -491,12 +526,19 @@ def parse_prefill(resp: pb.PrefillResponse) -> PrefillResult:
 
 
 def parse_proposal(resp: pb.Proposal) -> Proposal:
+    q_ids = q_probs = None
+    if resp.q_support:
+        shape = (len(resp.tokens), resp.q_support)
+        q_ids = np.array(resp.q_ids[:], np.int32).reshape(shape).tolist()
+        q_probs = np.array(resp.q_probs[:], np.float32).reshape(shape).tolist()
     return Proposal(
         state_id=int(resp.state_id),
         tokens=[int(t) for t in resp.tokens],
         probs=[float(p) for p in resp.probs],
         confidence=float(resp.confidence),
         first_position=int(resp.first_position),
+        q_ids=q_ids,
+        q_probs=q_probs,
     )
 
 
@@ -504,6 +546,11 @@ def parse_batch(resp: pb.ProposeBatchResponse, state_ids: Sequence[int]) -> Batc
     """A ProposeBatchResponse (to a request naming ``state_ids``) as numpy columns; the
     failed rows' errors by row."""
     size = len(resp.draft_counts)
+    q_ids = q_probs = None
+    if resp.q_support:
+        shape = (size, resp.width, resp.q_support)
+        q_ids = np.array(resp.q_ids[:], np.int32).reshape(shape)
+        q_probs = np.array(resp.q_probs[:], np.float32).reshape(shape)
     return BatchResult(
         state_ids=np.array(list(state_ids), dtype=np.uint64),
         drafts=np.array(resp.drafts[:], dtype=np.int32).reshape(size, resp.width),
@@ -512,6 +559,8 @@ def parse_batch(resp: pb.ProposeBatchResponse, state_ids: Sequence[int]) -> Batc
         confidences=np.array(resp.confidences[:], dtype=np.float32),
         first_positions=np.array(resp.first_positions[:], dtype=np.int64),
         errors={e.row: error_from_value(e.error) for e in resp.errors},
+        q_ids=q_ids,
+        q_probs=q_probs,
     )
 
 
@@ -566,4 +615,5 @@ def parse_info(resp: pb.GetInfoResponse) -> ServerInfo:
         queued_calls=int(resp.queued_calls),
         instance_epoch=int(resp.instance_epoch),
         model_fingerprint=resp.model_fingerprint,
+        max_sample_top_k=int(resp.max_sample_top_k),
     )

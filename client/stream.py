@@ -29,7 +29,7 @@ from mtpdraft.v1 import drafter_pb2 as pb
 
 from . import messages as m
 from .errors import DeadlineExceeded, DrafterError, Unavailable, error_from_value, from_rpc_error
-from .types import BatchResult, Proposal, ProposeArgs, Verdict
+from .types import BatchResult, Proposal, ProposeArgs, SamplingParams, Verdict
 from .wire import Array
 
 _CLOSE = object()
@@ -64,11 +64,21 @@ def _one_state(
     bitmask: Array | None = None,
     min_confidence: float = 0.0,
     previous: Verdict | int | None = None,
+    sampling: SamplingParams | None = None,
     step_number: int = 0,
 ) -> pb.ProposeBatchRequest:
     """A batch of one state (the arguments of ``DrafterClient.propose``)."""
     args = ProposeArgs(
-        state, token, hidden, position, num_drafts, bitmask, min_confidence, previous, step_number
+        state,
+        token,
+        hidden,
+        position,
+        num_drafts,
+        bitmask,
+        min_confidence,
+        previous,
+        sampling,
+        step_number,
     )
     return m.batch_request_of([args])
 

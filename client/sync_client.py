@@ -7,7 +7,7 @@ parses each response, and every ``grpc.RpcError`` is raised as a typed
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -28,6 +28,7 @@ from .types import (
     PrefillResult,
     Proposal,
     ProposeArgs,
+    SamplingParams,
     ServerInfo,
     Verdict,
     VerifyResult,
@@ -146,9 +147,12 @@ class DrafterClient:
         """The server's model shape, limits and live counters."""
         return self._unary(self._stub.GetInfo, m.get_info_request(), m.parse_info, timeout)
 
-    def alloc_state(self, *, timeout: Timeout = DEFAULT) -> int:
-        """A new, empty state; returns its id."""
-        req = m.alloc_state_request()
+    def alloc_state(
+        self, *, sampling: SamplingParams | None = None, timeout: Timeout = DEFAULT
+    ) -> int:
+        """A new, empty state; returns its id. ``sampling``: how its drafts are chosen
+        (default greedy)."""
+        req = m.alloc_state_request(sampling)
         return self._unary(self._stub.AllocState, req, m.parse_alloc_state, timeout)
 
     def prefill(
@@ -177,11 +181,13 @@ class DrafterClient:
         bitmask: Array | None = None,
         min_confidence: float = 0.0,
         previous: Verdict | int | None = None,
+        sampling: SamplingParams | None = None,
         step_number: int = 0,
         timeout: Timeout = DEFAULT,
     ) -> Proposal:
         """Up to ``num_drafts`` drafts after ``token`` (its target hidden: ``hidden``, at
-        ``position - 1``). ``previous`` first applies the verdict on the pending proposal.
+        ``position - 1``). ``previous`` first applies the verdict on the pending proposal;
+        ``sampling`` changes the state's sampling from this step on.
 
         ``step_number`` (increasing with each of the state's steps; 0: none) makes the
         call safe to send again when its outcome is unknown (a deadline, a broken
@@ -196,6 +202,7 @@ class DrafterClient:
             bitmask=bitmask,
             min_confidence=min_confidence,
             previous=previous,
+            sampling=sampling,
             step_number=step_number,
         )
         return self._unary(self._stub.Propose, req, m.parse_proposal, timeout)
@@ -214,6 +221,7 @@ class DrafterClient:
         bitmask_rows: Array | Sequence[int] | None = None,
         bitmasks: Array | None = None,
         min_confidence: Array | Sequence[float] | float | None = None,
+        sampling: Mapping[int, SamplingParams] | None = None,
         step_numbers: Array | Sequence[int] | int | None = None,
         timeout: Timeout = DEFAULT,
     ) -> BatchResult:
@@ -225,7 +233,8 @@ class DrafterClient:
         (``refeed_rows`` B counts of ``refeed_hiddens`` rows, 0 or num_accepted), its
         bitmask (``bitmask_rows`` B counts of ``bitmasks`` rows, 0 for none),
         min_confidence (B values or one) and step number (``step_numbers``: B values or
-        one, as ``propose``'s ``step_number``). A row that fails has its error in
+        one, as ``propose``'s ``step_number``); ``sampling`` maps rows to their states' new
+        sampling parameters. A row that fails has its error in
         ``errors`` and leaves its state unchanged; the other rows are answered.
         """
         req = m.batch_request(
@@ -240,6 +249,7 @@ class DrafterClient:
             bitmask_rows=bitmask_rows,
             bitmasks=bitmasks,
             min_confidence=min_confidence,
+            sampling=sampling,
             step_numbers=step_numbers,
         )
         return self._batch(req, timeout)

@@ -52,14 +52,35 @@ class KVHandle:
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How a state's drafts are chosen (vLLM's parameters): temperature 0 is greedy;
+    above 0 each draft is drawn from q, the draft head's distribution after temperature,
+    min_p, top_k and top_p, and its q comes back with it (``Proposal.q_ids``). top_k 0 or
+    -1 and top_p 1 cut nothing. The seed keys the draws with the state, the draft's
+    position and its index, so the same key draws the same token alone or in any batch."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Proposal:
-    """K (or fewer, when min_confidence stopped the chain) draft tokens for one state."""
+    """K (or fewer, when min_confidence stopped the chain) draft tokens for one state.
+
+    Sampled drafts carry their q: ``q_ids[j]`` and ``q_probs[j]`` are draft j's support
+    and probabilities (most probable first, 0 past the support), ``probs[j]`` is
+    q(tokens[j]): what ``sampling.accept`` takes."""
 
     state_id: int
     tokens: list[int]
     probs: list[float]
     confidence: float
     first_position: int
+    q_ids: list[list[int]] | None = None
+    q_probs: list[list[float]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +109,7 @@ class ProposeArgs:
     bitmask: Array | None = None
     min_confidence: float = 0.0
     previous: Verdict | int | None = None
+    sampling: SamplingParams | None = None  # the state's sampling from this step on
     step_number: int = 0  # 0: not numbered (see DrafterClient.propose)
 
 
@@ -105,6 +127,10 @@ class BatchResult:
     confidences: np.ndarray  # [B] float32: each row's chain confidence
     first_positions: np.ndarray  # [B] int64: the position of each row's first draft
     errors: dict[int, DrafterError] = field(default_factory=dict)  # row -> its error
+    # When some row's drafts were sampled: each draft's q, [B, width, support] (a greedy
+    # row's: its draft alone, probability 1); None when none was.
+    q_ids: np.ndarray | None = None  # int32
+    q_probs: np.ndarray | None = None  # float32
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -120,6 +146,8 @@ class BatchResult:
             probs=self.probs[row, :n].tolist(),
             confidence=float(self.confidences[row]),
             first_position=int(self.first_positions[row]),
+            q_ids=None if self.q_ids is None else self.q_ids[row, :n].tolist(),
+            q_probs=None if self.q_probs is None else self.q_probs[row, :n].tolist(),
         )
 
     def proposals(self) -> list[Proposal]:
@@ -156,3 +184,4 @@ class ServerInfo:
     queued_calls: int = 0
     instance_epoch: int = 0  # the server instance's: every state id it issues carries it
     model_fingerprint: str = ""  # names the model's weights: replicas of one report the same
+    max_sample_top_k: int = 0  # the most tokens a sampled draft's q holds

@@ -75,6 +75,9 @@ class ServeConfig:
     )
     max_drafts: int = _option(16, "largest K")
     max_batch: int = _option(64, "largest ProposeBatch, and the most requests in one forward")
+    max_sample_top_k: int = _option(
+        64, "the most tokens a sampled draft's q holds (its support, sent with each draft)"
+    )
 
     # --- scheduling
     max_queue: int = _option(4096, "Propose calls waiting, at most (past it: RESOURCE_EXHAUSTED)")

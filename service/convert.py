@@ -29,6 +29,7 @@ from mtpdraft.v1 import drafter_pb2 as pb
 from .engine import columns
 from .engine.errors import InvalidArgument
 from .engine.kv_transfer import KVChunk, KVHeader
+from .engine.sampling import Sampling
 from .engine.step import Step, StepResult, StepShape, single
 from .engine.types import PrefillChunk, Verdict
 
@@ -111,6 +112,11 @@ def verdict(msg: pb.Verdict, field: str) -> Verdict:
     return Verdict(msg.num_accepted, refeed)
 
 
+def sampling(msg: pb.SamplingParams) -> Sampling:
+    """Sampling parameters as the engine takes them (checked there)."""
+    return Sampling(msg.temperature, msg.top_k, msg.top_p, msg.min_p, msg.seed)
+
+
 def propose(msg: pb.ProposeRequest, shape: StepShape) -> Step:
     """A ProposeRequest as a Step of one row."""
     if not msg.HasField("hidden"):
@@ -129,6 +135,7 @@ def propose(msg: pb.ProposeRequest, shape: StepShape) -> Step:
         min_confidence=msg.min_confidence,
         previous=verdict(msg.previous, "previous") if msg.HasField("previous") else None,
         step_number=msg.step_number,
+        sampling=sampling(msg.sampling) if msg.HasField("sampling") else None,
         shape=shape,
     )
 
@@ -156,6 +163,8 @@ def batch(msg: pb.ProposeBatchRequest, shape: StepShape) -> Step:
         bitmasks=_optional_tensor(msg.bitmasks, "bitmasks", (pb.DTYPE_INT32,)),
         min_confidence=list(msg.min_confidence),
         step_numbers=list(msg.step_numbers),
+        sampling_rows=list(msg.sampling_rows),
+        sampling=[sampling(p) for p in msg.sampling],
     )
 
 
@@ -215,13 +224,18 @@ def kv_chunk(chunk: KVChunk) -> pb.KVChunk:
 def proposal(step: Step, result: StepResult) -> pb.Proposal:
     """A Propose's answer: the drafts of its step's one row (drafted: no error)."""
     n = int(result.counts[0])
-    return pb.Proposal(
+    answer = pb.Proposal(
         state_id=int(step.state_ids[0]),
         tokens=result.drafts[0, :n].tolist(),
         probs=result.probs[0, :n].tolist(),
         confidence=float(result.confidences[0]),
         first_position=int(result.first_positions[0]),
     )
+    if result.q_ids is not None:
+        answer.q_support = result.q_ids.shape[2]
+        answer.q_ids.extend(result.q_ids[0, :n].ravel().tolist())
+        answer.q_probs.extend(result.q_probs[0, :n].ravel().tolist())
+    return answer
 
 
 # Which column a per-state request's field comes from, for the errors of a row.
@@ -244,7 +258,7 @@ def batch_answer(
 ) -> pb.ProposeBatchResponse:
     """A step's result as a ProposeBatchResponse, column by column; `failed` holds the
     failed rows' errors (their columns are -1 and 0 already)."""
-    return pb.ProposeBatchResponse(
+    answer = pb.ProposeBatchResponse(
         request_id=request_id,
         width=result.drafts.shape[1],
         drafts=result.drafts.ravel().tolist(),
@@ -254,3 +268,8 @@ def batch_answer(
         first_positions=result.first_positions.tolist(),
         errors=[pb.RowError(row=row, error=error) for row, error in sorted(failed.items())],
     )
+    if result.q_ids is not None:
+        answer.q_support = result.q_ids.shape[2]
+        answer.q_ids.extend(result.q_ids.ravel().tolist())
+        answer.q_probs.extend(result.q_probs.ravel().tolist())
+    return answer

@@ -42,6 +42,7 @@ from mtpdraft.v1 import drafter_pb2_grpc as pb_grpc
 
 from . import convert
 from .engine import errors
+from .engine.sampling import GREEDY
 from .engine.step import StepResult
 from .refusals import Throttle, refusals
 from .telemetry import Telemetry
@@ -236,7 +237,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def AllocState(self, request, context):
-        state_id = await self.serving.alloc_state(_client_host(context.peer()))
+        sampling = convert.sampling(request.sampling) if request.HasField("sampling") else GREEDY
+        state_id = await self.serving.alloc_state(_client_host(context.peer()), sampling)
         return pb.AllocStateResponse(state_id=state_id)
 
     @rpc

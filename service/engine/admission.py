@@ -30,6 +30,7 @@ from .errors import (
     position_out_of_range,
     position_too_large,
 )
+from .sampling import first_bad, sampling_error
 from .state import StateTable
 from .step import Step
 from .validation import finite_rows
@@ -83,6 +84,7 @@ def _refused_rows(
         & (numbers == table.pending_step[s]) & (positions == pending_row + 1)
     )  # fmt: skip
     stale = numbered & ~retry & (numbers <= last)
+    bad_sampling = first_bad(step.sampling)
     checks: list[tuple[np.ndarray, Callable[[int], DrafterError]]] = [
         # --- the request's own values
         (_duplicates(step), lambda i: duplicate_state(step, i)),
@@ -119,6 +121,9 @@ def _refused_rows(
             "bitmask: a row allows no token of the vocabulary",
             reason="EMPTY_BITMASK",
             field="bitmask",
+        )),
+        (bad_sampling > 0, lambda i: sampling_error(
+            step.sampling, i, int(bad_sampling[i]), "sampling"
         )),
         # The last draft's row, at index position - 1 + K, stays below the limit.
         (positions > limits.max_position - k, lambda i: position_too_large(

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from . import sampling as draws
 from .errors import InvalidArgument
 from .step import Step, StepShape, padded_mask
 from .step import refeed_rows as checked_refeeds  # `refeed_rows` names a column here
@@ -72,13 +73,17 @@ def step(
     bitmasks: torch.Tensor | None = None,
     min_confidence: Sequence[float] = (),
     step_numbers: Sequence[int] = (),
+    sampling_rows: Sequence[int] = (),
+    sampling: Sequence[draws.Sampling] = (),
 ) -> Step:
     """B states' columns (see ProposeBatchRequest) as a Step, or INVALID_ARGUMENT when
     they do not fit together: `hiddens` [B, H] ([H] for B = 1); `num_drafts` and
     `min_confidence` and `step_numbers` B values or one for all; `num_accepted` B values
     (-1: no verdict);
     `refeed_rows` and `bitmask_rows` a row count per state of `refeed_hiddens`
-    ([sum, H]) and `bitmasks` ([sum, W] int32). An empty column is its default."""
+    ([sum, H]) and `bitmasks` ([sum, W] int32); `sampling_rows` the rows (ascending)
+    whose states take the parameters `sampling` (one per row listed). An empty column is
+    its default."""
     size = len(state_ids)
     if not 1 <= size <= shape.max_batch:
         raise InvalidArgument(
@@ -110,6 +115,7 @@ def step(
     if masks is not None:
         masks = padded_mask(masks, shape.vocab_size, "bitmasks")
     return Step(
+        sampling=_sampling(sampling_rows, sampling, size),
         state_ids=_column(state_ids, "state_ids", size, np.uint64),
         tokens=_column(tokens, "tokens", size, np.int64),
         positions=_column(positions, "positions", size, np.int64),
@@ -123,3 +129,16 @@ def step(
         min_confidence=_column(min_confidence, "min_confidence", size, np.float64, default=0.0),
         step_numbers=_column(step_numbers, "step_numbers", size, np.uint64, default=0),
     )
+
+
+def _sampling(rows: Sequence[int], values: Sequence[draws.Sampling], size: int) -> np.ndarray:
+    """The step's sampling changes column: `values[j]` at row `rows[j]`."""
+    if len(rows) != len(values):
+        raise _mismatch("sampling_rows", f"{len(rows)} rows for {len(values)} sampling values")
+    rows = np.asarray(rows, np.int64)
+    if len(rows) and (rows.min() < 0 or rows.max() >= size or (np.diff(rows) <= 0).any()):
+        raise _mismatch("sampling_rows", f"rows must ascend, each once, in [0, {size})")
+    per_row: list[draws.Sampling | None] = [None] * size
+    for row, value in zip(rows.tolist(), values, strict=True):
+        per_row[row] = value
+    return draws.changes(per_row)

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.decode_chain import BeforeWait, ChainInputs
+from ..model.decode_chain import BeforeWait, ChainInputs, ChainSampling
 from ..model.kv_cache import KVCache
 from ..model.mtp_head import MTPHead
 from .rows import Segment, draft_segments
+from .sampling import chain_sampling
 from .state import StateTable
 
 
@@ -35,6 +36,13 @@ class ChainPlan:
     mask_counts: np.ndarray  # [n] 0: no mask
     bitmasks: torch.Tensor | None  # [rows, W] int32
     recompute: list[tuple[int, Segment]]  # (i, the rows its verdict recomputes before R0)
+    sampling: np.ndarray  # [n] sampling.PARAMS: how each state's drafts are chosen
+    state_ids: np.ndarray  # [n] uint64: a sampled draw's key word
+    support: int  # the most tokens a sampled draft's q holds
+
+    def chain_sampling(self, rows: np.ndarray, first_index: np.ndarray) -> ChainSampling | None:
+        """The sampling of the plan's `rows`, their chains' first draft index given."""
+        return chain_sampling(self.sampling[rows], self.state_ids[rows], first_index, self.support)
 
 
 @dataclass
@@ -47,6 +55,9 @@ class Drafted:
     confidences: np.ndarray  # [n]
     rows_computed: np.ndarray  # [n] rows R0 .. written to the KV
     all_drafts: np.ndarray  # [n, width] every draft computed, kept or not
+    # Sampled plans: each kept draft's q, [n, width, support] (0 past q and past count).
+    q_ids: np.ndarray | None = None
+    q_probs: np.ndarray | None = None
 
 
 def _mask_rows(plan: ChainPlan, rows: np.ndarray, drafts_before: np.ndarray, steps: int):
@@ -77,11 +88,17 @@ def draft(
     width = int(k.max())
     tokens = np.full((n, width), -1, np.int64)
     probs = np.zeros((n, width), np.float32)
+    q = None  # each draft's q (ids, probabilities), when some state samples
+    if plan.chain_sampling(np.arange(n), np.zeros(n, np.int64)) is not None:
+        support = min(plan.support, head.config.vocab_size)
+        q = (np.zeros((n, width, support), np.int64), np.zeros((n, width, support), np.float32))
     offsets = np.zeros(n, np.int64)  # drafts taken before the chain: 1 if recomputed
     first = None
     if plan.recompute:
         first = _first_drafts(head, kv, table, plan)
         tokens[first.rows, 0], probs[first.rows, 0] = first.drafts, first.probs
+        if q is not None:
+            q[0][first.rows, 0], q[1][first.rows, 0] = first.q_ids, first.q_probs
         offsets[first.rows] = 1
     limits = k - offsets
     chained = np.flatnonzero(limits > 0)
@@ -90,12 +107,19 @@ def draft(
         out = _chain(head, kv, table, plan, chained, offsets, limits, first, before_wait)
         if first is None and (k == width).all():  # every state took every step: a transpose
             tokens[:], probs[:] = out.tokens.T, out.probs.T
+            if q is not None and out.q_ids is not None:
+                q[0][:], q[1][:] = out.q_ids.transpose(1, 0, 2), out.q_probs.transpose(1, 0, 2)
         else:
             step, column = np.nonzero(np.arange(out.tokens.shape[0])[:, None] < limits[chained])
             rows = chained[column]
             tokens[rows, offsets[rows] + step] = out.tokens[step, column]
             probs[rows, offsets[rows] + step] = out.probs[step, column]
+            if q is not None and out.q_ids is not None:
+                q[0][rows, offsets[rows] + step] = out.q_ids[step, column]
+                q[1][rows, offsets[rows] + step] = out.q_probs[step, column]
     drafted = _confident(tokens, probs, k, plan.min_confidence)
+    if q is not None:
+        drafted.q_ids, drafted.q_probs = _kept_q(q, drafted.counts)
     # Each state's last computed row: a step of the chain, or R0 of a recomputing state
     # that stopped at its first draft.
     last = drafted.rows_computed - 1
@@ -122,6 +146,8 @@ class _FirstDrafts:
     hiddens: torch.Tensor  # [r, H] on the device: R0's output
     drafts: np.ndarray  # [r]
     probs: np.ndarray  # [r]
+    q_ids: np.ndarray | None = None  # [r, support]: sampled plans only
+    q_probs: np.ndarray | None = None
 
 
 def _first_drafts(head, kv, table, plan: ChainPlan) -> _FirstDrafts:
@@ -137,8 +163,16 @@ def _first_drafts(head, kv, table, plan: ChainPlan) -> _FirstDrafts:
     if plan.bitmasks is not None:
         index = _mask_rows(plan, rows, np.zeros(len(rows), np.int64), 1)[0]
         bitmask = _masks(plan, index).to(head.device)
-    hidden, drafts, probs = draft_segments(head, kv, table, segments, bitmask)
-    return _FirstDrafts(rows, hidden, drafts.cpu().numpy(), probs.float().cpu().numpy())
+    sampling = plan.chain_sampling(rows, np.zeros(len(rows), np.int64))
+    hidden, chosen = draft_segments(head, kv, table, segments, bitmask, sampling)
+    q = (None, None) if sampling is None else (chosen.q_ids, chosen.q_probs)
+    return _FirstDrafts(
+        rows,
+        hidden,
+        chosen.tokens.cpu().numpy(),
+        chosen.probs.float().cpu().numpy(),
+        *(None if t is None else t.cpu().numpy() for t in q),
+    )
 
 
 def _chain(head, kv, table, plan: ChainPlan, chained, offsets, limits, first, before_wait):
@@ -150,7 +184,8 @@ def _chain(head, kv, table, plan: ChainPlan, chained, offsets, limits, first, be
     if first is not None:
         going = limits[first.rows] > 0
         at = np.searchsorted(chained, first.rows[going])
-        hiddens = hiddens.to(head.device, head.dtype)
+        # A copy: the rows written next must not land in the caller's tensor.
+        hiddens = hiddens.to(head.device, head.dtype, copy=True)
         hiddens[torch.from_numpy(at)] = first.hiddens[torch.from_numpy(going)]
         tokens = tokens.copy()
         tokens[at] = first.drafts[going]
@@ -167,6 +202,7 @@ def _chain(head, kv, table, plan: ChainPlan, chained, offsets, limits, first, be
             limits=limits[chained],
             block_tables=table.block_tables(plan.slots[chained]),
             bitmasks=masks,
+            sampling=plan.chain_sampling(chained, offsets[chained]),
         ),
         before_wait,
     )
@@ -193,3 +229,13 @@ def _confident(tokens, probs, k, min_confidence) -> Drafted:
         rows_computed=np.minimum(counts + 1, k),
         all_drafts=tokens,
     )
+
+
+def _kept_q(q: tuple[np.ndarray, np.ndarray], counts: np.ndarray):
+    """q of the drafts kept (0 past each row's count), its support cut to the widest q."""
+    ids, probs = q
+    kept = np.arange(ids.shape[1])[None, :] < counts[:, None]
+    probs = np.where(kept[..., None], probs, 0).astype(np.float32)
+    ids = np.where(kept[..., None], ids, 0)
+    support = max(int((probs > 0).sum(-1).max(initial=0)), 1)
+    return ids[..., :support], probs[..., :support]

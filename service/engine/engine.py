@@ -42,6 +42,7 @@ from .ids import Ids
 from .kv_transfer import KVChunk, KVExport, KVHeader, KVImport, model_fingerprint
 from .prefill import PrefillSession
 from .rows import Segment, run_segments
+from .sampling import GREEDY, Sampling, changes
 from .state import DrafterState, KVHandle, StateTable
 from .step import Step, StepResult, StepShape, verdict_refeed
 from .types import EngineInfo, RowCount, TakenKV, Verdict
@@ -131,6 +132,7 @@ class DraftEngine:
             draining=self.draining,
             instance_epoch=self.ids.epoch,
             model_fingerprint=self.model_fingerprint,
+            max_sample_top_k=min(self.config.max_sample_top_k, c.vocab_size),
         )
 
     @functools.cached_property
@@ -201,7 +203,10 @@ class DraftEngine:
 
     # ---- lifecycle ---------------------------------------------------------
 
-    def alloc_state(self, owner: str = "") -> int:
+    def alloc_state(self, owner: str = "", sampling: Sampling = GREEDY) -> int:
+        """A new state, its drafts chosen as `sampling` says (its values checked,
+        INVALID_ARGUMENT naming the field `sampling`)."""
+        sampling = sampling.checked("sampling")
         if self.draining:
             raise Unavailable("the server is draining and takes no new states", reason="DRAINING")
         if len(self.states) >= self.config.max_states:
@@ -217,6 +222,7 @@ class DraftEngine:
             )
         state_id = self.ids.new(self.states)
         slot = self.table.take_slot(self.clock())
+        self.table.set_sampling(np.array([slot]), changes([sampling]))
         self.states[state_id] = DrafterState(state_id, owner, slot, self.table)
         self._owned[owner] = owned + 1
         log.debug("state %d allocated for %s (%d live)", state_id, owner or "-", len(self.states))
@@ -407,11 +413,10 @@ class DraftEngine:
             first_positions=np.zeros(b, np.int64),
             errors=admitted.errors,
         )
-        self._answer_again(admitted.retried, retried, result)
         rows = admitted.rows
-        if not len(rows):
-            return result
-        self._draft(step, rows, admitted.slots, admitted.base_rows, result)
+        if len(rows):
+            self._draft(step, rows, admitted.slots, admitted.base_rows, result)
+        self._answer_again(admitted.retried, retried, result)
         return result
 
     def _answer_again(self, rows: np.ndarray, slots: np.ndarray, result: StepResult) -> None:
@@ -426,10 +431,20 @@ class DraftEngine:
         result.counts[rows] = counts
         result.confidences[rows] = t.pending_confidence[slots]
         result.first_positions[rows] = t.pending_row[slots] + 2  # R0's position, plus one
+        pending = zip(rows.tolist(), slots.tolist(), strict=True)
+        sampled = [(row, t.pending_q[slot]) for row, slot in pending if slot in t.pending_q]
+        if sampled or result.q_ids is not None:  # the batch answers q: each of its rows
+            support = max([ids.shape[1] for _, (ids, _) in sampled], default=1)
+            _widen_q(result, support)
+            _draft_alone(result, rows)  # a greedy proposal's q: its draft, probability 1
+            for row, (ids, probs) in sampled:
+                result.q_ids[row, : len(ids), : ids.shape[1]] = ids
+                result.q_probs[row, : len(ids), : ids.shape[1]] = probs
 
     def _draft(self, step, rows, slots, base_rows, result: StepResult) -> None:
         t = self.table
         k = step.num_drafts[rows]
+        t.set_sampling(slots, step.sampling[rows])
         t.grow(slots, base_rows + k)
         recompute: list[tuple[int, Segment]] = []
         judged = np.flatnonzero(step.num_accepted[rows] >= 0)
@@ -472,6 +487,9 @@ class DraftEngine:
                 mask_counts=step.mask_counts[rows],
                 bitmasks=step.bitmasks,
                 recompute=recompute,
+                sampling=t.sampling[slots],
+                state_ids=step.state_ids[rows],
+                support=self.config.max_sample_top_k,
             ),
             before_wait,
         )
@@ -489,6 +507,12 @@ class DraftEngine:
         result.counts[rows] = drafted.counts
         result.confidences[rows] = drafted.confidences
         result.first_positions[rows] = step.positions[rows] + 1
+        if drafted.q_ids is not None:
+            b, support = len(step), drafted.q_ids.shape[2]
+            result.q_ids = np.zeros((b, result.drafts.shape[1], support), np.int64)
+            result.q_probs = np.zeros(result.q_ids.shape, np.float32)
+            result.q_ids[rows, :width] = drafted.q_ids
+            result.q_probs[rows, :width] = drafted.q_probs
 
     def _remember_answer(self, slots: np.ndarray, numbers: np.ndarray, drafted: Drafted) -> None:
         """What a retry of these states' steps is answered: their step numbers and what
@@ -498,6 +522,13 @@ class DraftEngine:
         t.last_step[slots] = np.maximum(t.last_step[slots], numbers)
         t.pending_probs[slots, : drafted.probs.shape[1]] = drafted.probs
         t.pending_confidence[slots] = drafted.confidences
+        if drafted.q_ids is not None:  # each sampled draft's q, as answered
+            for j, slot in enumerate(slots.tolist()):
+                n = int(drafted.counts[j])
+                t.pending_q[slot] = (drafted.q_ids[j, :n].copy(), drafted.q_probs[j, :n].copy())
+        elif t.pending_q:
+            for slot in slots.tolist():
+                t.pending_q.pop(slot, None)
 
     def _count_verdicts(self, verdicts: tuple[np.ndarray, np.ndarray] | None) -> None:
         """Hands (drafts proposed, drafts accepted) of some verdicts to on_verdicts."""
@@ -587,3 +618,28 @@ def _ragged_rows(
         return {}
     starts = np.cumsum(counts) - counts
     return {j: tensor[starts[i] : starts[i] + counts[i]] for j, i in enumerate(rows) if counts[i]}
+
+
+def _widen_q(result: StepResult, support: int) -> None:
+    """`result`'s q columns widened to `support` tokens a draft; made where no row was
+    sampled, every answered row's q its draft alone."""
+    b, width = result.drafts.shape
+    have = 0 if result.q_ids is None else result.q_ids.shape[2]
+    if have >= support:
+        return
+    fresh = result.q_ids is None
+    ids, probs = np.zeros((b, width, support), np.int64), np.zeros((b, width, support), np.float32)
+    if not fresh:
+        ids[..., :have], probs[..., :have] = result.q_ids, result.q_probs
+    result.q_ids, result.q_probs = ids, probs
+    if fresh:
+        _draft_alone(result, np.arange(b))
+
+
+def _draft_alone(result: StepResult, rows: np.ndarray) -> None:
+    """Rows `rows` of `result`'s q: each draft alone, probability 1 (a greedy draft's q)."""
+    kept = np.arange(result.drafts.shape[1])[None, :] < result.counts[rows, None]
+    result.q_ids[rows] = 0
+    result.q_probs[rows] = 0
+    result.q_ids[rows, :, 0] = np.where(kept, result.drafts[rows], 0)
+    result.q_probs[rows, :, 0] = kept

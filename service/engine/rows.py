@@ -8,8 +8,10 @@ import numpy as np
 import torch
 
 from ..model.batch import RowBatch
+from ..model.decode_chain import ChainSampling
 from ..model.kv_cache import KVCache
 from ..model.mtp_head import MTPHead
+from ..model.sampling import Selected
 from .state import StateTable
 
 
@@ -61,13 +63,22 @@ def draft_segments(
     table: StateTable,
     segments: list[Segment],
     bitmask: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Computes the segments' rows and drafts from each segment's last row.
+    sampling: ChainSampling | None = None,
+) -> tuple[torch.Tensor, Selected]:
+    """Computes the segments' rows and drafts from each segment's last row (greedy, or
+    as `sampling` says, each its proposal's draft 0).
 
-    Returns (last rows' output hiddens [S, H], drafts [S], probabilities [S]).
+    Returns (last rows' output hiddens [S, H], the drafts chosen).
     """
     out = run_segments(head, kv, table, segments)
     ends = np.cumsum([len(seg.tokens) for seg in segments]) - 1
     last = out[torch.from_numpy(ends).to(out.device)]
-    tokens, probs = head.draft(last, bitmask)
-    return last, tokens, probs
+    if sampling is None:
+        tokens, probs = head.draft(last, bitmask)
+        return last, Selected(tokens, probs, None, None)
+    rows, first_index = sampling.on(head.device)
+    # Row r holds the token at position r + 1: the last row drafts the token after it.
+    positions = torch.tensor(
+        [seg.start_row + len(seg.tokens) + 1 for seg in segments], device=head.device
+    )
+    return last, head.select(last, bitmask, rows, positions, first_index)

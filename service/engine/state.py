@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .block_pool import BlockPool
+from .sampling import GREEDY, PARAMS
 
 
 class StateTable:
@@ -46,6 +47,9 @@ class StateTable:
         self.pending_confidence = np.zeros(capacity, np.float64)
         self.pending_step = np.zeros(capacity, np.uint64)
         self.last_step = np.zeros(capacity, np.uint64)
+        # slot -> the q support of its pending proposal's drafts (ids, probs), if sampled.
+        self.pending_q: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.sampling = np.zeros(capacity, PARAMS)  # how its drafts are chosen (sampling.py)
         # Output hidden of its last computed row: the hidden of the row of the last
         # draft, should all drafts be accepted.
         self.last_hidden = torch.zeros(capacity, size, dtype=dtype, device=device)
@@ -69,8 +73,17 @@ class StateTable:
         self.prefilling[slot] = False
         self.pending_row[slot] = -1
         self.pending_step[slot] = self.last_step[slot] = 0
+        self.pending_q.pop(slot, None)
+        self.sampling[slot] = tuple(getattr(GREEDY, name) for name in PARAMS.names)
         self.last_used[slot] = now
         return slot
+
+    def set_sampling(self, slots: np.ndarray, changes: np.ndarray) -> None:
+        """The slots take the sampling of their rows of a step's changes column that are set."""
+        changed = changes["set"]
+        if changed.any():
+            for name in PARAMS.names:
+                self.sampling[name][slots[changed]] = changes[name][changed]
 
     def release_slot(self, slot: int) -> None:
         self.pool.free(self.detach_blocks(slot))

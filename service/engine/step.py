@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from . import sampling as draws
 from .errors import DrafterError, InvalidArgument, num_accepted_negative
 from .types import Proposal, Verdict
 from .validation import as_rows, check_floating
@@ -46,6 +47,7 @@ class Step:
     # [B] uint64: the verifier's number of the state's step (0: none), which makes a
     # retry of the step answer as the step did (admission.py)
     step_numbers: np.ndarray
+    sampling: np.ndarray  # [B] sampling.CHANGES: new sampling parameters (`set`), if any
 
     def __len__(self) -> int:
         return len(self.state_ids)
@@ -75,12 +77,14 @@ def single(
     min_confidence: float = 0.0,
     previous: Verdict | None = None,
     step_number: int = 0,
+    sampling: draws.Sampling | None = None,
     *,
     shape: StepShape,
 ) -> Step:
     """One state's Propose as a Step of one row: `hidden` [H] or [1, H], `bitmask` int32
     [W] or [n, W] (xgrammar's layout), `previous` the verdict on its pending proposal,
-    `step_number` the step's number (0: none).
+    `step_number` the step's number (0: none), `sampling` the state's sampling from this
+    step on (None: unchanged).
 
     Raises InvalidArgument for a tensor of the wrong shape or dtype, naming the
     Propose's field, as the request cannot be a row then.
@@ -105,6 +109,7 @@ def single(
         bitmasks=mask,
         min_confidence=np.array([min_confidence], np.float64),
         step_numbers=np.array([step_number], np.uint64),
+        sampling=draws.changes([sampling]),
     )
 
 
@@ -173,6 +178,10 @@ class StepResult:
     confidences: np.ndarray  # [B] float64: the chain confidence (0 for a failed row)
     first_positions: np.ndarray  # [B] int64 (0 for a failed row)
     errors: dict[int, DrafterError]  # row -> why it failed; its state is unchanged
+    # Each draft's q as its support (sampled drafts; a greedy row's: its draft alone),
+    # [B, width, support], probability 0 past a row's q and count; support 0: none sampled.
+    q_ids: np.ndarray | None = None  # int64
+    q_probs: np.ndarray | None = None  # float32
 
     def rows(self, lo: int, hi: int) -> StepResult:
         """Rows lo .. hi - 1 (a view), their errors renumbered from 0."""
@@ -183,6 +192,8 @@ class StepResult:
             self.confidences[lo:hi],
             self.first_positions[lo:hi],
             {row - lo: err for row, err in self.errors.items() if lo <= row < hi},
+            None if self.q_ids is None else self.q_ids[lo:hi],
+            None if self.q_probs is None else self.q_probs[lo:hi],
         )
 
     def proposal(self, row: int, state_id: int) -> Proposal:
@@ -193,4 +204,6 @@ class StepResult:
             probs=self.probs[row, :n].tolist(),
             confidence=float(self.confidences[row]),
             first_position=int(self.first_positions[row]),
+            q_ids=None if self.q_ids is None else self.q_ids[row, :n].tolist(),
+            q_probs=None if self.q_probs is None else self.q_probs[row, :n].tolist(),
         )

@@ -35,6 +35,9 @@ class Proposal:
     probs: list[float]
     confidence: float
     first_position: int
+    # Sampled drafts: each draft's q as (ids, probabilities) over its support.
+    q_ids: list[list[int]] | None = None
+    q_probs: list[list[float]] | None = None
 
 
 @dataclass
@@ -73,3 +76,4 @@ class EngineInfo:
     draining: bool
     instance_epoch: int  # carried by every id this instance issues (ids.py)
     model_fingerprint: str
+    max_sample_top_k: int

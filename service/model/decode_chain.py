@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .sampling import RowSampling, SamplingParams
+
 
 @dataclass
 class ChainInputs:
@@ -27,6 +29,7 @@ class ChainInputs:
     limits: np.ndarray  # [n] int64, >= 1: rows to compute (and KV rows to write)
     block_tables: np.ndarray  # [n, width] int32: KV blocks covering every row written
     bitmasks: torch.Tensor | None = None  # [steps, n, W] int32: allowed tokens per step
+    sampling: ChainSampling | None = None  # None: every draft greedy
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -53,6 +56,33 @@ class ChainInputs:
 
 
 @dataclass
+class ChainSampling:
+    """How each sequence's drafts are chosen (sampling.py), on the host: its parameters
+    (temperature 0: greedy), its draws' seed and state words, and the proposal index of
+    its chain's first draft (a step's draft index is that plus the step)."""
+
+    temperature: np.ndarray  # [n] float
+    top_k: np.ndarray  # [n] int64, 0: no cut
+    top_p: np.ndarray  # [n] float, 1: no cut
+    min_p: np.ndarray  # [n] float
+    seeds: np.ndarray  # [n] int64 (a uint64 seed's bits)
+    states: np.ndarray  # [n] int64
+    first_index: np.ndarray  # [n] int64
+    support: int
+
+    def on(self, device: torch.device) -> tuple[RowSampling, torch.Tensor]:
+        """(the rows' sampling, the first draft indexes) on `device`, in one copy."""
+        ints = torch.from_numpy(
+            np.stack([self.top_k, self.seeds, self.states, self.first_index]).astype(np.int64)
+        ).to(device)
+        floats = torch.from_numpy(
+            np.stack([self.temperature, self.top_p, self.min_p]).astype(np.float32)
+        ).to(device)
+        params = SamplingParams(floats[0], ints[0], floats[1], floats[2])
+        return RowSampling(params, ints[1], ints[2], self.support), ints[3]
+
+
+@dataclass
 class ChainOutputs:
     """Each step's output hiddens (on the device; valid until the next chain runs), drafts
     and their probabilities (host)."""
@@ -60,6 +90,8 @@ class ChainOutputs:
     hiddens: torch.Tensor  # [steps, n, H]
     tokens: np.ndarray  # [steps, n] int64
     probs: np.ndarray  # [steps, n] float32
+    q_ids: np.ndarray | None = None  # [steps, n, support] int64 (sampled chains only)
+    q_probs: np.ndarray | None = None  # [steps, n, support] float32
 
 
 # Host work a caller runs while the device computes a chain (the host would otherwise

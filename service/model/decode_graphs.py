@@ -155,8 +155,10 @@ class DecodeGraphs:
         return graph
 
     def fits(self, chain: ChainInputs) -> bool:
+        # A sampled chain has no graph yet: it runs the same kernels step by step.
         return (
-            len(chain) <= self.sizes[-1]
+            chain.sampling is None
+            and len(chain) <= self.sizes[-1]
             and chain.block_tables.shape[1] <= self.max_blocks
             and chain.steps <= self.max_steps
         )

@@ -25,7 +25,9 @@ from .mla import LatentAttention
 from .moe import MoEMLP
 from .ops import ops_for
 from .rope import rope_table
+from .sampling import RowSampling, Selected, select
 from .tensors import FP8Matrix, dequantize_blocks
+from .torch_ops import unpack_bitmask
 
 
 def _queries_then_gates(w: torch.Tensor, c: MTPConfig) -> torch.Tensor:
@@ -206,6 +208,21 @@ class MTPHead:
         """Greedy drafts [N] and their top-1 probabilities [N] under an optional bitmask."""
         return self.ops.draft(self._head_input(hidden), self.lm_head, bitmask)
 
+    def select(
+        self,
+        hidden: torch.Tensor,
+        bitmask: torch.Tensor | None,
+        sampling: RowSampling,
+        draft_positions: torch.Tensor,
+        index: torch.Tensor,
+    ) -> Selected:
+        """Drafts [N] chosen as each row's sampling says (sampling.select), each drawn for
+        the token position and proposal index given."""
+        greedy = self.draft(hidden, bitmask)
+        logits = self.logits(hidden)
+        allowed = None if bitmask is None else unpack_bitmask(bitmask, logits.shape[1])
+        return select(logits, allowed, greedy, sampling, draft_positions, index)
+
     def capture_decode_graphs(self, kv: KVCache, max_batch: int, max_steps: int) -> None:
         """On CUDA: capture the chained decode step for `decode_chain` to replay."""
         from .decode_graphs import DecodeGraphs
@@ -240,12 +257,23 @@ class MTPHead:
         tables = torch.from_numpy(chain.block_tables).to(dev)
         seq_ids = torch.arange(n, dtype=torch.int32, device=dev)
         masks = None if chain.bitmasks is None else chain.bitmasks.to(dev)
+        sampling = None if chain.sampling is None else chain.sampling.on(dev)
         outputs = []
         for j, (positions, slots, context_lens) in enumerate(step_rows):
             batch = RowBatch(tokens, hiddens, positions, seq_ids, slots, tables, context_lens)
-            hiddens, tokens, probs = self.decode(batch, kv, None if masks is None else masks[j])
-            outputs.append((hiddens, tokens, probs))
-        out_h, out_t, out_p = (torch.stack(o) for o in zip(*outputs, strict=True))
+            mask = None if masks is None else masks[j]
+            if sampling is None:
+                hiddens, tokens, probs = self.decode(batch, kv, mask)
+                outputs.append((hiddens, tokens, probs))
+                continue
+            hiddens = self.forward(batch, kv)
+            rows, first_index = sampling
+            # A row at position p (its hidden's) holds the token at p + 1 and drafts p + 2.
+            chosen = self.select(hiddens, mask, rows, positions + 2, first_index + j)
+            tokens = chosen.tokens
+            outputs.append((hiddens, tokens, chosen.probs, chosen.q_ids, chosen.q_probs))
+        out = [torch.stack(o) for o in zip(*outputs, strict=True)]
         if before_wait is not None:
-            before_wait(out_h)
-        return ChainOutputs(out_h, out_t.cpu().numpy(), out_p.float().cpu().numpy())
+            before_wait(out[0])
+        q = [o.cpu().numpy() for o in out[3:]] or [None, None]
+        return ChainOutputs(out[0], out[1].cpu().numpy(), out[2].float().cpu().numpy(), *q)

@@ -92,3 +92,60 @@ def draw(ids: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor) -> torc
     at = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None].contiguous(), right=True)
     at = at.clamp(max=probs.shape[-1] - 1)
     return ids.gather(-1, at)[:, 0]
+
+
+@dataclass
+class RowSampling:
+    """How each row of a decode step chooses its draft, on the device: its parameters
+    (temperature 0: greedy), and the key words of its draws other than the position."""
+
+    params: SamplingParams
+    seeds: torch.Tensor  # [N] int64 (a uint64 seed's bits)
+    states: torch.Tensor  # [N] int64: the state's id
+    support: int  # the most tokens a q holds
+
+
+@dataclass
+class Selected:
+    """Each row's draft, its probability (q(draft) when sampled, the top-1 probability
+    when greedy) and its q as a support (a greedy row's: the draft alone, probability 1)."""
+
+    tokens: torch.Tensor  # [N] int64
+    probs: torch.Tensor  # [N] float32
+    q_ids: torch.Tensor  # [N, support] int64
+    q_probs: torch.Tensor  # [N, support] float32
+
+
+def select(
+    logits: torch.Tensor,
+    allowed: torch.Tensor | None,
+    greedy: tuple[torch.Tensor, torch.Tensor],
+    rows: RowSampling,
+    positions: torch.Tensor,
+    index: torch.Tensor,
+) -> Selected:
+    """The drafts of rows whose logits [N, V] are given: sampled rows draw from q (their
+    logits masked to `allowed` [N, V] bool, if given) with the uniform keyed by (seed,
+    state, position, index) of the drafted token; greedy rows keep `greedy` (tokens,
+    probabilities), which the caller computed as the greedy path does."""
+    params = rows.params
+    sampled = params.temperature > 0
+    if allowed is not None:
+        logits = logits.float().masked_fill(~allowed, float("-inf"))
+    safe = SamplingParams(
+        torch.where(sampled, params.temperature, torch.ones_like(params.temperature)),
+        params.top_k,
+        params.top_p,
+        params.min_p,
+    )
+    ids, q = processed_support(logits, safe, rows.support)
+    drawn = draw(ids, q, counter_uniforms(rows.seeds, rows.states, positions, index))
+    q_drawn = (q * (ids == drawn[:, None])).sum(-1)
+    tokens, probs = greedy
+    first = torch.arange(ids.shape[1], device=ids.device) == 0  # a greedy q: the draft alone
+    return Selected(
+        tokens=torch.where(sampled, drawn, tokens.long()),
+        probs=torch.where(sampled, q_drawn, probs.float()),
+        q_ids=torch.where(sampled[:, None], ids, torch.where(first, tokens.long()[:, None], 0)),
+        q_probs=torch.where(sampled[:, None], q, first.float().expand_as(q)),
+    )

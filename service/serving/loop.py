@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..engine import errors
 from ..engine.engine import DraftEngine, PrefillSession
 from ..engine.kv_transfer import KVChunk, KVHeader, KVImport
+from ..engine.sampling import GREEDY, Sampling
 from ..engine.step import Step, StepResult
 from ..engine.types import EngineInfo, PrefillChunk, RowCount, TakenKV, Verdict
 from ..telemetry import Telemetry
@@ -68,8 +69,8 @@ class ServingLoop:
         engine = await self.runner.call(self.engine.info)
         return ServerInfo(engine, queued, batches)
 
-    async def alloc_state(self, owner: str) -> int:
-        return await self.runner.call(self.engine.alloc_state, owner)
+    async def alloc_state(self, owner: str, sampling: Sampling = GREEDY) -> int:
+        return await self.runner.call(self.engine.alloc_state, owner, sampling)
 
     def propose(
         self, step: Step, timeout: float | None, caller: object

@@ -35,7 +35,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_family", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "compute_dtype", "hidden_dtypes", "device", "max_drafts", "max_batch", "max_states", "live_states", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "kv_handles", "state_ttl_seconds", "max_message_bytes", "bitmask_words", "draining", "batch_size_counts", "queued_calls", "instance_epoch", "model_fingerprint")
+    __slots__ = ("model_family", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "compute_dtype", "hidden_dtypes", "device", "max_drafts", "max_batch", "max_states", "live_states", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "kv_handles", "state_ttl_seconds", "max_message_bytes", "bitmask_words", "draining", "batch_size_counts", "queued_calls", "instance_epoch", "model_fingerprint", "max_sample_top_k")
     class BatchSizeCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class GetInfoResponse(_message.Message):
     QUEUED_CALLS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_SAMPLE_TOP_K_FIELD_NUMBER: _ClassVar[int]
     model_family: str
     hidden_size: int
     vocab_size: int
@@ -93,11 +94,28 @@ class GetInfoResponse(_message.Message):
     queued_calls: int
     instance_epoch: int
     model_fingerprint: str
-    def __init__(self, model_family: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., compute_dtype: _Optional[str] = ..., hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., device: _Optional[str] = ..., max_drafts: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_states: _Optional[int] = ..., live_states: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_handles: _Optional[int] = ..., state_ttl_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., bitmask_words: _Optional[int] = ..., draining: bool = ..., batch_size_counts: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ..., instance_epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    max_sample_top_k: int
+    def __init__(self, model_family: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., compute_dtype: _Optional[str] = ..., hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., device: _Optional[str] = ..., max_drafts: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_states: _Optional[int] = ..., live_states: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_handles: _Optional[int] = ..., state_ttl_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., bitmask_words: _Optional[int] = ..., draining: bool = ..., batch_size_counts: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ..., instance_epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_sample_top_k: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class AllocStateRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("sampling",)
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    sampling: SamplingParams
+    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class AllocStateResponse(_message.Message):
     __slots__ = ("state_id",)
@@ -136,7 +154,7 @@ class Verdict(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("state_id", "token", "hidden", "position", "num_drafts", "bitmask", "min_confidence", "previous", "step_number")
+    __slots__ = ("state_id", "token", "hidden", "position", "num_drafts", "bitmask", "min_confidence", "previous", "step_number", "sampling")
     STATE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +164,7 @@ class ProposeRequest(_message.Message):
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     STEP_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     state_id: int
     token: int
     hidden: Tensor
@@ -155,21 +174,28 @@ class ProposeRequest(_message.Message):
     min_confidence: float
     previous: Verdict
     step_number: int
-    def __init__(self, state_id: _Optional[int] = ..., token: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., position: _Optional[int] = ..., num_drafts: _Optional[int] = ..., bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., previous: _Optional[_Union[Verdict, _Mapping]] = ..., step_number: _Optional[int] = ...) -> None: ...
+    sampling: SamplingParams
+    def __init__(self, state_id: _Optional[int] = ..., token: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., position: _Optional[int] = ..., num_drafts: _Optional[int] = ..., bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., previous: _Optional[_Union[Verdict, _Mapping]] = ..., step_number: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("state_id", "tokens", "probs", "confidence", "first_position")
+    __slots__ = ("state_id", "tokens", "probs", "confidence", "first_position", "q_support", "q_ids", "q_probs")
     STATE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    Q_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    Q_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     state_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
     confidence: float
     first_position: int
-    def __init__(self, state_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., confidence: _Optional[float] = ..., first_position: _Optional[int] = ...) -> None: ...
+    q_support: int
+    q_ids: _containers.RepeatedScalarFieldContainer[int]
+    q_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, state_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., confidence: _Optional[float] = ..., first_position: _Optional[int] = ..., q_support: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message", "reason", "field")
@@ -184,7 +210,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class ProposeBatchRequest(_message.Message):
-    __slots__ = ("request_id", "state_ids", "tokens", "positions", "hiddens", "num_drafts", "num_accepted", "refeed_rows", "refeed_hiddens", "bitmask_rows", "bitmasks", "min_confidence", "step_numbers")
+    __slots__ = ("request_id", "state_ids", "tokens", "positions", "hiddens", "num_drafts", "num_accepted", "refeed_rows", "refeed_hiddens", "bitmask_rows", "bitmasks", "min_confidence", "step_numbers", "sampling_rows", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +224,8 @@ class ProposeBatchRequest(_message.Message):
     BITMASKS_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     STEP_NUMBERS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     state_ids: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -211,10 +239,12 @@ class ProposeBatchRequest(_message.Message):
     bitmasks: Tensor
     min_confidence: _containers.RepeatedScalarFieldContainer[float]
     step_numbers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[int] = ..., state_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., refeed_rows: _Optional[_Iterable[int]] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[_Iterable[float]] = ..., step_numbers: _Optional[_Iterable[int]] = ...) -> None: ...
+    sampling_rows: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _containers.RepeatedCompositeFieldContainer[SamplingParams]
+    def __init__(self, request_id: _Optional[int] = ..., state_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., refeed_rows: _Optional[_Iterable[int]] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[_Iterable[float]] = ..., step_numbers: _Optional[_Iterable[int]] = ..., sampling_rows: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ...) -> None: ...
 
 class ProposeBatchResponse(_message.Message):
-    __slots__ = ("request_id", "width", "drafts", "probs", "draft_counts", "confidences", "first_positions", "errors", "error")
+    __slots__ = ("request_id", "width", "drafts", "probs", "draft_counts", "confidences", "first_positions", "errors", "error", "q_support", "q_ids", "q_probs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +254,9 @@ class ProposeBatchResponse(_message.Message):
     FIRST_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    Q_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    Q_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     width: int
     drafts: _containers.RepeatedScalarFieldContainer[int]
@@ -233,7 +266,10 @@ class ProposeBatchResponse(_message.Message):
     first_positions: _containers.RepeatedScalarFieldContainer[int]
     errors: _containers.RepeatedCompositeFieldContainer[RowError]
     error: Error
-    def __init__(self, request_id: _Optional[int] = ..., width: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., first_positions: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[RowError, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    q_support: int
+    q_ids: _containers.RepeatedScalarFieldContainer[int]
+    q_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[int] = ..., width: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., first_positions: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[RowError, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., q_support: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RowError(_message.Message):
     __slots__ = ("row", "error")

@@ -21,6 +21,7 @@ from mtpdraft.service.engine.errors import (
     NotFound,
     Unavailable,
 )
+from mtpdraft.service.engine.sampling import Sampling
 from mtpdraft.service.engine.step import Step, StepResult
 from mtpdraft.service.engine.types import Proposal, Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
@@ -467,8 +468,7 @@ def test_a_retried_step_is_answered_as_it_was_and_runs_once(engine: DraftEngine)
     ]
 
     def sent(args: ProposeArgs, state: int) -> ProposeArgs:
-        # Its own hidden: a chain may write its first drafts' hiddens over the step's.
-        return replace(args, state_id=state, hidden=args.hidden.clone())
+        return replace(args, state_id=state)
 
     for args in steps:
         answer = propose(engine, sent(args, retried))
@@ -507,4 +507,39 @@ def test_a_retry_in_a_batch_is_answered_beside_new_steps(engine: DraftEngine) ->
     assert together.proposal(0, a) == first
     by_itself = propose(engine, ProposeArgs(alone, 4, h(1, 62), 4, 3))
     assert together.proposal(1, b) == replace(by_itself, state_id=b)  # one row ran
+    assert_accounted(engine)
+
+
+def test_a_step_leaves_the_callers_tensors_as_they_were(engine: DraftEngine) -> None:
+    """The recomputed first draft's hidden feeds the chain; it must not be written into
+    the caller's hidden (in process, the caller keeps using its tensors)."""
+    state = prefill(engine, [1, 2, 3], h(3, 90))
+    first = propose(engine, ProposeArgs(state, 4, h(1, 91), 4, 3))
+    hidden, refeed = h(1, 92), h(2, 93)
+    kept = hidden.clone(), refeed.clone()
+    previous = Verdict(2, refeed)
+    propose(engine, ProposeArgs(state, 5, hidden, first.first_position + 2, 3, previous=previous))
+    assert torch.equal(hidden, kept[0]) and torch.equal(refeed, kept[1])
+
+
+def test_a_retried_sampled_step_answers_its_q_as_it_was(engine: DraftEngine) -> None:
+    """A sampled proposal's retry answers each draft's q as first answered, alone or beside
+    a greedy row run anew (whose q is then its draft alone, as in any sampled batch)."""
+    sampled = engine.alloc_state(sampling=Sampling(1.0, 0, 1.0, 0.0, 7))
+    session = engine.begin_prefill(sampled, 1)
+    session.append([1, 2, 3], h(3, 70))
+    session.finish()
+    greedy = prefill(engine, [1, 2, 3], h(3, 71))
+    args = ProposeArgs(sampled, 4, h(1, 72), 4, 3, step_number=1)
+    first = propose(engine, args)
+    assert first.q_ids is not None and len(first.q_ids[0]) > 1  # a sampled q
+    assert propose(engine, args) == first
+    alone = propose(engine, ProposeArgs(greedy, 4, h(1, 73), 4, 3, step_number=1))
+    assert alone.q_ids is None  # a greedy batch answers no q
+    engine.after_verify(greedy, Verdict(0))
+    later = ProposeArgs(greedy, 5, h(1, 74), 5, 2)
+    again, fresh = propose_batch(engine, [args, later])
+    assert again == first
+    assert [q[0] for q in fresh.q_ids] == fresh.tokens
+    assert [sorted(p, reverse=True)[:2] for p in fresh.q_probs] == [[1.0, 0.0]] * 2
     assert_accounted(engine)

@@ -11,10 +11,9 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from sampling_reference import chi_square_critical, uniform, vllm_processed
 
 from mtpdraft.service.model.sampling import (
     SamplingParams,
@@ -22,41 +21,6 @@ from mtpdraft.service.model.sampling import (
     draw,
     processed_support,
 )
-
-M64 = (1 << 64) - 1
-
-
-def splitmix(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
-
-
-def uniform(seed: int, state: int, position: int, index: int) -> float:
-    x = splitmix(seed & M64)
-    for word in (state, position, index):
-        x = splitmix(x ^ (word & M64))
-    return (x >> 11) * 2.0**-53
-
-
-def vllm_processed(logits, temperature, top_k, top_p, min_p, support) -> torch.Tensor:
-    """[V] float64 q, vLLM's order and masks, cut to `support` tokens."""
-    x = logits.double() / temperature
-    probs = x.softmax(-1)
-    x = x.masked_fill(probs < min_p * probs.max(), -math.inf)
-    x_sorted, order = x.sort(descending=False)
-    if top_k:
-        x_sorted = x_sorted.masked_fill(x_sorted < x_sorted[len(x_sorted) - top_k], -math.inf)
-    below = x_sorted.softmax(-1).cumsum(-1) <= 1 - top_p
-    below[-1] = False
-    x_sorted = x_sorted.masked_fill(below, -math.inf)
-    q = torch.empty_like(x_sorted).scatter_(0, order, x_sorted).softmax(-1)
-    cut = torch.zeros_like(q)
-    top = q.topk(support).indices
-    cut[top] = q[top]
-    return cut / cut.sum()
-
 
 CASES = [  # temperature, top_k, top_p, min_p
     (1.0, 0, 1.0, 0.0),
@@ -104,6 +68,4 @@ def test_draws_follow_q() -> None:
     counts = torch.stack([(tokens == t).sum() for t in ids[0]]).double()
     expected = n * probs[0].double()
     chi2 = float(((counts - expected) ** 2 / expected).sum())
-    df = 5
-    critical = df * (1 - 2 / (9 * df) + 4.753 * math.sqrt(2 / (9 * df))) ** 3
-    assert counts.sum() == n and chi2 < critical
+    assert counts.sum() == n and chi2 < chi_square_critical(5)
