@@ -5,9 +5,11 @@
 # Debian packages it needs, builds client/{node,go,cpp} and their examples (make -f
 # client/polyglot.mk), starts `python3 -m mtpdraft serve --port 0 --device cpu`, runs the four
 # runners, the Node and Go unit tests and each client's example program, stops the server.
-# Exits non-zero if any of them failed. The Python run (tests/conformance) also replays the
-# vector on servers of its own (float32; other CPUs' kernels), checks its drafts against the
-# float64 oracle, and checks that all four built runners refuse malformed vectors.
+# Each client's verifier-side accept is checked against tests/conformance/sampling_vector.json
+# (no server). Exits non-zero if any of them failed. The Python run (tests/conformance) also
+# replays the vector on servers of its own (float32; other CPUs' kernels), checks its drafts
+# against the float64 oracle, checks the sampling vector against its exact reference and the
+# Python client's accept, and checks that all built runners refuse malformed vectors.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
@@ -58,6 +60,7 @@ export MTPDRAFT_CONFORMANCE_ADDRESS=127.0.0.1:$port
 echo "polyglot: server at $MTPDRAFT_CONFORMANCE_ADDRESS"
 
 vector=tests/conformance/vector.json
+sampling_vector=tests/conformance/sampling_vector.json
 passed=0
 failed=()
 run() { # NAME SECONDS COMMAND...: one runner, at most SECONDS
@@ -74,6 +77,10 @@ run python 300 python3 -m pytest -q -p no:cacheprovider tests/conformance
 run node 120 node client/node/conformance.js --address "$MTPDRAFT_CONFORMANCE_ADDRESS" --vector "$vector"
 run go 120 client/go/build/bin/mtpdraft-conformance -address "$MTPDRAFT_CONFORMANCE_ADDRESS" -vector "$vector"
 run cpp 120 client/cpp/build/mtpdraft-conformance --address "$MTPDRAFT_CONFORMANCE_ADDRESS" --vector "$vector"
+# The verifier's acceptance rule, each client's accept against the sampling vector.
+run node-sampling 60 node client/node/sampling_conformance.js --vector "$sampling_vector"
+run go-sampling 60 client/go/build/bin/mtpdraft-sampling -vector "$sampling_vector"
+run cpp-sampling 60 client/cpp/build/mtpdraft-sampling --vector "$sampling_vector"
 # The Node and Go clients' own unit tests (a fake server in the test process).
 run node-unit 120 npm --prefix client/node test
 run go-unit 300 make -s -f client/polyglot.mk polyglot-go-test

@@ -209,11 +209,14 @@ def propose_request(
     min_confidence: float = 0.0,
     previous: Verdict | int | None = None,
     sampling: SamplingParams | None = None,
+    draft_cap: int = 0,
+    verify_token_cost: float = 0.0,
     step_number: int = 0,
 ) -> pb.ProposeRequest:
     """A ProposeRequest; ``previous`` fuses the pending proposal's AfterVerify into it,
-    ``sampling`` changes the state's sampling from this step on, ``step_number`` numbers
-    the step (0: not numbered)."""
+    ``sampling`` changes the state's sampling from this step on; with ``num_drafts`` 0
+    the drafter chooses K up to ``draft_cap`` for ``verify_token_cost``; ``step_number``
+    numbers the step (0: not numbered)."""
     req = pb.ProposeRequest()
     req.state_id = _uint64(state, "state")
     req.token = _int(token, "token", _INT32_MIN, _INT32_MAX)
@@ -227,6 +230,8 @@ def propose_request(
         verdict_message(previous, into=req.previous)
     if sampling is not None:
         sampling_message(sampling, into=req.sampling)
+    req.draft_cap = _int(draft_cap, "draft_cap", _INT32_MIN, _INT32_MAX)
+    req.verify_token_cost = float(verify_token_cost)
     req.step_number = _uint64(step_number, "step_number")
     return req
 
@@ -263,6 +268,8 @@ def batch_request(
     bitmasks: wire.Array | None = None,
     min_confidence: Any = None,
     sampling: Mapping[int, SamplingParams] | None = None,
+    draft_caps: Any = None,
+    verify_token_costs: Any = None,
     step_numbers: Any = None,
 ) -> pb.ProposeBatchRequest:
     """A ProposeBatchRequest: B states' step as columns (see ``DrafterClient.propose_batch``);
@@ -301,6 +308,13 @@ def batch_request(
         )
     if sampling:
         _sampling_rows(req, sampling)
+    if draft_caps is not None:
+        req.draft_caps.extend(_column(draft_caps, "draft_caps", np.int32, size, one_for_all=True))
+    if verify_token_costs is not None:
+        costs = _column(
+            verify_token_costs, "verify_token_costs", np.float32, size, one_for_all=True
+        )
+        req.verify_token_costs.extend(costs)
     if step_numbers is not None:
         req.step_numbers.extend(
             _column(step_numbers, "step_numbers", np.uint64, size, one_for_all=True)
@@ -344,6 +358,9 @@ def batch_request_of(requests: Sequence[ProposeArgs]) -> pb.ProposeBatchRequest:
         mask_rows.append(0 if a.bitmask is None else masks.add(a.bitmask, wire.BITMASK_DTYPES, i))
     hiddens.into(req.hiddens)
     _sampling_rows(req, {i: a.sampling for i, a in enumerate(requests) if a.sampling})
+    if any(a.num_drafts == 0 for a in requests):
+        req.draft_caps.extend(_int(a.draft_cap, "draft_cap", 0, _INT32_MAX) for a in requests)
+        req.verify_token_costs.extend(float(a.verify_token_cost) for a in requests)
     if any(n >= 0 for n in accepted):
         req.num_accepted.extend(accepted)
     if any(refeed_rows):

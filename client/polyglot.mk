@@ -6,11 +6,14 @@
 #
 #   make polyglot                          build all three clients, runners and examples
 #   make polyglot-conformance ADDRESS=h:p  replay tests/conformance/vector.json with each
+#   make polyglot-sampling                 check each client's accept against
+#                                          tests/conformance/sampling_vector.json (no server)
 #   make polyglot-clean
 
 PG_PROTO_DIR := protos
 PG_PROTO := $(PG_PROTO_DIR)/mtpdraft/v1/drafter.proto
 PG_VECTOR := tests/conformance/vector.json
+PG_SAMPLING_VECTOR := tests/conformance/sampling_vector.json
 
 # Node.js: the package mtpdraft-client (client/node/package.json), and a program of its own
 # that installs it (examples/clients/node).
@@ -28,6 +31,8 @@ PG_GO_MODULE_PATH := github.com/mtpdraft/mtpdraft/client/go
 PG_GO_BUILD := $(PG_GO_DIR)/build
 PG_GO_GEN := $(PG_GO_DIR)/gen/mtpdraftv1
 PG_GO_BIN := $(PG_GO_BUILD)/bin/mtpdraft-conformance
+# The verifier's acceptance rule (drafter.Accept) against the sampling vector.
+PG_GO_SAMPLING := $(PG_GO_BUILD)/bin/mtpdraft-sampling
 # A Go verifier's view of the hot path (bench/bench_service.py --go-hotpath runs it).
 PG_GO_HOTPATH := $(PG_GO_BUILD)/bin/mtpdraft-hotpath
 PG_GO_EXAMPLE_DIR := examples/clients/go
@@ -52,6 +57,7 @@ PG_GO_PROTOC = protoc -I$(PG_PROTO_DIR) --go_out=$(1) --go_opt=module=$(PG_GO_MO
 PG_CPP_DIR := client/cpp
 PG_CPP_BUILD := $(PG_CPP_DIR)/build
 PG_CPP_BIN := $(PG_CPP_BUILD)/mtpdraft-conformance
+PG_CPP_SAMPLING := $(PG_CPP_BUILD)/mtpdraft-sampling
 PG_CPP_PREFIX := $(abspath $(PG_CPP_BUILD)/install)
 PG_CPP_EXAMPLES := $(PG_CPP_BUILD)/example/drafter-example $(PG_CPP_BUILD)/example-subdir/drafter-example
 PG_CPP_SRCS := $(PG_PROTO) $(wildcard $(PG_CPP_DIR)/CMakeLists.txt $(PG_CPP_DIR)/cmake/* \
@@ -66,7 +72,7 @@ PG_CXXFLAGS ?= -O1 -g0 -Wall
 PG_CMAKE = cmake --log-level=WARNING -DCMAKE_BUILD_TYPE= "-DCMAKE_CXX_FLAGS=$(PG_CXXFLAGS)"
 PG_CMAKE_CLIENT = $(PG_CMAKE) -DMTPDRAFT_GOOGLEAPIS_PROTO_DIR=$(PG_RPC_PROTO_DIR)
 
-.PHONY: polyglot polyglot-node polyglot-go polyglot-go-test polyglot-go-gen polyglot-cpp polyglot-conformance polyglot-clean
+.PHONY: polyglot polyglot-node polyglot-go polyglot-go-test polyglot-go-gen polyglot-cpp polyglot-conformance polyglot-sampling polyglot-clean
 
 polyglot: polyglot-node polyglot-go polyglot-cpp
 
@@ -83,7 +89,7 @@ $(PG_NODE_EXAMPLE_DIR)/node_modules/.package-lock.json: $(PG_NODE_EXAMPLE_DIR)/p
 		client/node/node_modules/.package-lock.json client/node/index.js client/node/index.d.ts $(PG_PROTO)
 	cd $(PG_NODE_EXAMPLE_DIR) && npm ci --no-audit --no-fund && npm run -s typecheck
 
-polyglot-go: $(PG_GO_BIN) $(PG_GO_HOTPATH) $(PG_GO_EXAMPLE)
+polyglot-go: $(PG_GO_BIN) $(PG_GO_SAMPLING) $(PG_GO_HOTPATH) $(PG_GO_EXAMPLE)
 
 # The Go client's unit tests (a fake server in the test process).
 polyglot-go-test: $(PG_GO_MODFILE)
@@ -111,6 +117,9 @@ $(PG_GO_MODFILE): $(PG_GO_BUILD)/gen.stamp $(PG_GO_SRCS) $(PG_GO_DIR)/gomod-debi
 $(PG_GO_BIN): $(PG_GO_MODFILE)
 	$(PG_GO) build $(PG_GO_MODFLAG) -o $(abspath $@) ./cmd/mtpdraft-conformance
 
+$(PG_GO_SAMPLING): $(PG_GO_MODFILE)
+	$(PG_GO) build $(PG_GO_MODFLAG) -o $(abspath $@) ./cmd/mtpdraft-sampling
+
 # Static (no cgo), so that it runs on a machine without Go or gRPC installed.
 $(PG_GO_HOTPATH): $(PG_GO_MODFILE)
 	cd $(PG_GO_DIR) && $(PG_GO_MOD_ENV) CGO_ENABLED=0 go build $(PG_GO_MODFLAG) -o $(abspath $@) \
@@ -122,7 +131,7 @@ $(PG_GO_EXAMPLE): $(PG_GO_MODFILE) $(PG_GO_EXAMPLE_DIR)/go.mod $(wildcard $(PG_G
 	cd $(PG_GO_EXAMPLE_DIR) && $(PG_GO_MOD_ENV) go vet -modfile=$(abspath $(PG_GO_BUILD)/gomod/example.mod) . && \
 		$(PG_GO_MOD_ENV) go build -modfile=$(abspath $(PG_GO_BUILD)/gomod/example.mod) -o $(abspath $@) .
 
-polyglot-cpp: $(PG_CPP_BIN) $(PG_CPP_EXAMPLES)
+polyglot-cpp: $(PG_CPP_BIN) $(PG_CPP_SAMPLING) $(PG_CPP_EXAMPLES)
 
 # (A recipe line starting with + shares make's job slots with the build that cmake runs.)
 $(PG_CPP_BIN): $(PG_CPP_SRCS)
@@ -130,6 +139,10 @@ $(PG_CPP_BIN): $(PG_CPP_SRCS)
 	+cmake --build $(PG_CPP_BUILD)/cmake
 	cmake --install $(PG_CPP_BUILD)/cmake --prefix $(PG_CPP_PREFIX) >/dev/null
 	cp $(PG_CPP_BUILD)/cmake/mtpdraft-conformance $@
+
+# Built with the conformance runner (MTPDRAFT_CLIENT_CONFORMANCE).
+$(PG_CPP_SAMPLING): $(PG_CPP_BIN)
+	cp $(PG_CPP_BUILD)/cmake/mtpdraft-sampling $@
 
 $(PG_CPP_BUILD)/example/drafter-example: $(PG_CPP_BIN) $(PG_CPP_EXAMPLE_SRCS)
 	$(PG_CMAKE) -S $(PG_CPP_DIR)/examples -B $(PG_CPP_BUILD)/example -DCMAKE_PREFIX_PATH=$(PG_CPP_PREFIX)
@@ -148,6 +161,12 @@ polyglot-conformance: polyglot
 	node client/node/conformance.js --address $(ADDRESS) --vector $(PG_VECTOR)
 	$(PG_GO_BIN) -address $(ADDRESS) -vector $(PG_VECTOR)
 	$(PG_CPP_BIN) --address $(ADDRESS) --vector $(PG_VECTOR)
+
+# Checks each client's accept against the sampling vector (no server).
+polyglot-sampling: polyglot
+	node client/node/sampling_conformance.js --vector $(PG_SAMPLING_VECTOR)
+	$(PG_GO_SAMPLING) -vector $(PG_SAMPLING_VECTOR)
+	$(PG_CPP_SAMPLING) --vector $(PG_SAMPLING_VECTOR)
 
 polyglot-clean:
 	rm -rf $(PG_GO_BUILD) $(PG_CPP_BUILD) client/node/node_modules client/node/proto \

@@ -65,21 +65,15 @@ def _one_state(
     min_confidence: float = 0.0,
     previous: Verdict | int | None = None,
     sampling: SamplingParams | None = None,
+    draft_cap: int = 0,
+    verify_token_cost: float = 0.0,
     step_number: int = 0,
 ) -> pb.ProposeBatchRequest:
     """A batch of one state (the arguments of ``DrafterClient.propose``)."""
     args = ProposeArgs(
-        state,
-        token,
-        hidden,
-        position,
-        num_drafts,
-        bitmask,
-        min_confidence,
-        previous,
-        sampling,
-        step_number,
-    )
+        state, token, hidden, position, num_drafts, bitmask, min_confidence, previous,
+        sampling, draft_cap, verify_token_cost, step_number,
+    )  # fmt: skip
     return m.batch_request_of([args])
 
 

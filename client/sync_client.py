@@ -182,12 +182,17 @@ class DrafterClient:
         min_confidence: float = 0.0,
         previous: Verdict | int | None = None,
         sampling: SamplingParams | None = None,
+        draft_cap: int = 0,
+        verify_token_cost: float = 0.0,
         step_number: int = 0,
         timeout: Timeout = DEFAULT,
     ) -> Proposal:
         """Up to ``num_drafts`` drafts after ``token`` (its target hidden: ``hidden``, at
         ``position - 1``). ``previous`` first applies the verdict on the pending proposal;
-        ``sampling`` changes the state's sampling from this step on.
+        ``sampling`` changes the state's sampling from this step on. ``num_drafts`` 0
+        lets the drafter choose how many, up to ``draft_cap`` (0: the server's
+        max_drafts), for the most tokens per verify cost, one more token costing
+        ``verify_token_cost`` of a verify step.
 
         ``step_number`` (increasing with each of the state's steps; 0: none) makes the
         call safe to send again when its outcome is unknown (a deadline, a broken
@@ -203,6 +208,8 @@ class DrafterClient:
             min_confidence=min_confidence,
             previous=previous,
             sampling=sampling,
+            draft_cap=draft_cap,
+            verify_token_cost=verify_token_cost,
             step_number=step_number,
         )
         return self._unary(self._stub.Propose, req, m.parse_proposal, timeout)
@@ -222,6 +229,8 @@ class DrafterClient:
         bitmasks: Array | None = None,
         min_confidence: Array | Sequence[float] | float | None = None,
         sampling: Mapping[int, SamplingParams] | None = None,
+        draft_caps: Array | Sequence[int] | int | None = None,
+        verify_token_costs: Array | Sequence[float] | float | None = None,
         step_numbers: Array | Sequence[int] | int | None = None,
         timeout: Timeout = DEFAULT,
     ) -> BatchResult:
@@ -234,8 +243,10 @@ class DrafterClient:
         bitmask (``bitmask_rows`` B counts of ``bitmasks`` rows, 0 for none),
         min_confidence (B values or one) and step number (``step_numbers``: B values or
         one, as ``propose``'s ``step_number``); ``sampling`` maps rows to their states' new
-        sampling parameters. A row that fails has its error in
-        ``errors`` and leaves its state unchanged; the other rows are answered.
+        sampling parameters; a row asking ``num_drafts`` 0 has the drafter choose its K,
+        up to ``draft_caps`` for ``verify_token_costs`` (B values or one). A row that
+        fails has its error in ``errors`` and leaves its state unchanged; the other rows
+        are answered.
         """
         req = m.batch_request(
             state_ids,
@@ -250,6 +261,8 @@ class DrafterClient:
             bitmasks=bitmasks,
             min_confidence=min_confidence,
             sampling=sampling,
+            draft_caps=draft_caps,
+            verify_token_costs=verify_token_costs,
             step_numbers=step_numbers,
         )
         return self._batch(req, timeout)

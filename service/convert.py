@@ -136,6 +136,8 @@ def propose(msg: pb.ProposeRequest, shape: StepShape) -> Step:
         previous=verdict(msg.previous, "previous") if msg.HasField("previous") else None,
         step_number=msg.step_number,
         sampling=sampling(msg.sampling) if msg.HasField("sampling") else None,
+        draft_cap=msg.draft_cap,
+        verify_token_cost=msg.verify_token_cost,
         shape=shape,
     )
 
@@ -165,6 +167,8 @@ def batch(msg: pb.ProposeBatchRequest, shape: StepShape) -> Step:
         step_numbers=list(msg.step_numbers),
         sampling_rows=list(msg.sampling_rows),
         sampling=[sampling(p) for p in msg.sampling],
+        draft_caps=list(msg.draft_caps),
+        verify_token_costs=list(msg.verify_token_costs),
     )
 
 
@@ -247,6 +251,8 @@ COLUMN_OF_FIELD = {
     "num_drafts": "num_drafts",
     "bitmask": "bitmasks",
     "min_confidence": "min_confidence",
+    "draft_cap": "draft_caps",
+    "verify_token_cost": "verify_token_costs",
     "previous.num_accepted": "num_accepted",
     "previous.refeed_hiddens": "refeed_hiddens",
     "step_number": "step_numbers",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtpdraft.service.engine.sampling import Sampling
 from mtpdraft.service.engine.step import Step, StepResult, StepShape, single
 from mtpdraft.service.engine.types import Proposal, Verdict
 
@@ -26,6 +27,9 @@ class ProposeArgs:
     bitmask: torch.Tensor | None = None  # int32 [W] or [n, W], xgrammar layout
     min_confidence: float = 0.0
     previous: Verdict | None = None
+    sampling: Sampling | None = None
+    draft_cap: int = 0  # with num_drafts 0 (the drafter chooses K)
+    verify_token_cost: float = 0.0
     step_number: int = 0  # 0: not numbered
 
 

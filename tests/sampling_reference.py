@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 M64 = (1 << 64) - 1
+# fp32 logits are off by about 1e-6 relative: q within 1e-4 of float64's leaves a
+# hundredfold margin, while a wrong row, step or parameter moves q by far more.
+Q_ATOL = 1e-4
 
 
 def splitmix(x: int) -> int:
@@ -66,3 +70,33 @@ def drawn(q: torch.Tensor, u: float, margin: float) -> int | None:
 def chi_square_critical(df: int) -> float:
     """The chi-square's 1e-6 upper critical value (Wilson-Hilferty)."""
     return df * (1 - 2 / (9 * df) + 4.753 * math.sqrt(2 / (9 * df))) ** 3
+
+
+def dense_q(proposal, j: int, vocab: int) -> torch.Tensor:
+    """Draft j's q as a dense float64 [V]."""
+    q = torch.zeros(vocab, dtype=torch.float64)
+    ids, probs = torch.tensor(proposal.q_ids[j]), torch.tensor(proposal.q_probs[j])
+    return q.index_add_(0, ids, probs.double())
+
+
+def check_chain(ref, sampling, state: int, tokens, hiddens, proposal, support: int, k: int) -> None:
+    """A sampled proposal of `k` drafts against the float64 oracle `ref` after (tokens,
+    hiddens), whose last row is the proposed token's: each draft's q within Q_ATOL of the
+    oracle's logits processed by `sampling` (its temperature, top_k, top_p, min_p) and cut
+    to `support`, its probability q(draft), and the draft the token its key's uniform
+    draws from that q (unless the uniform lies within Q_ATOL of a boundary)."""
+    tokens, hiddens = list(tokens), hiddens.double()
+    assert len(proposal.tokens) == k
+    for j, token in enumerate(proposal.tokens):
+        out = ref.rows(tokens, hiddens, step=j)[-1]
+        logits = ref.logits(out, step=j)
+        s = sampling
+        want = vllm_processed(logits, s.temperature, s.top_k, s.top_p, s.min_p, support)
+        got = dense_q(proposal, j, len(want))
+        torch.testing.assert_close(got, want, atol=Q_ATOL, rtol=0)
+        assert proposal.probs[j] == pytest.approx(float(got[token]), abs=1e-6)
+        u = uniform(s.seed, state, proposal.first_position + j, j)
+        expected = drawn(want, u, Q_ATOL)
+        assert expected is None or token == expected, f"draft {j}"
+        tokens.append(token)
+        hiddens = torch.cat([hiddens, out[None]])

@@ -13,6 +13,12 @@ def test_test_modules_have_unique_basenames():
     assert not [n for n, c in names.items() if c > 1]
 
 
+def test_helpers_have_unique_basenames():
+    """Every folder of tests/ is on the path: `import helper` takes whichever comes first."""
+    names = Counter(p.name for p in (ROOT / "tests").rglob("*.py") if p.name != "conftest.py")
+    assert not [n for n, c in names.items() if c > 1]
+
+
 def test_bench_modules_share_no_name_with_test_helpers():
     helpers = {p.name for p in (ROOT / "tests").rglob("*.py")}
     assert not helpers & {p.name for p in (ROOT / "bench").glob("*.py")}

@@ -144,6 +144,42 @@ export interface BatchResult {
 /** The Batch of states given one by one: row i is requests[i]'s. */
 export declare function batchOf(requests: BatchRequest[]): Batch;
 
+/** What a verifier does next, per row: keep numAccepted drafts (the verdict the next
+ * proposeBatch or propose carries), then emit nextTokens (the correction or the bonus token). */
+export interface Accepted {
+  numAccepted: Int32Array;
+  nextTokens: Int32Array;
+}
+
+export interface AcceptOptions {
+  /** Drafts per row, 0 to K (default: K for every row); drafts past a count are never read. */
+  counts?: ArrayLike<number> | null;
+  /** [B][K + 1] in [0, 1): one per draft's test, the last for the token after. */
+  uniforms?: ArrayLike<ArrayLike<number>> | null;
+  /** Draws the uniforms when none are given (default Math.random). */
+  random?: () => number;
+}
+
+/**
+ * The verifier's half of speculative sampling, in float64: draft j is kept if
+ * u[j] * q_j(draft) < p_j(draft), up to the first refused; the next token is drawn (inverse
+ * CDF at u[K]) from max(p - q, 0) normalised at the first refused (p itself where that has no
+ * mass), else from p at position count (the bonus token). The Python client's
+ * sampling.accept, token for token. Throws a RangeError on inputs that do not fit.
+ * @param drafts [B][K] each row's drafts
+ * @param qIds [B][K][T] each draft's q: its support (T may vary; greedy drafts: T = 1)
+ * @param qProbs [B][K][T] and its probabilities (padding: 0; greedy drafts: 1)
+ * @param targetProbs [B][K + 1][V] the target's distribution at each draft's position, then
+ *   at the position after the last draft
+ */
+export declare function accept(
+  drafts: ArrayLike<ArrayLike<number>>,
+  qIds: ArrayLike<ArrayLike<ArrayLike<number>>>,
+  qProbs: ArrayLike<ArrayLike<ArrayLike<number>>>,
+  targetProbs: ArrayLike<ArrayLike<ArrayLike<number>>>,
+  options?: AcceptOptions,
+): Accepted;
+
 /** A failed call, a failed row, or a stream message the server refused. */
 export declare class DrafterError extends Error {
   constructor(

@@ -47,6 +47,10 @@
 //
 // Deadlines: the client's timeoutMs (default 30 s) bounds each unary call and each prefill. A
 // stream (stream()) has no deadline unless its own { timeoutMs } asks for one.
+//
+// The verifier's verdicts on sampled (or greedy, one-hot q) drafts: accept(drafts, qIds, qProbs,
+// targetProbs, { counts, uniforms }) (sampling.js) gives { numAccepted, nextTokens }, the Python
+// client's sampling.accept token for token.
 
 const fs = require('node:fs');
 const os = require('node:os');
@@ -54,6 +58,7 @@ const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protobuf = require('protobufjs');
 const protoLoader = require('@grpc/proto-loader');
+const { accept } = require('./sampling.js');
 
 const PROTO_FILE = 'mtpdraft/v1/drafter.proto';
 // The repository's proto when this is client/node of a checkout, else the package's own copy
@@ -731,4 +736,4 @@ class DrafterClient {
   }
 }
 
-module.exports = { DrafterClient, DrafterError, ProposeStream, Tensor, batchOf, loadService };
+module.exports = { DrafterClient, DrafterError, ProposeStream, Tensor, accept, batchOf, loadService };

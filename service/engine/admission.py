@@ -70,7 +70,8 @@ def _refused_rows(
     its other checks are moot for them."""
     known = slots >= 0
     s = np.where(known, slots, 0)  # unknown rows read slot 0, their state checks are moot
-    a, k, positions = step.num_accepted, step.num_drafts, step.positions
+    a, k, positions = step.num_accepted, step.drafts_asked(limits.max_drafts), step.positions
+    auto, caps, costs = step.num_drafts == 0, step.draft_caps, step.verify_costs
     tokens, confidence, state = step.tokens, step.min_confidence, step.state_ids
     verdict = a >= 0
     pending_row, pending_count = table.pending_row[s], table.pending_count[s]
@@ -101,6 +102,16 @@ def _refused_rows(
             field="token",
         )),
         (~_finite(step.hiddens), lambda i: not_finite("hidden")),
+        (auto & ((caps < 0) | (caps > limits.max_drafts)), lambda i: InvalidArgument(
+            f"draft_cap: {caps[i]} is outside [0, {limits.max_drafts}] (0: max_drafts)",
+            reason="DRAFT_CAP_OUT_OF_RANGE",
+            field="draft_cap",
+        )),
+        (auto & ~(np.isfinite(costs) & (costs >= 0)), lambda i: InvalidArgument(
+            f"verify_token_cost: {costs[i]}; it must be finite and >= 0",
+            reason="VERIFY_TOKEN_COST_OUT_OF_RANGE",
+            field="verify_token_cost",
+        )),
         ((k < 1) | (k > limits.max_drafts), lambda i: InvalidArgument(
             f"num_drafts: {k[i]} is outside [1, {limits.max_drafts}]",
             reason="NUM_DRAFTS_OUT_OF_RANGE",
@@ -186,7 +197,8 @@ def admit(
     errors = {int(i): error(int(first[i]), int(i)) for i in np.flatnonzero(first)}
     retried = np.flatnonzero((first == 0) & retry)
     rows = np.flatnonzero((first == 0) & ~retry)
-    need = table.extra_blocks(slots[rows], base[rows] + step.num_drafts[rows])
+    k = step.drafts_asked(limits.max_drafts)
+    need = table.extra_blocks(slots[rows], base[rows] + k[rows])
     if need.sum() > table.pool.num_free:
         # KV blocks row by row in order: a row that does not fit in what is left fails.
         free, fits = table.pool.num_free, np.ones(len(rows), bool)

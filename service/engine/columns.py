@@ -75,6 +75,8 @@ def step(
     step_numbers: Sequence[int] = (),
     sampling_rows: Sequence[int] = (),
     sampling: Sequence[draws.Sampling] = (),
+    draft_caps: Sequence[int] = (),
+    verify_token_costs: Sequence[float] = (),
 ) -> Step:
     """B states' columns (see ProposeBatchRequest) as a Step, or INVALID_ARGUMENT when
     they do not fit together: `hiddens` [B, H] ([H] for B = 1); `num_drafts` and
@@ -82,8 +84,9 @@ def step(
     (-1: no verdict);
     `refeed_rows` and `bitmask_rows` a row count per state of `refeed_hiddens`
     ([sum, H]) and `bitmasks` ([sum, W] int32); `sampling_rows` the rows (ascending)
-    whose states take the parameters `sampling` (one per row listed). An empty column is
-    its default."""
+    whose states take the parameters `sampling` (one per row listed); `draft_caps` and
+    `verify_token_costs` B values or one for all, for the rows with num_drafts 0. An
+    empty column is its default."""
     size = len(state_ids)
     if not 1 <= size <= shape.max_batch:
         raise InvalidArgument(
@@ -116,6 +119,10 @@ def step(
         masks = padded_mask(masks, shape.vocab_size, "bitmasks")
     return Step(
         sampling=_sampling(sampling_rows, sampling, size),
+        draft_caps=_column(draft_caps, "draft_caps", size, np.int64, default=0),
+        verify_costs=_column(
+            verify_token_costs, "verify_token_costs", size, np.float64, default=0.0
+        ),
         state_ids=_column(state_ids, "state_ids", size, np.uint64),
         tokens=_column(tokens, "tokens", size, np.int64),
         positions=_column(positions, "positions", size, np.int64),

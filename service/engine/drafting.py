@@ -17,6 +17,7 @@ import torch
 from ..model.decode_chain import BeforeWait, ChainInputs, ChainSampling
 from ..model.kv_cache import KVCache
 from ..model.mtp_head import MTPHead
+from . import draft_count
 from .rows import Segment, draft_segments
 from .sampling import chain_sampling
 from .state import StateTable
@@ -39,6 +40,8 @@ class ChainPlan:
     sampling: np.ndarray  # [n] sampling.PARAMS: how each state's drafts are chosen
     state_ids: np.ndarray  # [n] uint64: a sampled draw's key word
     support: int  # the most tokens a sampled draft's q holds
+    verify_costs: np.ndarray  # [n] where the drafter chooses K (draft_count.py); else NaN
+    calibration: np.ndarray  # [n] each state's (draft_count.py)
 
     def chain_sampling(self, rows: np.ndarray, first_index: np.ndarray) -> ChainSampling | None:
         """The sampling of the plan's `rows`, their chains' first draft index given."""
@@ -117,7 +120,13 @@ def draft(
             if q is not None and out.q_ids is not None:
                 q[0][rows, offsets[rows] + step] = out.q_ids[step, column]
                 q[1][rows, offsets[rows] + step] = out.q_probs[step, column]
-    drafted = _confident(tokens, probs, k, plan.min_confidence)
+    at_most = k.copy()  # drafts each state keeps, at most
+    chooses = np.flatnonzero(~np.isnan(plan.verify_costs))
+    if len(chooses):
+        at_most[chooses] = draft_count.counts(
+            probs[chooses], k[chooses], plan.calibration[chooses], plan.verify_costs[chooses]
+        )
+    drafted = _confident(tokens, probs, k, plan.min_confidence, at_most)
     if q is not None:
         drafted.q_ids, drafted.q_probs = _kept_q(q, drafted.counts)
     # Each state's last computed row: a step of the chain, or R0 of a recomputing state
@@ -208,17 +217,18 @@ def _chain(head, kv, table, plan: ChainPlan, chained, offsets, limits, first, be
     )
 
 
-def _confident(tokens, probs, k, min_confidence) -> Drafted:
+def _confident(tokens, probs, k, min_confidence, at_most) -> Drafted:
     """The drafts kept: each chain stops before the first draft that takes its running
-    minimum probability below min_confidence."""
+    minimum probability below min_confidence, and after at_most[i] drafts."""
     width = tokens.shape[1]
-    if not (min_confidence > 0).any() and (k == width).all() and not np.isnan(probs).any():
+    fast = (k == width).all() and (at_most == k).all() and not np.isnan(probs).any()
+    if fast and not (min_confidence > 0).any():
         # Nothing is cut: every draft of every state is kept.
         confidences = probs.min(axis=1).astype(np.float64)
         return Drafted(tokens, probs, k, confidences, k.copy(), tokens)
     valid = np.arange(width)[None, :] < k[:, None]
     running = np.minimum.accumulate(np.where(valid, probs, np.inf), axis=1)
-    counts = ((running >= min_confidence[:, None]) & valid).sum(axis=1)
+    counts = np.minimum(((running >= min_confidence[:, None]) & valid).sum(axis=1), at_most)
     confidences = running[np.arange(len(k)), np.minimum(counts, k - 1)].astype(np.float64)
     kept = np.arange(width)[None, :] < counts[:, None]
     return Drafted(

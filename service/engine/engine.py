@@ -334,6 +334,7 @@ class DraftEngine:
         `refeeds`: the target's hiddens of the accepted drafts, where a verdict has them."""
         t = self.table
         first, k = t.pending_row[slots], t.pending_count[slots]
+        t.count_verdicts(slots, accepted)
         computed_end = first + t.pending_computed[slots]
         rows_after = first + 1 + accepted
         keep = np.minimum(rows_after, computed_end)
@@ -401,7 +402,8 @@ class DraftEngine:
         admitted = admit(step, slots, self.table, self.limits, self._state_not_found)
         # The largest K asked, a refused one (negative, or past max_drafts) within bounds:
         # a row asking K = 2**31 - 1 must not size the answer.
-        width = min(max(int(step.num_drafts.max()), 0), self.config.max_drafts) if b else 0
+        asked = step.drafts_asked(self.config.max_drafts)
+        width = min(max(int(asked.max()), 0), self.config.max_drafts) if b else 0
         retried = admitted.retried_slots
         if len(retried):  # a retry asking fewer drafts than it was answered
             width = max(width, int(self.table.pending_count[retried].max()))
@@ -443,7 +445,9 @@ class DraftEngine:
 
     def _draft(self, step, rows, slots, base_rows, result: StepResult) -> None:
         t = self.table
-        k = step.num_drafts[rows]
+        k = step.drafts_asked(self.config.max_drafts)[rows]
+        # Rows that leave K to the drafter: their verify token cost (NaN: K was asked).
+        costs = np.where(step.num_drafts[rows] == 0, step.verify_costs[rows], np.nan)
         t.set_sampling(slots, step.sampling[rows])
         t.grow(slots, base_rows + k)
         recompute: list[tuple[int, Segment]] = []
@@ -459,7 +463,7 @@ class DraftEngine:
         index = t.device_index(slots)  # copied ahead of the chain, for the last hiddens
         # Whether the proposals may be recorded before the drafts come back, as if every
         # draft is kept: no state recomputes rows and all ask the same K.
-        record_ahead = not recompute and (k == k[0]).all()
+        record_ahead = not recompute and (k == k[0]).all() and np.isnan(costs).all()
         chain_ran = False
 
         def before_wait(hiddens: torch.Tensor) -> None:
@@ -488,6 +492,8 @@ class DraftEngine:
                 bitmasks=step.bitmasks,
                 recompute=recompute,
                 sampling=t.sampling[slots],
+                verify_costs=costs,
+                calibration=t.calibration(slots),
                 state_ids=step.state_ids[rows],
                 support=self.config.max_sample_top_k,
             ),
@@ -501,6 +507,7 @@ class DraftEngine:
             )
         t.pending_drafts[slots, : drafted.all_drafts.shape[1]] = drafted.all_drafts
         width = drafted.drafts.shape[1]
+        t.pending_probs[slots, :width] = drafted.probs
         self._remember_answer(slots, step.step_numbers[rows], drafted)
         result.drafts[rows, :width] = drafted.drafts
         result.probs[rows, :width] = drafted.probs
@@ -516,11 +523,11 @@ class DraftEngine:
 
     def _remember_answer(self, slots: np.ndarray, numbers: np.ndarray, drafted: Drafted) -> None:
         """What a retry of these states' steps is answered: their step numbers and what
-        their proposals were answered besides the drafts, which the table keeps."""
+        their proposals were answered besides the drafts and probabilities, which the
+        table keeps."""
         t = self.table
         t.pending_step[slots] = numbers
         t.last_step[slots] = np.maximum(t.last_step[slots], numbers)
-        t.pending_probs[slots, : drafted.probs.shape[1]] = drafted.probs
         t.pending_confidence[slots] = drafted.confidences
         if drafted.q_ids is not None:  # each sampled draft's q, as answered
             for j, slot in enumerate(slots.tolist()):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import draft_count
 from .block_pool import BlockPool
 from .sampling import GREEDY, PARAMS
 
@@ -40,10 +41,14 @@ class StateTable:
         self.pending_count = np.zeros(capacity, np.int64)
         self.pending_drafts = np.zeros((capacity, max_drafts), np.int64)
         self.pending_computed = np.zeros(capacity, np.int64)
-        # What the pending proposal was answered besides its drafts, and the number of the
-        # step that made it (0: none), so that a retry of that step is answered again; the
-        # highest step number applied, below which a step is stale.
         self.pending_probs = np.zeros((capacity, max_drafts), np.float32)
+        # Per depth j, its proposals whose first j + 1 drafts its verifier accepted and
+        # those their probabilities predicted, summed with a decay (draft_count.py).
+        self.accepted_sum = np.zeros((capacity, max_drafts), np.float64)
+        self.predicted_sum = np.zeros((capacity, max_drafts), np.float64)
+        # What the pending proposal was answered besides its drafts and their probabilities,
+        # and the number of the step that made it (0: none), so that a retry of that step
+        # is answered again; the highest step number applied, below which a step is stale.
         self.pending_confidence = np.zeros(capacity, np.float64)
         self.pending_step = np.zeros(capacity, np.uint64)
         self.last_step = np.zeros(capacity, np.uint64)
@@ -72,11 +77,22 @@ class StateTable:
         self.num_rows[slot] = self.num_blocks[slot] = 0
         self.prefilling[slot] = False
         self.pending_row[slot] = -1
+        self.accepted_sum[slot] = self.predicted_sum[slot] = 0
         self.pending_step[slot] = self.last_step[slot] = 0
         self.pending_q.pop(slot, None)
         self.sampling[slot] = tuple(getattr(GREEDY, name) for name in PARAMS.names)
         self.last_used[slot] = now
         return slot
+
+    def count_verdicts(self, slots: np.ndarray, accepted: np.ndarray) -> None:
+        """Adds verdicts on the slots' pending proposals to their decayed sums."""
+        probs, counts = self.pending_probs[slots], self.pending_count[slots]
+        hit, predicted = draft_count.verdicts(probs, counts, accepted)
+        self.accepted_sum[slots] = draft_count.DECAY * self.accepted_sum[slots] + hit
+        self.predicted_sum[slots] = draft_count.DECAY * self.predicted_sum[slots] + predicted
+
+    def calibration(self, slots: np.ndarray) -> np.ndarray:
+        return draft_count.calibration(self.accepted_sum[slots], self.predicted_sum[slots])
 
     def set_sampling(self, slots: np.ndarray, changes: np.ndarray) -> None:
         """The slots take the sampling of their rows of a step's changes column that are set."""

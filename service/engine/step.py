@@ -48,9 +48,18 @@ class Step:
     # retry of the step answer as the step did (admission.py)
     step_numbers: np.ndarray
     sampling: np.ndarray  # [B] sampling.CHANGES: new sampling parameters (`set`), if any
+    # Where num_drafts is 0 (the drafter chooses K, draft_count.py): the most drafts it
+    # may choose (0: max_drafts), and the cost of verifying one more token.
+    draft_caps: np.ndarray  # [B] int64
+    verify_costs: np.ndarray  # [B] float64
 
     def __len__(self) -> int:
         return len(self.state_ids)
+
+    def drafts_asked(self, max_drafts: int) -> np.ndarray:
+        """[B] K of each row: its num_drafts, or where that is 0, its cap (0: max_drafts)."""
+        cap = np.where(self.draft_caps == 0, max_drafts, self.draft_caps)
+        return np.where(self.num_drafts == 0, cap, self.num_drafts)
 
     @staticmethod
     def concat(steps: list[Step]) -> Step:
@@ -78,13 +87,16 @@ def single(
     previous: Verdict | None = None,
     step_number: int = 0,
     sampling: draws.Sampling | None = None,
+    draft_cap: int = 0,
+    verify_token_cost: float = 0.0,
     *,
     shape: StepShape,
 ) -> Step:
     """One state's Propose as a Step of one row: `hidden` [H] or [1, H], `bitmask` int32
     [W] or [n, W] (xgrammar's layout), `previous` the verdict on its pending proposal,
     `step_number` the step's number (0: none), `sampling` the state's sampling from this
-    step on (None: unchanged).
+    step on (None: unchanged); with num_drafts 0, `draft_cap` and `verify_token_cost` as a
+    ProposeRequest's.
 
     Raises InvalidArgument for a tensor of the wrong shape or dtype, naming the
     Propose's field, as the request cannot be a row then.
@@ -110,6 +122,8 @@ def single(
         min_confidence=np.array([min_confidence], np.float64),
         step_numbers=np.array([step_number], np.uint64),
         sampling=draws.changes([sampling]),
+        draft_caps=np.array([draft_cap], np.int64),
+        verify_costs=np.array([verify_token_cost], np.float64),
     )
 
 

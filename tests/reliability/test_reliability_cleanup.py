@@ -161,7 +161,7 @@ def test_unary_and_batch_calls_cut_short_or_refused_leak_nothing(clean, pace: Pa
             assert_holds(srv, rows)
         # A batch whose every row is refused: each row has its error, and nothing changes.
         for batch, reasons in [
-            ([ProposeArgs(d, 1, h, rows[d] + 1, 0)], ["NUM_DRAFTS_OUT_OF_RANGE"]),
+            ([ProposeArgs(d, 1, h, rows[d] + 1, -1)], ["NUM_DRAFTS_OUT_OF_RANGE"]),
             (
                 [ProposeArgs(b, 1, h, rows[b] + 5, 2), ProposeArgs(b, 1, h, rows[b] + 1, 2)],
                 ["POSITION_MISMATCH", "DUPLICATE_STATE"],

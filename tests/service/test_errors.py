@@ -144,8 +144,14 @@ def test_unknown_handle_is_not_found(client: DrafterClient) -> None:
         ({"token": V}, "TOKEN_OUT_OF_RANGE", "token"),
         ({"token": -1}, "TOKEN_OUT_OF_RANGE", "token"),
         ({"position": 9}, "POSITION_MISMATCH", "position"),
-        ({"num_drafts": 0}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
+        ({"num_drafts": -1}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
         ({"num_drafts": 9}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
+        ({"num_drafts": 0, "draft_cap": 9}, "DRAFT_CAP_OUT_OF_RANGE", "draft_cap"),
+        (
+            {"num_drafts": 0, "verify_token_cost": -0.5},
+            "VERIFY_TOKEN_COST_OUT_OF_RANGE",
+            "verify_token_cost",
+        ),
         ({"min_confidence": 1.5}, "MIN_CONFIDENCE_OUT_OF_RANGE", "min_confidence"),
         ({"bitmask": T("FP32", [7], bytes(28))}, "BAD_DTYPE", "bitmask"),
         ({"bitmask": T("INT32", [8], bytes(32))}, "BAD_SHAPE", "bitmask"),
@@ -298,9 +304,15 @@ def states(client: DrafterClient, prepared: Prepared):
         ({"token": -1}, "TOKEN_OUT_OF_RANGE", "token"),
         ({"token": V}, "TOKEN_OUT_OF_RANGE", "token"),
         ({"hidden": NAN_ROW}, "NOT_FINITE", "hidden"),
-        ({"num_drafts": 0}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
+        ({"num_drafts": -1}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
         ({"num_drafts": INT32_MIN}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
         ({"num_drafts": 9}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
+        ({"num_drafts": 0, "draft_cap": -1}, "DRAFT_CAP_OUT_OF_RANGE", "draft_cap"),
+        (
+            {"num_drafts": 0, "verify_token_cost": float("nan")},
+            "VERIFY_TOKEN_COST_OUT_OF_RANGE",
+            "verify_token_cost",
+        ),
         ({"min_confidence": -0.5}, "MIN_CONFIDENCE_OUT_OF_RANGE", "min_confidence"),
         ({"min_confidence": float("nan")}, "MIN_CONFIDENCE_OUT_OF_RANGE", "min_confidence"),
         ({"bitmask": T("INT32", [7], bytes(28))}, "EMPTY_BITMASK", "bitmask"),
@@ -334,9 +346,15 @@ def test_a_propose_value_no_state_accepts_is_refused_whatever_the_state(
         ({"tokens": [-1]}, "TOKEN_OUT_OF_RANGE", "tokens"),
         ({"tokens": [V]}, "TOKEN_OUT_OF_RANGE", "tokens"),
         ({"hiddens": NAN_ROW}, "NOT_FINITE", "hiddens"),
-        ({"num_drafts": [0]}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
+        ({"num_drafts": [-1]}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
         ({"num_drafts": [INT32_MIN]}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
         ({"num_drafts": [9]}, "NUM_DRAFTS_OUT_OF_RANGE", "num_drafts"),
+        ({"num_drafts": [0], "draft_caps": [9]}, "DRAFT_CAP_OUT_OF_RANGE", "draft_caps"),
+        (
+            {"num_drafts": [0], "verify_token_costs": [-1.0]},
+            "VERIFY_TOKEN_COST_OUT_OF_RANGE",
+            "verify_token_costs",
+        ),
         ({"min_confidence": [-0.5]}, "MIN_CONFIDENCE_OUT_OF_RANGE", "min_confidence"),
         ({"min_confidence": [float("nan")]}, "MIN_CONFIDENCE_OUT_OF_RANGE", "min_confidence"),
         (
@@ -375,7 +393,7 @@ def test_values_no_state_accepts_fail_their_rows_alone_whatever_the_state(
         tokens=[5, 5, 5],
         positions=[8, 0, 8],  # the unknown state's position is before any state's first
         hiddens=_row(6, 3),
-        num_drafts=[2, 2, 0],  # the state without a proposal asks for no drafts
+        num_drafts=[2, 2, -1],  # the state without a proposal asks for no drafts
         num_accepted=[-2, -1, -1],  # the pending one's verdict is neither none nor a count
     )
     answer = stub.ProposeBatch(request, timeout=PATIENCE)

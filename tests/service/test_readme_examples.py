@@ -41,7 +41,8 @@ def example(heading: str, index: int = 0) -> str:
 
 def test_every_python_block_is_one_run_here() -> None:
     blocks = re.findall(r"```python\n", README.read_text())
-    run = [("First drafts", 0), ("Many sequences per step", 0), ("Operations", 0)]
+    run = [("First drafts", 0), ("Many sequences per step", 0), ("Sampled drafts", 0)]
+    run += [("Operations", 0)]
     run += [("Operations", 1)]
     assert len(blocks) == len(run)
     assert {example(h, i) for h, i in run} == set(
@@ -123,6 +124,17 @@ def test_the_many_sequences_example_runs(served, capsys) -> None:
     assert namespace["drafts"].shape == (8, 4) and namespace["counts"].shape == (8,)
     assert (namespace["counts"] >= 1).all()
     assert _live_states(server.address) == 0  # the example freed its states
+
+
+def test_the_sampled_drafts_example_runs(served, capsys) -> None:
+    server, _ = served
+    code = example("Sampled drafts").replace("localhost:50051", server.address)
+    namespace = _exec(code, "Sampled drafts")
+    assert len(capsys.readouterr().out.splitlines()) == 3  # three steps
+    p = namespace["p"]
+    assert len(p.q_ids) == len(p.q_probs) == len(p.tokens) == 4
+    assert all(abs(sum(q) - 1) < 1e-5 for q in p.q_probs)
+    assert _live_states(server.address) == 0
 
 
 def test_the_tls_example_runs_against_mtls_and_a_token(

@@ -1,12 +1,15 @@
 // A verifier's decode loop with the C++ client (the CMake package mtpdraft_client):
 //   drafter-example [HOST:PORT]
 // It prefills a state with a 4-token prompt, then runs 3 verify steps on one stream, each
-// accepting the first draft. Hiddens are random: a real verifier passes its target's.
+// deciding the verdict with mtpdraft::Accept: the drafts are greedy (q one-hot), the target's
+// distributions made up, as are the hiddens: a real verifier passes its target's.
 #include <mtpdraft/drafter_client.h>
+#include <mtpdraft/sampling.h>
 
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -14,9 +17,12 @@ int main(int argc, char** argv) {
   const std::string address = argc > 1 ? argv[1] : "localhost:50051";
   try {
     mtpdraft::DrafterClient drafter(address, std::chrono::seconds(30));  // unary calls only
-    const int64_t hidden_size = drafter.GetInfo().hidden_size();
+    const mtpdraft::pb::GetInfoResponse info = drafter.GetInfo();
+    const int64_t hidden_size = info.hidden_size();
+    const size_t vocab = info.vocab_size();
     std::mt19937 rng(1);
     std::normal_distribution<float> normal;
+    std::uniform_real_distribution<double> uniform;
     auto hiddens = [&](int64_t rows) {
       std::vector<float> values(rows * hidden_size);
       for (float& v : values) v = normal(rng);
@@ -35,9 +41,27 @@ int main(int argc, char** argv) {
       std::printf("step %d: drafts", step);
       for (int32_t t : p.tokens) std::printf(" %d", t);
       std::printf(" from position %lld\n", static_cast<long long>(p.first_position));
-      const int32_t accepted = p.tokens.empty() ? 0 : 1;  // the target agreed with the first
+      // The target's distributions at each draft's position and after the last, made up: each
+      // gives about half its mass to the draft. Greedy drafts have q one-hot.
+      const size_t k = p.tokens.size();
+      std::vector<double> target((k + 1) * vocab), ones(k, 1.0), uniforms(k + 1);
+      for (size_t j = 0; j <= k; ++j) {
+        double* row = &target[j * vocab];
+        double total = 0;
+        for (size_t i = 0; i < vocab; ++i) total += row[i] = uniform(rng);
+        row[j < k ? p.tokens[j] : 0] += total;
+        for (size_t i = 0; i < vocab; ++i) row[i] /= 2 * total;
+      }
+      for (double& u : uniforms) u = uniform(rng);
+      mtpdraft::AcceptArgs verify;
+      verify.batch = 1, verify.num_drafts = k, verify.support = 1, verify.vocab = vocab;
+      verify.drafts = p.tokens, verify.q_ids = p.tokens, verify.q_probs = ones;
+      verify.target_probs = target, verify.uniforms = uniforms;
+      const mtpdraft::Accepted verdict = mtpdraft::Accept(verify);
+      const int32_t accepted = verdict.num_accepted[0];
+      std::printf("step %d: kept %d, next token %d\n", step, accepted, verdict.next_tokens[0]);
       args.previous = mtpdraft::Verdict{accepted};
-      args.token = 20 + step;  // the bonus token the target sampled
+      args.token = verdict.next_tokens[0];  // the correction or bonus token
       args.hidden = hiddens(1);
       args.position = p.first_position + accepted;
     }
@@ -45,6 +69,9 @@ int main(int argc, char** argv) {
     drafter.FreeState(state);
   } catch (const mtpdraft::DrafterError& e) {
     std::fprintf(stderr, "%s %s: %s\n", e.code_name().c_str(), e.reason().c_str(), e.what());
+    return 1;
+  } catch (const std::invalid_argument& e) {  // inputs Accept refuses
+    std::fprintf(stderr, "%s\n", e.what());
     return 1;
   }
   std::printf("cpp example: ok\n");

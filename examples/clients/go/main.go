@@ -5,7 +5,8 @@
 //	go run . -address 127.0.0.1:50051
 //
 // It prefills a state with a 4-token prompt, then runs 3 verify steps on one stream, each
-// accepting the first draft. Hiddens are random: a real verifier passes its target's.
+// deciding the verdict with drafter.Accept: the drafts are greedy (q one-hot), the target's
+// distributions made up, as are the hiddens: a real verifier passes its target's.
 package main
 
 import (
@@ -35,8 +36,21 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	hiddenSize := int64(info.HiddenSize)
+	hiddenSize, vocab := int64(info.HiddenSize), int(info.VocabSize)
 	rng := rand.New(rand.NewSource(1))
+	// A made-up target distribution giving `token` about half its mass.
+	targetProbs := func(token int32) []float64 {
+		p, total := make([]float64, vocab), 0.0
+		for i := range p {
+			p[i] = rng.Float64()
+			total += p[i]
+		}
+		p[token] += total
+		for i := range p {
+			p[i] /= 2 * total
+		}
+		return p
+	}
 	hiddens := func(rows int64) drafter.Tensor {
 		values := make([]float32, rows*hiddenSize)
 		for i := range values {
@@ -67,11 +81,25 @@ func main() {
 			log.Fatal(err)
 		}
 		fmt.Printf("step %d: drafts %v from position %d\n", step, p.Tokens, p.FirstPosition)
-		accepted := int32(0)
-		if len(p.Tokens) > 0 {
-			accepted = 1 // the target agreed with the first draft and sampled a bonus token
+		// The target's distributions at each draft's position and after the last; greedy drafts
+		// have q one-hot.
+		k := len(p.Tokens)
+		qIDs, qProbs := make([][]int32, k), make([][]float64, k)
+		target, uniforms := make([][]float64, k+1), make([]float64, k+1)
+		for j, token := range append(append([]int32{}, p.Tokens...), 0) {
+			if j < k {
+				qIDs[j], qProbs[j] = []int32{token}, []float64{1}
+			}
+			target[j], uniforms[j] = targetProbs(token), rng.Float64()
 		}
-		args = drafter.ProposeArgs{Token: 20 + int32(step), Hidden: hiddens(1),
+		verdict, err := drafter.Accept([][]int32{p.Tokens}, [][][]int32{qIDs}, [][][]float64{qProbs},
+			[][][]float64{target}, nil, [][]float64{uniforms})
+		if err != nil {
+			log.Fatal(err)
+		}
+		accepted := verdict.NumAccepted[0]
+		fmt.Printf("step %d: kept %d, next token %d\n", step, accepted, verdict.NextTokens[0])
+		args = drafter.ProposeArgs{Token: verdict.NextTokens[0], Hidden: hiddens(1),
 			Position: args.Position + int64(accepted) + 1, NumDrafts: 3,
 			Previous: &drafter.Verdict{NumAccepted: accepted}}
 	}

@@ -4,9 +4,8 @@ Each draft's q must be the oracle's logits processed as vLLM does (tests/
 sampling_reference.py) after the same chain of tokens, and each draft the token that
 q and the uniform of its key (seed, state, position, draft index) draw, as the contract
 says; a verdict with refeed (the recompute path's first draft) and one without both
-feed the next proposal. fp32 on the CPU: q within Q_ATOL of float64's (fp32 logits are
-off by about 1e-6 relative; 1e-4 leaves a hundredfold margin, while a wrong row, step or
-parameter moves q by far more).
+feed the next proposal. fp32 on the CPU, q within sampling_reference.Q_ATOL of
+float64's.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from family_checkpoints import write_family_checkpoint
 from family_reference import FamilyReference
 from mtp_reference import Reference
 from proposing import ProposeArgs, propose, propose_batch
-from sampling_reference import drawn, uniform, vllm_processed
+from sampling_reference import check_chain, dense_q, drawn, uniform
 
 from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
@@ -32,7 +31,6 @@ from mtpdraft.service.model.checkpoint import load_mtp_weights
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import write_random_checkpoint
 
-Q_ATOL = 1e-4
 SUPPORT = 12
 K = 3
 PROMPT = 10
@@ -62,33 +60,6 @@ def family(request, tmp_path_factory):
     return ref, DraftEngine(head, config)
 
 
-def dense_q(proposal, j: int, vocab: int) -> torch.Tensor:
-    """Draft j's q as a dense float64 [V]."""
-    q = torch.zeros(vocab, dtype=torch.float64)
-    ids, probs = torch.tensor(proposal.q_ids[j]), torch.tensor(proposal.q_probs[j])
-    return q.index_add_(0, ids, probs.double())
-
-
-def _check_chain(ref, sampling: Sampling, state: int, tokens, hiddens, proposal) -> None:
-    """The proposal's drafts and q against the oracle's after (tokens, hiddens), whose
-    last row is the proposed token's."""
-    tokens, hiddens = list(tokens), hiddens.double()
-    assert len(proposal.tokens) == K
-    for j, token in enumerate(proposal.tokens):
-        out = ref.rows(tokens, hiddens, step=j)[-1]
-        logits = ref.logits(out, step=j)
-        s = sampling
-        want = vllm_processed(logits, s.temperature, s.top_k, s.top_p, s.min_p, SUPPORT)
-        got = dense_q(proposal, j, len(want))
-        torch.testing.assert_close(got, want, atol=Q_ATOL, rtol=0)
-        assert proposal.probs[j] == pytest.approx(float(got[token]), abs=1e-6)
-        u = uniform(s.seed, state, proposal.first_position + j, j)
-        expected = drawn(want, u, Q_ATOL)
-        assert expected is None or token == expected, f"draft {j}"
-        tokens.append(token)
-        hiddens = torch.cat([hiddens, out[None]])
-
-
 def test_sampled_drafts_are_the_oracles_q_drawn_at_their_keys(family) -> None:
     ref, engine = family
     h = ref.cfg["hidden_size"]
@@ -102,8 +73,8 @@ def test_sampled_drafts_are_the_oracles_q_drawn_at_their_keys(family) -> None:
         session.append(tokens[:PROMPT], hiddens[:PROMPT])
         session.finish()
         p = propose(engine, ProposeArgs(state, tokens[-1], hiddens[-1], PROMPT + 1, K))
-        _check_chain(ref, sampling, state, tokens, hiddens, p)
-        # A verdict of 2 with refeed (the first draft recomputed), then one of 1 without.
+        check_chain(ref, sampling, state, tokens, hiddens, p, SUPPORT, K)
+        # A verdict of 2 with refeed: the first draft comes from the recomputed rows.
         refeed = torch.randn(2, h, generator=gen)
         token, hidden = (
             int(torch.randint(vocab, (1,), generator=gen)),
@@ -116,7 +87,16 @@ def test_sampled_drafts_are_the_oracles_q_drawn_at_their_keys(family) -> None:
         )
         tokens += [*p.tokens[:2], token]
         hiddens = torch.cat([hiddens, refeed, hidden[None]])
-        _check_chain(ref, sampling, state, tokens, hiddens, q)
+        check_chain(ref, sampling, state, tokens, hiddens, q, SUPPORT, K)
+        # A verdict of 1 without refeed: the accepted draft's row keeps the chain's hidden.
+        kept = ref.rows(tokens, hiddens.double(), step=0)[-1].float()
+        token, hidden = 3, torch.randn(h, generator=gen)
+        r = propose(
+            engine, ProposeArgs(state, token, hidden, q.first_position + 1, K, previous=Verdict(1))
+        )
+        tokens += [q.tokens[0], token]
+        hiddens = torch.cat([hiddens, kept[None], hidden[None]])
+        check_chain(ref, sampling, state, tokens, hiddens, r, SUPPORT, K)
         engine.free_state(state)
 
 
