@@ -31,6 +31,9 @@ type Batch struct {
 	// MinConfidence stops a state's drafting as ProposeArgs.MinConfidence does: B values, one
 	// for every state, or empty (draft all K).
 	MinConfidence []float32
+	// StepNumbers numbers each state's step as ProposeArgs.StepNumber does: B values, one for
+	// every state (a verifier's own step count), or empty (not numbered).
+	StepNumbers []uint64
 }
 
 // BatchRequest is one state of a batch given state by state: the state and its Propose inputs.
@@ -46,7 +49,7 @@ type BatchRequest struct {
 func BatchOf(requests []BatchRequest) (Batch, error) {
 	var b Batch
 	var hiddens, refeeds, masks rows
-	verdicts, floors := false, false
+	verdicts, floors, numbered := false, false, false
 	for i, r := range requests {
 		b.StateIDs = append(b.StateIDs, r.State)
 		b.Tokens = append(b.Tokens, r.Token)
@@ -54,6 +57,8 @@ func BatchOf(requests []BatchRequest) (Batch, error) {
 		b.NumDrafts = append(b.NumDrafts, r.NumDrafts)
 		b.MinConfidence = append(b.MinConfidence, r.MinConfidence)
 		floors = floors || r.MinConfidence != 0
+		b.StepNumbers = append(b.StepNumbers, r.StepNumber)
+		numbered = numbered || r.StepNumber != 0
 		n, err := hiddens.add(&r.Hidden, false)
 		if err == nil && n != 1 {
 			err = fmt.Errorf("%d rows, where one is expected", n)
@@ -90,6 +95,9 @@ func BatchOf(requests []BatchRequest) (Batch, error) {
 	}
 	if !floors {
 		b.MinConfidence = nil
+	}
+	if !numbered {
+		b.StepNumbers = nil
 	}
 	return b, nil
 }
@@ -230,6 +238,7 @@ func batchRequest(b Batch) *pb.ProposeBatchRequest {
 		BitmaskRows:   b.BitmaskRows,
 		Bitmasks:      b.Bitmasks.message(),
 		MinConfidence: b.MinConfidence,
+		StepNumbers:   b.StepNumbers,
 	}
 	if h := b.Hiddens; h.DType != pb.DType_DTYPE_UNSPECIFIED || h.Shape != nil || h.Data != nil {
 		req.Hiddens = h.message() // a zero Tensor is sent as absent
