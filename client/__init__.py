@@ -12,7 +12,9 @@
 Hiddens are numpy (float32/float16) or torch (bfloat16/float16/float32) arrays;
 failures raise ``DrafterError`` subclasses. Behind several replicas (deploy/README.md), give
 ``affinity_key=``; a state whose replica is gone raises ``StateLost``, and ``reprefill``
-rebuilds it from the verifier's tokens and hiddens (``move_state`` moves a live one).
+rebuilds it from the verifier's tokens and hiddens (``move_state`` moves a live one;
+``recover_state`` moves it back from the replica that still holds it, ``Replicas``). A
+numbered step (``step_number=``) whose outcome is unknown is sent again: ``retry_step``.
 """
 
 from .async_client import AsyncDrafterClient
@@ -30,7 +32,17 @@ from .errors import (
     from_rpc_error,
 )
 from .messages import AFFINITY_HEADER, DEFAULT_CHUNK_BYTES
-from .recovery import is_state_lost, move_state, move_state_async, reprefill, reprefill_async
+from .recovery import (
+    is_ambiguous,
+    is_state_lost,
+    move_state,
+    move_state_async,
+    reprefill,
+    reprefill_async,
+    retry_step,
+    retry_step_async,
+)
+from .replicas import Recovered, Replicas, epoch_of, recover_state
 from .stream import AsyncProposeStream, ProposeStream
 from .sync_client import DrafterClient
 from .types import (
@@ -67,6 +79,8 @@ __all__ = [
     "Proposal",
     "ProposeArgs",
     "ProposeStream",
+    "Recovered",
+    "Replicas",
     "ResourceExhausted",
     "SamplingParams",
     "ServerInfo",
@@ -75,10 +89,15 @@ __all__ = [
     "Unavailable",
     "Verdict",
     "VerifyResult",
+    "epoch_of",
     "from_rpc_error",
+    "is_ambiguous",
     "is_state_lost",
     "move_state",
     "move_state_async",
+    "recover_state",
     "reprefill",
     "reprefill_async",
+    "retry_step",
+    "retry_step_async",
 ]

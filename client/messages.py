@@ -230,11 +230,13 @@ def propose_request(
     sampling: SamplingParams | None = None,
     draft_cap: int = 0,
     verify_token_cost: float = 0.0,
+    step_number: int = 0,
     return_bitmasks: bool = False,
 ) -> pb.ProposeRequest:
     """A ProposeRequest; ``previous`` fuses the pending proposal's AfterVerify into it,
     ``sampling`` changes the state's sampling from this step on; with ``num_drafts`` 0
-    the drafter chooses K up to ``draft_cap`` for ``verify_token_cost``."""
+    the drafter chooses K up to ``draft_cap`` for ``verify_token_cost``; ``step_number``
+    numbers the step (0: not numbered)."""
     req = pb.ProposeRequest(return_bitmasks=return_bitmasks)
     req.state_id = _uint64(state, "state")
     req.token = _int(token, "token", _INT32_MIN, _INT32_MAX)
@@ -250,6 +252,7 @@ def propose_request(
         sampling_message(sampling, into=req.sampling)
     req.draft_cap = _int(draft_cap, "draft_cap", _INT32_MIN, _INT32_MAX)
     req.verify_token_cost = float(verify_token_cost)
+    req.step_number = _uint64(step_number, "step_number")
     return req
 
 
@@ -287,6 +290,7 @@ def batch_request(
     sampling: Mapping[int, SamplingParams] | None = None,
     draft_caps: Any = None,
     verify_token_costs: Any = None,
+    step_numbers: Any = None,
     return_bitmasks: bool = False,
 ) -> pb.ProposeBatchRequest:
     """A ProposeBatchRequest: B states' step as columns (see ``DrafterClient.propose_batch``);
@@ -333,6 +337,10 @@ def batch_request(
             verify_token_costs, "verify_token_costs", np.float32, size, one_for_all=True
         )
         req.verify_token_costs.extend(costs)
+    if step_numbers is not None:
+        req.step_numbers.extend(
+            _column(step_numbers, "step_numbers", np.uint64, size, one_for_all=True)
+        )
     return req
 
 
@@ -362,6 +370,7 @@ def batch_request_of(
         req.positions.append(_int(a.position, "position", -(2**63), 2**63 - 1))
         req.num_drafts.append(_int(a.num_drafts, "num_drafts", _INT32_MIN, _INT32_MAX))
         req.min_confidence.append(float(a.min_confidence))
+        req.step_numbers.append(_uint64(a.step_number, "step_number"))
         if hiddens.add(a.hidden, wire.HIDDEN_DTYPES, i) != 1:
             raise ValueError(f"requests[{i}].hidden: expected one row, [H] or [1, H]")
         verdict = a.previous
@@ -386,6 +395,8 @@ def batch_request_of(
         masks.into(req.bitmasks)
     if not any(req.min_confidence):
         del req.min_confidence[:]
+    if not any(req.step_numbers):
+        del req.step_numbers[:]
     return req
 
 

@@ -1,4 +1,5 @@
-"""When a state's KV is gone, or must move: re-prefill it, or move it to another server.
+"""When a state's KV is gone, or must move: re-prefill it, or move it to another server;
+and when a step's outcome is unknown: send it again.
 
 A state lives in one replica's memory. When that replica dies or restarts, or the hash
 ring sends its key elsewhere, a call for the state fails with ``StateLost`` (NOT_FOUND,
@@ -19,13 +20,27 @@ can differ slightly; with refeed on every verdict they are the same.
 
 ``move_state`` hands a state to another server without a re-prefill (a draining replica's
 states): TakeKV and ExportKV on the source, AllocState and ImportKV on the destination.
+
+A step whose outcome the verifier did not learn (a deadline passed, the connection broke:
+``is_ambiguous``) may have been applied all the same. Numbered (``step_number``, growing
+with each of the state's steps), it is safe to send again as it was: the server answers a
+step it applied with the proposal it made, and applies it no second time. ``retry_step``
+does so:
+
+    step += 1
+    p = retry_step(lambda: client.propose(state, token, hidden, position, k,
+                                          previous=verdict, step_number=step))
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import suppress
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
+
+import grpc
 
 from .errors import DrafterError, StateLost
 from .messages import DEFAULT, Timeout
@@ -35,10 +50,67 @@ if TYPE_CHECKING:
     from .async_client import AsyncDrafterClient
     from .sync_client import DrafterClient
 
+T = TypeVar("T")
+
+# The codes of a call that may have been applied although it failed: its deadline passed
+# (while it computed, or in a stopped replica's socket), or its connection broke.
+AMBIGUOUS = frozenset(
+    {
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
+
 
 def is_state_lost(err: BaseException) -> bool:
     """Whether a call failed because its state's KV is gone (re-prefill it)."""
     return isinstance(err, StateLost)
+
+
+def is_ambiguous(err: BaseException) -> bool:
+    """Whether a failed call may have been applied all the same (a deadline, a broken
+    connection): a numbered step is then sent again as it was. A drain's refusal is no
+    such failure: it was not applied, and will not be."""
+    return isinstance(err, DrafterError) and err.code in AMBIGUOUS and err.reason != "DRAINING"
+
+
+def retry_step(call: Callable[[], T], *, attempts: int = 3, backoff: float = 0.1) -> T:
+    """``call()``, a numbered step sent as it was each time, again while its outcome is
+    unknown (``is_ambiguous``): at most ``attempts`` times in all, ``backoff`` seconds
+    apart, doubling; then its last error. The server applies a numbered step once: a retry
+    of one it applied is answered with the proposal it made then."""
+    _check_attempts(attempts)
+    for attempt in range(attempts - 1):
+        try:
+            return call()
+        except DrafterError as err:
+            if not is_ambiguous(err):
+                raise
+        time.sleep(backoff * 2**attempt)
+    return call()
+
+
+async def retry_step_async(
+    call: Callable[[], Awaitable[T]], *, attempts: int = 3, backoff: float = 0.1
+) -> T:
+    """``retry_step`` with an asyncio client's call."""
+    _check_attempts(attempts)
+    for attempt in range(attempts - 1):
+        try:
+            return await call()
+        except DrafterError as err:
+            if not is_ambiguous(err):
+                raise
+        await asyncio.sleep(backoff * 2**attempt)
+    return await call()
+
+
+def _check_attempts(attempts: int) -> None:
+    if attempts < 1:
+        raise ValueError(f"attempts: {attempts}; a call is sent once at least")
 
 
 def reprefill(

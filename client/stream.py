@@ -8,12 +8,15 @@ and two messages naming one state are served in the order sent. A failed row has
 error in the answer's ``errors``; a message that fails as a whole raises its typed error
 and leaves the stream open. A stream has no deadline unless opened with one
 (``client.stream(timeout=...)``, for the whole stream); the client's default timeout is
-for its unary calls.
+for its unary calls. ``step`` and ``propose`` may bound their wait for the answer
+(``timeout=``): past it they raise DeadlineExceeded, and the message may still be
+applied, so send it again with the same step numbers (``recovery.retry_step``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import queue
 import threading
@@ -25,7 +28,7 @@ import grpc
 from mtpdraft.v1 import drafter_pb2 as pb
 
 from . import messages as m
-from .errors import DrafterError, Unavailable, error_from_value, from_rpc_error
+from .errors import DeadlineExceeded, DrafterError, Unavailable, error_from_value, from_rpc_error
 from .types import BatchResult, Proposal, ProposeArgs, SamplingParams, Verdict
 from .wire import Array
 
@@ -42,6 +45,15 @@ def _closed() -> DrafterError:
     return Unavailable(grpc.StatusCode.UNAVAILABLE, "the propose stream is closed")
 
 
+def _unanswered(timeout: float) -> DrafterError:
+    """A message whose answer did not come in time: the server may still apply it."""
+    return DeadlineExceeded(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"no answer on the stream within {timeout:g} s (the message may still be applied: "
+        "send it again with the same step numbers)",
+    )
+
+
 def _one_state(
     state: int,
     token: int,
@@ -55,12 +67,13 @@ def _one_state(
     sampling: SamplingParams | None = None,
     draft_cap: int = 0,
     verify_token_cost: float = 0.0,
+    step_number: int = 0,
     return_bitmasks: bool = False,
 ) -> pb.ProposeBatchRequest:
     """A batch of one state (the arguments of ``DrafterClient.propose``)."""
     args = ProposeArgs(
         state, token, hidden, position, num_drafts, bitmask, min_confidence, previous,
-        sampling, draft_cap, verify_token_cost,
+        sampling, draft_cap, verify_token_cost, step_number,
     )  # fmt: skip
     return m.batch_request_of([args], return_bitmasks)
 
@@ -85,14 +98,22 @@ class ProposeStream:
         of its answer."""
         return self._send(m.batch_request(*columns, **kwargs))
 
-    def step(self, *columns: Any, **kwargs: Any) -> BatchResult:
-        """One verify step's round trip: the arguments of `DrafterClient.propose_batch`."""
-        return self.submit(*columns, **kwargs).result()
+    def step(self, *columns: Any, timeout: float | None = None, **kwargs: Any) -> BatchResult:
+        """One verify step's round trip: the arguments of `DrafterClient.propose_batch`;
+        DeadlineExceeded when no answer came within `timeout` seconds (None: no bound)."""
+        return self._answer(self.submit(*columns, **kwargs), timeout)
 
-    def propose(self, *args: Any, **kwargs: Any) -> Proposal:
+    def propose(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Proposal:
         """One state's round trip, a batch of one (the arguments of `DrafterClient.propose`);
-        raises its error if it failed."""
-        return self._send(_one_state(*args, **kwargs)).result().proposal(0)
+        raises its error if it failed, DeadlineExceeded as `step` does."""
+        return self._answer(self._send(_one_state(*args, **kwargs)), timeout).proposal(0)
+
+    @staticmethod
+    def _answer(future: Future[BatchResult], timeout: float | None) -> BatchResult:
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:  # the builtin TimeoutError from 3.11 on
+            raise _unanswered(timeout) from None
 
     def _send(self, request: pb.ProposeBatchRequest) -> Future[BatchResult]:
         future: Future[BatchResult] = Future()
@@ -153,14 +174,23 @@ class AsyncProposeStream:
         answer."""
         return await self._send(m.batch_request(*columns, **kwargs))
 
-    async def step(self, *columns: Any, **kwargs: Any) -> BatchResult:
-        """One verify step's round trip: the arguments of `propose_batch`."""
-        return await (await self.submit(*columns, **kwargs))
+    async def step(self, *columns: Any, timeout: float | None = None, **kwargs: Any) -> BatchResult:
+        """One verify step's round trip: the arguments of `propose_batch`; DeadlineExceeded
+        when no answer came within `timeout` seconds (None: no bound)."""
+        return await self._answer(await self.submit(*columns, **kwargs), timeout)
 
-    async def propose(self, *args: Any, **kwargs: Any) -> Proposal:
+    async def propose(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Proposal:
         """One state's round trip, a batch of one (the arguments of `propose`); raises its
-        error if it failed."""
-        return (await (await self._send(_one_state(*args, **kwargs)))).proposal(0)
+        error if it failed, DeadlineExceeded as `step` does."""
+        answer = await self._send(_one_state(*args, **kwargs))
+        return (await self._answer(answer, timeout)).proposal(0)
+
+    @staticmethod
+    async def _answer(future: asyncio.Future[BatchResult], timeout: float | None) -> BatchResult:
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on
+            raise _unanswered(timeout) from None
 
     async def _send(self, request: pb.ProposeBatchRequest) -> asyncio.Future[BatchResult]:
         if self._reader.done():

@@ -189,6 +189,7 @@ class DrafterClient:
         sampling: SamplingParams | None = None,
         draft_cap: int = 0,
         verify_token_cost: float = 0.0,
+        step_number: int = 0,
         return_bitmasks: bool = False,
         timeout: Timeout = DEFAULT,
     ) -> Proposal:
@@ -197,7 +198,12 @@ class DrafterClient:
         ``sampling`` changes the state's sampling from this step on. ``num_drafts`` 0
         lets the drafter choose how many, up to ``draft_cap`` (0: the server's
         max_drafts), for the most tokens per verify cost, one more token costing
-        ``verify_token_cost`` of a verify step. ``return_bitmasks``: for a state with a
+        ``verify_token_cost`` of a verify step.
+
+        ``step_number`` (increasing with each of the state's steps; 0: none) makes the
+        call safe to send again when its outcome is unknown (a deadline, a broken
+        connection): the server answers a step it applied as it did, and applies it no
+        second time (``recovery.retry_step``). ``return_bitmasks``: for a state with a
         grammar, the answer carries the grammar's bitmask at each draft's position and the
         bonus position (``Proposal.bitmasks``)."""
         req = m.propose_request(
@@ -212,6 +218,7 @@ class DrafterClient:
             sampling=sampling,
             draft_cap=draft_cap,
             verify_token_cost=verify_token_cost,
+            step_number=step_number,
             return_bitmasks=return_bitmasks,
         )
         return self._unary(self._stub.Propose, req, m.parse_proposal, timeout)
@@ -233,6 +240,7 @@ class DrafterClient:
         sampling: Mapping[int, SamplingParams] | None = None,
         draft_caps: Array | Sequence[int] | int | None = None,
         verify_token_costs: Array | Sequence[float] | float | None = None,
+        step_numbers: Array | Sequence[int] | int | None = None,
         return_bitmasks: bool = False,
         timeout: Timeout = DEFAULT,
     ) -> BatchResult:
@@ -242,8 +250,9 @@ class DrafterClient:
         hidden (``hiddens`` [B, H]), K (``num_drafts``: B values or one), the verdict on
         its pending proposal (``num_accepted``: B values, -1 for none), its refeed
         (``refeed_rows`` B counts of ``refeed_hiddens`` rows, 0 or num_accepted), its
-        bitmask (``bitmask_rows`` B counts of ``bitmasks`` rows, 0 for none) and
-        min_confidence (B values or one); ``sampling`` maps rows to their states' new
+        bitmask (``bitmask_rows`` B counts of ``bitmasks`` rows, 0 for none),
+        min_confidence (B values or one) and step number (``step_numbers``: B values or
+        one, as ``propose``'s ``step_number``); ``sampling`` maps rows to their states' new
         sampling parameters; a row asking ``num_drafts`` 0 has the drafter choose its K,
         up to ``draft_caps`` for ``verify_token_costs`` (B values or one). A row that
         fails has its error in ``errors`` and leaves its state unchanged; the other rows
@@ -264,6 +273,7 @@ class DrafterClient:
             sampling=sampling,
             draft_caps=draft_caps,
             verify_token_costs=verify_token_costs,
+            step_numbers=step_numbers,
             return_bitmasks=return_bitmasks,
         )
         return self._batch(req, timeout)

@@ -116,6 +116,7 @@ class ProposeArgs:
     sampling: SamplingParams | None = None  # the state's sampling from this step on
     draft_cap: int = 0  # num_drafts 0: the most drafts the drafter may choose (0: max_drafts)
     verify_token_cost: float = 0.0  # num_drafts 0: one more token's share of a verify step
+    step_number: int = 0  # 0: not numbered (see DrafterClient.propose)
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,7 @@ def propose(msg: pb.ProposeRequest, shape: StepShape) -> Step:
         ),
         min_confidence=msg.min_confidence,
         previous=verdict(msg.previous, "previous") if msg.HasField("previous") else None,
+        step_number=msg.step_number,
         sampling=sampling(msg.sampling) if msg.HasField("sampling") else None,
         draft_cap=msg.draft_cap,
         verify_token_cost=msg.verify_token_cost,
@@ -176,6 +177,7 @@ def batch(msg: pb.ProposeBatchRequest, shape: StepShape) -> Step:
         bitmask_rows=list(msg.bitmask_rows),
         bitmasks=_optional_tensor(msg.bitmasks, "bitmasks", (pb.DTYPE_INT32,)),
         min_confidence=list(msg.min_confidence),
+        step_numbers=list(msg.step_numbers),
         sampling_rows=list(msg.sampling_rows),
         sampling=[sampling(p) for p in msg.sampling],
         draft_caps=list(msg.draft_caps),
@@ -269,6 +271,7 @@ COLUMN_OF_FIELD = {
     "verify_token_cost": "verify_token_costs",
     "previous.num_accepted": "num_accepted",
     "previous.refeed_hiddens": "refeed_hiddens",
+    "step_number": "step_numbers",
 }
 
 

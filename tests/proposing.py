@@ -30,6 +30,7 @@ class ProposeArgs:
     sampling: Sampling | None = None
     draft_cap: int = 0  # with num_drafts 0 (the drafter chooses K)
     verify_token_cost: float = 0.0
+    step_number: int = 0  # 0: not numbered
 
 
 def step_of(requests: list[ProposeArgs], shape: StepShape) -> Step:

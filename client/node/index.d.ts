@@ -41,6 +41,12 @@ export interface ProposeArgs {
   minConfidence?: number;
   /** The fused verdict on the pending proposal (its AfterVerify). */
   previous?: Verdict | null;
+  /**
+   * The state's step number, increasing (0 or absent: not numbered): sent again while its
+   * proposal is pending, the step is answered as it was and applied once, so a step whose
+   * outcome is unknown (DEADLINE_EXCEEDED, UNAVAILABLE) is safe to resend.
+   */
+  stepNumber?: number | bigint | string;
   /** For a state with a grammar: answer its bitmask at each draft's and the bonus position. */
   returnBitmasks?: boolean;
 }
@@ -127,6 +133,8 @@ export interface Batch {
   bitmaskRows?: Int32Array | Iterable<number> | null;
   bitmasks?: TensorMessage | null;
   minConfidence?: Float32Array | Iterable<number> | number | null;
+  /** B step numbers (ProposeArgs.stepNumber), or one for all. */
+  stepNumbers?: BigUint64Array | Iterable<bigint | number | string> | bigint | number | null;
   /** Answer each grammar state's bitmasks (BatchResult.bitmaskRows, bitmasks). */
   returnBitmasks?: boolean;
 }

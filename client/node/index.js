@@ -223,9 +223,10 @@ function parseRows(resp) {
 // The ProposeRequest of propose's arguments.
 function proposeRequest(
   stateId,
-  { token, hidden, position, numDrafts, bitmask, minConfidence, previous, returnBitmasks },
+  { token, hidden, position, numDrafts, bitmask, minConfidence, previous, stepNumber, returnBitmasks },
 ) {
   const req = { stateId, token, hidden, position, numDrafts, minConfidence: minConfidence ?? 0 };
+  if (stepNumber) req.stepNumber = column([stepNumber], 'stepNumber', uint64Value)[0];
   if (returnBitmasks) req.returnBitmasks = true;
   if (bitmask) req.bitmask = bitmask;
   if (previous) req.previous = verdictMessage(previous);
@@ -252,7 +253,8 @@ function parseProposal(p) {
  *   firstPosition: number }} Proposal
  * @typedef {{ stateId: string | bigint | number, token: number, hidden: TensorMessage,
  *   position: number | bigint, numDrafts: number, bitmask?: TensorMessage | null,
- *   minConfidence?: number, previous?: Verdict | null }} BatchRequest
+ *   minConfidence?: number, previous?: Verdict | null,
+ *   stepNumber?: number | bigint | string }} BatchRequest
  */
 
 /**
@@ -281,6 +283,9 @@ function parseProposal(p) {
  * @property {TensorMessage | null} [bitmasks] [sum(bitmaskRows), bitmaskWords] int32
  * @property {Float32Array | Iterable<number> | number | null} [minConfidence] B values, or
  *   one for all (absent: draft all K)
+ * @property {BigUint64Array | Iterable<bigint | number | string> | bigint | number | null}
+ *   [stepNumbers] B step numbers, or one for all (absent: not numbered): a numbered step sent
+ *   again while its proposal is pending is answered as it was, and applied once
  */
 
 /**
@@ -362,6 +367,9 @@ function batchRequest(step) {
   if (step.minConfidence != null) {
     req.minConfidence = column(step.minConfidence, 'minConfidence', floatValue, { oneForAll: true });
   }
+  if (step.stepNumbers != null) {
+    req.stepNumbers = column(step.stepNumbers, 'stepNumbers', uint64Value, { oneForAll: true });
+  }
   if (step.returnBitmasks) req.returnBitmasks = true;
   return req;
 }
@@ -433,6 +441,7 @@ function batchOf(requests) {
   if (refeeds.count) Object.assign(batch, { refeedRows, refeedHiddens: refeeds.tensor() });
   if (masks.count) Object.assign(batch, { bitmaskRows, bitmasks: masks.tensor() });
   if (requests.some((r) => r.minConfidence)) batch.minConfidence = requests.map((r) => r.minConfidence ?? 0);
+  if (requests.some((r) => r.stepNumber)) batch.stepNumbers = requests.map((r) => r.stepNumber ?? 0);
   return batch;
 }
 

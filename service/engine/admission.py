@@ -4,6 +4,11 @@ Each check is an array operation over the B rows, made in the order a single
 Propose is checked (its own values first, whatever its state, then against its
 state), so a row fails with its first problem, alone; then the rows that passed
 are given their KV blocks in order. Nothing here changes a state.
+
+A numbered row (a step number above 0) that names the number and the position of
+the step whose proposal is pending is that step again, a retry: it is answered
+with that proposal and runs no second time. Another number not above the state's
+last is stale, and refused.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class Admitted:
     rows: np.ndarray  # [n] rows of the step that passed, in order
     slots: np.ndarray  # [n] their states' slots
     base_rows: np.ndarray  # [n] row index of R0 (after the verdict)
+    retried: np.ndarray  # [r] rows that retry the step of their state's pending proposal
+    retried_slots: np.ndarray  # [r] their states' slots
     errors: dict[int, DrafterError]  # every other row -> why
 
 
@@ -55,11 +62,12 @@ NotFoundError = Callable[[int], DrafterError]
 
 def _refused_rows(
     step: Step, slots: np.ndarray, table: StateTable, limits: Limits, not_found: NotFoundError
-) -> tuple[np.ndarray, np.ndarray, Callable[[int, int], DrafterError]]:
-    """(the first failed check of each row, 0 for none; base rows; the error of check c
-    at row i). A row's own values are checked first, whatever its state (INVALID_ARGUMENT
-    for a value no state accepts), then against its state. Rows of unknown states fail at
-    the first check of the state; its other checks are moot for them."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, Callable[[int, int], DrafterError]]:
+    """(the first failed check of each row, 0 for none; base rows; the rows that retry
+    their state's pending step; the error of check c at row i). A row's own values are
+    checked first, whatever its state (INVALID_ARGUMENT for a value no state accepts),
+    then against its state. Rows of unknown states fail at the first check of the state;
+    its other checks are moot for them."""
     known = slots >= 0
     s = np.where(known, slots, 0)  # unknown rows read slot 0, their state checks are moot
     a, k, positions = step.num_accepted, step.drafts_asked(limits.max_drafts), step.positions
@@ -70,6 +78,13 @@ def _refused_rows(
     has_pending = pending_row >= 0
     base = np.where(verdict, pending_row + 1 + a, table.num_rows[s])
     limit = limits.max_rows_per_state
+    numbers, last = step.step_numbers, table.last_step[s]
+    numbered = numbers > 0
+    retry = (
+        known & numbered & has_pending
+        & (numbers == table.pending_step[s]) & (positions == pending_row + 1)
+    )  # fmt: skip
+    stale = numbered & ~retry & (numbers <= last)
     bad_sampling = first_bad(step.sampling)
     checks: list[tuple[np.ndarray, Callable[[int], DrafterError]]] = [
         # --- the request's own values
@@ -131,6 +146,16 @@ def _refused_rows(
             f"cannot propose: a Prefill or ImportKV stream is open on state {state[i]}",
             reason="PREFILL_IN_PROGRESS",
         )),
+        (stale, lambda i: FailedPrecondition(
+            f"step {numbers[i]} of state {state[i]} is not after its last, {last[i]}: a "
+            "step is answered again only while its proposal is pending, at its position",
+            reason="STALE_STEP",
+        )),
+    ]  # fmt: skip
+    # A retry is answered, not run: the checks of a new step that follow are not its own
+    # (its verdict was applied, its position is the pending proposal's).
+    retry_passes = len(checks)
+    checks += [
         (verdict & ~has_pending, lambda i: FailedPrecondition(
             f"state {state[i]} has no proposal awaiting a verdict",
             reason="NO_PENDING_PROPOSAL",
@@ -155,11 +180,12 @@ def _refused_rows(
     first = np.zeros(len(step), np.int64)
     for c in range(len(checks), 0, -1):  # the first failing check wins
         first[checks[c - 1][0]] = c
+    first[retry & (first > retry_passes)] = 0
 
     def error(c: int, i: int) -> DrafterError:
         return checks[c - 1][1](i)
 
-    return first, base, error
+    return first, base, retry, error
 
 
 def admit(
@@ -167,9 +193,10 @@ def admit(
 ) -> Admitted:
     """The rows of the step that run, given their states' slots (-1: no such state);
     `not_found` makes the error of a row whose state is not live."""
-    first, base, error = _refused_rows(step, slots, table, limits, not_found)
+    first, base, retry, error = _refused_rows(step, slots, table, limits, not_found)
     errors = {int(i): error(int(first[i]), int(i)) for i in np.flatnonzero(first)}
-    rows = np.flatnonzero(first == 0)
+    retried = np.flatnonzero((first == 0) & retry)
+    rows = np.flatnonzero((first == 0) & ~retry)
     k = step.drafts_asked(limits.max_drafts)
     need = table.extra_blocks(slots[rows], base[rows] + k[rows])
     if need.sum() > table.pool.num_free:
@@ -185,7 +212,7 @@ def admit(
             else:
                 free -= wanted
         rows = rows[fits]
-    return Admitted(rows, slots[rows], base[rows], errors)
+    return Admitted(rows, slots[rows], base[rows], retried, slots[retried], errors)
 
 
 def _duplicates(step: Step) -> np.ndarray:

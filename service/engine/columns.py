@@ -72,6 +72,7 @@ def step(
     bitmask_rows: Sequence[int] = (),
     bitmasks: torch.Tensor | None = None,
     min_confidence: Sequence[float] = (),
+    step_numbers: Sequence[int] = (),
     sampling_rows: Sequence[int] = (),
     sampling: Sequence[draws.Sampling] = (),
     draft_caps: Sequence[int] = (),
@@ -79,7 +80,8 @@ def step(
 ) -> Step:
     """B states' columns (see ProposeBatchRequest) as a Step, or INVALID_ARGUMENT when
     they do not fit together: `hiddens` [B, H] ([H] for B = 1); `num_drafts` and
-    `min_confidence` B values or one for all; `num_accepted` B values (-1: no verdict);
+    `min_confidence` and `step_numbers` B values or one for all; `num_accepted` B values
+    (-1: no verdict);
     `refeed_rows` and `bitmask_rows` a row count per state of `refeed_hiddens`
     ([sum, H]) and `bitmasks` ([sum, W] int32); `sampling_rows` the rows (ascending)
     whose states take the parameters `sampling` (one per row listed); `draft_caps` and
@@ -132,6 +134,7 @@ def step(
         mask_counts=mask_counts,
         bitmasks=masks,
         min_confidence=_column(min_confidence, "min_confidence", size, np.float64, default=0.0),
+        step_numbers=_column(step_numbers, "step_numbers", size, np.uint64, default=0),
     )
 
 

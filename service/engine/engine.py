@@ -27,7 +27,7 @@ from ..model.mtp_head import MTPHead
 from . import validation as check
 from .admission import Limits, admit
 from .block_pool import BlockPool
-from .drafting import ChainPlan
+from .drafting import ChainPlan, Drafted
 from .errors import (
     DrafterError,
     FailedPrecondition,
@@ -411,7 +411,9 @@ class DraftEngine:
 
         Each row stands or fails alone: a failed row gets its error in the answer and
         changes nothing. The rows that pass are drafted together: their verdicts
-        applied, their chains run, their proposals left pending.
+        applied, their chains run, their proposals left pending. A row that retries the
+        step of its state's pending proposal (its step number) is answered with that
+        proposal, and changes nothing.
         """
         b = len(step)
         slots = np.fromiter(
@@ -426,6 +428,9 @@ class DraftEngine:
         # a row asking K = 2**31 - 1 must not size the answer.
         asked = step.drafts_asked(self.config.max_drafts)
         width = min(max(int(asked.max()), 0), self.config.max_drafts) if b else 0
+        retried = admitted.retried_slots
+        if len(retried):  # a retry asking fewer drafts than it was answered
+            width = max(width, int(self.table.pending_count[retried].max()))
         result = StepResult(
             drafts=np.full((b, width), -1, np.int64),
             probs=np.zeros((b, width), np.float32),
@@ -435,12 +440,12 @@ class DraftEngine:
             errors=admitted.errors,
         )
         rows, slots, base_rows = admitted.rows, admitted.slots, admitted.base_rows
-        if self.grammars.matchers:
+        if self.grammars.matchers and len(rows):
             kept = self._commit_grammars(step, rows, slots, result.errors)
             rows, slots, base_rows = rows[kept], slots[kept], base_rows[kept]
-        if not len(rows):
-            return result
-        self._draft(step, rows, slots, base_rows, result)
+        if len(rows):
+            self._draft(step, rows, slots, base_rows, result)
+        self._answer_again(admitted.retried, retried, result)
         return result
 
     def _commit_grammars(self, step, rows, slots, errors: dict) -> np.ndarray:
@@ -457,6 +462,28 @@ class DraftEngine:
             except DrafterError as err:
                 errors[row], kept[j] = err, False
         return kept
+
+    def _answer_again(self, rows: np.ndarray, slots: np.ndarray, result: StepResult) -> None:
+        """The retried rows' answers: their states' pending proposals, as first answered."""
+        if not len(rows):
+            return
+        t, width = self.table, result.drafts.shape[1]
+        counts = t.pending_count[slots]
+        kept = np.arange(width)[None, :] < counts[:, None]
+        result.drafts[rows] = np.where(kept, t.pending_drafts[slots, :width], -1)
+        result.probs[rows] = np.where(kept, t.pending_probs[slots, :width], 0)
+        result.counts[rows] = counts
+        result.confidences[rows] = t.pending_confidence[slots]
+        result.first_positions[rows] = t.pending_row[slots] + 2  # R0's position, plus one
+        pending = zip(rows.tolist(), slots.tolist(), strict=True)
+        sampled = [(row, t.pending_q[slot]) for row, slot in pending if slot in t.pending_q]
+        if sampled or result.q_ids is not None:  # the batch answers q: each of its rows
+            support = max([ids.shape[1] for _, (ids, _) in sampled], default=1)
+            _widen_q(result, support)
+            _draft_alone(result, rows)  # a greedy proposal's q: its draft, probability 1
+            for row, (ids, probs) in sampled:
+                result.q_ids[row, : len(ids), : ids.shape[1]] = ids
+                result.q_probs[row, : len(ids), : ids.shape[1]] = probs
 
     def _draft(self, step, rows, slots, base_rows, result: StepResult) -> None:
         t = self.table
@@ -524,6 +551,7 @@ class DraftEngine:
         t.pending_drafts[slots, : drafted.all_drafts.shape[1]] = drafted.all_drafts
         width = drafted.drafts.shape[1]
         t.pending_probs[slots, :width] = drafted.probs
+        self._remember_answer(slots, step.step_numbers[rows], drafted)
         result.drafts[rows, :width] = drafted.drafts
         result.probs[rows, :width] = drafted.probs
         result.counts[rows] = drafted.counts
@@ -536,6 +564,22 @@ class DraftEngine:
             result.q_ids[rows, :width] = drafted.q_ids
             result.q_probs[rows, :width] = drafted.q_probs
         result.grammar_masks.update({int(rows[i]): m for i, m in grammar_masks.items()})
+
+    def _remember_answer(self, slots: np.ndarray, numbers: np.ndarray, drafted: Drafted) -> None:
+        """What a retry of these states' steps is answered: their step numbers and what
+        their proposals were answered besides the drafts and probabilities, which the
+        table keeps."""
+        t = self.table
+        t.pending_step[slots] = numbers
+        t.last_step[slots] = np.maximum(t.last_step[slots], numbers)
+        t.pending_confidence[slots] = drafted.confidences
+        if drafted.q_ids is not None:  # each sampled draft's q, as answered
+            for j, slot in enumerate(slots.tolist()):
+                n = int(drafted.counts[j])
+                t.pending_q[slot] = (drafted.q_ids[j, :n].copy(), drafted.q_probs[j, :n].copy())
+        elif t.pending_q:
+            for slot in slots.tolist():
+                t.pending_q.pop(slot, None)
 
     def _count_verdicts(self, verdicts: tuple[np.ndarray, np.ndarray] | None) -> None:
         """Hands (drafts proposed, drafts accepted) of some verdicts to on_verdicts."""
@@ -625,3 +669,28 @@ def _ragged_rows(
         return {}
     starts = np.cumsum(counts) - counts
     return {j: tensor[starts[i] : starts[i] + counts[i]] for j, i in enumerate(rows) if counts[i]}
+
+
+def _widen_q(result: StepResult, support: int) -> None:
+    """`result`'s q columns widened to `support` tokens a draft; made where no row was
+    sampled, every answered row's q its draft alone."""
+    b, width = result.drafts.shape
+    have = 0 if result.q_ids is None else result.q_ids.shape[2]
+    if have >= support:
+        return
+    fresh = result.q_ids is None
+    ids, probs = np.zeros((b, width, support), np.int64), np.zeros((b, width, support), np.float32)
+    if not fresh:
+        ids[..., :have], probs[..., :have] = result.q_ids, result.q_probs
+    result.q_ids, result.q_probs = ids, probs
+    if fresh:
+        _draft_alone(result, np.arange(b))
+
+
+def _draft_alone(result: StepResult, rows: np.ndarray) -> None:
+    """Rows `rows` of `result`'s q: each draft alone, probability 1 (a greedy draft's q)."""
+    kept = np.arange(result.drafts.shape[1])[None, :] < result.counts[rows, None]
+    result.q_ids[rows] = 0
+    result.q_probs[rows] = 0
+    result.q_ids[rows, :, 0] = np.where(kept, result.drafts[rows], 0)
+    result.q_probs[rows, :, 0] = kept

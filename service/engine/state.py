@@ -46,6 +46,14 @@ class StateTable:
         # those their probabilities predicted, summed with a decay (draft_count.py).
         self.accepted_sum = np.zeros((capacity, max_drafts), np.float64)
         self.predicted_sum = np.zeros((capacity, max_drafts), np.float64)
+        # What the pending proposal was answered besides its drafts and their probabilities,
+        # and the number of the step that made it (0: none), so that a retry of that step
+        # is answered again; the highest step number applied, below which a step is stale.
+        self.pending_confidence = np.zeros(capacity, np.float64)
+        self.pending_step = np.zeros(capacity, np.uint64)
+        self.last_step = np.zeros(capacity, np.uint64)
+        # slot -> the q support of its pending proposal's drafts (ids, probs), if sampled.
+        self.pending_q: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.sampling = np.zeros(capacity, PARAMS)  # how its drafts are chosen (sampling.py)
         # Output hidden of its last computed row: the hidden of the row of the last
         # draft, should all drafts be accepted.
@@ -70,6 +78,8 @@ class StateTable:
         self.prefilling[slot] = False
         self.pending_row[slot] = -1
         self.accepted_sum[slot] = self.predicted_sum[slot] = 0
+        self.pending_step[slot] = self.last_step[slot] = 0
+        self.pending_q.pop(slot, None)
         self.sampling[slot] = tuple(getattr(GREEDY, name) for name in PARAMS.names)
         self.last_used[slot] = now
         return slot

@@ -44,6 +44,9 @@ class Step:
     mask_counts: np.ndarray  # [B] int64: rows of bitmasks (0: no mask)
     bitmasks: torch.Tensor | None  # [sum(mask_counts), ceil(V / 32)] int32
     min_confidence: np.ndarray  # [B] float64
+    # [B] uint64: the verifier's number of the state's step (0: none), which makes a
+    # retry of the step answer as the step did (admission.py)
+    step_numbers: np.ndarray
     sampling: np.ndarray  # [B] sampling.CHANGES: new sampling parameters (`set`), if any
     # Where num_drafts is 0 (the drafter chooses K, draft_count.py): the most drafts it
     # may choose (0: max_drafts), and the cost of verifying one more token.
@@ -82,6 +85,7 @@ def single(
     bitmask: torch.Tensor | None = None,
     min_confidence: float = 0.0,
     previous: Verdict | None = None,
+    step_number: int = 0,
     sampling: draws.Sampling | None = None,
     draft_cap: int = 0,
     verify_token_cost: float = 0.0,
@@ -90,8 +94,9 @@ def single(
 ) -> Step:
     """One state's Propose as a Step of one row: `hidden` [H] or [1, H], `bitmask` int32
     [W] or [n, W] (xgrammar's layout), `previous` the verdict on its pending proposal,
-    `sampling` the state's sampling from this step on (None: unchanged); with
-    num_drafts 0, `draft_cap` and `verify_token_cost` as a ProposeRequest's.
+    `step_number` the step's number (0: none), `sampling` the state's sampling from this
+    step on (None: unchanged); with num_drafts 0, `draft_cap` and `verify_token_cost` as a
+    ProposeRequest's.
 
     Raises InvalidArgument for a tensor of the wrong shape or dtype, naming the
     Propose's field, as the request cannot be a row then.
@@ -115,6 +120,7 @@ def single(
         mask_counts=np.array([0 if mask is None else mask.shape[0]], np.int64),
         bitmasks=mask,
         min_confidence=np.array([min_confidence], np.float64),
+        step_numbers=np.array([step_number], np.uint64),
         sampling=draws.changes([sampling]),
         draft_caps=np.array([draft_cap], np.int64),
         verify_costs=np.array([verify_token_cost], np.float64),

@@ -235,7 +235,7 @@ def test_propose_streams_cut_short_leak_nothing(clean, pace: Pace, cut: str) -> 
         bad = [
             batch_message(propose_message(424242, 1, 2, 1)),  # unknown state
             batch_message(propose_message(states[0], rows[states[0]] + 7, 2, 1)),  # position
-            batch_message(propose_message(states[1], rows[states[1]] + 1, 0, 1)),  # K = 0
+            batch_message(propose_message(states[1], rows[states[1]] + 1, -1, 1)),  # K = -1
             batch_message(propose_message(states[2], rows[states[2]] + 1, 2, 1, previous=0)),
             pb.ProposeBatchRequest(state_ids=[states[3]], num_drafts=[2]),  # no hiddens at all
         ]

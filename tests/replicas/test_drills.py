@@ -15,17 +15,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
-from conftest import REPLICAS, keys_by_replica
+from conftest import REPLICAS, assert_same_drafts, keys_by_replica
 from servers import PATIENCE, SERVER_ARGS
 from verifiers import Verifier
 
-from mtpdraft.client import DeadlineExceeded, DrafterClient, DrafterError
+from mtpdraft.client import DeadlineExceeded, DrafterClient, DrafterError, Replicas
 
 LOCAL = Path(__file__).resolve().parents[2] / "deploy" / "local.py"
 CUT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
@@ -191,6 +192,66 @@ def test_a_killed_replica_leaves_the_others_serving_and_restarts_on_its_address(
         assert new_epoch != old_epoch
         wait_for(lambda: reaches(proxy, keys[old_epoch], new_epoch), "its key came back")
         tool.replicas[0] = Printed(int(m[1]), victim.address, victim.log)
+        free_everywhere(tool, list(verifiers.values()))
+
+
+def live_states(tool: Tool) -> dict[int, int]:
+    """GetInfo.live_states of each running replica, by its instance epoch."""
+    counts = {}
+    for r in tool.replicas:
+        if alive(r.pid):
+            with DrafterClient(r.address, timeout=PATIENCE) as c:
+                info = c.info()
+                counts[info.instance_epoch] = info.live_states
+    return counts
+
+
+def test_a_restarted_replica_takes_its_keys_back_and_their_states_move_with_them(
+    tool: Tool, reference
+) -> None:
+    """Killed, replica 0's states are lost and re-prefilled on the next replica; restarted
+    on its address, it takes its keys back, and each state there moves back to it from the
+    replica that holds it (`recover_state` with the replicas' own addresses): no second
+    re-prefill, no state left behind until its lease ends, the drafts those of one server."""
+    victim = tool.replicas[0]
+    addresses = [r.address for r in tool.replicas]
+    with (
+        DrafterClient(tool.proxy, timeout=PATIENCE) as proxy,
+        Replicas(addresses, timeout=PATIENCE) as replicas,
+    ):
+        keys = key_epochs(proxy)
+        old_epoch = epoch_of(victim.address)
+        verifiers = {
+            epoch: Verifier(30 + i, key, 2, replicas=replicas)
+            for i, (epoch, key) in enumerate(keys.items())
+        }
+        for v in verifiers.values():
+            v.run(proxy.keyed(v.key), 1)
+        os.kill(victim.pid, signal.SIGKILL)
+        tool.expect(rf"replica 0 \(pid {victim.pid}, {victim.address}\) ended, killed by SIGKILL")
+        for v in verifiers.values():
+            v.run_more(proxy.keyed(v.key), 2, retry=lambda err: err.code in CUT)
+        lost = verifiers[old_epoch]
+        assert (lost.recoveries, lost.moves) == (1, 0)  # its replica died: rebuilt elsewhere
+        (neighbour,) = {s.state >> 43 for s in lost.seqs}
+
+        tool.send("restart 0")
+        m = tool.expect(rf"replica 0 pid (\d+) {victim.address} restarted")
+        tool.replicas[0] = Printed(int(m[1]), victim.address, victim.log)
+        new_epoch = epoch_of(victim.address)
+        wait_for(lambda: reaches(proxy, keys[old_epoch], new_epoch), "its key came back")
+        for v in verifiers.values():
+            v.run_more(proxy.keyed(v.key), 2, retry=lambda err: err.code in CUT)
+        assert (lost.recoveries, lost.moves) == (2, 2)  # both states moved back, not rebuilt
+        assert {s.state >> 43 for s in lost.seqs} == {new_epoch} != {neighbour}
+        for epoch, v in verifiers.items():
+            if epoch != old_epoch:
+                assert (v.recoveries, v.epochs) == (0, {epoch})
+        # Nothing left behind: each replica holds its keys' states, and no other.
+        held = Counter(s.state >> 43 for v in verifiers.values() for s in v.seqs)
+        assert live_states(tool) == {epoch: held[epoch] for epoch in live_states(tool)}
+        for v in verifiers.values():
+            assert_same_drafts(v, reference(v.seed, 2))
         free_everywhere(tool, list(verifiers.values()))
 
 

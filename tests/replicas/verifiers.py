@@ -19,8 +19,10 @@ from mtpdraft.client import (
     DrafterClient,
     DrafterError,
     ProposeArgs,
+    Replicas,
     StateLost,
     Verdict,
+    recover_state,
     reprefill,
 )
 
@@ -91,7 +93,11 @@ class Verifier:
     drafts: list[list[list[int]]] = field(default_factory=list)
     probs: list[list[list[float]]] = field(default_factory=list)
     recoveries: int = 0
+    moves: int = 0  # states recovered by moving them from the replica that held them
     retries: int = 0
+    # The replicas' own addresses: a lost state still held by one is moved, not rebuilt
+    # (None: every lost state is re-prefilled, its old copy freed through the proxy).
+    replicas: Replicas | None = None
     epochs: set[int] = field(default_factory=set)  # the server instances that held its states
 
     def __post_init__(self) -> None:
@@ -164,12 +170,19 @@ class Verifier:
                     self.retries += 1
 
     def recover(self, client: DrafterClient) -> None:
-        """Every sequence again, on the replica the key reaches now: its committed rows
-        prefilled into a new state; the next Propose carries no verdict (it is in the rows)."""
+        """Every sequence again, on the replica the key reaches now: moved there from the
+        replica that holds it (`replicas`), else its committed rows prefilled into a new
+        state; the next Propose carries no verdict (it is in the rows)."""
         self.recoveries += 1
         for s in self.seqs:
-            client.free_state(s.state)  # where the key now goes: usually unknown, harmless
-            s.state = reprefill(client, *s.committed_rows())
+            if self.replicas is None:
+                client.free_state(s.state)  # where the key now goes: usually unknown, harmless
+                s.state = reprefill(client, *s.committed_rows())
+            else:
+                got = recover_state(
+                    client, s.state, *s.committed_rows(), replicas=self.replicas, verdict=s.verdict
+                )
+                s.state, self.moves = got.state, self.moves + got.moved
             s.verdict = None
             self.epochs.add(s.state >> 43)
 

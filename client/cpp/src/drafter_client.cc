@@ -209,6 +209,7 @@ pb::ProposeRequest ProposeRequestOf(uint64_t state, const ProposeArgs& args) {
   if (args.bitmask) args.bitmask->ToProto(req.mutable_bitmask());
   req.set_min_confidence(args.min_confidence);
   if (args.previous) FillVerdict(*args.previous, req.mutable_previous());
+  req.set_step_number(args.step_number);
   req.set_return_bitmasks(args.return_bitmasks);
   return req;
 }
@@ -260,6 +261,7 @@ pb::ProposeBatchRequest BatchRequestOf(const Batch& step) {
   req.mutable_bitmask_rows()->Add(step.bitmask_rows.begin(), step.bitmask_rows.end());
   if (step.bitmasks) step.bitmasks->ToProto(req.mutable_bitmasks());
   req.mutable_min_confidence()->Add(step.min_confidence.begin(), step.min_confidence.end());
+  req.mutable_step_numbers()->Add(step.step_numbers.begin(), step.step_numbers.end());
   req.set_return_bitmasks(step.return_bitmasks);
   return req;
 }
@@ -365,7 +367,7 @@ StatesBatch BatchOf(const std::vector<BatchRequest>& requests) {
   StatesBatch b;
   ColumnRows hiddens("hidden", false), refeeds("previous.refeed_hiddens", false);
   ColumnRows masks("bitmask", true);
-  bool verdicts = false, floors = false;
+  bool verdicts = false, floors = false, numbered = false;
   for (size_t i = 0; i < requests.size(); ++i) {
     const BatchRequest& r = requests[i];
     b.state_ids.push_back(r.state);
@@ -374,6 +376,8 @@ StatesBatch BatchOf(const std::vector<BatchRequest>& requests) {
     b.num_drafts.push_back(r.args.num_drafts);
     b.min_confidence.push_back(r.args.min_confidence);
     floors = floors || r.args.min_confidence != 0.0f;
+    b.step_numbers.push_back(r.args.step_number);
+    numbered = numbered || r.args.step_number != 0;
     if (hiddens.Add(r.args.hidden, i) != 1) {
       throw std::invalid_argument("requests[" + std::to_string(i) + "].hidden: one row expected");
     }
@@ -396,6 +400,7 @@ StatesBatch BatchOf(const std::vector<BatchRequest>& requests) {
     b.bitmask_rows.clear();
   }
   if (!floors) b.min_confidence.clear();
+  if (!numbered) b.step_numbers.clear();
   return b;
 }
 
@@ -404,7 +409,7 @@ Batch StatesBatch::batch() const {
   b.state_ids = state_ids, b.tokens = tokens, b.positions = positions, b.hiddens = hiddens;
   b.num_drafts = num_drafts, b.num_accepted = num_accepted, b.refeed_rows = refeed_rows;
   b.refeed_hiddens = refeed_hiddens, b.bitmask_rows = bitmask_rows, b.bitmasks = bitmasks;
-  b.min_confidence = min_confidence;
+  b.min_confidence = min_confidence, b.step_numbers = step_numbers;
   return b;
 }
 

@@ -31,6 +31,9 @@ type Batch struct {
 	// MinConfidence stops a state's drafting as ProposeArgs.MinConfidence does: B values, one
 	// for every state, or empty (draft all K).
 	MinConfidence []float32
+	// StepNumbers numbers each state's step as ProposeArgs.StepNumber does: B values, one for
+	// every state (a verifier's own step count), or empty (not numbered).
+	StepNumbers []uint64
 	// ReturnBitmasks asks for each grammar state's bitmasks (BatchResult.Bitmasks).
 	ReturnBitmasks bool
 }
@@ -48,7 +51,7 @@ type BatchRequest struct {
 func BatchOf(requests []BatchRequest) (Batch, error) {
 	var b Batch
 	var hiddens, refeeds, masks rows
-	verdicts, floors := false, false
+	verdicts, floors, numbered := false, false, false
 	for i, r := range requests {
 		b.StateIDs = append(b.StateIDs, r.State)
 		b.Tokens = append(b.Tokens, r.Token)
@@ -56,6 +59,8 @@ func BatchOf(requests []BatchRequest) (Batch, error) {
 		b.NumDrafts = append(b.NumDrafts, r.NumDrafts)
 		b.MinConfidence = append(b.MinConfidence, r.MinConfidence)
 		floors = floors || r.MinConfidence != 0
+		b.StepNumbers = append(b.StepNumbers, r.StepNumber)
+		numbered = numbered || r.StepNumber != 0
 		n, err := hiddens.add(&r.Hidden, false)
 		if err == nil && n != 1 {
 			err = fmt.Errorf("%d rows, where one is expected", n)
@@ -92,6 +97,9 @@ func BatchOf(requests []BatchRequest) (Batch, error) {
 	}
 	if !floors {
 		b.MinConfidence = nil
+	}
+	if !numbered {
+		b.StepNumbers = nil
 	}
 	return b, nil
 }
@@ -237,6 +245,7 @@ func batchRequest(b Batch) *pb.ProposeBatchRequest {
 		BitmaskRows:   b.BitmaskRows,
 		Bitmasks:      b.Bitmasks.message(),
 		MinConfidence: b.MinConfidence,
+		StepNumbers:   b.StepNumbers,
 
 		ReturnBitmasks: b.ReturnBitmasks,
 	}

@@ -20,9 +20,11 @@ func TestBatchRequest(t *testing.T) {
 		StateIDs: []uint64{7, 8}, Tokens: []int32{1, 2}, Positions: []int64{5, 9},
 		Hiddens: FP32(make([]float32, 6), 2, 3), NumDrafts: []int32{3},
 		NumAccepted: []int32{-1, 2}, BitmaskRows: []int32{0, 2}, Bitmasks: &mask,
+		StepNumbers: []uint64{4, 4},
 	})
 	if !reflect.DeepEqual(req.StateIds, []uint64{7, 8}) || !reflect.DeepEqual(req.NumDrafts, []int32{3}) ||
-		!reflect.DeepEqual(req.NumAccepted, []int32{-1, 2}) || !reflect.DeepEqual(req.Hiddens.Shape, []int64{2, 3}) {
+		!reflect.DeepEqual(req.NumAccepted, []int32{-1, 2}) || !reflect.DeepEqual(req.Hiddens.Shape, []int64{2, 3}) ||
+		!reflect.DeepEqual(req.StepNumbers, []uint64{4, 4}) {
 		t.Fatalf("request %v", req)
 	}
 	if req.RefeedHiddens != nil || req.RefeedRows != nil || req.MinConfidence != nil {
@@ -47,7 +49,7 @@ func TestBatchOf(t *testing.T) {
 		{1, ProposeArgs{Token: 11, Hidden: FP32([]float32{3, 4}, 1, 2), Position: 6, NumDrafts: 3,
 			Bitmask: &short}},
 		{8, ProposeArgs{Token: 1, Hidden: FP32([]float32{5, 6}), Position: 2, NumDrafts: 4,
-			Bitmask: &long, MinConfidence: 0.5, Previous: &Verdict{NumAccepted: 1}}},
+			Bitmask: &long, MinConfidence: 0.5, Previous: &Verdict{NumAccepted: 1}, StepNumber: 9}},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -57,6 +59,7 @@ func TestBatchOf(t *testing.T) {
 		Hiddens: FP32([]float32{1, 2, 3, 4, 5, 6}, 3, 2), NumDrafts: []int32{2, 3, 4},
 		NumAccepted: []int32{2, -1, 1}, RefeedRows: []int32{2, 0, 0}, RefeedHiddens: &refeed,
 		BitmaskRows: []int32{0, 1, 2}, MinConfidence: []float32{0, 0, 0.5},
+		StepNumbers: []uint64{0, 0, 9},
 	}
 	masks := Int32([]int32{5, 0, -1, -1, 3, 4}, 3, 2)
 	want.Bitmasks = &masks
@@ -65,7 +68,7 @@ func TestBatchOf(t *testing.T) {
 	}
 	plain, err := BatchOf([]BatchRequest{{3, ProposeArgs{Hidden: BF16([]float32{1, 2}), NumDrafts: 1}}})
 	if err != nil || plain.NumAccepted != nil || plain.RefeedRows != nil || plain.BitmaskRows != nil ||
-		plain.MinConfidence != nil || !reflect.DeepEqual(plain.Hiddens.Shape, []int64{1, 2}) {
+		plain.MinConfidence != nil || plain.StepNumbers != nil || !reflect.DeepEqual(plain.Hiddens.Shape, []int64{1, 2}) {
 		t.Fatalf("batch of one %+v, %v", plain, err)
 	}
 	for _, bad := range [][]BatchRequest{

@@ -146,6 +146,10 @@ type ProposeArgs struct {
 	Bitmask       *Tensor  // optional xgrammar packed int32 bitmask
 	MinConfidence float32  // 0: draft all NumDrafts
 	Previous      *Verdict // optional: the fused AfterVerify of the pending proposal
+	// StepNumber numbers the state's steps in increasing order (0: not numbered): a step sent
+	// again with its number while its proposal is pending is answered as it was, applied once,
+	// so a step whose outcome is unknown (DeadlineExceeded, Unavailable) is safe to resend.
+	StepNumber uint64
 	// ReturnBitmasks asks, for a state with a grammar, for the grammar's bitmask at each
 	// draft's position and the bonus position (the Proposal's Bitmasks).
 	ReturnBitmasks bool
@@ -293,6 +297,7 @@ func proposeRequest(state uint64, args ProposeArgs) *pb.ProposeRequest {
 		Bitmask:       args.Bitmask.message(),
 		MinConfidence: args.MinConfidence,
 		Previous:      verdict(args.Previous),
+		StepNumber:    args.StepNumber,
 
 		ReturnBitmasks: args.ReturnBitmasks,
 	}

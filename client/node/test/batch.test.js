@@ -52,6 +52,11 @@ function misfit(req) {
 }
 
 const fake = {
+  Propose(call, callback) {
+    requests.push(call.request);
+    const req = call.request;
+    callback(null, { stateId: req.stateId, tokens: [4], probs: [0.5], confidence: 0.5, firstPosition: '10' });
+  },
   ProposeBatch(call, callback) {
     requests.push(call.request);
     const fault = misfit(call.request);
@@ -110,8 +115,10 @@ test('proposeBatch sends the columns and answers as typed arrays, failed rows in
     numDrafts: Int32Array.of(2, 3, 1),
     numAccepted: Int32Array.of(-1, 0, 2),
     minConfidence: 0.25,
+    stepNumbers: 18446744073709551615n,
   });
   const req = requests.at(-1);
+  assert.deepEqual(req.stepNumbers, ['18446744073709551615']);
   assert.deepEqual(req.stateIds, ['18446744073709551615', '0', '7']);
   assert.deepEqual(req.tokens, [1, 2, -3]);
   assert.deepEqual(req.positions, ['9007199254740993', '5', '6']);
@@ -226,8 +233,10 @@ test('batchOf makes the columns of states given one by one', () => {
     { stateId: 1n, token: 11, hidden: hiddens(1), position: 6, numDrafts: 3,
       bitmask: Tensor.int32([5]) },
     { stateId: 8, token: 1, hidden: Tensor.fp32([5, 6, 7, 8]), position: 2, numDrafts: 4,
-      bitmask: Tensor.int32([-1, -1, 3, 4], [2, 2]), minConfidence: 0.5, previous: { numAccepted: 1 } },
+      bitmask: Tensor.int32([-1, -1, 3, 4], [2, 2]), minConfidence: 0.5, previous: { numAccepted: 1 },
+      stepNumber: 9 },
   ]);
+  assert.deepEqual(batch.stepNumbers, [0, 0, 9]);
   assert.deepEqual(batch.stateIds, ['3', 1n, 8]);
   assert.deepEqual(batch.tokens, [13, 11, 1]);
   assert.deepEqual(batch.numDrafts, [2, 3, 4]);
@@ -263,6 +272,20 @@ test('stream.propose sends one state as a batch of one and answers its Proposal'
   assert.ok(gone.reason instanceof DrafterError);
   assert.deepEqual([gone.reason.reason, gone.reason.field], ['STATE_NOT_FOUND', 'state_ids']);
   await stream.close();
+});
+
+test('propose and the batches carry step numbers, which make a resent step safe', async () => {
+  const hidden = Tensor.fp32([1, 2, 3, 4]);
+  await drafter.propose('5', { token: 1, hidden, position: 9, numDrafts: 1, stepNumber: 12 });
+  assert.equal(requests.at(-1).stepNumber, '12');
+  await drafter.propose('5', { token: 1, hidden, position: 9, numDrafts: 1 });
+  assert.equal(requests.at(-1).stepNumber, '0'); // not numbered
+  await drafter.proposeBatch(batchOf([{ stateId: '5', token: 1, hidden, position: 9, numDrafts: 1, stepNumber: 3n }]));
+  assert.deepEqual(requests.at(-1).stepNumbers, ['3']);
+  await assert.rejects(
+    drafter.proposeBatch({ stateIds: ['5'], tokens: [1], positions: [9], hiddens: hiddens(1), numDrafts: 1, stepNumbers: [-1] }),
+    RangeError,
+  );
 });
 
 test('Tensor.fp32 and Tensor.int32 write the same bytes from typed arrays and from numbers', () => {

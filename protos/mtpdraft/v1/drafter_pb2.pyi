@@ -170,7 +170,7 @@ class Verdict(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("state_id", "token", "hidden", "position", "num_drafts", "bitmask", "min_confidence", "previous", "sampling", "draft_cap", "verify_token_cost", "return_bitmasks")
+    __slots__ = ("state_id", "token", "hidden", "position", "num_drafts", "bitmask", "min_confidence", "previous", "step_number", "sampling", "draft_cap", "verify_token_cost", "return_bitmasks")
     STATE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class ProposeRequest(_message.Message):
     BITMASK_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    STEP_NUMBER_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CAP_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
@@ -191,11 +192,12 @@ class ProposeRequest(_message.Message):
     bitmask: Tensor
     min_confidence: float
     previous: Verdict
+    step_number: int
     sampling: SamplingParams
     draft_cap: int
     verify_token_cost: float
     return_bitmasks: bool
-    def __init__(self, state_id: _Optional[int] = ..., token: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., position: _Optional[int] = ..., num_drafts: _Optional[int] = ..., bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., previous: _Optional[_Union[Verdict, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_cap: _Optional[int] = ..., verify_token_cost: _Optional[float] = ..., return_bitmasks: bool = ...) -> None: ...
+    def __init__(self, state_id: _Optional[int] = ..., token: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., position: _Optional[int] = ..., num_drafts: _Optional[int] = ..., bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., previous: _Optional[_Union[Verdict, _Mapping]] = ..., step_number: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_cap: _Optional[int] = ..., verify_token_cost: _Optional[float] = ..., return_bitmasks: bool = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("state_id", "tokens", "probs", "confidence", "first_position", "q_support", "q_ids", "q_probs", "bitmasks")
@@ -232,7 +234,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class ProposeBatchRequest(_message.Message):
-    __slots__ = ("request_id", "state_ids", "tokens", "positions", "hiddens", "num_drafts", "num_accepted", "refeed_rows", "refeed_hiddens", "bitmask_rows", "bitmasks", "min_confidence", "sampling_rows", "sampling", "draft_caps", "verify_token_costs", "return_bitmasks")
+    __slots__ = ("request_id", "state_ids", "tokens", "positions", "hiddens", "num_drafts", "num_accepted", "refeed_rows", "refeed_hiddens", "bitmask_rows", "bitmasks", "min_confidence", "step_numbers", "sampling_rows", "sampling", "draft_caps", "verify_token_costs", "return_bitmasks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +247,7 @@ class ProposeBatchRequest(_message.Message):
     BITMASK_ROWS_FIELD_NUMBER: _ClassVar[int]
     BITMASKS_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_NUMBERS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_ROWS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CAPS_FIELD_NUMBER: _ClassVar[int]
@@ -262,12 +265,13 @@ class ProposeBatchRequest(_message.Message):
     bitmask_rows: _containers.RepeatedScalarFieldContainer[int]
     bitmasks: Tensor
     min_confidence: _containers.RepeatedScalarFieldContainer[float]
+    step_numbers: _containers.RepeatedScalarFieldContainer[int]
     sampling_rows: _containers.RepeatedScalarFieldContainer[int]
     sampling: _containers.RepeatedCompositeFieldContainer[SamplingParams]
     draft_caps: _containers.RepeatedScalarFieldContainer[int]
     verify_token_costs: _containers.RepeatedScalarFieldContainer[float]
     return_bitmasks: bool
-    def __init__(self, request_id: _Optional[int] = ..., state_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., refeed_rows: _Optional[_Iterable[int]] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[_Iterable[float]] = ..., sampling_rows: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., draft_caps: _Optional[_Iterable[int]] = ..., verify_token_costs: _Optional[_Iterable[float]] = ..., return_bitmasks: bool = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., state_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., refeed_rows: _Optional[_Iterable[int]] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[_Iterable[float]] = ..., step_numbers: _Optional[_Iterable[int]] = ..., sampling_rows: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., draft_caps: _Optional[_Iterable[int]] = ..., verify_token_costs: _Optional[_Iterable[float]] = ..., return_bitmasks: bool = ...) -> None: ...
 
 class ProposeBatchResponse(_message.Message):
     __slots__ = ("request_id", "width", "drafts", "probs", "draft_counts", "confidences", "first_positions", "errors", "error", "q_support", "q_ids", "q_probs", "bitmask_rows", "bitmasks")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from mtpdraft.service.engine.errors import (
     NotFound,
     Unavailable,
 )
+from mtpdraft.service.engine.sampling import Sampling
 from mtpdraft.service.engine.step import Step, StepResult
 from mtpdraft.service.engine.types import Proposal, Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
@@ -454,6 +456,60 @@ def test_several_states_refeed_in_one_step_as_the_oracle_says(
     assert_accounted(engine)
 
 
+def test_a_retried_step_is_answered_as_it_was_and_runs_once(engine: DraftEngine) -> None:
+    """A numbered step sent again (its client never saw the answer) gets the answer its
+    proposal was given and changes nothing: it drafts no second time, nor applies its
+    verdict twice. Its twin, never retried, drafts the same all along."""
+    retried, twin = (prefill(engine, [1, 2, 3], h(3, 50)) for _ in range(2))
+    steps = [
+        ProposeArgs(0, 4, h(1, 51), 4, 3, step_number=1),
+        ProposeArgs(0, 9, h(1, 52), 6, 4, previous=Verdict(1, h(1, 53)), step_number=2),
+        ProposeArgs(0, 7, h(1, 54), 9, 2, previous=Verdict(2), step_number=5),
+    ]
+
+    def sent(args: ProposeArgs, state: int) -> ProposeArgs:
+        return replace(args, state_id=state)
+
+    for args in steps:
+        answer = propose(engine, sent(args, retried))
+        rows, pending = engine.states[retried].num_rows, engine.states[retried].pending
+        free = engine.pool.num_free
+        for _ in range(2):
+            assert propose(engine, sent(args, retried)) == answer
+            assert engine.states[retried].num_rows == rows
+            assert engine.states[retried].pending == pending
+            assert engine.pool.num_free == free
+        assert propose(engine, sent(args, twin)) == replace(answer, state_id=twin)
+    # Step 5 is pending: an older number, or 5 at another position, is stale.
+    for stale in [replace(steps[1], step_number=2), replace(steps[2], position=8)]:
+        with pytest.raises(FailedPrecondition) as err:
+            propose(engine, sent(stale, retried))
+        assert err.value.reason == "STALE_STEP"
+    # Once the proposal has its verdict, its step is over: sent again, it is stale too.
+    engine.after_verify(retried, Verdict(0))
+    with pytest.raises(FailedPrecondition) as err:
+        propose(engine, sent(steps[2], retried))
+    assert err.value.reason == "STALE_STEP"
+    assert_accounted(engine)
+
+
+def test_a_retry_in_a_batch_is_answered_beside_new_steps(engine: DraftEngine) -> None:
+    """A retried row and new ones in one step: the retry is answered from its pending
+    proposal, even where it asks fewer drafts, and the others draft as alone."""
+    a, b, alone = (prefill(engine, [1, 2, 3], h(3, 60)) for _ in range(3))
+    first = propose(engine, ProposeArgs(a, 4, h(1, 61), 4, 4, step_number=7))
+    step = [
+        ProposeArgs(a, 4, h(1, 61), 4, 2, step_number=7),  # K 2: answered its 4 drafts
+        ProposeArgs(b, 4, h(1, 62), 4, 3, step_number=7),
+    ]
+    together = _step(engine, step)
+    assert not together.errors and together.drafts.shape[1] == 4
+    assert together.proposal(0, a) == first
+    by_itself = propose(engine, ProposeArgs(alone, 4, h(1, 62), 4, 3))
+    assert together.proposal(1, b) == replace(by_itself, state_id=b)  # one row ran
+    assert_accounted(engine)
+
+
 def test_a_step_leaves_the_callers_tensors_as_they_were(engine: DraftEngine) -> None:
     """The recomputed first draft's hidden feeds the chain; it must not be written into
     the caller's hidden (in process, the caller keeps using its tensors)."""
@@ -464,3 +520,26 @@ def test_a_step_leaves_the_callers_tensors_as_they_were(engine: DraftEngine) -> 
     previous = Verdict(2, refeed)
     propose(engine, ProposeArgs(state, 5, hidden, first.first_position + 2, 3, previous=previous))
     assert torch.equal(hidden, kept[0]) and torch.equal(refeed, kept[1])
+
+
+def test_a_retried_sampled_step_answers_its_q_as_it_was(engine: DraftEngine) -> None:
+    """A sampled proposal's retry answers each draft's q as first answered, alone or beside
+    a greedy row run anew (whose q is then its draft alone, as in any sampled batch)."""
+    sampled = engine.alloc_state(sampling=Sampling(1.0, 0, 1.0, 0.0, 7))
+    session = engine.begin_prefill(sampled, 1)
+    session.append([1, 2, 3], h(3, 70))
+    session.finish()
+    greedy = prefill(engine, [1, 2, 3], h(3, 71))
+    args = ProposeArgs(sampled, 4, h(1, 72), 4, 3, step_number=1)
+    first = propose(engine, args)
+    assert first.q_ids is not None and len(first.q_ids[0]) > 1  # a sampled q
+    assert propose(engine, args) == first
+    alone = propose(engine, ProposeArgs(greedy, 4, h(1, 73), 4, 3, step_number=1))
+    assert alone.q_ids is None  # a greedy batch answers no q
+    engine.after_verify(greedy, Verdict(0))
+    later = ProposeArgs(greedy, 5, h(1, 74), 5, 2)
+    again, fresh = propose_batch(engine, [args, later])
+    assert again == first
+    assert [q[0] for q in fresh.q_ids] == fresh.tokens
+    assert [sorted(p, reverse=True)[:2] for p in fresh.q_probs] == [[1.0, 0.0]] * 2
+    assert_accounted(engine)

@@ -152,6 +152,43 @@ def test_deadline_cancellation_and_queue_limit(head: MTPHead) -> None:
     asyncio.run(scenario())
 
 
+def test_a_taken_call_whose_deadline_passes_before_its_forward_changes_nothing(
+    head: MTPHead,
+) -> None:
+    """A call taken into a batch that then waits for the engine thread (busy with another
+    call: a Prefill chunk, a stalled device) is dropped unchanged if its deadline passes
+    before the forward starts: DeadlineExceeded, its state as it was."""
+
+    async def scenario() -> None:
+        engine, runner = make_engine(head), EngineRunner()
+        scheduler = scheduler_of(engine, runner)
+        scheduler.start()
+        (state,) = with_prompts(engine, 1)
+        rows = engine.states[state].num_rows
+        stalled, release = threading.Event(), threading.Event()
+
+        def stall() -> None:
+            stalled.set()
+            release.wait(PATIENCE)
+
+        busy = asyncio.ensure_future(runner.call(stall))
+        await until(stalled.is_set, "the engine thread stalled")
+        late = asyncio.ensure_future(submit(scheduler, [ProposeArgs(state, 1, h(1, 1), 3, 2)], 0.1))
+        # Taken out of the queue into a batch, which waits for the engine thread.
+        await until(lambda: scheduler.queued == 0 and scheduler._running, "the batch taken")
+        await asyncio.sleep(0.2)
+        release.set()
+        await busy
+        with pytest.raises(DeadlineExceeded):
+            await late
+        assert engine.states[state].pending is None
+        assert engine.states[state].num_rows == rows
+        await scheduler.stop()
+        runner.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_a_bad_call_fails_alone(head: MTPHead) -> None:
     async def scenario() -> None:
         engine, runner = make_engine(head), EngineRunner()

@@ -133,6 +133,10 @@ struct ProposeArgs {
   std::optional<Tensor> bitmask;  // xgrammar packed int32 bitmask
   float min_confidence = 0.0f;
   std::optional<Verdict> previous;  // fused AfterVerify of the pending proposal
+  // The state's step number, increasing (0: not numbered): sent again while its proposal is
+  // pending, the step is answered as it was and applied once, so a step whose outcome is
+  // unknown (DEADLINE_EXCEEDED, UNAVAILABLE) is safe to resend.
+  uint64_t step_number = 0;
   // For a state with a grammar: answer its bitmask at each draft's and the bonus position.
   bool return_bitmasks = false;
 };
@@ -166,6 +170,8 @@ struct Batch {
   ArrayView<int32_t> bitmask_rows;  // B counts of bitmasks rows, each 0 (no mask) or 1 .. K
   std::optional<Tensor> bitmasks;   // [sum(bitmask_rows), bitmask_words] int32, state by state
   ArrayView<float> min_confidence;  // B values, one for every state, or empty (draft all K)
+  ArrayView<uint64_t> step_numbers;  // B step numbers (ProposeArgs::step_number), one for
+                                     // every state, or empty (not numbered)
   bool return_bitmasks = false;     // answer each grammar state's bitmasks
 };
 
@@ -188,6 +194,7 @@ struct StatesBatch {
   std::vector<int32_t> bitmask_rows;
   std::optional<Tensor> bitmasks;
   std::vector<float> min_confidence;
+  std::vector<uint64_t> step_numbers;
 
   // A view of the columns, valid while this StatesBatch lives unchanged.
   Batch batch() const;
