@@ -483,3 +483,23 @@ def test_the_drafters_own_count_cuts_among_the_grammars_drafts(engine, own_compi
             break
         token, previous, position = rng.choice(ok), Verdict(a), position + a + 1
     assert len(set(kept)) > 1  # the count followed the cost
+
+
+def test_a_retried_step_commits_nothing_more_to_its_grammar(engine, ref, own_compiler):
+    """A numbered step sent again while its proposal is pending is answered as it was; its
+    token is not committed twice, so the grammar's next step drafts as the oracle says."""
+    seq = Sequence(engine, ref, own_compiler, ("ebnf", EBNF), seed=7)
+    seq.commit([ord("x")])
+    hidden = hiddens(1, 31)[0]
+    drafts, _ = seq.expected(ord("x"), hidden, 3, 0.0)
+    first = propose(engine, ProposeArgs(seq.state, ord("x"), hidden, 7, 3, step_number=1))
+    again = propose(engine, ProposeArgs(seq.state, ord("x"), hidden, 7, 3, step_number=1))
+    assert first.tokens == again.tokens == drafts
+    a = 0  # the next token follows "x" alone: one the grammar allows there
+    seq.exp.verdict(a)
+    token = seq.choose_token(random.Random(2))
+    seq.commit([token])
+    hidden = hiddens(1, 32)[0]
+    want, _ = seq.expected(token, hidden, 3, 0.0)
+    args = ProposeArgs(seq.state, token, hidden, 8 + a, 3, previous=Verdict(a), step_number=2)
+    assert propose(engine, args).tokens == want
