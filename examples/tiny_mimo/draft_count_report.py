@@ -17,11 +17,10 @@ import json
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from .sampled import speculate, trained
+from .sampled import report_arguments, speculate, trained
 from .verify import held_out_prompts
 
 CAP = 4
@@ -46,13 +45,8 @@ def per_cost(accepted: np.ndarray, drafted: np.ndarray, cost: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--per-prompt", type=int, default=4, help="sequences per prompt")
-    p.add_argument("--prompt-len", type=int, default=64, help="bytes per prompt")
-    p.add_argument("--new-tokens", type=int, default=96)
+    p = report_arguments(__doc__)
     p.add_argument("--costs", default="0.05,0.15,0.3")
-    p.add_argument("--report-dir", type=Path)
     args = p.parse_args(argv)
     model, engine = trained(CAP)
     prompts = held_out_prompts(args.prompts, args.prompt_len, 0)

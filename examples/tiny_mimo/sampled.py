@@ -20,7 +20,9 @@ draft's q: a q that is not the drafts' law, which a test must catch).
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -49,6 +51,17 @@ class Speculated:
     accepted: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)  # drafts handed to the verifier
     sequences: list[int] = field(default_factory=list)
+
+
+def report_arguments(doc: str) -> argparse.ArgumentParser:
+    """The arguments the reports share: the held-out prompts and sequences each runs on."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--per-prompt", type=int, default=4, help="sequences per prompt")
+    p.add_argument("--prompt-len", type=int, default=64, help="bytes per prompt")
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--report-dir", type=Path)
+    return p
 
 
 def trained(max_drafts: int, **config) -> tuple[TinyMiMoForCausalLM, DraftEngine]:

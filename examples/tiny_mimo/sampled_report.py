@@ -21,11 +21,10 @@ import platform
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from .sampled import chi_square_critical, rank_chi_square, speculate, trained
+from .sampled import chi_square_critical, rank_chi_square, report_arguments, speculate, trained
 from .verify import held_out_prompts
 
 
@@ -59,14 +58,9 @@ def run(model, engine, prompt, args, k: int, temperature: float, seed: int, samp
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--per-prompt", type=int, default=4, help="sequences per prompt")
-    p.add_argument("--prompt-len", type=int, default=64, help="bytes per prompt")
-    p.add_argument("--new-tokens", type=int, default=96)
+    p = report_arguments(__doc__)
     p.add_argument("--temperatures", default="0.3,0.7,1.0")
     p.add_argument("--max-k", type=int, default=4)
-    p.add_argument("--report-dir", type=Path)
     args = p.parse_args(argv)
     model, engine = trained(args.max_k)
     prompts = held_out_prompts(args.prompts, args.prompt_len, 0)
