@@ -146,7 +146,7 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
     around(ProposeScheduler, "_answer", "loop_back", None)  # back on the loop, either way
     around(engine.DraftEngine, "step", "engine_start", "engine_end")
     around(engine, "admit", None, "admit_end")
-    around(engine, "draft", "draft_start", "draft_end")
+    around(engine, "draft_with_grammars", "draft_start", "draft_end")
     around(MTPHead, "decode_chain", "decode_start", None)
     around(admission, "finite_rows", "finite_start", "finite_end")
     around(DecodeGraphs, "stage", "stage_start", "stage_end")

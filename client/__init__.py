@@ -47,6 +47,7 @@ from .stream import AsyncProposeStream, ProposeStream
 from .sync_client import DrafterClient
 from .types import (
     BatchResult,
+    Grammar,
     InstallResult,
     KVHandle,
     PrefillResult,
@@ -69,6 +70,7 @@ __all__ = [
     "DrafterError",
     "DrafterRpcError",
     "FailedPrecondition",
+    "Grammar",
     "InstallResult",
     "InvalidArgument",
     "KVHandle",

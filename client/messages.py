@@ -9,6 +9,7 @@ Prefill, whose chunks are then produced lazily while the stream is sent).
 from __future__ import annotations
 
 import enum
+import json
 import operator
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
@@ -21,6 +22,7 @@ from . import wire
 from .errors import error_from_value
 from .types import (
     BatchResult,
+    Grammar,
     InstallResult,
     KVHandle,
     PrefillResult,
@@ -103,14 +105,31 @@ def affinity_metadata(key: str | None) -> Metadata:
     return ((AFFINITY_HEADER, key),)
 
 
+# The kinds of Grammar, as the wire's Grammar message names them.
+GRAMMAR_KINDS = ("json_schema", "ebnf", "regex", "structural_tag")
+
+
 # --- requests --------------------------------------------------------------------------------
 
 
-def alloc_state_request(sampling: SamplingParams | None = None) -> pb.AllocStateRequest:
+def alloc_state_request(
+    sampling: SamplingParams | None = None, grammar: Grammar | None = None
+) -> pb.AllocStateRequest:
     req = pb.AllocStateRequest()
     if sampling is not None:
         sampling_message(sampling, into=req.sampling)
+    if grammar is not None:
+        req.grammar.CopyFrom(grammar_message(grammar))
     return req
+
+
+def grammar_message(grammar: Grammar) -> pb.Grammar:
+    """A Grammar message: exactly one kind, a dict source as JSON text."""
+    given = {k: getattr(grammar, k) for k in GRAMMAR_KINDS if getattr(grammar, k) is not None}
+    if len(given) != 1:
+        raise ValueError(f"grammar: exactly one of {', '.join(GRAMMAR_KINDS)}, got {len(given)}")
+    ((kind, source),) = given.items()
+    return pb.Grammar(**{kind: source if isinstance(source, str) else json.dumps(source)})
 
 
 def sampling_message(
@@ -212,12 +231,13 @@ def propose_request(
     draft_cap: int = 0,
     verify_token_cost: float = 0.0,
     step_number: int = 0,
+    return_bitmasks: bool = False,
 ) -> pb.ProposeRequest:
     """A ProposeRequest; ``previous`` fuses the pending proposal's AfterVerify into it,
     ``sampling`` changes the state's sampling from this step on; with ``num_drafts`` 0
     the drafter chooses K up to ``draft_cap`` for ``verify_token_cost``; ``step_number``
     numbers the step (0: not numbered)."""
-    req = pb.ProposeRequest()
+    req = pb.ProposeRequest(return_bitmasks=return_bitmasks)
     req.state_id = _uint64(state, "state")
     req.token = _int(token, "token", _INT32_MIN, _INT32_MAX)
     wire.encode_hidden(hidden, ndims=(1, 2), name="hidden", into=req.hidden)
@@ -271,6 +291,7 @@ def batch_request(
     draft_caps: Any = None,
     verify_token_costs: Any = None,
     step_numbers: Any = None,
+    return_bitmasks: bool = False,
 ) -> pb.ProposeBatchRequest:
     """A ProposeBatchRequest: B states' step as columns (see ``DrafterClient.propose_batch``);
     ``sampling`` maps rows to their states' new sampling."""
@@ -281,6 +302,7 @@ def batch_request(
         tokens=_column(tokens, "tokens", np.int32, size, one_for_all=False),
         positions=_column(positions, "positions", np.int64, size, one_for_all=False),
         num_drafts=_column(num_drafts, "num_drafts", np.int32, size, one_for_all=True),
+        return_bitmasks=return_bitmasks,
     )
     wire.encode_hidden(hiddens, ndims=(1, 2), name="hiddens", into=req.hiddens)
     if num_accepted is not None:
@@ -329,14 +351,16 @@ def _sampling_rows(req: pb.ProposeBatchRequest, sampling: Mapping[int, SamplingP
         sampling_message(sampling[row], into=req.sampling.add())
 
 
-def batch_request_of(requests: Sequence[ProposeArgs]) -> pb.ProposeBatchRequest:
+def batch_request_of(
+    requests: Sequence[ProposeArgs], return_bitmasks: bool = False
+) -> pb.ProposeBatchRequest:
     """A ProposeBatchRequest from states given one by one: row i is ``requests[i]``'s (their
     hiddens stacked, their refeeds and bitmasks one after another, with each one's row
     count)."""
     if not requests:
         raise ValueError("requests: expected at least one")
     hiddens, refeeds, masks = _Rows("hidden"), _Rows("refeed_hiddens"), _Rows("bitmask")
-    req = pb.ProposeBatchRequest()
+    req = pb.ProposeBatchRequest(return_bitmasks=return_bitmasks)
     accepted, refeed_rows, mask_rows = [], [], []
     for i, a in enumerate(requests):
         if not isinstance(a, ProposeArgs):
@@ -556,6 +580,7 @@ def parse_proposal(resp: pb.Proposal) -> Proposal:
         first_position=int(resp.first_position),
         q_ids=q_ids,
         q_probs=q_probs,
+        bitmasks=wire.decode(resp.bitmasks) if resp.HasField("bitmasks") else None,
     )
 
 
@@ -578,7 +603,21 @@ def parse_batch(resp: pb.ProposeBatchResponse, state_ids: Sequence[int]) -> Batc
         errors={e.row: error_from_value(e.error) for e in resp.errors},
         q_ids=q_ids,
         q_probs=q_probs,
+        bitmasks=_batch_bitmasks(resp),
     )
+
+
+def _batch_bitmasks(resp: pb.ProposeBatchResponse) -> dict[int, np.ndarray]:
+    """Each row's grammar bitmasks, where the answer has any."""
+    if not resp.HasField("bitmasks"):
+        return {}
+    words = wire.decode(resp.bitmasks).reshape(-1, resp.bitmasks.shape[-1])
+    ends = np.cumsum(resp.bitmask_rows)
+    return {
+        row: words[end - n : end]
+        for row, (n, end) in enumerate(zip(resp.bitmask_rows, ends, strict=True))
+        if n
+    }
 
 
 def parse_after_verify(resp: pb.AfterVerifyResponse) -> VerifyResult:
@@ -633,4 +672,5 @@ def parse_info(resp: pb.GetInfoResponse) -> ServerInfo:
         instance_epoch=int(resp.instance_epoch),
         model_fingerprint=resp.model_fingerprint,
         max_sample_top_k=int(resp.max_sample_top_k),
+        grammar_kinds=tuple(resp.grammar_kinds),
     )

@@ -68,13 +68,14 @@ def _one_state(
     draft_cap: int = 0,
     verify_token_cost: float = 0.0,
     step_number: int = 0,
+    return_bitmasks: bool = False,
 ) -> pb.ProposeBatchRequest:
     """A batch of one state (the arguments of ``DrafterClient.propose``)."""
     args = ProposeArgs(
         state, token, hidden, position, num_drafts, bitmask, min_confidence, previous,
         sampling, draft_cap, verify_token_cost, step_number,
     )  # fmt: skip
-    return m.batch_request_of([args])
+    return m.batch_request_of([args], return_bitmasks)
 
 
 class ProposeStream:

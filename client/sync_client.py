@@ -23,6 +23,7 @@ from .stream import ProposeStream
 from .tracing import traced_channel
 from .types import (
     BatchResult,
+    Grammar,
     InstallResult,
     KVHandle,
     PrefillResult,
@@ -148,11 +149,15 @@ class DrafterClient:
         return self._unary(self._stub.GetInfo, m.get_info_request(), m.parse_info, timeout)
 
     def alloc_state(
-        self, *, sampling: SamplingParams | None = None, timeout: Timeout = DEFAULT
+        self,
+        grammar: Grammar | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        timeout: Timeout = DEFAULT,
     ) -> int:
-        """A new, empty state; returns its id. ``sampling``: how its drafts are chosen
-        (default greedy)."""
-        req = m.alloc_state_request(sampling)
+        """A new, empty state; returns its id. ``grammar``: what every draft obeys (none by
+        default); ``sampling``: how its drafts are chosen (default greedy)."""
+        req = m.alloc_state_request(sampling, grammar)
         return self._unary(self._stub.AllocState, req, m.parse_alloc_state, timeout)
 
     def prefill(
@@ -185,6 +190,7 @@ class DrafterClient:
         draft_cap: int = 0,
         verify_token_cost: float = 0.0,
         step_number: int = 0,
+        return_bitmasks: bool = False,
         timeout: Timeout = DEFAULT,
     ) -> Proposal:
         """Up to ``num_drafts`` drafts after ``token`` (its target hidden: ``hidden``, at
@@ -197,7 +203,9 @@ class DrafterClient:
         ``step_number`` (increasing with each of the state's steps; 0: none) makes the
         call safe to send again when its outcome is unknown (a deadline, a broken
         connection): the server answers a step it applied as it did, and applies it no
-        second time (``recovery.retry_step``)."""
+        second time (``recovery.retry_step``). ``return_bitmasks``: for a state with a
+        grammar, the answer carries the grammar's bitmask at each draft's position and the
+        bonus position (``Proposal.bitmasks``)."""
         req = m.propose_request(
             state,
             token,
@@ -211,6 +219,7 @@ class DrafterClient:
             draft_cap=draft_cap,
             verify_token_cost=verify_token_cost,
             step_number=step_number,
+            return_bitmasks=return_bitmasks,
         )
         return self._unary(self._stub.Propose, req, m.parse_proposal, timeout)
 
@@ -232,6 +241,7 @@ class DrafterClient:
         draft_caps: Array | Sequence[int] | int | None = None,
         verify_token_costs: Array | Sequence[float] | float | None = None,
         step_numbers: Array | Sequence[int] | int | None = None,
+        return_bitmasks: bool = False,
         timeout: Timeout = DEFAULT,
     ) -> BatchResult:
         """A verifier's whole step for B states in one message, as columns.
@@ -264,6 +274,7 @@ class DrafterClient:
             draft_caps=draft_caps,
             verify_token_costs=verify_token_costs,
             step_numbers=step_numbers,
+            return_bitmasks=return_bitmasks,
         )
         return self._batch(req, timeout)
 

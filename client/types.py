@@ -81,6 +81,10 @@ class Proposal:
     first_position: int
     q_ids: list[list[int]] | None = None
     q_probs: list[list[float]] | None = None
+    # Asked with return_bitmasks, for a state with a grammar: [len(tokens) + 1, W] int32,
+    # row j the grammar's bitmask at position first_position + j (the last, the bonus
+    # position's should every draft be accepted); None otherwise.
+    bitmasks: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,9 @@ class BatchResult:
     # row's: its draft alone, probability 1); None when none was.
     q_ids: np.ndarray | None = None  # int32
     q_probs: np.ndarray | None = None  # float32
+    # Asked with return_bitmasks: row -> its grammar's bitmasks (Proposal.bitmasks), for
+    # the rows whose state has a grammar.
+    bitmasks: dict[int, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -150,11 +157,24 @@ class BatchResult:
             first_position=int(self.first_positions[row]),
             q_ids=None if self.q_ids is None else self.q_ids[row, :n].tolist(),
             q_probs=None if self.q_probs is None else self.q_probs[row, :n].tolist(),
+            bitmasks=self.bitmasks.get(row),
         )
 
     def proposals(self) -> list[Proposal]:
         """Every row as a Proposal, in order; raises the first failed row's error."""
         return [self.proposal(row) for row in range(len(self))]
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """What every draft of a state obeys (AllocState): exactly one of a JSON schema (JSON
+    text or a dict), EBNF (xgrammar's GBNF dialect, a rule named root), a regular
+    expression, or a structural tag (JSON text or a dict, xgrammar's format)."""
+
+    json_schema: str | dict | None = None
+    ebnf: str | None = None
+    regex: str | None = None
+    structural_tag: str | dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,3 +207,4 @@ class ServerInfo:
     instance_epoch: int = 0  # the server instance's: every state id it issues carries it
     model_fingerprint: str = ""  # names the model's weights: replicas of one report the same
     max_sample_top_k: int = 0  # the most tokens a sampled draft's q holds
+    grammar_kinds: tuple[str, ...] = ()  # Grammar kinds AllocState takes (none: no grammars)

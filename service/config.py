@@ -79,6 +79,21 @@ class ServeConfig:
         64, "the most tokens a sampled draft's q holds (its support, sent with each draft)"
     )
 
+    # --- grammars (xgrammar: pip install 'mtpdraft[grammar]')
+    tokenizer: str | None = _option(
+        None,
+        "the tokenizer.json (or its folder) grammars read the vocabulary's bytes from",
+        metavar="PATH",
+        shown_default="the checkpoint folder's",
+    )
+    grammar_compile_timeout: float = _option(
+        10.0,
+        "seconds a grammar may take to compile (past it: DEADLINE_EXCEEDED; the compilation "
+        "goes on into the cache)",
+        metavar="SECONDS",
+    )
+    grammar_cache_size: int = _option(256, "compiled grammars kept for states to share")
+
     # --- scheduling
     max_queue: int = _option(4096, "Propose calls waiting, at most (past it: RESOURCE_EXHAUSTED)")
     # About one batch-1 step of MiMo-7B's MTP head on an H200 (2.2 ms): waiting less than

@@ -238,7 +238,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     @rpc
     async def AllocState(self, request, context):
         sampling = convert.sampling(request.sampling) if request.HasField("sampling") else GREEDY
-        state_id = await self.serving.alloc_state(_client_host(context.peer()), sampling)
+        grammar = convert.grammar(request)
+        state_id = await self.serving.alloc_state(_client_host(context.peer()), sampling, grammar)
         return pb.AllocStateResponse(state_id=state_id)
 
     @rpc
@@ -255,7 +256,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         result = await self.serving.propose(step, context.time_remaining(), caller)
         if result.errors:  # its one row's: the call's status
             raise result.errors[0]
-        return convert.proposal(step, result)
+        return convert.proposal(step, result, request.return_bitmasks)
 
     @rpc
     async def ProposeBatch(self, request, context):
@@ -292,7 +293,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if failed and refusals.enabled():
             for row, err in result.errors.items():
                 _log_refused(err, context, f"{failed[row].field or 'row'}[{row}]")
-        return convert.batch_answer(msg.request_id, result, failed)
+        return convert.batch_answer(msg.request_id, result, failed, msg.return_bitmasks)
 
     async def _answer_stream(self, name, request_iterator, context, submit, reply, refuse):
         """An async generator of a propose stream's answers (the form gRPC interceptors

@@ -212,7 +212,8 @@ class Replayer {
       return out;
     }
     if (op.op === 'AllocState') {
-      this.states.set(op.state, this.nonZero(await c.allocState(), 'AllocState'));
+      const grammar = op.grammar ? grammarOf(op.grammar) : null;
+      this.states.set(op.state, this.nonZero(await c.allocState(grammar), 'AllocState'));
       return {};
     }
     if (op.op === 'ProposeBatch') {
@@ -328,3 +329,14 @@ main().then(
     process.exit(2);
   },
 );
+
+// An AllocState's grammar, { kind: source } with the wire's snake_case kind, in the client's
+// camelCase.
+function grammarOf(grammar) {
+  return Object.fromEntries(
+    Object.entries(grammar).map(([kind, source]) => [
+      kind.replace(/_([a-z])/g, (_, c) => c.toUpperCase()),
+      source,
+    ]),
+  );
+}

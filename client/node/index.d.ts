@@ -47,6 +47,8 @@ export interface ProposeArgs {
    * outcome is unknown (DEADLINE_EXCEEDED, UNAVAILABLE) is safe to resend.
    */
   stepNumber?: number | bigint | string;
+  /** For a state with a grammar: answer its bitmask at each draft's and the bonus position. */
+  returnBitmasks?: boolean;
 }
 
 /** One state of a batch given state by state (batchOf). */
@@ -60,6 +62,8 @@ export interface Proposal {
   probs: number[];
   confidence: number;
   firstPosition: number;
+  /** Asked with returnBitmasks, for a state with a grammar: int32 [tokens + 1, words]. */
+  bitmasks?: TensorMessage;
 }
 
 export interface Rows {
@@ -102,7 +106,16 @@ export interface ServerInfo {
   draining: boolean;
   batchSizeCounts: Record<string, string>;
   queuedCalls: number;
+  /** The kinds of Grammar allocState takes ("json_schema", ...); empty: no grammars. */
+  grammarKinds: string[];
 }
+
+/** What every draft of a state obeys: exactly one kind (JSON may be given as an object). */
+export type Grammar =
+  | { jsonSchema: string | object }
+  | { ebnf: string }
+  | { regex: string }
+  | { structuralTag: string | object };
 
 /** A verifier's step for B states, as columns: row i of every column is stateIds[i]'s. */
 export interface Batch {
@@ -122,6 +135,8 @@ export interface Batch {
   minConfidence?: Float32Array | Iterable<number> | number | null;
   /** B step numbers (ProposeArgs.stepNumber), or one for all. */
   stepNumbers?: BigUint64Array | Iterable<bigint | number | string> | bigint | number | null;
+  /** Answer each grammar state's bitmasks (BatchResult.bitmaskRows, bitmasks). */
+  returnBitmasks?: boolean;
 }
 
 /** A batch's answer as typed arrays: row i is stateIds[i]'s. */
@@ -137,6 +152,9 @@ export interface BatchResult {
   firstPositions: Float64Array;
   /** The failed rows: row -> its error (that state is unchanged). */
   errors: Map<number, DrafterError>;
+  /** With returnBitmasks: each row's rows of bitmasks (counts[i] + 1 for a grammar state). */
+  bitmaskRows: Int32Array;
+  bitmasks: TensorMessage | null;
   /** Row `row` as a Proposal; throws its error if it failed. */
   proposal(row: number): Proposal;
 }
@@ -234,8 +252,8 @@ export declare class DrafterClient {
   affinityKey: string | null;
   close(): void;
   getInfo(): Promise<ServerInfo>;
-  /** A new, empty state; resolves to its id (a decimal string). */
-  allocState(): Promise<string>;
+  /** A new, empty state, with a grammar its drafts obey if given; resolves to its id. */
+  allocState(grammar?: Grammar | null): Promise<string>;
   /** Appends committed rows (tokens[i], hiddens[i]) at startPosition + i. All or nothing. */
   prefill(
     stateId: Id,

@@ -75,6 +75,18 @@ const LITTLE_ENDIAN = os.endianness() === 'LE';
 
 let cachedService = null;
 
+const GRAMMAR_KINDS = ['jsonSchema', 'ebnf', 'regex', 'structuralTag'];
+
+// A Grammar message from { kind: source }: exactly one kind; an object source as JSON text.
+function grammarMessage(grammar) {
+  const kinds = Object.keys(grammar).filter((k) => grammar[k] !== undefined && grammar[k] !== null);
+  if (kinds.length !== 1 || !GRAMMAR_KINDS.includes(kinds[0])) {
+    throw new RangeError(`grammar: exactly one of ${GRAMMAR_KINDS.join(', ')}, got [${kinds}]`);
+  }
+  const source = grammar[kinds[0]];
+  return { [kinds[0]]: typeof source === 'string' ? source : JSON.stringify(source) };
+}
+
 function loadService(protoRoot = PROTO_ROOT) {
   if (protoRoot === PROTO_ROOT && cachedService) return cachedService;
   const definition = protoLoader.loadSync(PROTO_FILE, {
@@ -209,9 +221,13 @@ function parseRows(resp) {
 }
 
 // The ProposeRequest of propose's arguments.
-function proposeRequest(stateId, { token, hidden, position, numDrafts, bitmask, minConfidence, previous, stepNumber }) {
+function proposeRequest(
+  stateId,
+  { token, hidden, position, numDrafts, bitmask, minConfidence, previous, stepNumber, returnBitmasks },
+) {
   const req = { stateId, token, hidden, position, numDrafts, minConfidence: minConfidence ?? 0 };
   if (stepNumber) req.stepNumber = column([stepNumber], 'stepNumber', uint64Value)[0];
+  if (returnBitmasks) req.returnBitmasks = true;
   if (bitmask) req.bitmask = bitmask;
   if (previous) req.previous = verdictMessage(previous);
   return req;
@@ -224,6 +240,8 @@ function parseProposal(p) {
     probs: p.probs,
     confidence: p.confidence,
     firstPosition: Number(p.firstPosition),
+    // With returnBitmasks, for a state with a grammar: its bitmasks (a Tensor message).
+    ...(p.bitmasks ? { bitmasks: p.bitmasks } : {}),
   };
 }
 
@@ -352,6 +370,7 @@ function batchRequest(step) {
   if (step.stepNumbers != null) {
     req.stepNumbers = column(step.stepNumbers, 'stepNumbers', uint64Value, { oneForAll: true });
   }
+  if (step.returnBitmasks) req.returnBitmasks = true;
   return req;
 }
 
@@ -370,6 +389,9 @@ function parseBatch(resp, req) {
     confidences: Float32Array.from(resp.confidences),
     firstPositions: Float64Array.from(resp.firstPositions, Number),
     errors,
+    // With returnBitmasks: each row's rows of `bitmasks` (counts[i] + 1 for a grammar state).
+    bitmaskRows: Int32Array.from(resp.bitmaskRows ?? []),
+    bitmasks: resp.bitmasks ?? null,
   };
   result.proposal = (row) => {
     if (errors.has(row)) throw errors.get(row);
@@ -631,9 +653,15 @@ class DrafterClient {
     return info;
   }
 
-  /** A new, empty state; resolves to its id (a decimal string). */
-  async allocState() {
-    return (await this._unary('AllocState', {})).stateId;
+  /**
+   * A new, empty state; resolves to its id (a decimal string). `grammar`, if given, is what
+   * every draft of the state obeys: one of { jsonSchema }, { ebnf }, { regex } or
+   * { structuralTag } (text; a JSON schema or structural tag may be an object), the kinds
+   * getInfo().grammarKinds lists.
+   */
+  async allocState(grammar = null) {
+    return (await this._unary('AllocState', grammar ? { grammar: grammarMessage(grammar) } : {}))
+      .stateId;
   }
 
   /**
@@ -678,8 +706,10 @@ class DrafterClient {
   /**
    * Drafts after `token` (its target hidden `hidden`, at position - 1): args are { token,
    * hidden, position, numDrafts } and the options bitmask (int32 tensor), minConfidence,
-   * previous: { numAccepted, refeedHiddens } (the fused verdict on the pending proposal).
-   * Resolves to { stateId, tokens, probs, confidence, firstPosition }.
+   * previous: { numAccepted, refeedHiddens } (the fused verdict on the pending proposal),
+   * returnBitmasks (for a state with a grammar: its bitmask at each draft's position and the
+   * bonus position, as `bitmasks`, an int32 Tensor message [tokens + 1, words]).
+   * Resolves to { stateId, tokens, probs, confidence, firstPosition, bitmasks? }.
    */
   async propose(stateId, args) {
     return parseProposal(await this._unary('Propose', proposeRequest(stateId, args)));

@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..grammar.states import StateGrammars
 from ..model.mtp_head import MTPHead
 from . import validation as check
 from .admission import Limits, admit
 from .block_pool import BlockPool
-from .drafting import ChainPlan, Drafted, draft
+from .drafting import ChainPlan, Drafted
 from .errors import (
     DrafterError,
     FailedPrecondition,
@@ -38,6 +39,7 @@ from .errors import (
     position_out_of_range,
     position_too_large,
 )
+from .grammar_drafting import draft_with_grammars
 from .ids import Ids
 from .kv_transfer import KVChunk, KVExport, KVHeader, KVImport, model_fingerprint
 from .prefill import PrefillSession
@@ -48,6 +50,8 @@ from .step import Step, StepResult, StepShape, verdict_refeed
 from .types import EngineInfo, RowCount, TakenKV, Verdict
 
 if TYPE_CHECKING:
+    import xgrammar
+
     from ..config import ServeConfig
 
 # A debug line per event of a state's or a KV handle's life (alloc, free, lease expiry,
@@ -98,6 +102,14 @@ class DraftEngine:
         )
         # What the converter checks a request against before it is a Step.
         self.step_shape = StepShape(c.hidden_size, c.vocab_size, config.max_batch)
+        # The states' grammars; compiled off this thread (grammars.compile), then attached.
+        self.grammars = StateGrammars(
+            config.model,
+            c.vocab_size,
+            tokenizer=config.tokenizer,
+            compile_timeout=config.grammar_compile_timeout,
+            cache_size=config.grammar_cache_size,
+        )
         self._owned: dict[str, int] = {}
         self.clock = clock
         self.states: dict[int, DrafterState] = {}
@@ -133,6 +145,7 @@ class DraftEngine:
             instance_epoch=self.ids.epoch,
             model_fingerprint=self.model_fingerprint,
             max_sample_top_k=min(self.config.max_sample_top_k, c.vocab_size),
+            grammar_kinds=self.grammars.kinds,
         )
 
     @functools.cached_property
@@ -203,9 +216,15 @@ class DraftEngine:
 
     # ---- lifecycle ---------------------------------------------------------
 
-    def alloc_state(self, owner: str = "", sampling: Sampling = GREEDY) -> int:
+    def alloc_state(
+        self,
+        owner: str = "",
+        sampling: Sampling = GREEDY,
+        grammar: xgrammar.CompiledGrammar | None = None,
+    ) -> int:
         """A new state, its drafts chosen as `sampling` says (its values checked,
-        INVALID_ARGUMENT naming the field `sampling`)."""
+        INVALID_ARGUMENT naming the field `sampling`); with `grammar` (from
+        grammars.compile), every draft obeys it."""
         sampling = sampling.checked("sampling")
         if self.draining:
             raise Unavailable("the server is draining and takes no new states", reason="DRAINING")
@@ -224,6 +243,8 @@ class DraftEngine:
         slot = self.table.take_slot(self.clock())
         self.table.set_sampling(np.array([slot]), changes([sampling]))
         self.states[state_id] = DrafterState(state_id, owner, slot, self.table)
+        if grammar is not None:
+            self.grammars.attach(slot, grammar)
         self._owned[owner] = owned + 1
         log.debug("state %d allocated for %s (%d live)", state_id, owner or "-", len(self.states))
         return state_id
@@ -247,6 +268,7 @@ class DraftEngine:
         else:
             del self._owned[state.owner]
         self.table.release_slot(state.slot)
+        self.grammars.detach(state.slot)
         return rows
 
     def reap_expired(self) -> tuple[int, int]:
@@ -375,6 +397,8 @@ class DraftEngine:
         self.reserve(state, rows_after, "verdict")
         refeeds = {} if refeed is None else {0: refeed}
         self._count_verdicts((t.pending_count[[slot]], np.array([a])))
+        if self.grammars.matchers.get(slot) is not None:
+            self.grammars.commit(slot, t.pending_drafts[slot, :a].tolist(), "verdict")
         recompute = self._apply_verdicts(np.array([slot]), np.array([a]), refeeds)
         if recompute:
             run_segments(self.head, self.kv, self.table, [recompute[0]])
@@ -415,11 +439,29 @@ class DraftEngine:
             first_positions=np.zeros(b, np.int64),
             errors=admitted.errors,
         )
-        rows = admitted.rows
+        rows, slots, base_rows = admitted.rows, admitted.slots, admitted.base_rows
+        if self.grammars.matchers and len(rows):
+            kept = self._commit_grammars(step, rows, slots, result.errors)
+            rows, slots, base_rows = rows[kept], slots[kept], base_rows[kept]
         if len(rows):
-            self._draft(step, rows, admitted.slots, admitted.base_rows, result)
+            self._draft(step, rows, slots, base_rows, result)
         self._answer_again(admitted.retried, retried, result)
         return result
+
+    def _commit_grammars(self, step, rows, slots, errors: dict) -> np.ndarray:
+        """Moves the grammar states' matchers on by what each row commits (the drafts its
+        verdict accepts, then its token); which rows may go on (a row whose token its
+        grammar refuses fails, its matcher unmoved)."""
+        kept = np.ones(len(rows), bool)
+        for j in np.flatnonzero(self.grammars.which(slots)).tolist():
+            row, slot = int(rows[j]), int(slots[j])
+            accepted = max(int(step.num_accepted[row]), 0)
+            tokens = [*self.table.pending_drafts[slot, :accepted].tolist(), int(step.tokens[row])]
+            try:
+                self.grammars.commit(slot, tokens, "token")
+            except DrafterError as err:
+                errors[row], kept[j] = err, False
+        return kept
 
     def _answer_again(self, rows: np.ndarray, slots: np.ndarray, result: StepResult) -> None:
         """The retried rows' answers: their states' pending proposals, as first answered."""
@@ -476,7 +518,7 @@ class DraftEngine:
             if record_ahead:
                 self._record(slots, base_rows, k, k, index, hiddens[-1])
 
-        drafted, last_hiddens = draft(
+        drafted, last_hiddens, grammar_masks = draft_with_grammars(
             self.head,
             self.kv,
             t,
@@ -498,6 +540,7 @@ class DraftEngine:
                 support=self.config.max_sample_top_k,
             ),
             before_wait,
+            self.grammars,
         )
         if not chain_ran:
             self._count_verdicts(verdicts)
@@ -520,6 +563,7 @@ class DraftEngine:
             result.q_probs = np.zeros(result.q_ids.shape, np.float32)
             result.q_ids[rows, :width] = drafted.q_ids
             result.q_probs[rows, :width] = drafted.q_probs
+        result.grammar_masks.update({int(rows[i]): m for i, m in grammar_masks.items()})
 
     def _remember_answer(self, slots: np.ndarray, numbers: np.ndarray, drafted: Drafted) -> None:
         """What a retry of these states' steps is answered: their step numbers and what

@@ -8,7 +8,7 @@ is one state's request, and each row stands or fails alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -196,9 +196,11 @@ class StepResult:
     # [B, width, support], probability 0 past a row's q and count; support 0: none sampled.
     q_ids: np.ndarray | None = None  # int64
     q_probs: np.ndarray | None = None  # float32
+    # row -> its grammar's bitmasks, [count + 1, W] int32 (rows of states with a grammar)
+    grammar_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def rows(self, lo: int, hi: int) -> StepResult:
-        """Rows lo .. hi - 1 (a view), their errors renumbered from 0."""
+        """Rows lo .. hi - 1 (a view), their errors and grammar masks renumbered from 0."""
         return StepResult(
             self.drafts[lo:hi],
             self.probs[lo:hi],
@@ -208,6 +210,7 @@ class StepResult:
             {row - lo: err for row, err in self.errors.items() if lo <= row < hi},
             None if self.q_ids is None else self.q_ids[lo:hi],
             None if self.q_probs is None else self.q_probs[lo:hi],
+            {row - lo: m for row, m in self.grammar_masks.items() if lo <= row < hi},
         )
 
     def proposal(self, row: int, state_id: int) -> Proposal:

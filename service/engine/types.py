@@ -77,3 +77,4 @@ class EngineInfo:
     instance_epoch: int  # carried by every id this instance issues (ids.py)
     model_fingerprint: str
     max_sample_top_k: int
+    grammar_kinds: tuple[str, ...] = ()  # the kinds of grammar a state may have (none: no grammars)

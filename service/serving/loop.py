@@ -23,6 +23,7 @@ from ..engine.kv_transfer import KVChunk, KVHeader, KVImport
 from ..engine.sampling import GREEDY, Sampling
 from ..engine.step import Step, StepResult
 from ..engine.types import EngineInfo, PrefillChunk, RowCount, TakenKV, Verdict
+from ..grammar.spec import GrammarSpec
 from ..telemetry import Telemetry
 from .runner import EngineRunner
 from .scheduler import ProposeScheduler
@@ -69,8 +70,13 @@ class ServingLoop:
         engine = await self.runner.call(self.engine.info)
         return ServerInfo(engine, queued, batches)
 
-    async def alloc_state(self, owner: str, sampling: Sampling = GREEDY) -> int:
-        return await self.runner.call(self.engine.alloc_state, owner, sampling)
+    async def alloc_state(
+        self, owner: str, sampling: Sampling = GREEDY, grammar: GrammarSpec | None = None
+    ) -> int:
+        compiled = None
+        if grammar is not None:  # compiled on a thread of its own: the engine's goes on
+            compiled = await asyncio.to_thread(self.engine.grammars.compile, grammar)
+        return await self.runner.call(self.engine.alloc_state, owner, sampling, compiled)
 
     def propose(
         self, step: Step, timeout: float | None, caller: object

@@ -211,7 +211,8 @@ class Draws:
         """A ProposeBatch of `rows` (see row()), its inputs drawn; `one_k`: num_drafts as
         one value for all."""
         op: dict[str, Any] = {"op": "ProposeBatch", "states": [r["state"] for r in rows]}
-        op["tokens"] = [self.token() for _ in rows]
+        drawn = [self.token() for _ in rows]  # a row's own token (a grammar's) replaces it
+        op["tokens"] = [r.get("token", t) for r, t in zip(rows, drawn, strict=True)]
         op["positions"] = [r["position"] for r in rows]
         op["hiddens"] = self.hiddens(len(rows))
         op["num_drafts"] = [r["k"] for r in rows]
@@ -236,7 +237,7 @@ class Draws:
 def row(state: str, position: int, k: int, a: int = -1, **extra: Any) -> dict[str, Any]:
     """One row of a batch: state, position, K and verdict (-1: none); `refeed` (its a
     rows), `mask` (bitmask rows), `floor` (a min_confidence that settle() places),
-    `error` (the row's error, fails())."""
+    `token` (the row's token, else drawn), `error` (the row's error, fails())."""
     return {"state": state, "position": position, "k": k, "a": a} | extra
 
 
@@ -388,7 +389,85 @@ def scenario(seed: int) -> list[dict[str, Any]]:
         {"op": "AfterVerify", "state": "B", "num_accepted": 0} | no_state,
         {"op": "FreeState", "state": "C", "expect": {"existed": True}},
         *many_states(draw),
+        *grammar_states(draw),
     ]
+
+
+def grammar_states(draw: Draws) -> list[dict[str, Any]]:
+    """States with a grammar: "J" obeys a JSON schema (its tokens are ones the schema allows
+    after those before, the verdicts reject every draft), "W" a regular expression of
+    words (a letter may follow any accepted drafts). Their drafts are the oracle's under
+    the grammar; a token it refuses fails its Propose or its row, changing nothing."""
+    hiddens = draw.hiddens
+    prompt = list(b"config =")  # rows at positions 1..8
+    rejected = ("INVALID_ARGUMENT", "TOKEN_REJECTED_BY_GRAMMAR")
+
+    def alloc(state: str, **grammar: str) -> dict[str, Any]:
+        return {"op": "AllocState", "state": state, "grammar": grammar}
+
+    def prefill(state: str) -> dict[str, Any]:
+        return {
+            "op": "Prefill",
+            "state": state,
+            "start_position": 1,
+            "tokens": prompt,
+            "chunk_rows": 8,
+            "hiddens": hiddens(len(prompt)),
+            "expect": {"num_rows": 8, "next_position": 9, "chunks": 1},
+        }
+
+    def propose(state: str, position: int, token: str, k: int, **extra: Any) -> dict[str, Any]:
+        op = {"op": "Propose", "state": state, "token": ord(token), "position": position}
+        op |= {"num_drafts": k, "hidden": draw.hidden()}
+        return (
+            op
+            | ({} if "expect_error" in extra else {"expect": {"first_position": position + 1}})
+            | extra
+        )
+
+    a0 = {"previous": {"num_accepted": 0}}
+    return [
+        alloc("K", ebnf="root ::= undefined")
+        | error("INVALID_ARGUMENT", "GRAMMAR_INVALID", "grammar"),
+        alloc("J", json_schema=JSON_SCHEMA),
+        prefill("J"),
+        propose("J", 9, "{", 4),  # 9 rows
+        propose("J", 10, "x", 4, **a0, **error(*rejected, "token")),  # not after "{"
+        propose("J", 10, '"', 4, **a0),  # 10 rows
+        {"op": "AfterVerify", "state": "J", "num_accepted": 0}
+        | {"expect": {"num_rows": 10, "next_position": 11}},
+        alloc("W", regex=WORDS),
+        prefill("W"),
+        propose("W", 9, "a", 3),  # 9 rows, 3 drafts pending
+        draw.batch(
+            row("W", 12, 3, 2, token=ord("b"), refeed=True),  # 12 rows
+            row("J", 11, 2, token=ord("n")),  # "name", the schema's first property; 11 rows
+        ),
+        {
+            "op": "ProposeStream",
+            "messages": [
+                message(
+                    draw.batch(
+                        row("J", 12, 2, 0, token=ord("1"), **fails(*rejected, "tokens")),
+                        row("W", 14, 4, 1, token=ord("c")),  # 14 rows
+                    )
+                ),
+                message(draw.batch(row("J", 12, 3, 0, token=ord("a")))),  # 12 rows
+            ],
+        },
+        *({"op": "FreeState", "state": s, "expect": {"existed": True}} for s in "JW"),
+    ]
+
+
+# The grammars of grammar_states(): an object with a name and a size, and words.
+JSON_SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "size": {"type": "integer"}},
+        "required": ["name", "size"],
+    }
+)
+WORDS = "[a-z]+( [a-z]+)*"
 
 
 def many_states(draw: Draws) -> list[dict[str, Any]]:

@@ -5,7 +5,12 @@ hold (tests/drafting.py's Expected: Propose appends the committed row R0, a
 verdict keeps R1..Ra, a = K adds the last draft's row, refeed replaces chain
 hiddens by the verifier's; a refused operation changes nothing) and asks the
 float64 oracle (tests/mtp_reference.py) for every proposal's drafts, with its
-bitmask rows and min_confidence applied as the contract says. A ProposeBatch (a
+bitmask rows and min_confidence applied as the contract says. A state allocated with a
+grammar has a matcher of its own (xgrammar's, over the vocabulary's bytes, compiled here),
+moved on by the tokens the operations commit: each draft is the argmax over the tokens the
+grammar allows after the drafts before it, and the chain ends where it allows none.
+
+A ProposeBatch (a
 ProposeStream's message too) is one Propose per row (batch_rows), a failed row
 changing nothing, a message that fails as a whole nothing at all. It imports
 nothing from the service.
@@ -27,7 +32,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import xgrammar
 from drafting import Expected
+from grammars import allowed as grammar_allows
+from grammars import compile_kind, compiler
 from mtp_reference import Reference, Store
 
 #: Unit roundoffs (round to nearest, 8 and 24 significant bits).
@@ -118,9 +126,16 @@ class Rows(Expected):
         width = ref.cfg["hidden_size"]
         super().__init__(ref, hiddens=torch.empty(0, width, dtype=torch.float64))
 
+    grammar = None  # its grammar's matcher, at the committed tokens (None: no grammar)
+
     def add(self, toks: list[int], hid: torch.Tensor) -> None:
         self.tokens += list(toks)
         self.hiddens = torch.cat([self.hiddens, hid.double().reshape(len(toks), -1)])
+
+    def commit(self, tokens: list[int]) -> None:
+        for token in tokens if self.grammar is not None else ():
+            if not self.grammar.accept_token(token):
+                raise ValueError(f"token {token} does not continue the state's grammar")
 
 
 class Oracle:
@@ -136,6 +151,7 @@ class Oracle:
         self.ref, self.store, self.forced = ref, store, list(forced)
         self.vocab = ref.cfg["vocab_size"]
         self.states: dict[str, Rows] = {}
+        self.compiler = None  # made at the first grammar
         self.handles: dict[str, Rows] = {}
         self.proposals: list[Proposal | None] = []  # one per Propose, None where refused
 
@@ -160,7 +176,11 @@ class Oracle:
                 ok = "expect_error" not in row
                 self.proposals.append(self.propose(self.states[row["state"]], row) if ok else None)
         elif name == "AllocState":
-            self.states[op["state"]] = Rows(self.ref)
+            self.states[op["state"]] = rows = Rows(self.ref)
+            if "grammar" in op:
+                ((kind, source),) = op["grammar"].items()
+                self.compiler = self.compiler or compiler(self.vocab, eos=None)
+                rows.grammar = xgrammar.GrammarMatcher(compile_kind(self.compiler, kind, source))
         elif name == "Prefill":
             self.states[op["state"]].add(op["tokens"], tensor(op["hiddens"]))
         elif name == "AfterVerify":
@@ -177,6 +197,7 @@ class Oracle:
         """The proposal a Propose would get now, leaving the states as they are."""
         rows = copy.copy(self.states[op["state"]])
         rows.tokens = list(rows.tokens)
+        rows.grammar = rows.grammar and rows.grammar.fork()
         return self.propose(rows, op)
 
     def propose(self, rows: Rows, op: dict[str, Any]) -> Proposal:
@@ -185,17 +206,24 @@ class Oracle:
             prev = op["previous"]
             verdict(rows, prev["num_accepted"], prev.get("refeed_hiddens"))
         rows.add([op["token"]], tensor(op["hidden"]))
+        rows.commit([op["token"]])
         masks = allowed(op["bitmask"], self.vocab) if "bitmask" in op else None
         floor = op.get("min_confidence", 0.0)
         forced = self.forced[len(self.proposals)] if self.forced else None
         forced_stop = len(forced.drafts) - 1 if forced and forced.stopped else -1
         tokens, hiddens = list(rows.tokens), rows.hiddens
         drafts, outs, stopped = [], [], False
+        grammar, walked = rows.grammar, 0
         for j in range(op["num_drafts"]):
+            mask = None if masks is None else masks[min(j, len(masks) - 1)]
+            if grammar is not None:
+                mask = grammar_allows(grammar, self.vocab) & (True if mask is None else mask)
+                if not mask.any():  # the grammar allows nothing more: the chain ends
+                    break
             out = self.ref.rows(tokens, hiddens, self.store)[-1]
             logits = self.ref.logits(out, self.store)
-            if masks is not None:
-                logits = logits.masked_fill(~masks[min(j, len(masks) - 1)], float("-inf"))
+            if mask is not None:
+                logits = logits.masked_fill(~mask, float("-inf"))
             token = forced.drafts[j].token if forced else int(logits.argmax())
             prob = logits.softmax(-1)[token].item()
             drafts.append(Draft(token, prob, logits.detach()))
@@ -206,6 +234,13 @@ class Oracle:
             outs.append(out)
             tokens.append(token)
             hiddens = torch.cat([hiddens, out[None]])
+            if grammar is not None:
+                assert grammar.accept_token(token)
+                walked += 1
+                if grammar.is_terminated():
+                    break
+        if walked:
+            grammar.rollback(walked)
         proposal = Proposal(drafts, stopped)
         rows.last = ([d.token for d in proposal.kept], outs)
         return proposal
@@ -329,6 +364,7 @@ def batch_expect(op: dict[str, Any], rows: list[Proposal | None]) -> dict[str, A
 
 
 def verdict(rows: Rows, accepted: int, refeed: dict[str, Any] | None) -> None:
+    rows.commit(rows.last[0][:accepted])
     rows.verdict(accepted, None if refeed is None else tensor(refeed))
 
 
@@ -349,7 +385,9 @@ def deviation(exact: list[Proposal | None], other: list[Proposal | None]) -> Dev
             ok = torch.isfinite(de.logits)
             change = (do.logits[de.token] - do.logits) - (de.logits[de.token] - de.logits)
             lead.append(float(change[ok].abs().max()))
-            runner_up.append(float(change[de.logits.topk(2).indices[1]]))
+            second = de.logits.topk(2).indices[1]
+            # Where one token alone is allowed (a grammar's), none can overtake it.
+            runner_up.append(float(change[second]) if ok[second] else 0.0)
     return Deviation(np.array(prob), np.array(lead), np.array(runner_up))
 
 

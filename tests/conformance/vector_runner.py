@@ -7,7 +7,9 @@ either `expect` (output fields, compared exactly except `probs` and `confidence`
 which are compared within `prob_tolerance`) or `expect_error` (a gRPC status code
 name) with `expect_reason` (its google.rpc.ErrorInfo reason) and, where the server
 names one, `expect_field` (the request field at fault). States and KV handles are
-named ("A", "H1"): AllocState and TakeKV bind a name to the id the server returns;
+named ("A", "H1"): AllocState and TakeKV bind a name to the id the server returns (an
+AllocState's optional `grammar` is one key, the kind: "json_schema", "ebnf", "regex" or
+"structural_tag", to its source text);
 the other operations look the name up. Tensors
 are `{"dtype": "DTYPE_FP32" | "DTYPE_INT32", "shape": [...], "data": base64}`, the raw
 little-endian bytes sent as they are. A Proposal's `state_id` must equal the state's
@@ -54,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from mtpdraft.client import BatchResult, DrafterClient, DrafterError, Verdict
+from mtpdraft.client import BatchResult, DrafterClient, DrafterError, Grammar, Verdict
 from mtpdraft.client import messages as client_messages
 
 VECTOR_PATH = Path(__file__).with_name("vector.json")
@@ -302,7 +304,7 @@ class Replayer:
         if name == "ProposeBatch":
             return _batch_result(c.propose_batch(**self.batch(op)))
         if name == "AllocState":
-            state = c.alloc_state()
+            state = c.alloc_state(Grammar(**op["grammar"]) if "grammar" in op else None)
             if state == 0:
                 raise AssertionError("AllocState returned state id 0")
             self.states[op["state"]] = state

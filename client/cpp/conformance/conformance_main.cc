@@ -186,7 +186,7 @@ class Replayer {
       return out;
     }
     if (name == "AllocState") {
-      states_[op.at("state")] = NonZero(client_.AllocState(), "AllocState");
+      states_[op.at("state")] = NonZero(client_.AllocState(GrammarOf(op)), "AllocState");
       return json::object();
     }
     if (name == "ProposeBatch") {
@@ -305,6 +305,28 @@ class Replayer {
       args.previous = mtpdraft::Verdict{prev.at("num_accepted"), TensorOf(prev, "refeed_hiddens")};
     }
     return args;
+  }
+
+  // An AllocState's grammar: its one kind and source (none: a Grammar with no kind set).
+  static mtpdraft::pb::Grammar GrammarOf(const json& op) {
+    mtpdraft::pb::Grammar grammar;
+    if (!op.contains("grammar")) return grammar;
+    const json& kinds = op.at("grammar");
+    if (kinds.size() != 1) throw std::runtime_error("a grammar of more than one kind");
+    const std::string& kind = kinds.begin().key();
+    const std::string source = kinds.begin().value().get<std::string>();
+    if (kind == "json_schema") {
+      grammar.set_json_schema(source);
+    } else if (kind == "ebnf") {
+      grammar.set_ebnf(source);
+    } else if (kind == "regex") {
+      grammar.set_regex(source);
+    } else if (kind == "structural_tag") {
+      grammar.set_structural_tag(source);
+    } else {
+      throw std::runtime_error("unknown grammar kind " + kind);
+    }
+    return grammar;
   }
 
   // A batch's columns into `out` (state names bound by AllocState).

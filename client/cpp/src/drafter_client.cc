@@ -138,11 +138,15 @@ pb::GetInfoResponse DrafterClient::GetInfo() {
   return resp;
 }
 
-uint64_t DrafterClient::AllocState() {
+uint64_t DrafterClient::AllocState() { return AllocState(pb::Grammar()); }
+
+uint64_t DrafterClient::AllocState(const pb::Grammar& grammar) {
   grpc::ClientContext context;
   Prepare(&context);
+  pb::AllocStateRequest req;
+  if (grammar.kind_case() != pb::Grammar::KIND_NOT_SET) *req.mutable_grammar() = grammar;
   pb::AllocStateResponse resp;
-  Check(stub_->AllocState(&context, pb::AllocStateRequest(), &resp));
+  Check(stub_->AllocState(&context, req, &resp));
   return resp.state_id();
 }
 
@@ -206,12 +210,25 @@ pb::ProposeRequest ProposeRequestOf(uint64_t state, const ProposeArgs& args) {
   req.set_min_confidence(args.min_confidence);
   if (args.previous) FillVerdict(*args.previous, req.mutable_previous());
   req.set_step_number(args.step_number);
+  req.set_return_bitmasks(args.return_bitmasks);
   return req;
+}
+
+// An int32 tensor's values (its raw little-endian bytes, as the wire carries them).
+std::vector<int32_t> Int32s(const pb::Tensor& t) {
+  std::vector<int32_t> out(t.data().size() / 4);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const auto* b = reinterpret_cast<const unsigned char*>(t.data().data()) + 4 * i;
+    out[i] = static_cast<int32_t>(uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 |
+                                  uint32_t{b[3]} << 24);
+  }
+  return out;
 }
 
 Proposal ProposalOf(const pb::Proposal& p) {
   return {p.state_id(), {p.tokens().begin(), p.tokens().end()},
-          {p.probs().begin(), p.probs().end()}, p.confidence(), p.first_position()};
+          {p.probs().begin(), p.probs().end()}, p.confidence(), p.first_position(),
+          p.has_bitmasks() ? Int32s(p.bitmasks()) : std::vector<int32_t>()};
 }
 
 // An error carried as a value as the status a unary call would have failed with. A code this client
@@ -245,6 +262,7 @@ pb::ProposeBatchRequest BatchRequestOf(const Batch& step) {
   if (step.bitmasks) step.bitmasks->ToProto(req.mutable_bitmasks());
   req.mutable_min_confidence()->Add(step.min_confidence.begin(), step.min_confidence.end());
   req.mutable_step_numbers()->Add(step.step_numbers.begin(), step.step_numbers.end());
+  req.set_return_bitmasks(step.return_bitmasks);
   return req;
 }
 
@@ -286,6 +304,8 @@ BatchResult BatchResultOf(const pb::ProposeBatchResponse& resp, std::vector<uint
     r.errors.insert_or_assign(
         e.row(), DrafterError(StatusOf(e.error()), e.error().reason(), e.error().field()));
   }
+  r.bitmask_rows.assign(resp.bitmask_rows().begin(), resp.bitmask_rows().end());
+  if (resp.has_bitmasks()) r.bitmasks = Int32s(resp.bitmasks());
   return r;
 }
 

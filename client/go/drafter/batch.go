@@ -34,6 +34,8 @@ type Batch struct {
 	// StepNumbers numbers each state's step as ProposeArgs.StepNumber does: B values, one for
 	// every state (a verifier's own step count), or empty (not numbered).
 	StepNumbers []uint64
+	// ReturnBitmasks asks for each grammar state's bitmasks (BatchResult.Bitmasks).
+	ReturnBitmasks bool
 }
 
 // BatchRequest is one state of a batch given state by state: the state and its Propose inputs.
@@ -191,6 +193,11 @@ type BatchResult struct {
 	// as its field (ErrorDetails reads both). A failed row's state is unchanged. Nil when
 	// every row was answered.
 	Errors map[int]error
+	// With ReturnBitmasks: each row's number of Bitmasks rows (Counts[i] + 1 for a state with
+	// a grammar, else 0), and those rows, [sum(BitmaskRows), words] int32 (a Proposal's
+	// Bitmasks, row by row).
+	BitmaskRows []int32
+	Bitmasks    *pb.Tensor
 }
 
 // Len is the number of rows, B.
@@ -239,6 +246,8 @@ func batchRequest(b Batch) *pb.ProposeBatchRequest {
 		Bitmasks:      b.Bitmasks.message(),
 		MinConfidence: b.MinConfidence,
 		StepNumbers:   b.StepNumbers,
+
+		ReturnBitmasks: b.ReturnBitmasks,
 	}
 	if h := b.Hiddens; h.DType != pb.DType_DTYPE_UNSPECIFIED || h.Shape != nil || h.Data != nil {
 		req.Hiddens = h.message() // a zero Tensor is sent as absent
@@ -261,7 +270,8 @@ func batchResult(resp *pb.ProposeBatchResponse, stateIDs []uint64) (*BatchResult
 		}
 	}
 	r := &BatchResult{StateIDs: stateIDs, Width: width, Drafts: resp.Drafts, Probs: resp.Probs,
-		Counts: resp.DraftCounts, Confidences: resp.Confidences, FirstPositions: resp.FirstPositions}
+		Counts: resp.DraftCounts, Confidences: resp.Confidences, FirstPositions: resp.FirstPositions,
+		BitmaskRows: resp.BitmaskRows, Bitmasks: resp.Bitmasks}
 	for _, e := range resp.Errors {
 		if r.Errors == nil {
 			r.Errors = map[int]error{}

@@ -150,6 +150,9 @@ type ProposeArgs struct {
 	// again with its number while its proposal is pending is answered as it was, applied once,
 	// so a step whose outcome is unknown (DeadlineExceeded, Unavailable) is safe to resend.
 	StepNumber uint64
+	// ReturnBitmasks asks, for a state with a grammar, for the grammar's bitmask at each
+	// draft's position and the bonus position (the Proposal's Bitmasks).
+	ReturnBitmasks bool
 }
 
 // Client wraps the generated stub. It is safe for concurrent use.
@@ -188,11 +191,34 @@ func (c *Client) GetInfo(ctx context.Context) (*pb.GetInfoResponse, error) {
 
 // AllocState returns the id of a new, empty state.
 func (c *Client) AllocState(ctx context.Context) (uint64, error) {
-	r, err := c.stub.AllocState(ctx, &pb.AllocStateRequest{})
+	return c.AllocStateWithGrammar(ctx, nil)
+}
+
+// AllocStateWithGrammar returns the id of a new, empty state whose every draft obeys grammar
+// (JSONSchema, EBNF, Regex or StructuralTag make one; nil: none). GetInfo's GrammarKinds
+// lists the kinds the server takes.
+func (c *Client) AllocStateWithGrammar(ctx context.Context, grammar *pb.Grammar) (uint64, error) {
+	r, err := c.stub.AllocState(ctx, &pb.AllocStateRequest{Grammar: grammar})
 	if err != nil {
 		return 0, err
 	}
 	return r.StateId, nil
+}
+
+// JSONSchema is a grammar: a JSON schema, as JSON text.
+func JSONSchema(schema string) *pb.Grammar {
+	return &pb.Grammar{Kind: &pb.Grammar_JsonSchema{JsonSchema: schema}}
+}
+
+// EBNF is a grammar in xgrammar's EBNF dialect, with a rule named root.
+func EBNF(ebnf string) *pb.Grammar { return &pb.Grammar{Kind: &pb.Grammar_Ebnf{Ebnf: ebnf}} }
+
+// Regex is a grammar: a regular expression the whole output matches.
+func Regex(regex string) *pb.Grammar { return &pb.Grammar{Kind: &pb.Grammar_Regex{Regex: regex}} }
+
+// StructuralTag is a grammar: a structural tag, as JSON text (xgrammar's format).
+func StructuralTag(tag string) *pb.Grammar {
+	return &pb.Grammar{Kind: &pb.Grammar_StructuralTag{StructuralTag: tag}}
 }
 
 // Prefill appends committed rows (tokens[i], hiddens row i) at startPosition + i, streamed in
@@ -272,6 +298,8 @@ func proposeRequest(state uint64, args ProposeArgs) *pb.ProposeRequest {
 		MinConfidence: args.MinConfidence,
 		Previous:      verdict(args.Previous),
 		StepNumber:    args.StepNumber,
+
+		ReturnBitmasks: args.ReturnBitmasks,
 	}
 }
 

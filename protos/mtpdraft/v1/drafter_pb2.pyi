@@ -35,7 +35,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_family", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "compute_dtype", "hidden_dtypes", "device", "max_drafts", "max_batch", "max_states", "live_states", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "kv_handles", "state_ttl_seconds", "max_message_bytes", "bitmask_words", "draining", "batch_size_counts", "queued_calls", "instance_epoch", "model_fingerprint", "max_sample_top_k")
+    __slots__ = ("model_family", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "compute_dtype", "hidden_dtypes", "device", "max_drafts", "max_batch", "max_states", "live_states", "kv_block_size", "kv_blocks_total", "kv_blocks_free", "kv_handles", "state_ttl_seconds", "max_message_bytes", "bitmask_words", "draining", "batch_size_counts", "queued_calls", "instance_epoch", "model_fingerprint", "max_sample_top_k", "grammar_kinds")
     class BatchSizeCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class GetInfoResponse(_message.Message):
     INSTANCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_SAMPLE_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_KINDS_FIELD_NUMBER: _ClassVar[int]
     model_family: str
     hidden_size: int
     vocab_size: int
@@ -95,7 +96,8 @@ class GetInfoResponse(_message.Message):
     instance_epoch: int
     model_fingerprint: str
     max_sample_top_k: int
-    def __init__(self, model_family: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., compute_dtype: _Optional[str] = ..., hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., device: _Optional[str] = ..., max_drafts: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_states: _Optional[int] = ..., live_states: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_handles: _Optional[int] = ..., state_ttl_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., bitmask_words: _Optional[int] = ..., draining: bool = ..., batch_size_counts: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ..., instance_epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_sample_top_k: _Optional[int] = ...) -> None: ...
+    grammar_kinds: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_family: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., compute_dtype: _Optional[str] = ..., hidden_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., device: _Optional[str] = ..., max_drafts: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_states: _Optional[int] = ..., live_states: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_handles: _Optional[int] = ..., state_ttl_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., bitmask_words: _Optional[int] = ..., draining: bool = ..., batch_size_counts: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ..., instance_epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_sample_top_k: _Optional[int] = ..., grammar_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed")
@@ -111,11 +113,25 @@ class SamplingParams(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class Grammar(_message.Message):
+    __slots__ = ("json_schema", "ebnf", "regex", "structural_tag")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    EBNF_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    ebnf: str
+    regex: str
+    structural_tag: str
+    def __init__(self, json_schema: _Optional[str] = ..., ebnf: _Optional[str] = ..., regex: _Optional[str] = ..., structural_tag: _Optional[str] = ...) -> None: ...
+
 class AllocStateRequest(_message.Message):
-    __slots__ = ("sampling",)
+    __slots__ = ("sampling", "grammar")
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     sampling: SamplingParams
-    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
 
 class AllocStateResponse(_message.Message):
     __slots__ = ("state_id",)
@@ -154,7 +170,7 @@ class Verdict(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("state_id", "token", "hidden", "position", "num_drafts", "bitmask", "min_confidence", "previous", "step_number", "sampling", "draft_cap", "verify_token_cost")
+    __slots__ = ("state_id", "token", "hidden", "position", "num_drafts", "bitmask", "min_confidence", "previous", "step_number", "sampling", "draft_cap", "verify_token_cost", "return_bitmasks")
     STATE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +183,7 @@ class ProposeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CAP_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
+    RETURN_BITMASKS_FIELD_NUMBER: _ClassVar[int]
     state_id: int
     token: int
     hidden: Tensor
@@ -179,10 +196,11 @@ class ProposeRequest(_message.Message):
     sampling: SamplingParams
     draft_cap: int
     verify_token_cost: float
-    def __init__(self, state_id: _Optional[int] = ..., token: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., position: _Optional[int] = ..., num_drafts: _Optional[int] = ..., bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., previous: _Optional[_Union[Verdict, _Mapping]] = ..., step_number: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_cap: _Optional[int] = ..., verify_token_cost: _Optional[float] = ...) -> None: ...
+    return_bitmasks: bool
+    def __init__(self, state_id: _Optional[int] = ..., token: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., position: _Optional[int] = ..., num_drafts: _Optional[int] = ..., bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., previous: _Optional[_Union[Verdict, _Mapping]] = ..., step_number: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_cap: _Optional[int] = ..., verify_token_cost: _Optional[float] = ..., return_bitmasks: bool = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("state_id", "tokens", "probs", "confidence", "first_position", "q_support", "q_ids", "q_probs")
+    __slots__ = ("state_id", "tokens", "probs", "confidence", "first_position", "q_support", "q_ids", "q_probs", "bitmasks")
     STATE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +209,7 @@ class Proposal(_message.Message):
     Q_SUPPORT_FIELD_NUMBER: _ClassVar[int]
     Q_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
+    BITMASKS_FIELD_NUMBER: _ClassVar[int]
     state_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
@@ -199,7 +218,8 @@ class Proposal(_message.Message):
     q_support: int
     q_ids: _containers.RepeatedScalarFieldContainer[int]
     q_probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, state_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., confidence: _Optional[float] = ..., first_position: _Optional[int] = ..., q_support: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    bitmasks: Tensor
+    def __init__(self, state_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., confidence: _Optional[float] = ..., first_position: _Optional[int] = ..., q_support: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message", "reason", "field")
@@ -214,7 +234,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class ProposeBatchRequest(_message.Message):
-    __slots__ = ("request_id", "state_ids", "tokens", "positions", "hiddens", "num_drafts", "num_accepted", "refeed_rows", "refeed_hiddens", "bitmask_rows", "bitmasks", "min_confidence", "step_numbers", "sampling_rows", "sampling", "draft_caps", "verify_token_costs")
+    __slots__ = ("request_id", "state_ids", "tokens", "positions", "hiddens", "num_drafts", "num_accepted", "refeed_rows", "refeed_hiddens", "bitmask_rows", "bitmasks", "min_confidence", "step_numbers", "sampling_rows", "sampling", "draft_caps", "verify_token_costs", "return_bitmasks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +252,7 @@ class ProposeBatchRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CAPS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TOKEN_COSTS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_BITMASKS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     state_ids: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -249,10 +270,11 @@ class ProposeBatchRequest(_message.Message):
     sampling: _containers.RepeatedCompositeFieldContainer[SamplingParams]
     draft_caps: _containers.RepeatedScalarFieldContainer[int]
     verify_token_costs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[int] = ..., state_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., refeed_rows: _Optional[_Iterable[int]] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[_Iterable[float]] = ..., step_numbers: _Optional[_Iterable[int]] = ..., sampling_rows: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., draft_caps: _Optional[_Iterable[int]] = ..., verify_token_costs: _Optional[_Iterable[float]] = ...) -> None: ...
+    return_bitmasks: bool
+    def __init__(self, request_id: _Optional[int] = ..., state_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., refeed_rows: _Optional[_Iterable[int]] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[_Iterable[float]] = ..., step_numbers: _Optional[_Iterable[int]] = ..., sampling_rows: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., draft_caps: _Optional[_Iterable[int]] = ..., verify_token_costs: _Optional[_Iterable[float]] = ..., return_bitmasks: bool = ...) -> None: ...
 
 class ProposeBatchResponse(_message.Message):
-    __slots__ = ("request_id", "width", "drafts", "probs", "draft_counts", "confidences", "first_positions", "errors", "error", "q_support", "q_ids", "q_probs")
+    __slots__ = ("request_id", "width", "drafts", "probs", "draft_counts", "confidences", "first_positions", "errors", "error", "q_support", "q_ids", "q_probs", "bitmask_rows", "bitmasks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +287,8 @@ class ProposeBatchResponse(_message.Message):
     Q_SUPPORT_FIELD_NUMBER: _ClassVar[int]
     Q_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
+    BITMASK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    BITMASKS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     width: int
     drafts: _containers.RepeatedScalarFieldContainer[int]
@@ -277,7 +301,9 @@ class ProposeBatchResponse(_message.Message):
     q_support: int
     q_ids: _containers.RepeatedScalarFieldContainer[int]
     q_probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[int] = ..., width: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., first_positions: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[RowError, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., q_support: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    bitmask_rows: _containers.RepeatedScalarFieldContainer[int]
+    bitmasks: Tensor
+    def __init__(self, request_id: _Optional[int] = ..., width: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., first_positions: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[RowError, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., q_support: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RowError(_message.Message):
     __slots__ = ("row", "error")

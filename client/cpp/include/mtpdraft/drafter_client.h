@@ -137,6 +137,8 @@ struct ProposeArgs {
   // pending, the step is answered as it was and applied once, so a step whose outcome is
   // unknown (DEADLINE_EXCEEDED, UNAVAILABLE) is safe to resend.
   uint64_t step_number = 0;
+  // For a state with a grammar: answer its bitmask at each draft's and the bonus position.
+  bool return_bitmasks = false;
 };
 
 struct Proposal {
@@ -145,6 +147,9 @@ struct Proposal {
   std::vector<float> probs;
   float confidence = 0.0f;
   int64_t first_position = 0;
+  // Asked with return_bitmasks, for a state with a grammar: [tokens + 1, bitmask_words]
+  // int32 row-major, row j the grammar's bitmask at first_position + j; empty otherwise.
+  std::vector<int32_t> bitmasks;
 };
 
 // A verifier's step for B states as columns (ProposeBatchRequest): row i of every column is
@@ -167,6 +172,7 @@ struct Batch {
   ArrayView<float> min_confidence;  // B values, one for every state, or empty (draft all K)
   ArrayView<uint64_t> step_numbers;  // B step numbers (ProposeArgs::step_number), one for
                                      // every state, or empty (not numbered)
+  bool return_bitmasks = false;     // answer each grammar state's bitmasks
 };
 
 // One state of a batch given state by state (BatchOf): the state and its Propose.
@@ -212,6 +218,10 @@ struct BatchResult {
   std::vector<float> confidences;        // B values: each row's chain confidence
   std::vector<int64_t> first_positions;  // B values: the position of each row's first draft
   std::map<int32_t, DrafterError> errors;  // the failed rows' errors, by row
+  // With return_bitmasks: each row's rows of bitmasks (counts[i] + 1 for a grammar state,
+  // else 0), and those rows, [sum(bitmask_rows), bitmask_words] int32 row-major.
+  std::vector<int32_t> bitmask_rows;
+  std::vector<int32_t> bitmasks;
 
   // B, the number of rows.
   size_t size() const { return counts.size(); }
@@ -333,6 +343,9 @@ class DrafterClient {
 
   pb::GetInfoResponse GetInfo();
   uint64_t AllocState();
+  // A new state whose every draft obeys `grammar` (one of its kinds set: json_schema, ebnf,
+  // regex or structural_tag); GetInfo().grammar_kinds() lists the kinds the server takes.
+  uint64_t AllocState(const pb::Grammar& grammar);
   // Appends rows (tokens[i], hiddens row i) at start_position + i, streamed in chunks of
   // chunk_rows rows (0: as many as fit in 4 MiB). All or nothing.
   PrefillResult Prefill(uint64_t state, int64_t start_position, const std::vector<int32_t>& tokens,

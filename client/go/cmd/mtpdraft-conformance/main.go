@@ -109,6 +109,7 @@ type operation struct {
 	ExpectReason  string                 `json:"expect_reason"`
 	ExpectField   string                 `json:"expect_field"`
 	Messages      []operation            `json:"messages"` // of a ProposeStream: batches
+	Grammar       map[string]string      `json:"grammar"`  // of an AllocState: kind -> source
 
 	// Of a batch, a ProposeBatch or a stream's message (with Tokens, Hiddens, NumDrafts,
 	// NumAccepted, RefeedHiddens and MinConfidence as columns).
@@ -372,7 +373,11 @@ func (r *replayer) call(op *operation) (map[string]interface{}, error) {
 		}
 		return out, nil
 	case "AllocState":
-		id, err := r.client.AllocState(c)
+		grammar, err := grammarOf(op.Grammar)
+		if err != nil {
+			return nil, err
+		}
+		id, err := r.client.AllocStateWithGrammar(c, grammar)
 		if err == nil {
 			r.states[op.State], err = nonZero(id, "AllocState")
 		}
@@ -654,4 +659,28 @@ func main() {
 	if failed > 0 || passed != len(v.Operations) {
 		os.Exit(1)
 	}
+}
+
+// grammarOf makes an AllocState's grammar (nil: none) from its one kind and source.
+func grammarOf(kinds map[string]string) (*pb.Grammar, error) {
+	if len(kinds) == 0 {
+		return nil, nil
+	}
+	if len(kinds) != 1 {
+		return nil, fmt.Errorf("a grammar of %d kinds, not one", len(kinds))
+	}
+	for kind, source := range kinds {
+		switch kind {
+		case "json_schema":
+			return drafter.JSONSchema(source), nil
+		case "ebnf":
+			return drafter.EBNF(source), nil
+		case "regex":
+			return drafter.Regex(source), nil
+		case "structural_tag":
+			return drafter.StructuralTag(source), nil
+		}
+		return nil, fmt.Errorf("unknown grammar kind %q", kind)
+	}
+	return nil, nil
 }
