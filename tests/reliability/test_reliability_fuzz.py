@@ -371,7 +371,9 @@ def batch_requests(draw, harness: Harness) -> tuple[pb.ProposeBatchRequest, bool
     if draw(st.integers(0, 2)) == 2:  # refeeds, each of a state's accepted rows or none
         counts = _counts(draw, [max(a, 0) * draw(st.integers(0, 1)) for a in accepted])
         request.refeed_rows.extend(counts)
-        request.refeed_hiddens.CopyFrom(draw(hidden_tensors(max(sum(counts), 0))))
+        # A verdict's count may be any int32: the rows stay few (a count past them is a
+        # mismatch to refuse, not a tensor to allocate).
+        request.refeed_hiddens.CopyFrom(draw(hidden_tensors(min(max(sum(counts), 0), 64))))
     if size and draw(st.integers(0, 3)) == 3:  # one state's bitmask
         mask = draw(bitmasks)
         rows = [0] * size
