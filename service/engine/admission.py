@@ -54,6 +54,7 @@ class Admitted:
     retried: np.ndarray  # [r] rows that retry the step of their state's pending proposal
     retried_slots: np.ndarray  # [r] their states' slots
     errors: dict[int, DrafterError]  # every other row -> why
+    asked: np.ndarray  # [B] the K each row of the step asks (Step.drafts_asked)
 
 
 # Why no live state has an id (the engine's Ids.state_not_found): lost or never had.
@@ -61,7 +62,12 @@ NotFoundError = Callable[[int], DrafterError]
 
 
 def _refused_rows(
-    step: Step, slots: np.ndarray, table: StateTable, limits: Limits, not_found: NotFoundError
+    step: Step,
+    k: np.ndarray,
+    slots: np.ndarray,
+    table: StateTable,
+    limits: Limits,
+    not_found: NotFoundError,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Callable[[int, int], DrafterError]]:
     """(the first failed check of each row, 0 for none; base rows; the rows that retry
     their state's pending step; the error of check c at row i). A row's own values are
@@ -70,7 +76,7 @@ def _refused_rows(
     its other checks are moot for them."""
     known = slots >= 0
     s = np.where(known, slots, 0)  # unknown rows read slot 0, their state checks are moot
-    a, k, positions = step.num_accepted, step.drafts_asked(limits.max_drafts), step.positions
+    a, positions = step.num_accepted, step.positions
     auto, caps, costs = step.num_drafts == 0, step.draft_caps, step.verify_costs
     tokens, confidence, state = step.tokens, step.min_confidence, step.state_ids
     verdict = a >= 0
@@ -193,11 +199,11 @@ def admit(
 ) -> Admitted:
     """The rows of the step that run, given their states' slots (-1: no such state);
     `not_found` makes the error of a row whose state is not live."""
-    first, base, retry, error = _refused_rows(step, slots, table, limits, not_found)
+    k = step.drafts_asked(limits.max_drafts)
+    first, base, retry, error = _refused_rows(step, k, slots, table, limits, not_found)
     errors = {int(i): error(int(first[i]), int(i)) for i in np.flatnonzero(first)}
     retried = np.flatnonzero((first == 0) & retry)
     rows = np.flatnonzero((first == 0) & ~retry)
-    k = step.drafts_asked(limits.max_drafts)
     need = table.extra_blocks(slots[rows], base[rows] + k[rows])
     if need.sum() > table.pool.num_free:
         # KV blocks row by row in order: a row that does not fit in what is left fails.
@@ -212,7 +218,7 @@ def admit(
             else:
                 free -= wanted
         rows = rows[fits]
-    return Admitted(rows, slots[rows], base[rows], retried, slots[retried], errors)
+    return Admitted(rows, slots[rows], base[rows], retried, slots[retried], errors, k)
 
 
 def _duplicates(step: Step) -> np.ndarray:

@@ -43,6 +43,11 @@ class ChainPlan:
     verify_costs: np.ndarray  # [n] where the drafter chooses K (draft_count.py); else NaN
     calibration: np.ndarray  # [n] each state's (draft_count.py)
 
+    @property
+    def samples(self) -> bool:
+        """Whether some state of the plan draws its drafts (temperature > 0)."""
+        return bool((self.sampling["temperature"] > 0).any())
+
     def chain_sampling(self, rows: np.ndarray, first_index: np.ndarray) -> ChainSampling | None:
         """The sampling of the plan's `rows`, their chains' first draft index given."""
         return chain_sampling(self.sampling[rows], self.state_ids[rows], first_index, self.support)
@@ -92,7 +97,7 @@ def draft(
     tokens = np.full((n, width), -1, np.int64)
     probs = np.zeros((n, width), np.float32)
     q = None  # each draft's q (ids, probabilities), when some state samples
-    if plan.chain_sampling(np.arange(n), np.zeros(n, np.int64)) is not None:
+    if plan.samples:
         support = min(plan.support, head.config.vocab_size)
         q = (np.zeros((n, width, support), np.int64), np.zeros((n, width, support), np.float32))
     offsets = np.zeros(n, np.int64)  # drafts taken before the chain: 1 if recomputed

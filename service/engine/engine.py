@@ -426,7 +426,7 @@ class DraftEngine:
         admitted = admit(step, slots, self.table, self.limits, self._state_not_found)
         # The largest K asked, a refused one (negative, or past max_drafts) within bounds:
         # a row asking K = 2**31 - 1 must not size the answer.
-        asked = step.drafts_asked(self.config.max_drafts)
+        asked = admitted.asked
         width = min(max(int(asked.max()), 0), self.config.max_drafts) if b else 0
         retried = admitted.retried_slots
         if len(retried):  # a retry asking fewer drafts than it was answered
@@ -444,7 +444,7 @@ class DraftEngine:
             kept = self._commit_grammars(step, rows, slots, result.errors)
             rows, slots, base_rows = rows[kept], slots[kept], base_rows[kept]
         if len(rows):
-            self._draft(step, rows, slots, base_rows, result)
+            self._draft(step, rows, slots, base_rows, asked[rows], result)
         self._answer_again(admitted.retried, retried, result)
         return result
 
@@ -485,9 +485,8 @@ class DraftEngine:
                 result.q_ids[row, : len(ids), : ids.shape[1]] = ids
                 result.q_probs[row, : len(ids), : ids.shape[1]] = probs
 
-    def _draft(self, step, rows, slots, base_rows, result: StepResult) -> None:
+    def _draft(self, step, rows, slots, base_rows, k, result: StepResult) -> None:
         t = self.table
-        k = step.drafts_asked(self.config.max_drafts)[rows]
         # Rows that leave K to the drafter: their verify token cost (NaN: K was asked).
         costs = np.where(step.num_drafts[rows] == 0, step.verify_costs[rows], np.nan)
         t.set_sampling(slots, step.sampling[rows])

@@ -65,7 +65,7 @@ def draft_grammar_states(
     probs = np.zeros((n, width), np.float32)
     drawn = np.zeros((n, width), np.float32)  # every draft's probability, a cut one's too
     q = None  # each kept draft's q, when some state samples
-    if plan.chain_sampling(np.arange(n), np.zeros(n, np.int64)) is not None:
+    if plan.samples:
         support = min(plan.support, head.config.vocab_size)
         q = (np.zeros((n, width, support), np.int64), np.zeros((n, width, support), np.float32))
     counts = np.zeros(n, np.int64)
