@@ -20,6 +20,7 @@ from mtpdraft.v1 import drafter_pb2 as pb
 
 from . import wire
 from .errors import error_from_value
+from .proto_record import record_values
 from .types import (
     BatchResult,
     Grammar,
@@ -645,32 +646,4 @@ def parse_import_kv(resp: pb.ImportKVResponse) -> InstallResult:
 
 
 def parse_info(resp: pb.GetInfoResponse) -> ServerInfo:
-    return ServerInfo(
-        model_family=resp.model_family,
-        hidden_size=int(resp.hidden_size),
-        vocab_size=int(resp.vocab_size),
-        num_attention_heads=int(resp.num_attention_heads),
-        num_key_value_heads=int(resp.num_key_value_heads),
-        head_dim=int(resp.head_dim),
-        compute_dtype=resp.compute_dtype,
-        hidden_dtypes=tuple(wire.dtype_name(d) for d in resp.hidden_dtypes),
-        device=resp.device,
-        max_drafts=int(resp.max_drafts),
-        max_batch=int(resp.max_batch),
-        max_states=int(resp.max_states),
-        live_states=int(resp.live_states),
-        kv_block_size=int(resp.kv_block_size),
-        kv_blocks_total=int(resp.kv_blocks_total),
-        kv_blocks_free=int(resp.kv_blocks_free),
-        kv_handles=int(resp.kv_handles),
-        state_ttl_seconds=float(resp.state_ttl_seconds),
-        max_message_bytes=int(resp.max_message_bytes),
-        bitmask_words=int(resp.bitmask_words),
-        draining=bool(resp.draining),
-        batch_size_counts={int(k): int(v) for k, v in resp.batch_size_counts.items()},
-        queued_calls=int(resp.queued_calls),
-        instance_epoch=int(resp.instance_epoch),
-        model_fingerprint=resp.model_fingerprint,
-        max_sample_top_k=int(resp.max_sample_top_k),
-        grammar_kinds=tuple(resp.grammar_kinds),
-    )
+    return ServerInfo(**record_values(resp))
