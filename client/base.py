@@ -108,7 +108,8 @@ class ClientBase(Generic[S]):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         for name, sent in vars(ClientBase).items():
-            if isinstance(sent, Sent):
+            # Not where the class (or a client class above it) holds a method already.
+            if isinstance(sent, Sent) and isinstance(getattr(cls, name), Sent):
                 setattr(cls, name, _method(cls, name, sent))
 
     def __init__(

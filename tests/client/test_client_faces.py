@@ -74,3 +74,12 @@ def test_bad_arguments_fail_in_the_caller_on_either_client() -> None:
 
     with pytest.raises(ValueError, match="state -1 is not a uint64"):
         asyncio.run(propose())
+
+
+def test_a_subclass_keeps_its_own_methods() -> None:
+    class Counting(DrafterClient):
+        def propose(self, *args: object, **kwargs: object) -> str:  # type: ignore[override]
+            return "its own"
+
+    assert Counting.propose(None) == "its own"  # type: ignore[arg-type]
+    assert Counting.info is DrafterClient.info
