@@ -2,12 +2,12 @@
 their methods, each one of ``messages``' calls.
 
 A client method is written once, as a ``messages`` function (its arguments, its
-docstring, the Call it makes), and named once, here, as a ``Sent`` (or ``Streamed``)
-attribute of ``ClientBase``. Each client class gets its own function of it, signed and
-documented as the call (``help`` and ``inspect.signature`` show the call's arguments): a
-coroutine function for an ``Awaiting`` client, a plain one otherwise. The clients differ
-only in how they send a Call (``_send``, ``_answers``): on the blocking stub or the
-grpc.aio one.
+docstring, the Call it makes), and named once, here, as a ``Method`` attribute of
+``ClientBase`` (``sent``, or ``streamed``). Each client class gets its own function of it,
+signed and documented as the call (``help`` and ``inspect.signature`` show the call's
+arguments): a coroutine function for an ``Awaiting`` client, a plain one otherwise. The
+clients differ only in how they send a Call (``_send``, ``_answers``): on the blocking
+stub or the grpc.aio one.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ S = TypeVar("S")  # the client's stream
 C = TypeVar("C", bound="ClientBase")
 P = ParamSpec("P")
 R = TypeVar("R")
+B = TypeVar("B")  # a method's answer on a blocking client
+A = TypeVar("A")  # and on an Awaiting one
 
 _DOC = """{kind} client of the ``mtpdraft.v1.Drafter`` service.
 
@@ -67,36 +69,37 @@ class Awaiting:
     """Marks a client whose calls are awaited: its methods are coroutine functions."""
 
 
-class Sent(Generic[P, R]):
-    """A client method: the Call of ``call`` (a ``messages`` function), sent by the client
-    and answered; awaited on an ``Awaiting`` client. Each client class holds a function of
-    its own in its place (``ClientBase.__init_subclass__``)."""
+class Method(Generic[P, B, A]):
+    """A client method: the Call of ``call`` (a ``messages`` function), sent by the client;
+    its answer is ``B`` on a blocking client, ``A`` on an ``Awaiting`` one. Each client
+    class holds a function of its own in its place (``ClientBase.__init_subclass__``)."""
 
-    def __init__(self, call: Callable[P, m.Call[R]]) -> None:
+    def __init__(self, call: Callable[P, m.Call[Any]], streamed: bool) -> None:
         self.call = call
+        self.streamed = streamed  # the answer's messages handed on as they come
 
     @overload
-    def __get__(self, client: None, owner: type) -> Sent[P, R]: ...
+    def __get__(self, client: None, owner: type) -> Method[P, B, A]: ...
     @overload
-    def __get__(self, client: Awaiting, owner: type) -> Callable[P, Awaitable[R]]: ...
+    def __get__(self, client: Awaiting, owner: type) -> Callable[P, A]: ...
     @overload
-    def __get__(self, client: object, owner: type) -> Callable[P, R]: ...
+    def __get__(self, client: object, owner: type) -> Callable[P, B]: ...
     def __get__(self, client: object, owner: type) -> Any:
         return self  # on ClientBase itself only: a client class holds the method
 
 
-class Streamed(Sent[P, Any]):
-    """A client method whose answer is a stream of messages, handed on as they come (an
-    async iterator on an ``Awaiting`` client)."""
+def sent(call: Callable[P, m.Call[R]]) -> Method[P, R, Awaitable[R]]:
+    """The method that sends ``call``'s Call and returns its answer (awaited, on an
+    ``Awaiting`` client)."""
+    return Method(call, streamed=False)
 
-    @overload  # type: ignore[override]
-    def __get__(self, client: None, owner: type) -> Streamed[P]: ...
-    @overload
-    def __get__(self, client: Awaiting, owner: type) -> Callable[P, AsyncIterator[pb.KVChunk]]: ...
-    @overload
-    def __get__(self, client: object, owner: type) -> Callable[P, Iterator[pb.KVChunk]]: ...
-    def __get__(self, client: object, owner: type) -> Any:
-        return self
+
+def streamed(
+    call: Callable[P, m.Call[Any]],
+) -> Method[P, Iterator[pb.KVChunk], AsyncIterator[pb.KVChunk]]:
+    """The method that sends ``call``'s Call and returns its answer's messages as they come
+    (an async iterator, on an ``Awaiting`` client)."""
+    return Method(call, streamed=True)
 
 
 class ClientBase(Generic[S]):
@@ -107,10 +110,10 @@ class ClientBase(Generic[S]):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for name, sent in vars(ClientBase).items():
+        for name, made in vars(ClientBase).items():
             # Not where the class (or a client class above it) holds a method already.
-            if isinstance(sent, Sent) and isinstance(getattr(cls, name), Sent):
-                setattr(cls, name, _method(cls, name, sent))
+            if isinstance(made, Method) and isinstance(getattr(cls, name), Method):
+                setattr(cls, name, _method(cls, name, made))
 
     def __init__(
         self,
@@ -188,29 +191,29 @@ class ClientBase(Generic[S]):
         timeout = m.resolve_timeout(call.timeout, self.timeout)
         return rpc(call.request, timeout=timeout, metadata=self._metadata)
 
-    info = Sent(m.info)
-    alloc_state = Sent(m.alloc_state)
-    prefill = Sent(m.prefill)
-    propose = Sent(m.propose)
-    propose_batch = Sent(m.propose_batch)
-    propose_many = Sent(m.propose_many)
-    after_verify = Sent(m.after_verify)
-    take_kv = Sent(m.take_kv)
-    install_kv = Sent(m.install_kv)
-    export_kv_chunks = Streamed(m.export_kv_chunks)
-    export_kv = Sent(m.export_kv)
-    import_kv = Sent(m.import_kv)
-    free_state = Sent(m.free_state)
+    info = sent(m.info)
+    alloc_state = sent(m.alloc_state)
+    prefill = sent(m.prefill)
+    propose = sent(m.propose)
+    propose_batch = sent(m.propose_batch)
+    propose_many = sent(m.propose_many)
+    after_verify = sent(m.after_verify)
+    take_kv = sent(m.take_kv)
+    install_kv = sent(m.install_kv)
+    export_kv_chunks = streamed(m.export_kv_chunks)
+    export_kv = sent(m.export_kv)
+    import_kv = sent(m.import_kv)
+    free_state = sent(m.free_state)
 
 
-def _method(cls: type, name: str, sent: Sent[Any, Any]) -> Callable[..., Any]:
-    """Client class ``cls``'s method ``name``: ``sent``'s call, sent by ``cls``; named,
+def _method(cls: type, name: str, made: Method[Any, Any, Any]) -> Callable[..., Any]:
+    """Client class ``cls``'s method ``name``: ``made``'s call, sent by ``cls``; named,
     documented and signed as the call (``self`` first), returning what the client gives."""
-    call = sent.call
+    call = made.call
     signature = inspect.signature(call)
     returns = signature.return_annotation.removeprefix("Call[").removesuffix("]")  # as text
     awaiting = issubclass(cls, Awaiting)
-    if isinstance(sent, Streamed):
+    if made.streamed:
         returns = "AsyncIterator[pb.KVChunk]" if awaiting else "Iterator[pb.KVChunk]"
 
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from mtpdraft.client import AsyncDrafterClient, DrafterClient, messages
-from mtpdraft.client.base import ClientBase, Sent, Streamed
+from mtpdraft.client.base import ClientBase, Method
 
-METHODS = [name for name, value in vars(ClientBase).items() if isinstance(value, Sent)]
+METHODS = [name for name, value in vars(ClientBase).items() if isinstance(value, Method)]
 
 
 def test_every_rpc_of_the_service_is_a_method() -> None:
@@ -36,7 +36,7 @@ def test_a_method_is_its_call_signed_and_documented(client: type, name: str) -> 
         (p.kind, p.default) for p in calls.values()
     ]
     assert "timeout" in own and own["timeout"].default is messages.DEFAULT
-    streamed = isinstance(vars(ClientBase)[name], Streamed)
+    streamed = vars(ClientBase)[name].streamed
     awaited = client is AsyncDrafterClient and not streamed
     assert inspect.iscoroutinefunction(method) == awaited
 
