@@ -692,7 +692,7 @@ def propose_batch(
         req.step_numbers.extend(
             _column(step_numbers, "step_numbers", np.uint64, size, one_for_all=True)
         )
-    return _batch_call(req, timeout)
+    return batch_call(req, timeout)
 
 
 def propose_many(
@@ -701,10 +701,11 @@ def propose_many(
     """``propose_batch`` of states given one by one: row i is ``requests[i]``'s
     (``result.proposals()`` gives each row's Proposal, raising a failed row's error)."""
     req = batch_request_of(requests)
-    return _batch_call(req, timeout)
+    return batch_call(req, timeout)
 
 
-def _batch_call(req: pb.ProposeBatchRequest, timeout: Timeout) -> Call[BatchResult]:
+def batch_call(req: pb.ProposeBatchRequest, timeout: Timeout = DEFAULT) -> Call[BatchResult]:
+    """The ProposeBatch Call of a request made otherwise (``batch_request``, or by hand)."""
     return Call(
         "ProposeBatch", req, functools.partial(parse_batch, state_ids=req.state_ids), timeout
     )
