@@ -106,9 +106,10 @@ def test_verdicts_calibrate_the_count(engine: DraftEngine, cost: float) -> None:
 
 def test_verdicts_on_a_fixed_k_calibrate_a_count_chosen_later(engine: DraftEngine) -> None:
     """Verdicts on proposals of a fixed K count too (off the launch's path): a state that
-    turns to num_drafts 0 keeps the count its whole history of verdicts says."""
+    turns to num_drafts 0 keeps the count its whole history of verdicts says, not the
+    count its last verdict alone (carried by the step that chooses) would say."""
     fixed, turning, tokens, hiddens = twins(engine, 4)
-    calibration = Calibration(CAP)
+    calibration, last_only = Calibration(CAP), Calibration(CAP)
     position, token, hidden, verdict = 8, tokens[-1], hiddens[-1], None
     for step in range(6):
         args = dict(previous=verdict)
@@ -119,12 +120,14 @@ def test_verdicts_on_a_fixed_k_calibrate_a_count_chosen_later(engine: DraftEngin
         verdict = Verdict(CAP)
         token, hidden = 7 + step, torch.randn(64, generator=torch.Generator().manual_seed(step))
         position += CAP + 1
+    last_only.verdict(got.probs, CAP)
     full = propose(engine, ProposeArgs(fixed, token, hidden, position, CAP, previous=verdict))
     b = calibration.b()
-    # A cost at which the history changes the count (with no history, b = 1).
-    cost = next(c for c in (0.05, 0.1, 0.2, 0.3, 0.5) if chosen(full.probs, b, c) != chosen(
-        full.probs, 1.0, c
-    ))  # fmt: skip
+    # A cost at which the whole history gives another count than the last verdict alone.
+    cost = next(
+        c for c in (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
+        if chosen(full.probs, b, c) != chosen(full.probs, last_only.b(), c)
+    )  # fmt: skip
     got = propose(
         engine,
         ProposeArgs(turning, token, hidden, position, 0, previous=verdict, verify_token_cost=cost),
