@@ -160,10 +160,15 @@ def alloc_state_request(
 
 
 def grammar_message(grammar: Grammar) -> pb.Grammar:
-    """A Grammar message: exactly one kind, a dict source as JSON text."""
+    """A Grammar message: exactly one kind (or none), a dict source as JSON text."""
+    if not isinstance(grammar, Grammar):
+        raise TypeError(f"grammar: expected Grammar, got {type(grammar).__name__}")
     given = {k: getattr(grammar, k) for k in GRAMMAR_KINDS if getattr(grammar, k) is not None}
-    if len(given) != 1:
-        raise ValueError(f"grammar: exactly one of {', '.join(GRAMMAR_KINDS)}, got {len(given)}")
+    if len(given) + bool(grammar.none) != 1:
+        kinds = ", ".join((*GRAMMAR_KINDS, "none"))
+        raise ValueError(f"grammar: exactly one of {kinds}, got {len(given) + grammar.none}")
+    if grammar.none:
+        return pb.Grammar(none=True)
     ((kind, source),) = given.items()
     return pb.Grammar(**{kind: source if isinstance(source, str) else json.dumps(source)})
 
@@ -240,6 +245,13 @@ def _sampling_rows(req: pb.ProposeBatchRequest, sampling: Mapping[int, SamplingP
         sampling_message(sampling[row], into=req.sampling.add())
 
 
+def _grammar_rows(req: pb.ProposeBatchRequest, grammars: Mapping[int, Grammar]) -> None:
+    """The rows of ``grammars`` in order, each with its grammar."""
+    for row in sorted(grammars):
+        req.grammar_rows.append(_int(row, "grammar row", 0, len(req.state_ids) - 1))
+        req.grammars.append(grammar_message(grammars[row]))
+
+
 def batch_request_of(
     requests: Sequence[ProposeArgs], return_bitmasks: bool = False
 ) -> pb.ProposeBatchRequest:
@@ -271,6 +283,7 @@ def batch_request_of(
         mask_rows.append(0 if a.bitmask is None else masks.add(a.bitmask, wire.BITMASK_DTYPES, i))
     hiddens.into(req.hiddens)
     _sampling_rows(req, {i: a.sampling for i, a in enumerate(requests) if a.sampling})
+    _grammar_rows(req, {i: a.grammar for i, a in enumerate(requests) if a.grammar})
     if any(a.num_drafts == 0 for a in requests):
         req.draft_caps.extend(_int(a.draft_cap, "draft_cap", 0, _INT32_MAX) for a in requests)
         req.verify_token_costs.extend(float(a.verify_token_cost) for a in requests)
@@ -575,6 +588,7 @@ def propose(
     draft_cap: int = 0,
     verify_token_cost: float = 0.0,
     step_number: int = 0,
+    grammar: Grammar | None = None,
     return_bitmasks: bool = False,
     timeout: Timeout = DEFAULT,
 ) -> Call[Proposal]:
@@ -588,9 +602,10 @@ def propose(
     ``step_number`` (increasing with each of the state's steps; 0: none) makes the
     call safe to send again when its outcome is unknown (a deadline, a broken
     connection): the server answers a step it applied as it did, and applies it no
-    second time (``recovery.retry_step``). ``return_bitmasks``: for a state with a
-    grammar, the answer carries the grammar's bitmask at each draft's position and the
-    bonus position (``Proposal.bitmasks``)."""
+    second time (``recovery.retry_step``). ``grammar`` gives the state that grammar from
+    this step's token on (``Grammar(none=True)``: none; unset: it keeps its own).
+    ``return_bitmasks``: for a state with a grammar, the answer carries the grammar's
+    bitmask at each draft's position and the bonus position (``Proposal.bitmasks``)."""
 
     req = pb.ProposeRequest(return_bitmasks=return_bitmasks)
     req.state_id = _uint64(state, "state")
@@ -608,6 +623,8 @@ def propose(
     req.draft_cap = _int(draft_cap, "draft_cap", _INT32_MIN, _INT32_MAX)
     req.verify_token_cost = float(verify_token_cost)
     req.step_number = _uint64(step_number, "step_number")
+    if grammar is not None:
+        req.grammar.CopyFrom(grammar_message(grammar))
     return Call("Propose", req, parse_proposal, timeout)
 
 
@@ -628,6 +645,7 @@ def propose_batch(
     draft_caps: Array | Sequence[int] | int | None = None,
     verify_token_costs: Array | Sequence[float] | float | None = None,
     step_numbers: Array | Sequence[int] | int | None = None,
+    grammars: Mapping[int, Grammar] | None = None,
     return_bitmasks: bool = False,
     timeout: Timeout = DEFAULT,
 ) -> Call[BatchResult]:
@@ -641,7 +659,8 @@ def propose_batch(
     min_confidence (B values or one) and step number (``step_numbers``: B values or
     one, as ``propose``'s ``step_number``); ``sampling`` maps rows to their states' new
     sampling parameters; a row asking ``num_drafts`` 0 has the drafter choose its K,
-    up to ``draft_caps`` for ``verify_token_costs`` (B values or one). A row that
+    up to ``draft_caps`` for ``verify_token_costs`` (B values or one); ``grammars`` maps
+    rows to their states' grammars from this step on (as ``propose``'s). A row that
     fails has its error in ``errors`` and leaves its state unchanged; the other rows
     are answered.
     """
@@ -681,6 +700,8 @@ def propose_batch(
         )
     if sampling:
         _sampling_rows(req, sampling)
+    if grammars:
+        _grammar_rows(req, grammars)
     if draft_caps is not None:
         req.draft_caps.extend(_column(draft_caps, "draft_caps", np.int32, size, one_for_all=True))
     if verify_token_costs is not None:

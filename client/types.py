@@ -120,6 +120,7 @@ class ProposeArgs:
     draft_cap: int = 0  # num_drafts 0: the most drafts the drafter may choose (0: max_drafts)
     verify_token_cost: float = 0.0  # num_drafts 0: one more token's share of a verify step
     step_number: int = 0  # 0: not numbered (see DrafterClient.propose)
+    grammar: Grammar | None = None  # the state's grammar from this step on
 
 
 @dataclass(frozen=True)
@@ -170,14 +171,17 @@ class BatchResult:
 
 @dataclass(frozen=True, slots=True)
 class Grammar:
-    """What every draft of a state obeys (AllocState): exactly one of a JSON schema (JSON
-    text or a dict), EBNF (xgrammar's GBNF dialect, a rule named root), a regular
-    expression, or a structural tag (JSON text or a dict, xgrammar's format)."""
+    """What every draft of a state obeys (AllocState, or a propose from its step on):
+    exactly one of a JSON schema (JSON text or a dict), EBNF (xgrammar's GBNF dialect, a
+    rule named root), a regular expression, a structural tag (JSON text or a dict,
+    xgrammar's format), or ``none=True``: no grammar (on a propose, the state's is
+    cleared)."""
 
     json_schema: str | dict | None = None
     ebnf: str | None = None
     regex: str | None = None
     structural_tag: str | dict | None = None
+    none: bool = False
 
 
 class ServerInfo(record_type(pb.GetInfoResponse.DESCRIPTOR)):  # type: ignore[misc]
