@@ -16,13 +16,10 @@ from grammars import (
     EOS,
     allowed,
     compile_kind,
-    compiler,
     masks_along,
     oracle_drafts,
     unpacked,
-    write_tokenizer,
 )
-from mtp_reference import Reference
 from proposing import ProposeArgs, propose, step_of
 
 from mtpdraft.service.config import ServeConfig
@@ -52,30 +49,6 @@ STRUCTURAL = json.dumps(
     }
 )
 GRAMMARS = [("json_schema", SCHEMA), ("regex", REGEX), ("ebnf", EBNF)]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    folder = write_random_checkpoint(
-        tmp_path_factory.mktemp("ckpt"), "mimo", seed=5, extra_config={"eos_token_id": EOS}
-    )
-    write_tokenizer(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def head(checkpoint) -> MTPHead:
-    return MTPHead(load_mtp_weights(checkpoint), torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def ref(checkpoint) -> Reference:
-    return Reference(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def own_compiler():
-    return compiler()
 
 
 def make_engine(head, checkpoint, **config) -> DraftEngine:
