@@ -61,8 +61,13 @@ def test_served_drafts_match_the_oracle_in_the_dtype(tmp_path, name: str, dtype:
             assert client.info().live_states == 0
     finally:
         proc.stop()
-    assert tally.checked + tally.flipped == 2 * STEPS * K
-    assert tally.flipped <= 0.1 * 2 * STEPS * K
+    assert_few_flipped(tally, 2 * STEPS * K)
+
+
+def assert_few_flipped(tally: Tally, drafts: int) -> None:
+    """Every draft checked, and at most a tenth of them off the oracle after a near tie."""
+    assert tally.checked + tally.flipped == drafts
+    assert tally.flipped <= 0.1 * drafts, f"{tally.flipped} of {drafts} drafts flipped"
 
 
 @contextmanager
@@ -115,13 +120,16 @@ def test_a_perturbed_later_chain_step_fails_the_check(tmp_path, device: str, dty
     try:
         with DrafterClient(server.address, timeout=120) as client:
             seq = Sequence(ref, client, 40, 3, dtype, rounding(dtype, SUM_TERMS))
-            assert random_session(seq, STEPS, K, seed=3).checked > STEPS * K // 2
+            assert_few_flipped(random_session(seq, STEPS, K, seed=3), STEPS * K)
+            # Off the oracle outright, or off it after so many routing near ties that a
+            # served session would fail.
             with (
                 later_steps_perturbed(head, 0.06),
-                pytest.raises(AssertionError, match=r"draft [1-9]"),
+                pytest.raises(AssertionError, match=r"draft [1-9]|drafts flipped"),
             ):
-                random_session(
-                    Sequence(ref, client, 40, 3, dtype, rounding(dtype, SUM_TERMS)), STEPS, K, 3
-                )
+                seq = Sequence(ref, client, 40, 3, dtype, rounding(dtype, SUM_TERMS))
+                tally = random_session(seq, STEPS, K, seed=3)
+                print("perturbed:", tally)
+                assert_few_flipped(tally, STEPS * K)
     finally:
         server.stop()
