@@ -83,7 +83,7 @@ GRAPHED_ENGINE_HOPS = (
     ("engine: admit (the NaN/inf check included)", "engine_start", "admit_end"),
     ("engine: grow, apply the verdicts", "admit_end", "draft_start"),
     ("engine: plan the chain", "draft_start", "decode_start"),
-    ("engine: the chain's step rows", "decode_start", "stage_start"),
+    ("engine: the chain handed to its graph", "decode_start", "stage_start"),
     ("engine: stage the chain's inputs", "stage_start", "stage_end"),
     (
         "engine: launch the graph, the proposals' bookkeeping meanwhile",

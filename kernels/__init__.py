@@ -8,7 +8,7 @@ under ``TRITON_INTERPRET=1`` (set it before ``triton`` is imported).
 """
 
 from ._shared import GEMV_MAX_ROWS as gemv_max_rows
-from .chain_step import record_step, select_step
+from .chain_step import expand_block_tables, record_step, select_step
 from .fused_moe import fused_moe
 from .gemv import gemv
 from .lm_head_drafts import lm_head_drafts
@@ -24,6 +24,7 @@ from .swiglu import swiglu
 
 __all__ = [
     "add_rms_norm",
+    "expand_block_tables",
     "fused_moe",
     "gemv",
     "gemv_max_rows",

@@ -1,12 +1,16 @@
 """The bookkeeping of a self-advancing CUDA graph: pick this step's inputs, record its outputs.
 
 A graph replayed once per step cannot be handed a different step index each time,
-so the index lives on the device: ``select_step`` copies row ``step`` of the staged
-per-step inputs into the buffers the step reads (and notes the index in ``cur``);
-``record_step`` stores the step's outputs at row ``cur`` of the per-step outputs,
-feeds them back as the next step's inputs, and advances ``step``. Two kernels where
-torch ops took seven (index_select x2, index_copy x3, two copies and an add: about
-13 us per step on an H200, about 3% of a batch-1 step).
+so the index lives on the device: ``select_step`` works out row ``step`` of the chain
+(each sequence's position, KV slot and context length, from its first position, its
+limit and its block table, so the host stages one row per sequence, not one per step)
+and copies that step's mask (and notes the index in ``cur``); ``record_step`` stores
+the step's outputs at row ``cur`` of the per-step outputs, feeds them back as the next
+step's inputs, and advances ``step``. Two kernels where torch ops took seven
+(index_select x2, index_copy x3, two copies and an add: about 13 us per step on an
+H200, about 3% of a batch-1 step). ``expand_block_tables`` runs once at a chain's head:
+the host stages the block tables compactly, [n, w], in the chain's one copy, and the
+graph reads them at the width it was captured with.
 
 ``step`` is read by every program of ``select_step`` and written only by
 ``record_step`` (and ``cur`` the other way round), so no program ever reads an index
@@ -21,7 +25,7 @@ import triton.language as tl
 
 from ._checks import check_same_device, check_shape, check_tensor
 
-__all__ = ["record_step", "select_step"]
+__all__ = ["expand_block_tables", "record_step", "select_step"]
 
 _BLOCK = 1024
 
@@ -30,13 +34,17 @@ _BLOCK = 1024
 def _select_step_kernel(
     step_ptr,  # [1] int64 step index
     cur_ptr,  # [1] int64, set to the step index
-    a_ptr,  # [S, A] per-step input
-    a_now_ptr,  # [A] this step's row of a
-    b_ptr,  # [S, B] second per-step input (unused without HAS_B)
-    b_now_ptr,  # [B]
-    A,  # elements per step of a
-    B,  # elements per step of b
-    HAS_B: tl.constexpr,
+    first_ptr,  # [N] int64: each row's first position
+    limit_ptr,  # [N] int64: each row's steps that write KV (0: a padding row)
+    tables_ptr,  # [N, W] int32 block tables
+    now_ptr,  # [3, N] int64 out: this step's positions, KV slots, context lengths
+    masks_ptr,  # [S, M] per-step masks (unused without HAS_MASK)
+    mask_now_ptr,  # [M] this step's row of masks
+    N,
+    W,
+    M,  # mask elements per step
+    block_size,
+    HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -44,11 +52,38 @@ def _select_step_kernel(
     if pid == 0:
         tl.store(cur_ptr, step)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < A
-    tl.store(a_now_ptr + offs, tl.load(a_ptr + step * A + offs, mask=ok), mask=ok)
-    if HAS_B:
-        ok = offs < B
-        tl.store(b_now_ptr + offs, tl.load(b_ptr + step * B + offs, mask=ok), mask=ok)
+    ok = offs < N
+    first = tl.load(first_ptr + offs, mask=ok, other=0)
+    limit = tl.load(limit_ptr + offs, mask=ok, other=0)
+    live = limit > 0
+    # A row past its limit repeats its last row's position (a valid context) and writes
+    # nothing; a padding row reads position 0 and writes nothing.
+    pos = tl.where(live, first + tl.minimum(step, limit - 1), 0)
+    page = tl.minimum(pos // block_size, W - 1)
+    block = tl.load(tables_ptr + offs.to(tl.int64) * W + page, mask=ok & live, other=0)
+    slot = tl.where(live & (step < limit), block.to(tl.int64) * block_size + pos % block_size, -1)
+    tl.store(now_ptr + offs, pos, mask=ok)
+    tl.store(now_ptr + N + offs, slot, mask=ok)
+    tl.store(now_ptr + 2 * N + offs, pos + 1, mask=ok)
+    if HAS_MASK:
+        ok = offs < M
+        tl.store(mask_now_ptr + offs, tl.load(masks_ptr + step * M + offs, mask=ok), mask=ok)
+
+
+@triton.jit
+def _expand_block_tables_kernel(
+    shape_ptr,  # [2] int64: n, w
+    compact_ptr,  # [n * w] int32
+    tables_ptr,  # [N, W] int32
+    W,
+    BLOCK: tl.constexpr,
+):
+    n = tl.load(shape_ptr)
+    w = tl.maximum(tl.load(shape_ptr + 1), 1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n * w
+    value = tl.load(compact_ptr + offs, mask=ok)
+    tl.store(tables_ptr + (offs // w) * W + offs % w, value, mask=ok)
 
 
 @triton.jit
@@ -91,32 +126,68 @@ def _check_index(name: str, t: torch.Tensor) -> None:
 def select_step(
     step: torch.Tensor,
     cur: torch.Tensor,
-    a: torch.Tensor,
-    a_now: torch.Tensor,
-    b: torch.Tensor | None = None,
-    b_now: torch.Tensor | None = None,
+    first_positions: torch.Tensor,
+    limits: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    now: torch.Tensor,
+    masks: torch.Tensor | None = None,
+    mask_now: torch.Tensor | None = None,
 ) -> None:
-    """``a_now = a[step]`` (and ``b_now = b[step]``), ``cur = step``; step is read on the device.
+    """This step's rows of a chain, from its step index on the device (``cur = step``).
 
-    ``a`` ([S, ...]) and ``b`` are the staged per-step inputs, ``a_now``/``b_now`` the
-    buffers one step reads (shape ``a.shape[1:]``). The step index must be < S.
+    Row i advances from position ``first_positions[i]`` by one a step and writes the KV
+    of its first ``limits[i]`` steps; past them it repeats its last position and writes
+    nothing, and a row of limit 0 is padding (position 0, nothing written). ``now``
+    [3, N] int64 gets the step's positions, KV slots (block * block_size + offset, -1:
+    none) and context lengths; ``mask_now = masks[step]`` where masks ([S, ...]) are given.
     """
     _check_index("step", step)
     _check_index("cur", cur)
-    pairs = [("a", a, a_now)] + ([] if b is None else [("b", b, b_now)])
-    for name, table, now in pairs:
-        if not isinstance(now, torch.Tensor):
-            raise ValueError(f"{name}_now must be a torch.Tensor")
-        check_tensor(name, table, table.dim())
-        check_tensor(f"{name}_now", now, now.dim(), (table.dtype,))
-        check_shape(f"{name}_now", now, tuple(table.shape[1:]))
-    check_same_device(step=step, cur=cur, a=a, a_now=a_now, **({} if b is None else {"b": b}))
-    size_a, size_b = a_now.numel(), 0 if b_now is None else b_now.numel()
-    grid = (triton.cdiv(max(size_a, size_b, 1), _BLOCK),)
+    check_tensor("first_positions", first_positions, 1, (torch.int64,))
+    n = first_positions.shape[0]
+    check_tensor("limits", limits, 1, (torch.int64,))
+    check_shape("limits", limits, (n,))
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_shape("block_tables", block_tables, (n, block_tables.shape[1]))
+    check_tensor("now", now, 2, (torch.int64,))
+    check_shape("now", now, (3, n))
+    if block_size < 1 or block_tables.shape[1] < 1:
+        raise ValueError("block_size and the block tables' width must be >= 1")
+    size = 0
+    if masks is not None:
+        check_tensor("masks", masks, masks.dim())
+        if not isinstance(mask_now, torch.Tensor):
+            raise ValueError("mask_now must be a torch.Tensor")
+        check_tensor("mask_now", mask_now, mask_now.dim(), (masks.dtype,))
+        check_shape("mask_now", mask_now, tuple(masks.shape[1:]))
+        size = mask_now.numel()
+    check_same_device(step=step, cur=cur, first_positions=first_positions, now=now)
+    grid = (triton.cdiv(max(n, size, 1), _BLOCK),)
     _select_step_kernel[grid](
-        step, cur, a, a_now, a if b is None else b, a_now if b_now is None else b_now,
-        size_a, size_b, HAS_B=b is not None, BLOCK=_BLOCK,
+        step, cur, first_positions, limits, block_tables, now,
+        now if masks is None else masks, now if mask_now is None else mask_now,
+        n, block_tables.shape[1], size, block_size, HAS_MASK=masks is not None, BLOCK=_BLOCK,
     )  # fmt: skip
+
+
+def expand_block_tables(
+    shape: torch.Tensor, compact: torch.Tensor, block_tables: torch.Tensor
+) -> None:
+    """``block_tables[:n, :w] = compact[: n * w].view(n, w)``, with (n, w) = ``shape``, read
+    on the device: a chain staged compactly widened to the tables a graph was captured with
+    (n <= N and w <= W are the caller's to keep)."""
+    check_tensor("shape", shape, 1, (torch.int64,))
+    check_shape("shape", shape, (2,))
+    check_tensor("compact", compact, 1, (torch.int32,))
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    if compact.numel() < block_tables.numel():
+        raise ValueError("compact must hold as many elements as block_tables")
+    check_same_device(shape=shape, compact=compact, block_tables=block_tables)
+    grid = (triton.cdiv(max(block_tables.numel(), 1), _BLOCK),)
+    _expand_block_tables_kernel[grid](
+        shape, compact, block_tables, block_tables.shape[1], BLOCK=_BLOCK
+    )
 
 
 def record_step(

@@ -32,7 +32,7 @@ from .engine.kv_transfer import KVChunk, KVHeader
 from .engine.sampling import Sampling
 from .engine.step import Step, StepResult, StepShape, single
 from .engine.types import PrefillChunk, Verdict
-from .grammar.spec import GrammarSpec
+from .grammar.spec import GrammarChange, GrammarSpec, HeldGrammar
 
 DTYPES: dict[int, torch.dtype] = {
     pb.DTYPE_BF16: torch.bfloat16,
@@ -96,15 +96,36 @@ def decode_hiddens(msg: pb.Tensor, field: str) -> torch.Tensor:
 
 
 def grammar(msg: pb.AllocStateRequest) -> GrammarSpec | None:
-    """An AllocState's grammar, if it has one."""
-    if not msg.HasField("grammar"):
-        return None
-    kind = msg.grammar.WhichOneof("kind")
+    """An AllocState's grammar, if it has one (Grammar.none: none)."""
+    return grammar_spec(msg.grammar, "grammar") if msg.HasField("grammar") else None
+
+
+def grammar_spec(msg: pb.Grammar, field: str) -> GrammarSpec | None:
+    """A Grammar message as a spec, None for Grammar.none; INVALID_ARGUMENT where it
+    names no grammar."""
+    kind = msg.WhichOneof("kind")
     if kind is None:
         raise InvalidArgument(
-            "grammar: set, but none of its kinds is", reason="MISSING_FIELD", field="grammar"
+            f"{field}: set, but none of its kinds is", reason="MISSING_FIELD", field=field
         )
-    return GrammarSpec(kind, getattr(msg.grammar, kind))
+    if kind == "none":
+        if not msg.none:
+            raise InvalidArgument(
+                f"{field}: none is false, which names no grammar (none = true clears it; "
+                "leave the field unset to keep it)",
+                reason="GRAMMAR_KIND",
+                field=field,
+            )
+        return None
+    return GrammarSpec(kind, getattr(msg, kind))
+
+
+def grammar_change(msg: pb.Grammar) -> GrammarChange:
+    """A propose row's Grammar as the change it makes, or as the row's refusal."""
+    try:
+        return GrammarChange(grammar_spec(msg, "grammar"))
+    except InvalidArgument as err:
+        return GrammarChange(None, error=err)
 
 
 def prefill_chunk(msg: pb.PrefillChunk) -> PrefillChunk:
@@ -151,6 +172,7 @@ def propose(msg: pb.ProposeRequest, shape: StepShape) -> Step:
         sampling=sampling(msg.sampling) if msg.HasField("sampling") else None,
         draft_cap=msg.draft_cap,
         verify_token_cost=msg.verify_token_cost,
+        grammar=grammar_change(msg.grammar) if msg.HasField("grammar") else None,
         shape=shape,
     )
 
@@ -182,6 +204,8 @@ def batch(msg: pb.ProposeBatchRequest, shape: StepShape) -> Step:
         sampling=[sampling(p) for p in msg.sampling],
         draft_caps=list(msg.draft_caps),
         verify_token_costs=list(msg.verify_token_costs),
+        grammar_rows=list(msg.grammar_rows),
+        grammars=[grammar_change(g) for g in msg.grammars],
     )
 
 
@@ -197,7 +221,22 @@ def kv_header(msg: pb.KVHeader) -> KVHeader:
         num_kv_heads=msg.num_key_value_heads,
         head_dim=msg.head_dim,
         num_rows=msg.num_rows,
+        grammar=_held_grammar(msg),
     )
+
+
+def _held_grammar(msg: pb.KVHeader) -> HeldGrammar | None:
+    """The grammar of an imported KV's state, with the tokens its matcher consumed."""
+    spec = grammar_spec(msg.grammar, "header.grammar") if msg.HasField("grammar") else None
+    if spec is None:
+        if msg.grammar_tokens:
+            raise InvalidArgument(
+                "header.grammar_tokens: given without a grammar",
+                reason="MISSING_FIELD",
+                field="header.grammar",
+            )
+        return None
+    return HeldGrammar(spec, list(msg.grammar_tokens))
 
 
 def read_kv_chunk(msg: pb.KVChunk) -> KVChunk:
@@ -232,6 +271,9 @@ def kv_chunk(chunk: KVChunk) -> pb.KVChunk:
         msg.header.num_key_value_heads = h.num_kv_heads
         msg.header.head_dim = h.head_dim
         msg.header.num_rows = h.num_rows
+        if h.grammar is not None:
+            setattr(msg.header.grammar, h.grammar.spec.kind, h.grammar.spec.source)
+            msg.header.grammar_tokens.extend(h.grammar.tokens)
     if chunk.k is not None and chunk.v is not None:
         msg.k.CopyFrom(tensor(chunk.k))
         msg.v.CopyFrom(tensor(chunk.v))
@@ -272,6 +314,7 @@ COLUMN_OF_FIELD = {
     "previous.num_accepted": "num_accepted",
     "previous.refeed_hiddens": "refeed_hiddens",
     "step_number": "step_numbers",
+    "grammar": "grammars",
 }
 
 

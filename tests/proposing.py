@@ -15,6 +15,7 @@ import torch
 from mtpdraft.service.engine.sampling import Sampling
 from mtpdraft.service.engine.step import Step, StepResult, StepShape, single
 from mtpdraft.service.engine.types import Proposal, Verdict
+from mtpdraft.service.grammar.spec import GrammarChange
 
 
 @dataclass
@@ -31,6 +32,7 @@ class ProposeArgs:
     draft_cap: int = 0  # with num_drafts 0 (the drafter chooses K)
     verify_token_cost: float = 0.0
     step_number: int = 0  # 0: not numbered
+    grammar: GrammarChange | None = None  # the state's grammar from this step on
 
 
 def step_of(requests: list[ProposeArgs], shape: StepShape) -> Step:

@@ -142,6 +142,7 @@ def _refused_rows(
         (bad_sampling > 0, lambda i: sampling_error(
             step.sampling, i, int(bad_sampling[i]), "sampling"
         )),
+        (_refused_grammars(step), lambda i: step.grammars[i].error),
         # The last draft's row, at index position - 1 + K, stays below the limit.
         (positions > limits.max_position - k, lambda i: position_too_large(
             int(positions[i] - 1 + k[i]), limits.max_position, "position"
@@ -244,6 +245,13 @@ def _refeed_finite(step: Step) -> np.ndarray:
     owner = np.repeat(np.arange(len(step)), step.refeed_counts)
     ok[owner[~rows_ok]] = False
     return ok
+
+
+def _refused_grammars(step: Step) -> np.ndarray:
+    """Per row: the grammar it gives did not compile (the change keeps why)."""
+    return np.fromiter(
+        (c is not None and c.error is not None for c in step.grammars), bool, len(step)
+    )
 
 
 def _empty_masks(step: Step) -> np.ndarray:

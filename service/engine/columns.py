@@ -13,9 +13,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..grammar.spec import GrammarChange
 from . import sampling as draws
 from .errors import InvalidArgument
-from .step import Step, StepShape, padded_mask
+from .step import Step, StepShape, grammar_column, padded_mask
 from .step import refeed_rows as checked_refeeds  # `refeed_rows` names a column here
 from .validation import as_rows
 
@@ -77,6 +78,8 @@ def step(
     sampling: Sequence[draws.Sampling] = (),
     draft_caps: Sequence[int] = (),
     verify_token_costs: Sequence[float] = (),
+    grammar_rows: Sequence[int] = (),
+    grammars: Sequence[GrammarChange] = (),
 ) -> Step:
     """B states' columns (see ProposeBatchRequest) as a Step, or INVALID_ARGUMENT when
     they do not fit together: `hiddens` [B, H] ([H] for B = 1); `num_drafts` and
@@ -85,8 +88,9 @@ def step(
     `refeed_rows` and `bitmask_rows` a row count per state of `refeed_hiddens`
     ([sum, H]) and `bitmasks` ([sum, W] int32); `sampling_rows` the rows (ascending)
     whose states take the parameters `sampling` (one per row listed); `draft_caps` and
-    `verify_token_costs` B values or one for all, for the rows with num_drafts 0. An
-    empty column is its default."""
+    `verify_token_costs` B values or one for all, for the rows with num_drafts 0;
+    `grammar_rows` the rows (ascending) whose states take the grammar changes `grammars`
+    (one per row listed). An empty column is its default."""
     size = len(state_ids)
     if not 1 <= size <= shape.max_batch:
         raise InvalidArgument(
@@ -118,7 +122,8 @@ def step(
     if masks is not None:
         masks = padded_mask(masks, shape.vocab_size, "bitmasks")
     return Step(
-        sampling=_sampling(sampling_rows, sampling, size),
+        sampling=draws.changes(_per_row(sampling_rows, sampling, size, "sampling")),
+        grammars=grammar_column(_per_row(grammar_rows, grammars, size, "grammar")),
         draft_caps=_column(draft_caps, "draft_caps", size, np.int64, default=0),
         verify_costs=_column(
             verify_token_costs, "verify_token_costs", size, np.float64, default=0.0
@@ -138,14 +143,15 @@ def step(
     )
 
 
-def _sampling(rows: Sequence[int], values: Sequence[draws.Sampling], size: int) -> np.ndarray:
-    """The step's sampling changes column: `values[j]` at row `rows[j]`."""
+def _per_row(rows: Sequence[int], values: Sequence, size: int, name: str) -> list:
+    """A column of changes given for some rows: `values[j]` at row `rows[j]`, None at the
+    others (`name`: the wire's columns, `{name}_rows` and their values)."""
     if len(rows) != len(values):
-        raise _mismatch("sampling_rows", f"{len(rows)} rows for {len(values)} sampling values")
+        raise _mismatch(f"{name}_rows", f"{len(rows)} rows for {len(values)} {name} values")
     rows = np.asarray(rows, np.int64)
     if len(rows) and (rows.min() < 0 or rows.max() >= size or (np.diff(rows) <= 0).any()):
-        raise _mismatch("sampling_rows", f"rows must ascend, each once, in [0, {size})")
-    per_row: list[draws.Sampling | None] = [None] * size
+        raise _mismatch(f"{name}_rows", f"rows must ascend, each once, in [0, {size})")
+    per_row: list = [None] * size
     for row, value in zip(rows.tolist(), values, strict=True):
         per_row[row] = value
-    return draws.changes(per_row)
+    return per_row

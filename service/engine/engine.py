@@ -50,9 +50,8 @@ from .step import Step, StepResult, StepShape, verdict_refeed
 from .types import EngineInfo, RowCount, TakenKV, Verdict
 
 if TYPE_CHECKING:
-    import xgrammar
-
     from ..config import ServeConfig
+    from ..grammar.spec import CompiledGrammar
 
 # A debug line per event of a state's or a KV handle's life (alloc, free, lease expiry,
 # KV take / install / export / import): never per step.
@@ -220,7 +219,7 @@ class DraftEngine:
         self,
         owner: str = "",
         sampling: Sampling = GREEDY,
-        grammar: xgrammar.CompiledGrammar | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> int:
         """A new state, its drafts chosen as `sampling` says (its values checked,
         INVALID_ARGUMENT naming the field `sampling`); with `grammar` (from
@@ -375,6 +374,9 @@ class DraftEngine:
                 recompute[i] = Segment(slot, int(keep[i]), tokens, t.last_hidden[slot : slot + 1])
         t.pending_row[slots] = -1
         t.num_rows[slots] = keep
+        if t.pending_masks:
+            for slot in slots.tolist():
+                t.pending_masks.pop(slot, None)
         return recompute
 
     def after_verify(self, state_id: int, verdict: Verdict) -> RowCount:
@@ -423,6 +425,7 @@ class DraftEngine:
         )
         known = slots[slots >= 0]
         self.table.last_used[known] = self.clock()
+        self.grammars.compile_changes(step.grammars)  # the serving loop's done so already
         admitted = admit(step, slots, self.table, self.limits, self._state_not_found)
         # The largest K asked, a refused one (negative, or past max_drafts) within bounds:
         # a row asking K = 2**31 - 1 must not size the answer.
@@ -440,7 +443,8 @@ class DraftEngine:
             errors=admitted.errors,
         )
         rows, slots, base_rows = admitted.rows, admitted.slots, admitted.base_rows
-        if self.grammars.matchers and len(rows):
+        given = step.grammars[rows]
+        if len(rows) and (self.grammars.matchers or any(c is not None for c in given)):
             kept = self._commit_grammars(step, rows, slots, result.errors)
             rows, slots, base_rows = rows[kept], slots[kept], base_rows[kept]
         if len(rows):
@@ -450,15 +454,21 @@ class DraftEngine:
 
     def _commit_grammars(self, step, rows, slots, errors: dict) -> np.ndarray:
         """Moves the grammar states' matchers on by what each row commits (the drafts its
-        verdict accepts, then its token); which rows may go on (a row whose token its
-        grammar refuses fails, its matcher unmoved)."""
+        verdict accepts, then its token), or where a row gives its state a grammar, starts
+        that grammar's matcher at its token; which rows may go on (a row whose token its
+        grammar refuses fails, its state's grammar and matcher unchanged)."""
         kept = np.ones(len(rows), bool)
-        for j in np.flatnonzero(self.grammars.which(slots)).tolist():
-            row, slot = int(rows[j]), int(slots[j])
+        changes = step.grammars[rows]
+        touched = self.grammars.which(slots) | np.not_equal(changes, None)
+        for j in np.flatnonzero(touched).tolist():
+            row, slot, change = int(rows[j]), int(slots[j]), changes[j]
             accepted = max(int(step.num_accepted[row]), 0)
             tokens = [*self.table.pending_drafts[slot, :accepted].tolist(), int(step.tokens[row])]
             try:
-                self.grammars.commit(slot, tokens, "token")
+                if change is None:
+                    self.grammars.commit(slot, tokens, "token")
+                else:  # the drafts accepted were the old grammar's: the new starts here
+                    self.grammars.switch(slot, change.grammar, tokens[-1], "token")
             except DrafterError as err:
                 errors[row], kept[j] = err, False
         return kept
@@ -475,6 +485,9 @@ class DraftEngine:
         result.counts[rows] = counts
         result.confidences[rows] = t.pending_confidence[slots]
         result.first_positions[rows] = t.pending_row[slots] + 2  # R0's position, plus one
+        for row, slot in zip(rows.tolist(), slots.tolist(), strict=True):
+            if (masks := t.pending_masks.get(slot)) is not None:
+                result.grammar_masks[row] = masks
         pending = zip(rows.tolist(), slots.tolist(), strict=True)
         sampled = [(row, t.pending_q[slot]) for row, slot in pending if slot in t.pending_q]
         if sampled or result.q_ids is not None:  # the batch answers q: each of its rows
@@ -550,7 +563,7 @@ class DraftEngine:
         t.pending_drafts[slots, : drafted.all_drafts.shape[1]] = drafted.all_drafts
         width = drafted.drafts.shape[1]
         t.pending_probs[slots, :width] = drafted.probs
-        self._remember_answer(slots, step.step_numbers[rows], drafted)
+        self._remember_answer(slots, step.step_numbers[rows], drafted, grammar_masks)
         result.drafts[rows, :width] = drafted.drafts
         result.probs[rows, :width] = drafted.probs
         result.counts[rows] = drafted.counts
@@ -564,11 +577,19 @@ class DraftEngine:
             result.q_probs[rows, :width] = drafted.q_probs
         result.grammar_masks.update({int(rows[i]): m for i, m in grammar_masks.items()})
 
-    def _remember_answer(self, slots: np.ndarray, numbers: np.ndarray, drafted: Drafted) -> None:
+    def _remember_answer(
+        self, slots: np.ndarray, numbers: np.ndarray, drafted: Drafted, masks: dict
+    ) -> None:
         """What a retry of these states' steps is answered: their step numbers and what
         their proposals were answered besides the drafts and probabilities, which the
-        table keeps."""
+        table keeps (`masks`: the grammar states' masks, by index into `slots`)."""
         t = self.table
+        if masks or t.pending_masks:
+            for j, slot in enumerate(slots.tolist()):
+                if j in masks:
+                    t.pending_masks[slot] = masks[j]
+                else:
+                    t.pending_masks.pop(slot, None)
         t.pending_step[slots] = numbers
         t.last_step[slots] = np.maximum(t.last_step[slots], numbers)
         t.pending_confidence[slots] = drafted.confidences
@@ -606,6 +627,7 @@ class DraftEngine:
             blocks=self.table.detach_blocks(state.slot),
             num_rows=state.num_rows,
             expires_at=self.clock() + self.config.state_ttl,
+            grammar=self.grammars.take(state.slot),  # it goes with the KV
         )
         self.handles[handle.id] = handle
         state.num_rows = 0
@@ -651,6 +673,8 @@ class DraftEngine:
                 "empty state",
                 reason="STATE_NOT_EMPTY",
             )
+        if handle.grammar is not None:  # replayed first: a refusal changes nothing
+            self.grammars.restore(state.slot, handle.grammar)
         del self.handles[handle_id]
         self.pool.free(self.table.detach_blocks(state.slot))
         self.table.attach_blocks(state.slot, handle.blocks)

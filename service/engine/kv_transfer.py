@@ -10,6 +10,11 @@ writes rows as they come and gives the state its rows only when all have come: a
 refused header or chunk, a stream cut short or a cancelled call leave the state empty
 and its blocks free (`abort`).
 
+A state's grammar travels with its KV: the header carries its spec and the tokens its
+matcher consumed; the importing engine compiles the spec (a server without grammars
+refuses the KV: FAILED_PRECONDITION, GRAMMARS_UNAVAILABLE, rather than take it without
+its grammar) and replays the tokens, before any row is written.
+
 An export or an import sees the engine only as a `KVStore`, so that the engine imports
 this module and this module imports nothing of the engine.
 """
@@ -31,6 +36,8 @@ from .types import RowCount
 from .validation import is_finite
 
 if TYPE_CHECKING:
+    from ..grammar.spec import HeldGrammar
+    from ..grammar.states import StateGrammars
     from ..model.kv_cache import KVCache
     from ..model.mtp_head import MTPHead
     from .admission import Limits
@@ -53,6 +60,9 @@ class KVHeader:
     num_kv_heads: int
     head_dim: int
     num_rows: int
+    # The state's grammar and the tokens its matcher consumed, if it has one: the
+    # importing state's matcher replays them.
+    grammar: HeldGrammar | None = None
 
 
 @dataclass
@@ -73,6 +83,7 @@ class KVStore(Protocol):
     kv: KVCache
     limits: Limits  # its max_position: the most rows a state may hold
     states: Mapping[int, DrafterState]  # the live states by id, looked up as they are
+    grammars: StateGrammars  # the states' grammars: a KV's comes with it
 
     def kv_header(self, num_rows: int) -> KVHeader:
         """This engine's KV described as an export's header, for `num_rows` rows."""
@@ -158,7 +169,9 @@ class KVExport:
     def __init__(self, store: KVStore, handle_id: int) -> None:
         self.store = store
         self.handle_id = handle_id
-        self.header = store.kv_header(self._handle().num_rows)
+        handle = self._handle()
+        self.header = store.kv_header(handle.num_rows)
+        self.header.grammar = handle.grammar
 
     def _handle(self) -> KVHandle:
         return self.store.handle(self.handle_id)
@@ -217,6 +230,10 @@ class KVImport:
                 "empty state",
                 reason="STATE_NOT_EMPTY",
             )
+        self.matcher = None  # the KV's grammar's, where it has one, at its committed tokens
+        if header.grammar is not None:
+            store.grammars.compile_held(header.grammar)  # the serving loop's done so already
+            self.matcher = store.grammars.replayed(header.grammar)
         store.reserve(state, header.num_rows, "header.num_rows")
         state.prefilling = True  # no other call may touch it until finish or abort
         if first.k is not None:
@@ -292,6 +309,8 @@ class KVImport:
             )
         state.prefilling = False
         state.num_rows = self.header.num_rows
+        if self.header.grammar is not None:
+            self.store.grammars.restore(state.slot, self.header.grammar, self.matcher)
         log.debug("state %d: KV imported, %d rows", self.state_id, state.num_rows)
         return RowCount(state.num_rows, state.next_position)
 

@@ -9,6 +9,7 @@ one slot, for the calls that touch one state (Prefill, AfterVerify, TakeKV).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ import torch
 from . import draft_count
 from .block_pool import BlockPool
 from .sampling import GREEDY, PARAMS
+
+if TYPE_CHECKING:
+    from ..grammar.spec import HeldGrammar
 
 
 class StateTable:
@@ -54,6 +58,8 @@ class StateTable:
         self.last_step = np.zeros(capacity, np.uint64)
         # slot -> the q support of its pending proposal's drafts (ids, probs), if sampled.
         self.pending_q: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # slot -> the grammar's masks answered with its pending proposal ([count + 1, W]).
+        self.pending_masks: dict[int, torch.Tensor] = {}
         self.sampling = np.zeros(capacity, PARAMS)  # how its drafts are chosen (sampling.py)
         # Output hidden of its last computed row: the hidden of the row of the last
         # draft, should all drafts be accepted.
@@ -80,6 +86,7 @@ class StateTable:
         self.accepted_sum[slot] = self.predicted_sum[slot] = 0
         self.pending_step[slot] = self.last_step[slot] = 0
         self.pending_q.pop(slot, None)
+        self.pending_masks.pop(slot, None)
         self.sampling[slot] = tuple(getattr(GREEDY, name) for name in PARAMS.names)
         self.last_used[slot] = now
         return slot
@@ -239,3 +246,4 @@ class KVHandle:
     blocks: list[int]
     num_rows: int
     expires_at: float
+    grammar: HeldGrammar | None = None  # the state's grammar, which InstallKV restores

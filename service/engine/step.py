@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
+from ..grammar.spec import GrammarChange
 from . import sampling as draws
 from .errors import DrafterError, InvalidArgument, num_accepted_negative
 from .types import Proposal, Verdict
@@ -52,6 +53,9 @@ class Step:
     # may choose (0: max_drafts), and the cost of verifying one more token.
     draft_caps: np.ndarray  # [B] int64
     verify_costs: np.ndarray  # [B] float64
+    # [B] object: the row's GrammarChange (its state's grammar from this step's token on),
+    # None where it keeps its grammar
+    grammars: np.ndarray
 
     def __len__(self) -> int:
         return len(self.state_ids)
@@ -89,6 +93,7 @@ def single(
     sampling: draws.Sampling | None = None,
     draft_cap: int = 0,
     verify_token_cost: float = 0.0,
+    grammar: GrammarChange | None = None,
     *,
     shape: StepShape,
 ) -> Step:
@@ -96,7 +101,8 @@ def single(
     [W] or [n, W] (xgrammar's layout), `previous` the verdict on its pending proposal,
     `step_number` the step's number (0: none), `sampling` the state's sampling from this
     step on (None: unchanged); with num_drafts 0, `draft_cap` and `verify_token_cost` as a
-    ProposeRequest's.
+    ProposeRequest's; `grammar` the state's grammar from this step's token on (None:
+    unchanged).
 
     Raises InvalidArgument for a tensor of the wrong shape or dtype, naming the
     Propose's field, as the request cannot be a row then.
@@ -124,7 +130,15 @@ def single(
         sampling=draws.changes([sampling]),
         draft_caps=np.array([draft_cap], np.int64),
         verify_costs=np.array([verify_token_cost], np.float64),
+        grammars=grammar_column([grammar]),
     )
+
+
+def grammar_column(changes: list[GrammarChange | None]) -> np.ndarray:
+    """A step's grammars column: [B] object, a GrammarChange or None per row."""
+    column = np.empty(len(changes), object)
+    column[:] = changes
+    return column
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor | None:

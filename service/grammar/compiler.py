@@ -18,7 +18,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from ..engine.errors import DeadlineExceeded, InvalidArgument
-from .spec import KINDS, GrammarSpec
+from .spec import KINDS, CompiledGrammar, GrammarSpec
 
 if TYPE_CHECKING:
     import xgrammar
@@ -50,7 +50,7 @@ class GrammarCompiler:
         self._compiled: OrderedDict[GrammarSpec, concurrent.futures.Future] = OrderedDict()
         self.compilations = 0  # grammars compiled (or tried), not served from the cache
 
-    def compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The compiled grammar, from the cache or compiled now (at most `timeout` s).
 
         Raises InvalidArgument (GRAMMAR_KIND, GRAMMAR_INVALID) or DeadlineExceeded
@@ -95,15 +95,15 @@ class GrammarCompiler:
         with self._lock:
             return spec in self._compiled
 
-    def _compile_now(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+    def _compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
         c = self._compiler
-        if spec.kind == "json_schema":
-            return c.compile_json_schema(spec.source)
-        if spec.kind == "ebnf":
-            return c.compile_grammar(spec.source)
-        if spec.kind == "regex":
-            return c.compile_regex(spec.source)
-        return c.compile_structural_tag(spec.source)
+        compile_kind = {
+            "json_schema": c.compile_json_schema,
+            "ebnf": c.compile_grammar,
+            "regex": c.compile_regex,
+            "structural_tag": c.compile_structural_tag,
+        }[spec.kind]
+        return CompiledGrammar(spec, compile_kind(spec.source))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -246,12 +246,11 @@ class MTPHead:
         step by step (the same kernels, launched one by one) otherwise. `before_wait`
         runs on the host once the whole chain is queued, before the wait (BeforeWait).
         """
-        step_rows = chain.step_rows(kv.block_size)
         graphs = self._graphs
         if graphs is not None and graphs.fits(chain):
-            return graphs.run(chain, step_rows, before_wait)
+            return graphs.run(chain, before_wait)
         dev, n = self.device, len(chain)
-        step_rows = torch.from_numpy(step_rows).to(dev)
+        step_rows = torch.from_numpy(chain.step_rows(kv.block_size)).to(dev)
         tokens = torch.from_numpy(chain.tokens).to(dev)
         hiddens = chain.hiddens.to(dev, self.dtype)
         tables = torch.from_numpy(chain.block_tables).to(dev)

@@ -83,8 +83,21 @@ class ServingLoop:
     ) -> asyncio.Future[StepResult]:
         """Queues one call's step; the future holds its rows' results once their batch
         ran, and cancelling it takes the call out of the queue. `caller`: the call's
-        span context (Telemetry.span_context), which its batch's span links."""
-        return self.scheduler.enqueue(step, timeout, caller)
+        span context (Telemetry.span_context), which its batch's span links. A step whose
+        rows give grammars is queued once they are compiled, off the engine's thread."""
+        if all(c is None or c.resolved for c in step.grammars):
+            return self.scheduler.enqueue(step, timeout, caller)
+        return asyncio.ensure_future(self._compiled_then_queued(step, timeout, caller))
+
+    async def _compiled_then_queued(
+        self, step: Step, timeout: float | None, caller: object
+    ) -> StepResult:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.to_thread(self.engine.grammars.compile_changes, step.grammars)
+        if timeout is not None:  # the compilation took part of the call's time
+            timeout = max(timeout - (loop.time() - started), 0.0)
+        return await self.scheduler.enqueue(step, timeout, caller)
 
     async def after_verify(self, state_id: int, verdict: Verdict) -> RowCount:
         return await self.runner.call(self.engine.after_verify, state_id, verdict)
@@ -131,6 +144,10 @@ class ServingLoop:
                             field="header",
                         )
                     state_id = chunk.state_id
+                    if chunk.header.grammar is not None:  # compiled off the engine's thread
+                        await asyncio.to_thread(
+                            self.engine.grammars.compile_held, chunk.header.grammar
+                        )
                     session = await self._opened(self.engine.import_kv, chunk)
                 elif chunk.state_id not in (0, state_id) or chunk.header is not None:
                     raise errors.InvalidArgument(

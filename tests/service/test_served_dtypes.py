@@ -102,14 +102,20 @@ def later_steps_perturbed(head: MTPHead, scale: float):
         del head.decode_chain
 
 
+# How far off chain steps 2..K read their hidden in the perturbed sessions: 6% in float32
+# and 15% in bf16, about fifteen and forty bf16 roundings (6% moved bf16 drafts' log
+# probabilities by 0.2 on an H100, inside bf16's tolerance). A defect reading the wrong
+# row, position or precision is off by far more.
+PERTURBED = {"float32": 0.06, "bfloat16": 0.15}
+
+
 @pytest.mark.parametrize(
     ("device", "dtype"),
     [("cpu", "float32"), pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu)],
 )
 def test_a_perturbed_later_chain_step_fails_the_check(tmp_path, device: str, dtype: str):
     """The same sessions pass as served, and fail once chain steps 2..K read their hidden
-    off by 6% (about fifteen bf16 roundings), which a defect reading the wrong row, position
-    or precision would far exceed."""
+    a little off (PERTURBED)."""
     ref = bf16_checkpoint(tmp_path, "deepseek-v3")
     ops = "triton" if device == "cuda" else "torch"
     head = MTPHead(load_mtp_weights(tmp_path), torch.device(device), getattr(torch, dtype), ops)
@@ -124,12 +130,11 @@ def test_a_perturbed_later_chain_step_fails_the_check(tmp_path, device: str, dty
             # Off the oracle outright, or off it after so many routing near ties that a
             # served session would fail.
             with (
-                later_steps_perturbed(head, 0.06),
+                later_steps_perturbed(head, PERTURBED[dtype]),
                 pytest.raises(AssertionError, match=r"draft [1-9]|drafts flipped"),
             ):
                 seq = Sequence(ref, client, 40, 3, dtype, rounding(dtype, SUM_TERMS))
                 tally = random_session(seq, STEPS, K, seed=3)
-                print("perturbed:", tally)
                 assert_few_flipped(tally, STEPS * K)
     finally:
         server.stop()

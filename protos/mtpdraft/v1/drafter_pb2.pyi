@@ -114,16 +114,18 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Grammar(_message.Message):
-    __slots__ = ("json_schema", "ebnf", "regex", "structural_tag")
+    __slots__ = ("json_schema", "ebnf", "regex", "structural_tag", "none")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     EBNF_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    NONE_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     ebnf: str
     regex: str
     structural_tag: str
-    def __init__(self, json_schema: _Optional[str] = ..., ebnf: _Optional[str] = ..., regex: _Optional[str] = ..., structural_tag: _Optional[str] = ...) -> None: ...
+    none: bool
+    def __init__(self, json_schema: _Optional[str] = ..., ebnf: _Optional[str] = ..., regex: _Optional[str] = ..., structural_tag: _Optional[str] = ..., none: bool = ...) -> None: ...
 
 class AllocStateRequest(_message.Message):
     __slots__ = ("sampling", "grammar")
@@ -170,7 +172,7 @@ class Verdict(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("state_id", "token", "hidden", "position", "num_drafts", "bitmask", "min_confidence", "previous", "step_number", "sampling", "draft_cap", "verify_token_cost", "return_bitmasks")
+    __slots__ = ("state_id", "token", "hidden", "position", "num_drafts", "bitmask", "min_confidence", "previous", "step_number", "sampling", "draft_cap", "verify_token_cost", "return_bitmasks", "grammar")
     STATE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +186,7 @@ class ProposeRequest(_message.Message):
     DRAFT_CAP_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
     RETURN_BITMASKS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     state_id: int
     token: int
     hidden: Tensor
@@ -197,7 +200,8 @@ class ProposeRequest(_message.Message):
     draft_cap: int
     verify_token_cost: float
     return_bitmasks: bool
-    def __init__(self, state_id: _Optional[int] = ..., token: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., position: _Optional[int] = ..., num_drafts: _Optional[int] = ..., bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., previous: _Optional[_Union[Verdict, _Mapping]] = ..., step_number: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_cap: _Optional[int] = ..., verify_token_cost: _Optional[float] = ..., return_bitmasks: bool = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, state_id: _Optional[int] = ..., token: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., position: _Optional[int] = ..., num_drafts: _Optional[int] = ..., bitmask: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., previous: _Optional[_Union[Verdict, _Mapping]] = ..., step_number: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_cap: _Optional[int] = ..., verify_token_cost: _Optional[float] = ..., return_bitmasks: bool = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("state_id", "tokens", "probs", "confidence", "first_position", "q_support", "q_ids", "q_probs", "bitmasks")
@@ -234,7 +238,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class ProposeBatchRequest(_message.Message):
-    __slots__ = ("request_id", "state_ids", "tokens", "positions", "hiddens", "num_drafts", "num_accepted", "refeed_rows", "refeed_hiddens", "bitmask_rows", "bitmasks", "min_confidence", "step_numbers", "sampling_rows", "sampling", "draft_caps", "verify_token_costs", "return_bitmasks")
+    __slots__ = ("request_id", "state_ids", "tokens", "positions", "hiddens", "num_drafts", "num_accepted", "refeed_rows", "refeed_hiddens", "bitmask_rows", "bitmasks", "min_confidence", "step_numbers", "sampling_rows", "sampling", "draft_caps", "verify_token_costs", "return_bitmasks", "grammar_rows", "grammars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +257,8 @@ class ProposeBatchRequest(_message.Message):
     DRAFT_CAPS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TOKEN_COSTS_FIELD_NUMBER: _ClassVar[int]
     RETURN_BITMASKS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_ROWS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMARS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     state_ids: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -271,7 +277,9 @@ class ProposeBatchRequest(_message.Message):
     draft_caps: _containers.RepeatedScalarFieldContainer[int]
     verify_token_costs: _containers.RepeatedScalarFieldContainer[float]
     return_bitmasks: bool
-    def __init__(self, request_id: _Optional[int] = ..., state_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., refeed_rows: _Optional[_Iterable[int]] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[_Iterable[float]] = ..., step_numbers: _Optional[_Iterable[int]] = ..., sampling_rows: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., draft_caps: _Optional[_Iterable[int]] = ..., verify_token_costs: _Optional[_Iterable[float]] = ..., return_bitmasks: bool = ...) -> None: ...
+    grammar_rows: _containers.RepeatedScalarFieldContainer[int]
+    grammars: _containers.RepeatedCompositeFieldContainer[Grammar]
+    def __init__(self, request_id: _Optional[int] = ..., state_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., refeed_rows: _Optional[_Iterable[int]] = ..., refeed_hiddens: _Optional[_Union[Tensor, _Mapping]] = ..., bitmask_rows: _Optional[_Iterable[int]] = ..., bitmasks: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[_Iterable[float]] = ..., step_numbers: _Optional[_Iterable[int]] = ..., sampling_rows: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., draft_caps: _Optional[_Iterable[int]] = ..., verify_token_costs: _Optional[_Iterable[float]] = ..., return_bitmasks: bool = ..., grammar_rows: _Optional[_Iterable[int]] = ..., grammars: _Optional[_Iterable[_Union[Grammar, _Mapping]]] = ...) -> None: ...
 
 class ProposeBatchResponse(_message.Message):
     __slots__ = ("request_id", "width", "drafts", "probs", "draft_counts", "confidences", "first_positions", "errors", "error", "q_support", "q_ids", "q_probs", "bitmask_rows", "bitmasks")
@@ -372,20 +380,24 @@ class ExportKVRequest(_message.Message):
     def __init__(self, handle_id: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., keep_handle: bool = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("model_fingerprint", "model_family", "dtype", "num_key_value_heads", "head_dim", "num_rows")
+    __slots__ = ("model_fingerprint", "model_family", "dtype", "num_key_value_heads", "head_dim", "num_rows", "grammar", "grammar_tokens")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FAMILY_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_KEY_VALUE_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     model_family: str
     dtype: DType
     num_key_value_heads: int
     head_dim: int
     num_rows: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., model_family: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_rows: _Optional[int] = ...) -> None: ...
+    grammar: Grammar
+    grammar_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_fingerprint: _Optional[str] = ..., model_family: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_rows: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., grammar_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("state_id", "header", "first_row", "k", "v")

@@ -193,15 +193,20 @@ class DrafterServicer(object):
 
     def TakeKV(self, request, context):
         """Detaches the state's KV (blocks and row count) into a handle; the state
-        stays allocated and empty. A handle not installed within the state TTL
-        is freed. NOT_FOUND, FAILED_PRECONDITION (a proposal awaits AfterVerify).
+        stays allocated and empty. The state's grammar, with its matcher's place,
+        goes with the KV: the state has none afterwards. A handle not installed
+        within the state TTL is freed. NOT_FOUND, FAILED_PRECONDITION (a proposal
+        awaits AfterVerify).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def InstallKV(self, request, context):
-        """Installs a handle's KV into an empty state and consumes the handle.
+        """Installs a handle's KV into an empty state and consumes the handle. KV
+        taken from a state with a grammar gives the state that grammar, its matcher
+        where the first state's stood (replacing the state's own); other KV leaves
+        the state's grammar as it is.
         NOT_FOUND (state or handle), FAILED_PRECONDITION (the state holds rows).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -211,7 +216,7 @@ class DrafterServicer(object):
     def ExportKV(self, request, context):
         """A KV handle's rows as bytes, for another server's ImportKV: the first chunk
         carries the header (the model's fingerprint, the KV's dtype and shape, the
-        number of rows), then the chunks carry the rows' K and V in order. Once the
+        number of rows, the state's grammar), then the chunks carry the rows' K and V in order. Once the
         last chunk is sent the handle is freed, unless keep_handle; a stream cut
         short leaves it (to export again or install) until its lease ends. A
         draining replica hands its states to the others so: TakeKV and ExportKV
