@@ -159,7 +159,7 @@ def with_server_stats(server: ServerProcess, fn: Any, *args: Any) -> dict[str, A
     """fn(*args) (a result with "samples" messages timed in "window"), plus the server's
     batch-size histogram over it (warm-up included) and its CPU per message in the window."""
     from mtpdraft.client import DrafterClient
-    from mtpdraft.client.loadtest_report import batch_histogram
+    from mtpdraft.client.loadtest.report import batch_histogram
 
     with DrafterClient(server.target, timeout=CALL_TIMEOUT_S) as client, CpuTrace(server) as cpu:
         before = client.info()

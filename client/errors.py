@@ -174,6 +174,22 @@ def from_rpc_error(err: grpc.RpcError) -> DrafterError:
     return error_from_status(code, details, _rich_status(err))
 
 
+class _TypedErrors:
+    """``with TYPED_ERRORS:`` raises a ``grpc.RpcError`` from within as its typed
+    :class:`DrafterError` (a class, not a generator: it stands on every call's path)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, err: BaseException | None, trace: object) -> bool:
+        if isinstance(err, grpc.RpcError):
+            raise from_rpc_error(err) from err
+        return False
+
+
+TYPED_ERRORS = _TypedErrors()
+
+
 def error_from_value(error: pb.Error) -> DrafterError:
     """The typed exception for an error carried as a value (a failed ProposeBatch row, or a
     ProposeStream message that failed as a whole)."""

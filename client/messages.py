@@ -1,4 +1,10 @@
-"""Request building and response parsing shared by the sync and asyncio clients.
+"""The clients' core: every call's arguments and documentation, its request, its answer.
+
+Each client method is written once, here, as a function of its arguments (``timeout``
+among them) returning a ``Call``: the RPC, the request message, how the answer is read.
+``DrafterClient`` and ``AsyncDrafterClient`` make their methods of these functions
+(``base.method_of``) and differ only in how they send a Call: on the blocking stub or on
+the grpc.aio one.
 
 Everything here is pure: Python / numpy / torch values in, protobuf messages
 out, and back. Argument checks happen here, eagerly, so a bad argument raises
@@ -9,10 +15,20 @@ Prefill, whose chunks are then produced lazily while the stream is sent).
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import operator
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, TypeAlias
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeAlias, TypeVar
 
 import numpy as np
 
@@ -20,6 +36,8 @@ from mtpdraft.v1 import drafter_pb2 as pb
 
 from . import wire
 from .errors import error_from_value
+from .kv_blob import kv_bytes, kv_chunks
+from .proto_record import record_values
 from .types import (
     BatchResult,
     Grammar,
@@ -33,6 +51,7 @@ from .types import (
     Verdict,
     VerifyResult,
 )
+from .wire import Array
 
 #: Default size bound of one PrefillChunk message, in bytes.
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
@@ -52,6 +71,23 @@ class _Default(enum.Enum):
 #: Sentinel for "use the client's default timeout" (None means no deadline).
 DEFAULT = _Default.TOKEN
 Timeout: TypeAlias = "float | Literal[_Default.TOKEN] | None"
+
+_R = TypeVar("_R")
+
+
+@dataclass(frozen=True)
+class Call(Generic[_R]):
+    """One call of a client method, ready to send, whichever client sends it: the stub's
+    method (``rpc``), its request (a message; for a client stream, an iterator of them),
+    how its answer is read (``parse``; of all its messages for a ``streamed`` answer, None
+    where they are handed on as they come) and its deadline (DEFAULT: the client's)."""
+
+    rpc: str
+    request: Any
+    parse: Callable[[Any], _R] | None
+    timeout: Timeout = DEFAULT
+    streamed: bool = False  # the server answers with a stream of messages
+
 
 #: The request metadata a proxy (or gRPC's ring_hash policy) routes by: every call with one
 #: key reaches one replica (deploy/README.md).
@@ -151,57 +187,9 @@ def get_info_request() -> pb.GetInfoRequest:
     return pb.GetInfoRequest()
 
 
-def prefill_chunks(
-    state: int,
-    tokens: Any,
-    hiddens: wire.Array | None,
-    start_position: int,
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> Iterator[pb.PrefillChunk]:
-    """The PrefillChunk stream for rows (tokens[i], hiddens[i]) from ``start_position``.
-
-    Checks the arguments now and returns a lazy iterator. Every chunk carries
-    ``state_id`` and ``start_position`` (the same values) and whole rows only;
-    each message's serialized size is at most ``chunk_bytes``. No rows gives one
-    empty chunk (``hiddens`` may then be None).
-    """
-    state_id = _uint64(state, "state")
-    start = _int(start_position, "start_position", -(2**63), 2**63 - 1)
-    toks = _tokens(tokens)
-    chunk_bytes = operator.index(chunk_bytes)
-    if hiddens is None:
-        if toks:
-            raise ValueError("hiddens: required when tokens is not empty")
-        return iter([pb.PrefillChunk(state_id=state_id, start_position=start)])
-    raw, dtype = wire.as_raw(hiddens, allowed=wire.HIDDEN_DTYPES, ndims=(1, 2), name="hiddens")
-    if raw.ndim == 1:  # one row may come flat, as the server takes it
-        raw = raw.reshape(1, -1)
-    n = raw.shape[0]
-    if n != len(toks):
-        raise ValueError(f"hiddens has {n} rows but there are {len(toks)} tokens")
-    token_bytes = 10 if toks and min(toks) < 0 else 5  # varint of a negative int32 is 10 bytes
-    row_bytes = raw.shape[1] * wire.ITEMSIZE[dtype] + token_bytes
-    rows_per_chunk = (chunk_bytes - CHUNK_OVERHEAD) // row_bytes
-    if rows_per_chunk < 1:
-        raise ValueError(
-            f"chunk_bytes {chunk_bytes} cannot hold one row ({row_bytes + CHUNK_OVERHEAD} bytes)"
-        )
-
-    def chunks() -> Iterator[pb.PrefillChunk]:
-        for lo in range(0, max(n, 1), rows_per_chunk):
-            hi = min(lo + rows_per_chunk, n)
-            chunk = pb.PrefillChunk(
-                state_id=state_id,
-                start_position=start,
-                tokens=toks[lo:hi],
-                # Lets the server tell a stream cut short from a finished one.
-                total_rows=n if lo == 0 else 0,
-            )
-            wire.tensor_from_raw(raw[lo:hi], dtype, into=chunk.hiddens)
-            yield chunk
-
-    return chunks()
+def prefill_chunks(*args: Any, **kwargs: Any) -> Iterator[pb.PrefillChunk]:
+    """``prefill``'s PrefillChunk stream (its arguments), checked now, made lazily."""
+    return prefill(*args, **kwargs).request
 
 
 def verdict_message(previous: Verdict | int, into: pb.Verdict | None = None) -> pb.Verdict:
@@ -217,43 +205,9 @@ def verdict_message(previous: Verdict | int, into: pb.Verdict | None = None) -> 
     return msg
 
 
-def propose_request(
-    state: int,
-    token: int,
-    hidden: wire.Array,
-    position: int,
-    num_drafts: int,
-    *,
-    bitmask: wire.Array | None = None,
-    min_confidence: float = 0.0,
-    previous: Verdict | int | None = None,
-    sampling: SamplingParams | None = None,
-    draft_cap: int = 0,
-    verify_token_cost: float = 0.0,
-    step_number: int = 0,
-    return_bitmasks: bool = False,
-) -> pb.ProposeRequest:
-    """A ProposeRequest; ``previous`` fuses the pending proposal's AfterVerify into it,
-    ``sampling`` changes the state's sampling from this step on; with ``num_drafts`` 0
-    the drafter chooses K up to ``draft_cap`` for ``verify_token_cost``; ``step_number``
-    numbers the step (0: not numbered)."""
-    req = pb.ProposeRequest(return_bitmasks=return_bitmasks)
-    req.state_id = _uint64(state, "state")
-    req.token = _int(token, "token", _INT32_MIN, _INT32_MAX)
-    wire.encode_hidden(hidden, ndims=(1, 2), name="hidden", into=req.hidden)
-    req.position = _int(position, "position", -(2**63), 2**63 - 1)
-    req.num_drafts = _int(num_drafts, "num_drafts", _INT32_MIN, _INT32_MAX)
-    req.min_confidence = float(min_confidence)
-    if bitmask is not None:
-        wire.encode_bitmask(bitmask, into=req.bitmask)
-    if previous is not None:
-        verdict_message(previous, into=req.previous)
-    if sampling is not None:
-        sampling_message(sampling, into=req.sampling)
-    req.draft_cap = _int(draft_cap, "draft_cap", _INT32_MIN, _INT32_MAX)
-    req.verify_token_cost = float(verify_token_cost)
-    req.step_number = _uint64(step_number, "step_number")
-    return req
+def propose_request(*args: Any, **kwargs: Any) -> pb.ProposeRequest:
+    """``propose``'s ProposeRequest (its arguments)."""
+    return propose(*args, **kwargs).request
 
 
 def _column(values: Any, name: str, dtype: type, size: int, *, one_for_all: bool) -> list:
@@ -274,74 +228,9 @@ def _column(values: Any, name: str, dtype: type, size: int, *, one_for_all: bool
     return arr.astype(dtype, copy=False).tolist()
 
 
-def batch_request(
-    state_ids: Any,
-    tokens: Any,
-    positions: Any,
-    hiddens: wire.Array,
-    num_drafts: Any,
-    *,
-    num_accepted: Any = None,
-    refeed_rows: Any = None,
-    refeed_hiddens: wire.Array | None = None,
-    bitmask_rows: Any = None,
-    bitmasks: wire.Array | None = None,
-    min_confidence: Any = None,
-    sampling: Mapping[int, SamplingParams] | None = None,
-    draft_caps: Any = None,
-    verify_token_costs: Any = None,
-    step_numbers: Any = None,
-    return_bitmasks: bool = False,
-) -> pb.ProposeBatchRequest:
-    """A ProposeBatchRequest: B states' step as columns (see ``DrafterClient.propose_batch``);
-    ``sampling`` maps rows to their states' new sampling."""
-    ids = np.asarray(state_ids.detach().cpu() if wire.is_torch_tensor(state_ids) else state_ids)
-    size = len(ids.reshape(-1))
-    req = pb.ProposeBatchRequest(
-        state_ids=_column(ids, "state_ids", np.uint64, size, one_for_all=False),
-        tokens=_column(tokens, "tokens", np.int32, size, one_for_all=False),
-        positions=_column(positions, "positions", np.int64, size, one_for_all=False),
-        num_drafts=_column(num_drafts, "num_drafts", np.int32, size, one_for_all=True),
-        return_bitmasks=return_bitmasks,
-    )
-    wire.encode_hidden(hiddens, ndims=(1, 2), name="hiddens", into=req.hiddens)
-    if num_accepted is not None:
-        req.num_accepted.extend(
-            _column(num_accepted, "num_accepted", np.int32, size, one_for_all=False)
-        )
-    # Counts and their tensor go as given: the server says when they do not fit together.
-    if refeed_rows is not None:
-        req.refeed_rows.extend(
-            _column(refeed_rows, "refeed_rows", np.int32, size, one_for_all=False)
-        )
-    if refeed_hiddens is not None:
-        wire.encode_hidden(
-            refeed_hiddens, ndims=(1, 2), name="refeed_hiddens", into=req.refeed_hiddens
-        )
-    if bitmask_rows is not None:
-        rows = _column(bitmask_rows, "bitmask_rows", np.int32, size, one_for_all=False)
-        req.bitmask_rows.extend(rows)
-    if bitmasks is not None:
-        allowed = wire.BITMASK_DTYPES
-        wire.encode(bitmasks, allowed=allowed, ndims=(1, 2), name="bitmasks", into=req.bitmasks)
-    if min_confidence is not None:
-        req.min_confidence.extend(
-            _column(min_confidence, "min_confidence", np.float32, size, one_for_all=True)
-        )
-    if sampling:
-        _sampling_rows(req, sampling)
-    if draft_caps is not None:
-        req.draft_caps.extend(_column(draft_caps, "draft_caps", np.int32, size, one_for_all=True))
-    if verify_token_costs is not None:
-        costs = _column(
-            verify_token_costs, "verify_token_costs", np.float32, size, one_for_all=True
-        )
-        req.verify_token_costs.extend(costs)
-    if step_numbers is not None:
-        req.step_numbers.extend(
-            _column(step_numbers, "step_numbers", np.uint64, size, one_for_all=True)
-        )
-    return req
+def batch_request(*args: Any, **kwargs: Any) -> pb.ProposeBatchRequest:
+    """``propose_batch``'s ProposeBatchRequest (its arguments): a ProposeStream's message."""
+    return propose_batch(*args, **kwargs).request
 
 
 def _sampling_rows(req: pb.ProposeBatchRequest, sampling: Mapping[int, SamplingParams]) -> None:
@@ -478,32 +367,6 @@ def export_kv_request(
     )
 
 
-def kv_bytes(chunks: Iterable[pb.KVChunk]) -> bytes:
-    """Exported KV as one self-describing blob: each chunk length-delimited (a varint
-    length, then the message), as protobuf's writeDelimitedTo writes a stream."""
-    out = bytearray()
-    for chunk in chunks:
-        data = chunk.SerializeToString()
-        out += _varint(len(data))
-        out += data
-    return bytes(out)
-
-
-def kv_chunks(kv: bytes | Iterable[pb.KVChunk]) -> Iterator[pb.KVChunk]:
-    """The chunks of exported KV, given as the blob of ``kv_bytes`` (checked whole now:
-    ValueError for one cut inside a chunk) or as ExportKV's chunks (passed on as they come)."""
-    if not isinstance(kv, bytes | bytearray | memoryview):
-        return iter(kv)
-    data, chunks, at = bytes(kv), [], 0
-    while at < len(data):
-        size, at = _read_varint(data, at)
-        if at + size > len(data):
-            raise ValueError(f"exported KV: cut short ({len(data) - at} of a chunk's {size} bytes)")
-        chunks.append(pb.KVChunk.FromString(data[at : at + size]))
-        at += size
-    return iter(chunks)
-
-
 def import_kv_chunks(state: int, kv: bytes | Iterable[pb.KVChunk]) -> Iterator[pb.KVChunk]:
     """ImportKV's requests: the exported chunks, the first set to name ``state``."""
     state_id = _uint64(state, "state")
@@ -532,27 +395,6 @@ def import_kv_chunks_async(
             yield chunk
 
     return named()
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, value = value & 0x7F, value >> 7
-        out.append(low | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _read_varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if at >= len(data) or shift > 63:
-            raise ValueError("exported KV: cut short or corrupt (a chunk's length)")
-        byte = data[at]
-        value |= (byte & 0x7F) << shift
-        at, shift = at + 1, shift + 7
-        if not byte & 0x80:
-            return value, at
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -645,32 +487,295 @@ def parse_import_kv(resp: pb.ImportKVResponse) -> InstallResult:
 
 
 def parse_info(resp: pb.GetInfoResponse) -> ServerInfo:
-    return ServerInfo(
-        model_family=resp.model_family,
-        hidden_size=int(resp.hidden_size),
-        vocab_size=int(resp.vocab_size),
-        num_attention_heads=int(resp.num_attention_heads),
-        num_key_value_heads=int(resp.num_key_value_heads),
-        head_dim=int(resp.head_dim),
-        compute_dtype=resp.compute_dtype,
-        hidden_dtypes=tuple(wire.dtype_name(d) for d in resp.hidden_dtypes),
-        device=resp.device,
-        max_drafts=int(resp.max_drafts),
-        max_batch=int(resp.max_batch),
-        max_states=int(resp.max_states),
-        live_states=int(resp.live_states),
-        kv_block_size=int(resp.kv_block_size),
-        kv_blocks_total=int(resp.kv_blocks_total),
-        kv_blocks_free=int(resp.kv_blocks_free),
-        kv_handles=int(resp.kv_handles),
-        state_ttl_seconds=float(resp.state_ttl_seconds),
-        max_message_bytes=int(resp.max_message_bytes),
-        bitmask_words=int(resp.bitmask_words),
-        draining=bool(resp.draining),
-        batch_size_counts={int(k): int(v) for k, v in resp.batch_size_counts.items()},
-        queued_calls=int(resp.queued_calls),
-        instance_epoch=int(resp.instance_epoch),
-        model_fingerprint=resp.model_fingerprint,
-        max_sample_top_k=int(resp.max_sample_top_k),
-        grammar_kinds=tuple(resp.grammar_kinds),
+    return ServerInfo(**record_values(resp))
+
+
+# --- calls: each client method once (its arguments, its documentation, its Call) -------------
+
+
+def info(*, timeout: Timeout = DEFAULT) -> Call[ServerInfo]:
+    """The server's model shape, limits and live counters."""
+    return Call("GetInfo", get_info_request(), parse_info, timeout)
+
+
+def alloc_state(
+    grammar: Grammar | None = None,
+    *,
+    sampling: SamplingParams | None = None,
+    timeout: Timeout = DEFAULT,
+) -> Call[int]:
+    """A new, empty state; returns its id. ``grammar``: what every draft obeys (none by
+    default); ``sampling``: how its drafts are chosen (default greedy)."""
+    return Call("AllocState", alloc_state_request(sampling, grammar), parse_alloc_state, timeout)
+
+
+def prefill(
+    state: int,
+    tokens: Sequence[int] | Array,
+    hiddens: Array | None,
+    start_position: int,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    timeout: Timeout = DEFAULT,
+) -> Call[PrefillResult]:
+    """Appends committed rows (tokens[i], hiddens[i]) at start_position + i, streamed in
+    chunks of at most ``chunk_bytes`` bytes each. All or nothing."""
+    # Checked now, made as they are sent: each chunk whole rows, at most chunk_bytes
+    # serialized, naming state_id and start_position; no rows, one empty chunk.
+    state_id = _uint64(state, "state")
+    start = _int(start_position, "start_position", -(2**63), 2**63 - 1)
+    toks = _tokens(tokens)
+    chunk_bytes = operator.index(chunk_bytes)
+    if hiddens is None:
+        if toks:
+            raise ValueError("hiddens: required when tokens is not empty")
+        chunks = iter([pb.PrefillChunk(state_id=state_id, start_position=start)])
+        return Call("Prefill", chunks, parse_prefill, timeout)
+    raw, dtype = wire.as_raw(hiddens, allowed=wire.HIDDEN_DTYPES, ndims=(1, 2), name="hiddens")
+    if raw.ndim == 1:  # one row may come flat, as the server takes it
+        raw = raw.reshape(1, -1)
+    n = raw.shape[0]
+    if n != len(toks):
+        raise ValueError(f"hiddens has {n} rows but there are {len(toks)} tokens")
+    token_bytes = 10 if toks and min(toks) < 0 else 5  # varint of a negative int32 is 10 bytes
+    row_bytes = raw.shape[1] * wire.ITEMSIZE[dtype] + token_bytes
+    rows_per_chunk = (chunk_bytes - CHUNK_OVERHEAD) // row_bytes
+    if rows_per_chunk < 1:
+        raise ValueError(
+            f"chunk_bytes {chunk_bytes} cannot hold one row ({row_bytes + CHUNK_OVERHEAD} bytes)"
+        )
+
+    def rows() -> Iterator[pb.PrefillChunk]:
+        for lo in range(0, max(n, 1), rows_per_chunk):
+            hi = min(lo + rows_per_chunk, n)
+            chunk = pb.PrefillChunk(
+                state_id=state_id,
+                start_position=start,
+                tokens=toks[lo:hi],
+                # Lets the server tell a stream cut short from a finished one.
+                total_rows=n if lo == 0 else 0,
+            )
+            wire.tensor_from_raw(raw[lo:hi], dtype, into=chunk.hiddens)
+            yield chunk
+
+    return Call("Prefill", rows(), parse_prefill, timeout)
+
+
+def propose(
+    state: int,
+    token: int,
+    hidden: Array,
+    position: int,
+    num_drafts: int,
+    *,
+    bitmask: Array | None = None,
+    min_confidence: float = 0.0,
+    previous: Verdict | int | None = None,
+    sampling: SamplingParams | None = None,
+    draft_cap: int = 0,
+    verify_token_cost: float = 0.0,
+    step_number: int = 0,
+    return_bitmasks: bool = False,
+    timeout: Timeout = DEFAULT,
+) -> Call[Proposal]:
+    """Up to ``num_drafts`` drafts after ``token`` (its target hidden: ``hidden``, at
+    ``position - 1``). ``previous`` first applies the verdict on the pending proposal;
+    ``sampling`` changes the state's sampling from this step on. ``num_drafts`` 0
+    lets the drafter choose how many, up to ``draft_cap`` (0: the server's
+    max_drafts), for the most tokens per verify cost, one more token costing
+    ``verify_token_cost`` of a verify step.
+
+    ``step_number`` (increasing with each of the state's steps; 0: none) makes the
+    call safe to send again when its outcome is unknown (a deadline, a broken
+    connection): the server answers a step it applied as it did, and applies it no
+    second time (``recovery.retry_step``). ``return_bitmasks``: for a state with a
+    grammar, the answer carries the grammar's bitmask at each draft's position and the
+    bonus position (``Proposal.bitmasks``)."""
+
+    req = pb.ProposeRequest(return_bitmasks=return_bitmasks)
+    req.state_id = _uint64(state, "state")
+    req.token = _int(token, "token", _INT32_MIN, _INT32_MAX)
+    wire.encode_hidden(hidden, ndims=(1, 2), name="hidden", into=req.hidden)
+    req.position = _int(position, "position", -(2**63), 2**63 - 1)
+    req.num_drafts = _int(num_drafts, "num_drafts", _INT32_MIN, _INT32_MAX)
+    req.min_confidence = float(min_confidence)
+    if bitmask is not None:
+        wire.encode_bitmask(bitmask, into=req.bitmask)
+    if previous is not None:
+        verdict_message(previous, into=req.previous)
+    if sampling is not None:
+        sampling_message(sampling, into=req.sampling)
+    req.draft_cap = _int(draft_cap, "draft_cap", _INT32_MIN, _INT32_MAX)
+    req.verify_token_cost = float(verify_token_cost)
+    req.step_number = _uint64(step_number, "step_number")
+    return Call("Propose", req, parse_proposal, timeout)
+
+
+def propose_batch(
+    state_ids: Array | Sequence[int],
+    tokens: Array | Sequence[int],
+    positions: Array | Sequence[int],
+    hiddens: Array,
+    num_drafts: Array | Sequence[int] | int,
+    *,
+    num_accepted: Array | Sequence[int] | None = None,
+    refeed_rows: Array | Sequence[int] | None = None,
+    refeed_hiddens: Array | None = None,
+    bitmask_rows: Array | Sequence[int] | None = None,
+    bitmasks: Array | None = None,
+    min_confidence: Array | Sequence[float] | float | None = None,
+    sampling: Mapping[int, SamplingParams] | None = None,
+    draft_caps: Array | Sequence[int] | int | None = None,
+    verify_token_costs: Array | Sequence[float] | float | None = None,
+    step_numbers: Array | Sequence[int] | int | None = None,
+    return_bitmasks: bool = False,
+    timeout: Timeout = DEFAULT,
+) -> Call[BatchResult]:
+    """A verifier's whole step for B states in one message, as columns.
+
+    Row i of every column is state_ids[i]'s: its last token, position and target
+    hidden (``hiddens`` [B, H]), K (``num_drafts``: B values or one), the verdict on
+    its pending proposal (``num_accepted``: B values, -1 for none), its refeed
+    (``refeed_rows`` B counts of ``refeed_hiddens`` rows, 0 or num_accepted), its
+    bitmask (``bitmask_rows`` B counts of ``bitmasks`` rows, 0 for none),
+    min_confidence (B values or one) and step number (``step_numbers``: B values or
+    one, as ``propose``'s ``step_number``); ``sampling`` maps rows to their states' new
+    sampling parameters; a row asking ``num_drafts`` 0 has the drafter choose its K,
+    up to ``draft_caps`` for ``verify_token_costs`` (B values or one). A row that
+    fails has its error in ``errors`` and leaves its state unchanged; the other rows
+    are answered.
+    """
+
+    ids = np.asarray(state_ids.detach().cpu() if wire.is_torch_tensor(state_ids) else state_ids)
+    size = len(ids.reshape(-1))
+    req = pb.ProposeBatchRequest(
+        state_ids=_column(ids, "state_ids", np.uint64, size, one_for_all=False),
+        tokens=_column(tokens, "tokens", np.int32, size, one_for_all=False),
+        positions=_column(positions, "positions", np.int64, size, one_for_all=False),
+        num_drafts=_column(num_drafts, "num_drafts", np.int32, size, one_for_all=True),
+        return_bitmasks=return_bitmasks,
     )
+    wire.encode_hidden(hiddens, ndims=(1, 2), name="hiddens", into=req.hiddens)
+    if num_accepted is not None:
+        req.num_accepted.extend(
+            _column(num_accepted, "num_accepted", np.int32, size, one_for_all=False)
+        )
+    # Counts and their tensor go as given: the server says when they do not fit together.
+    if refeed_rows is not None:
+        req.refeed_rows.extend(
+            _column(refeed_rows, "refeed_rows", np.int32, size, one_for_all=False)
+        )
+    if refeed_hiddens is not None:
+        wire.encode_hidden(
+            refeed_hiddens, ndims=(1, 2), name="refeed_hiddens", into=req.refeed_hiddens
+        )
+    if bitmask_rows is not None:
+        rows = _column(bitmask_rows, "bitmask_rows", np.int32, size, one_for_all=False)
+        req.bitmask_rows.extend(rows)
+    if bitmasks is not None:
+        allowed = wire.BITMASK_DTYPES
+        wire.encode(bitmasks, allowed=allowed, ndims=(1, 2), name="bitmasks", into=req.bitmasks)
+    if min_confidence is not None:
+        req.min_confidence.extend(
+            _column(min_confidence, "min_confidence", np.float32, size, one_for_all=True)
+        )
+    if sampling:
+        _sampling_rows(req, sampling)
+    if draft_caps is not None:
+        req.draft_caps.extend(_column(draft_caps, "draft_caps", np.int32, size, one_for_all=True))
+    if verify_token_costs is not None:
+        costs = _column(
+            verify_token_costs, "verify_token_costs", np.float32, size, one_for_all=True
+        )
+        req.verify_token_costs.extend(costs)
+    if step_numbers is not None:
+        req.step_numbers.extend(
+            _column(step_numbers, "step_numbers", np.uint64, size, one_for_all=True)
+        )
+    return batch_call(req, timeout)
+
+
+def propose_many(
+    requests: Sequence[ProposeArgs], *, timeout: Timeout = DEFAULT
+) -> Call[BatchResult]:
+    """``propose_batch`` of states given one by one: row i is ``requests[i]``'s
+    (``result.proposals()`` gives each row's Proposal, raising a failed row's error)."""
+    req = batch_request_of(requests)
+    return batch_call(req, timeout)
+
+
+def batch_call(req: pb.ProposeBatchRequest, timeout: Timeout = DEFAULT) -> Call[BatchResult]:
+    """The ProposeBatch Call of a request made otherwise (``batch_request``, or by hand)."""
+    return Call(
+        "ProposeBatch", req, functools.partial(parse_batch, state_ids=req.state_ids), timeout
+    )
+
+
+def after_verify(
+    state: int,
+    num_accepted: int,
+    *,
+    refeed_hiddens: Array | None = None,
+    timeout: Timeout = DEFAULT,
+) -> Call[VerifyResult]:
+    """The verifier accepted the first ``num_accepted`` drafts of the pending proposal."""
+    req = after_verify_request(state, num_accepted, refeed_hiddens=refeed_hiddens)
+    return Call("AfterVerify", req, parse_after_verify, timeout)
+
+
+def take_kv(state: int, *, timeout: Timeout = DEFAULT) -> Call[KVHandle]:
+    """Detaches the state's KV into a handle; the state stays allocated and empty."""
+    return Call("TakeKV", take_kv_request(state), parse_take_kv, timeout)
+
+
+def install_kv(
+    state: int, handle: KVHandle | int, *, timeout: Timeout = DEFAULT
+) -> Call[InstallResult]:
+    """Installs a handle's KV into an empty state, consuming the handle."""
+    return Call("InstallKV", install_kv_request(state, handle), parse_install_kv, timeout)
+
+
+def export_kv_chunks(
+    handle: KVHandle | int,
+    *,
+    max_chunk_bytes: int | None = None,
+    keep_handle: bool = False,
+    timeout: Timeout = DEFAULT,
+) -> Call[None]:
+    """ExportKV's chunks as they come: pass them to another server's ``import_kv``
+    without holding them all. The handle is freed once the last chunk is read,
+    unless ``keep_handle``."""
+    req = export_kv_request(handle, max_chunk_bytes, keep_handle)
+    return Call("ExportKV", req, None, timeout, streamed=True)  # handed on, not read here
+
+
+def export_kv(
+    handle: KVHandle | int,
+    *,
+    max_chunk_bytes: int | None = None,
+    keep_handle: bool = False,
+    timeout: Timeout = DEFAULT,
+) -> Call[bytes]:
+    """A KV handle's rows as bytes (with the model's fingerprint, the dtype and the KV
+    shape), for ``import_kv`` on another server of the same model. The handle is freed
+    once exported, unless ``keep_handle``."""
+    req = export_kv_request(handle, max_chunk_bytes, keep_handle)
+    return Call("ExportKV", req, kv_bytes, timeout, streamed=True)
+
+
+def import_kv(
+    state: int,
+    kv: bytes | Iterable[pb.KVChunk] | AsyncIterable[pb.KVChunk],
+    *,
+    timeout: Timeout = DEFAULT,
+) -> Call[InstallResult]:
+    """Installs exported KV (``export_kv``'s bytes, or ``export_kv_chunks``' chunks) into
+    an empty state: all or nothing."""
+    if isinstance(kv, AsyncIterable):  # an asyncio client's chunks, as they come
+        return Call("ImportKV", import_kv_chunks_async(state, kv), parse_import_kv, timeout)
+    return Call("ImportKV", import_kv_chunks(state, kv), parse_import_kv, timeout)
+
+
+def free_state(state: int, *, timeout: Timeout = DEFAULT) -> Call[bool]:
+    """Releases the state; returns whether it existed. Idempotent."""
+    return Call("FreeState", free_state_request(state), parse_free_state, timeout)

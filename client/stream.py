@@ -29,7 +29,7 @@ from mtpdraft.v1 import drafter_pb2 as pb
 
 from . import messages as m
 from .errors import DeadlineExceeded, DrafterError, Unavailable, error_from_value, from_rpc_error
-from .types import BatchResult, Proposal, ProposeArgs, SamplingParams, Verdict
+from .types import BatchResult, Proposal, ProposeArgs
 from .wire import Array
 
 _CLOSE = object()
@@ -61,20 +61,12 @@ def _one_state(
     position: int,
     num_drafts: int,
     *,
-    bitmask: Array | None = None,
-    min_confidence: float = 0.0,
-    previous: Verdict | int | None = None,
-    sampling: SamplingParams | None = None,
-    draft_cap: int = 0,
-    verify_token_cost: float = 0.0,
-    step_number: int = 0,
     return_bitmasks: bool = False,
+    **options: Any,
 ) -> pb.ProposeBatchRequest:
-    """A batch of one state (the arguments of ``DrafterClient.propose``)."""
-    args = ProposeArgs(
-        state, token, hidden, position, num_drafts, bitmask, min_confidence, previous,
-        sampling, draft_cap, verify_token_cost, step_number,
-    )  # fmt: skip
+    """A batch of one state: the arguments of ``DrafterClient.propose``, its keyword
+    options those of ProposeArgs."""
+    args = ProposeArgs(state, token, hidden, position, num_drafts, **options)
     return m.batch_request_of([args], return_bitmasks)
 
 

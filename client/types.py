@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mtpdraft.v1 import drafter_pb2 as pb
+
+from .proto_record import record_type
 from .wire import Array
 
 if TYPE_CHECKING:
@@ -177,34 +180,8 @@ class Grammar:
     structural_tag: str | dict | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ServerInfo:
-    """GetInfo: the model shape, limits and live counters (dtypes by name, e.g. "bfloat16")."""
+class ServerInfo(record_type(pb.GetInfoResponse.DESCRIPTOR)):  # type: ignore[misc]
+    """GetInfo: the model shape, limits and live counters, a field for each of
+    GetInfoResponse's (drafter.proto says what each holds); dtypes by name, e.g. "bfloat16"."""
 
-    model_family: str
-    hidden_size: int
-    vocab_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    compute_dtype: str
-    hidden_dtypes: tuple[str, ...]
-    device: str
-    max_drafts: int
-    max_batch: int
-    max_states: int
-    live_states: int
-    kv_block_size: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    kv_handles: int
-    state_ttl_seconds: float
-    max_message_bytes: int
-    bitmask_words: int
-    draining: bool
-    batch_size_counts: dict[int, int] = field(default_factory=dict)  # batch size -> batches
-    queued_calls: int = 0
-    instance_epoch: int = 0  # the server instance's: every state id it issues carries it
-    model_fingerprint: str = ""  # names the model's weights: replicas of one report the same
-    max_sample_top_k: int = 0  # the most tokens a sampled draft's q holds
-    grammar_kinds: tuple[str, ...] = ()  # Grammar kinds AllocState takes (none: no grammars)
+    __slots__ = ()

@@ -13,14 +13,17 @@ streams, checking each request here filled batches of 40 and 54 on average again
 60, 14.1k and 18.4k drafts/s against 17.5k and 19.6k).
 
 Out (the servicer): a step's StepResult, as a Proposal message (a Propose's one row)
-or as one ProposeBatchResponse.
+or as one ProposeBatchResponse; GetInfo's answer, the engine's and the serving loop's
+fields by their names.
 
 Both ways: exported KV (ExportKV's answers, ImportKV's requests) as KVChunk messages.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +36,9 @@ from .engine.sampling import Sampling
 from .engine.step import Step, StepResult, StepShape, single
 from .engine.types import PrefillChunk, Verdict
 from .grammar.spec import GrammarChange, GrammarSpec, HeldGrammar
+
+if TYPE_CHECKING:
+    from .serving.loop import ServerInfo
 
 DTYPES: dict[int, torch.dtype] = {
     pb.DTYPE_BF16: torch.bfloat16,
@@ -252,6 +258,17 @@ def read_kv_chunk(msg: pb.KVChunk) -> KVChunk:
 
 
 # --- out: the engine's results as responses -------------------------------------------
+
+
+def info(served: ServerInfo, max_message_bytes: int) -> pb.GetInfoResponse:
+    """GetInfo's answer: every field of the engine's EngineInfo and of the serving loop's
+    counters under its own name (tests/service/test_get_info_fields.py keeps the names
+    one set with the message's), and what the server itself takes."""
+    loop = {f.name: getattr(served, f.name) for f in dataclasses.fields(served)}
+    engine = dataclasses.asdict(loop.pop("engine"))
+    return pb.GetInfoResponse(
+        **engine, **loop, hidden_dtypes=HIDDEN_DTYPES, max_message_bytes=max_message_bytes
+    )
 
 
 def tensor(t: torch.Tensor) -> pb.Tensor:

@@ -226,14 +226,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     @rpc
     async def GetInfo(self, request, context):
-        info = await self.serving.info()
-        return pb.GetInfoResponse(
-            **vars(info.engine),
-            hidden_dtypes=convert.HIDDEN_DTYPES,
-            max_message_bytes=self.max_message_bytes,
-            batch_size_counts=info.batch_size_counts,
-            queued_calls=info.queued_calls,
-        )
+        return convert.info(await self.serving.info(), self.max_message_bytes)
 
     @rpc
     async def AllocState(self, request, context):

@@ -355,7 +355,6 @@ class DraftEngine:
         `refeeds`: the target's hiddens of the accepted drafts, where a verdict has them."""
         t = self.table
         first, k = t.pending_row[slots], t.pending_count[slots]
-        t.count_verdicts(slots, accepted)
         computed_end = first + t.pending_computed[slots]
         rows_after = first + 1 + accepted
         keep = np.minimum(rows_after, computed_end)
@@ -399,6 +398,7 @@ class DraftEngine:
         self.reserve(state, rows_after, "verdict")
         refeeds = {} if refeed is None else {0: refeed}
         self._count_verdicts((t.pending_count[[slot]], np.array([a])))
+        t.count_verdicts(np.array([slot]), np.array([a]))
         if self.grammars.matchers.get(slot) is not None:
             self.grammars.commit(slot, t.pending_drafts[slot, :a].tolist(), "verdict")
         recompute = self._apply_verdicts(np.array([slot]), np.array([a]), refeeds)
@@ -501,16 +501,24 @@ class DraftEngine:
     def _draft(self, step, rows, slots, base_rows, k, result: StepResult) -> None:
         t = self.table
         # Rows that leave K to the drafter: their verify token cost (NaN: K was asked).
-        costs = np.where(step.num_drafts[rows] == 0, step.verify_costs[rows], np.nan)
+        chooses = step.num_drafts[rows] == 0
+        costs = np.where(chooses, step.verify_costs[rows], np.nan)
         t.set_sampling(slots, step.sampling[rows])
         t.grow(slots, base_rows + k)
         recompute: list[tuple[int, Segment]] = []
         judged = np.flatnonzero(step.num_accepted[rows] >= 0)
         verdicts = None  # (drafts proposed, drafts accepted) of each verdict, to count
+        later = None  # the verdicts the calibration counts while the device drafts
         if len(judged):
             refeeds = _ragged_rows(step.refeed_hiddens, step.refeed_counts, rows[judged])
             accepted = step.num_accepted[rows][judged]
             verdicts = (t.pending_count[slots[judged]], accepted)
+            # A row choosing its K is calibrated with this verdict before it drafts; the
+            # others' verdicts are counted off the launch's path.
+            now = chooses[judged]
+            if now.any():
+                t.count_verdicts(slots[judged][now], accepted[now])
+            later = (slots[judged][~now], accepted[~now])
             segments = self._apply_verdicts(slots[judged], accepted, refeeds)
             recompute = [(int(judged[j]), segments[j]) for j in sorted(segments)]
         mask_starts = np.cumsum(step.mask_counts) - step.mask_counts
@@ -520,13 +528,18 @@ class DraftEngine:
         record_ahead = not recompute and (k == k[0]).all() and np.isnan(costs).all()
         chain_ran = False
 
+        def count() -> None:
+            self._count_verdicts(verdicts)
+            if later is not None and len(later[0]):  # before _record: it reads pending counts
+                t.count_verdicts(*later)
+
         def before_wait(hiddens: torch.Tensor) -> None:
             # Host work that needs no draft, done while the device drafts: the verdicts
             # counted and, with record_ahead, the proposals recorded (again below if a
             # chain is cut short).
             nonlocal chain_ran
             chain_ran = True
-            self._count_verdicts(verdicts)
+            count()
             if record_ahead:
                 self._record(slots, base_rows, k, k, index, hiddens[-1])
 
@@ -547,7 +560,7 @@ class DraftEngine:
                 recompute=recompute,
                 sampling=t.sampling[slots],
                 verify_costs=costs,
-                calibration=t.calibration(slots),
+                calibration=t.calibration(slots) if chooses.any() else np.ones((len(slots), 0)),
                 state_ids=step.state_ids[rows],
                 support=self.config.max_sample_top_k,
             ),
@@ -555,7 +568,7 @@ class DraftEngine:
             self.grammars,
         )
         if not chain_ran:
-            self._count_verdicts(verdicts)
+            count()
         if not (chain_ran and record_ahead and (drafted.counts == k).all()):
             self._record(
                 slots, base_rows, drafted.counts, drafted.rows_computed, index, last_hiddens

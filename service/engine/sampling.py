@@ -71,6 +71,8 @@ def changes(values: list[Sampling | None]) -> np.ndarray:
 def first_bad(column: np.ndarray) -> np.ndarray:
     """Per row of a changes column, 1 + the index of its first failed check, 0 if none."""
     first = np.zeros(len(column), np.int64)
+    if not column["set"].any():  # the usual step: no row changes its sampling
+        return first
     for c in range(len(_CHECKS), 0, -1):
         first[column["set"] & _CHECKS[c - 1][1](column)] = c
     return first

@@ -26,8 +26,8 @@ from mtpdraft.client.loadtest import (
     run_load,
     run_loadtest,
 )
-from mtpdraft.client.loadtest_report import MAX_PLOT_POINTS
-from mtpdraft.client.loadtest_verifier import Acceptance, IntRange
+from mtpdraft.client.loadtest.report import MAX_PLOT_POINTS
+from mtpdraft.client.loadtest.verifier import Acceptance, IntRange
 from mtpdraft.service.telemetry import Telemetry
 
 # Small enough for the shared test server (32 states, 1024 KV rows, K <= 8).

@@ -32,8 +32,8 @@ from mtpdraft.client.loadtest import (
     run_load,
     run_loadtest,
 )
-from mtpdraft.client.loadtest_report import build_report, plot_figure, summary
-from mtpdraft.client.loadtest_verifier import (
+from mtpdraft.client.loadtest.report import build_report, plot_figure, summary
+from mtpdraft.client.loadtest.verifier import (
     Acceptance,
     HiddenPool,
     IntRange,

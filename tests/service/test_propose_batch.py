@@ -386,7 +386,7 @@ def test_columns_that_do_not_fit_fail_the_call(client, ref, change, reason, fiel
                 del field_[:]
                 field_.extend(value)
         with pytest.raises(InvalidArgument) as info:
-            client._batch(request, 30.0)
+            client._send(m.batch_call(request, 30.0))
         assert (info.value.reason, info.value.field) == (reason, field)
         # Nothing changed: the step as it should be drafts what the oracle says.
         got = client.propose_batch(v.states, toks, pos, hid, 2)

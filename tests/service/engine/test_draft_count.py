@@ -102,3 +102,34 @@ def test_verdicts_calibrate_the_count(engine: DraftEngine, cost: float) -> None:
             assert calibration.b()[0] > 1  # depths never reached stay at 1
         else:
             assert calibration.b()[0] < 1
+
+
+def test_verdicts_on_a_fixed_k_calibrate_a_count_chosen_later(engine: DraftEngine) -> None:
+    """Verdicts on proposals of a fixed K count too (off the launch's path): a state that
+    turns to num_drafts 0 keeps the count its whole history of verdicts says, not the
+    count its last verdict alone (carried by the step that chooses) would say."""
+    fixed, turning, tokens, hiddens = twins(engine, 4)
+    calibration, last_only = Calibration(CAP), Calibration(CAP)
+    position, token, hidden, verdict = 8, tokens[-1], hiddens[-1], None
+    for step in range(6):
+        args = dict(previous=verdict)
+        full = propose(engine, ProposeArgs(fixed, token, hidden, position, CAP, **args))
+        got = propose(engine, ProposeArgs(turning, token, hidden, position, CAP, **args))
+        assert got.tokens == full.tokens
+        calibration.verdict(got.probs, CAP)  # every draft accepted
+        verdict = Verdict(CAP)
+        token, hidden = 7 + step, torch.randn(64, generator=torch.Generator().manual_seed(step))
+        position += CAP + 1
+    last_only.verdict(got.probs, CAP)
+    full = propose(engine, ProposeArgs(fixed, token, hidden, position, CAP, previous=verdict))
+    b = calibration.b()
+    # A cost at which the whole history gives another count than the last verdict alone.
+    cost = next(
+        c for c in (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
+        if chosen(full.probs, b, c) != chosen(full.probs, last_only.b(), c)
+    )  # fmt: skip
+    got = propose(
+        engine,
+        ProposeArgs(turning, token, hidden, position, 0, previous=verdict, verify_token_cost=cost),
+    )
+    assert got.tokens == full.tokens[: chosen(full.probs, b, cost)]

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .loadtest_verifier import Samples
-from .types import ServerInfo
+from ..types import ServerInfo
+from .verifier import Samples
 
 # Scatter points in the latency plot at most: a long run would otherwise make a
 # PNG that takes minutes to draw and shows nothing more.

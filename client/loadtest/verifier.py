@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from .async_client import AsyncDrafterClient
-from .errors import DeadlineExceeded, DrafterError
-from .stream import AsyncProposeStream
-from .types import Proposal, Verdict
+from ..async_client import AsyncDrafterClient
+from ..errors import DeadlineExceeded, DrafterError
+from ..stream import AsyncProposeStream
+from ..types import Proposal, Verdict
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer

@@ -1,48 +1,5 @@
-"""``mtpdraft loadtest``: many simulated verifiers against a drafter.
-
-    mtpdraft loadtest --target drafter.internal:50051 --mode stream --verifiers 64 \\
-        --duration 10 --accept geometric:0.7 --num-drafts 4 --prompt-len 64:512 \\
-        --out report.json --plot report.png
-
-The target is any server a client reaches: HOST:PORT or unix:PATH, over TLS or
-mutual TLS and with a bearer token as the clients' options say (``--tls-ca``,
-``--tls-cert`` / ``--tls-key``, ``--token-file``; see `command_line`).
-
-Each verifier (see `loadtest_verifier`) runs sequences of verify steps on its
-own state: ``--mode stream`` (one ProposeStream per verifier, the hot path: a
-message a step, its state a batch of one), ``unary`` (Propose carrying the
-previous verdict: one round trip per step) or ``split`` (AfterVerify then
-Propose: two). Closed loop by default (each
-verifier's next step starts when the last is answered, after ``--verify-ms``);
-``--rate R`` makes it open loop: Poisson arrivals at R steps/s in all. The
-warm-up lasts until every verifier is through its first ``--warmup-steps``
-steps (its first prefill among them, however slow the machine); they are counted
-apart. Then the run lasts ``--duration`` seconds or ``--requests`` steps,
-whichever comes first, and the report says why its measured window is not
-``--duration`` long when it is not.
-
-The report gives propose latency percentiles (from the send and, in open loop,
-from the scheduled arrival), drafts and steps per second, errors by status code
-name (reported, not fatal unless ``--fail-on-error``), and the server's
-batch-size histogram and queue depth over the run. A line of progress goes to
-stderr every second.
-
-A server that drains (a call refused for it, or GetInfo, polled all along,
-says so) or stops answering (GetInfo failing for ``LOST_AFTER_S``) ends the run
-early, as does Ctrl-C: the report then holds what was measured, says why it
-ended, and the command exits 3 (130 for Ctrl-C).
-
-Tracing: with OTEL_TRACES_EXPORTER set (e.g. otlp, console), every sequence and
-verify step gets a span ("loadtest.sequence", "loadtest.step") and the channel
-is instrumented, so a trace viewer joins them with the server's spans (the
-server continues the W3C trace context). In stream mode gRPC traces the whole
-stream as one call, so steps are not parents of server work there; use
-``--mode unary`` to see each step's server spans. ``run_load(...,
-tracer_provider=...)`` injects a provider instead (tests).
-
-A run is bounded, against a typing slip: ``--max-duration`` (600 s) and
-``--max-verifiers`` (1024) raise the bounds.
-"""
+"""A load test's run: its configuration, its verifiers in one process or several, the
+server watched all along, its report; and the ``loadtest`` command's parser."""
 
 from __future__ import annotations
 
@@ -68,8 +25,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from .async_client import AsyncDrafterClient
-from .command_line import (
+from ..async_client import AsyncDrafterClient
+from ..command_line import (
     OptionError,
     Security,
     add_security_options,
@@ -77,9 +34,12 @@ from .command_line import (
     check_target,
     security_from_args,
 )
-from .errors import DrafterError
-from .loadtest_report import build_report, summary, write_json, write_plot
-from .loadtest_verifier import (
+from ..errors import DrafterError
+from ..security import open_channel
+from ..tracing import exporting_provider
+from ..types import ServerInfo
+from .report import build_report, summary, write_json, write_plot
+from .verifier import (
     DRAINING,
     HIDDEN_POOL_ROWS,
     MODES,
@@ -93,8 +53,6 @@ from .loadtest_verifier import (
     WarmUp,
     Window,
 )
-from .security import open_channel
-from .types import ServerInfo
 
 # The bounds of a run, which --max-duration and --max-verifiers raise.
 DEFAULT_MAX_DURATION_S = 600.0
@@ -266,15 +224,7 @@ def _check_server(config: LoadTestConfig, info: ServerInfo) -> list[str]:
 
 def _env_tracer_provider() -> Any:
     """A TracerProvider from the OTEL_* variables, or None (tracing then costs nothing)."""
-    choice = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if choice in ("", "none") or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
-        return None  # without importing OpenTelemetry or the service (and torch) at all
-    from mtpdraft.service.telemetry import providers_from_env
-
-    tracer_provider, meter_provider = providers_from_env()
-    if meter_provider is not None:
-        meter_provider.shutdown()  # the load test records no metrics
-    return tracer_provider
+    return exporting_provider("mtpdraft")
 
 
 def _traced_channel(config: LoadTestConfig, tracer_provider: Any) -> grpc.aio.Channel:
@@ -902,7 +852,3 @@ def main(argv: list[str] | None = None) -> int:
     add_loadtest_parser(parser.add_subparsers(dest="command", required=True))
     argv = sys.argv[1:] if argv is None else argv
     return run_loadtest(parser.parse_args(["loadtest", *argv]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
