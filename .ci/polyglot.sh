@@ -4,7 +4,7 @@
 # For a fresh Debian machine, as root, after `pip install -e '.[dev]'`: installs the
 # Debian packages it needs, builds client/{node,go,cpp} and their examples (make -f
 # client/polyglot.mk), starts `python3 -m mtpdraft serve --port 0 --device cpu`, runs the four
-# runners, the Node and Go unit tests and each client's example program, stops the server.
+# runners, the Node, Go and C++ unit tests and each client's example program, stops the server.
 # Each client's verifier-side accept is checked against tests/conformance/sampling_vector.json
 # (no server). Exits non-zero if any of them failed. The Python run (tests/conformance) also
 # replays the vector on servers of its own (float32; other CPUs' kernels), checks its drafts
@@ -81,9 +81,10 @@ run cpp 120 client/cpp/build/mtpdraft-conformance --address "$MTPDRAFT_CONFORMAN
 run node-sampling 60 node client/node/sampling_conformance.js --vector "$sampling_vector"
 run go-sampling 60 client/go/build/bin/mtpdraft-sampling -vector "$sampling_vector"
 run cpp-sampling 60 client/cpp/build/mtpdraft-sampling --vector "$sampling_vector"
-# The Node and Go clients' own unit tests (a fake server in the test process).
+# The clients' own unit tests (a fake server in the test process).
 run node-unit 120 npm --prefix client/node test
 run go-unit 300 make -s -f client/polyglot.mk polyglot-go-test
+run cpp-unit 60 client/cpp/build/mtpdraft-client-test
 # Each client used from a program of its own (examples/clients, client/cpp/examples).
 run node-example 60 node examples/clients/node/main.js --address "$MTPDRAFT_CONFORMANCE_ADDRESS"
 run go-example 60 client/go/build/bin/drafter-example -address "$MTPDRAFT_CONFORMANCE_ADDRESS"

@@ -58,10 +58,13 @@ PG_CPP_DIR := client/cpp
 PG_CPP_BUILD := $(PG_CPP_DIR)/build
 PG_CPP_BIN := $(PG_CPP_BUILD)/mtpdraft-conformance
 PG_CPP_SAMPLING := $(PG_CPP_BUILD)/mtpdraft-sampling
+# The client's own tests (a fake server in the test process).
+PG_CPP_TEST := $(PG_CPP_BUILD)/mtpdraft-client-test
 PG_CPP_PREFIX := $(abspath $(PG_CPP_BUILD)/install)
 PG_CPP_EXAMPLES := $(PG_CPP_BUILD)/example/drafter-example $(PG_CPP_BUILD)/example-subdir/drafter-example
 PG_CPP_SRCS := $(PG_PROTO) $(wildcard $(PG_CPP_DIR)/CMakeLists.txt $(PG_CPP_DIR)/cmake/* \
-	$(PG_CPP_DIR)/include/mtpdraft/*.h $(PG_CPP_DIR)/src/*.cc $(PG_CPP_DIR)/conformance/*.cc)
+	$(PG_CPP_DIR)/include/mtpdraft/*.h $(PG_CPP_DIR)/src/*.cc $(PG_CPP_DIR)/conformance/*.cc \
+	$(PG_CPP_DIR)/tests/*.cc)
 PG_CPP_EXAMPLE_SRCS := $(wildcard $(PG_CPP_DIR)/examples/CMakeLists.txt $(PG_CPP_DIR)/examples/*.cc)
 # google/rpc/{status,error_details}.proto (an error's reason and field), as the Python
 # package googleapis-common-protos ships them (a dependency of the service's own).
@@ -131,7 +134,7 @@ $(PG_GO_EXAMPLE): $(PG_GO_MODFILE) $(PG_GO_EXAMPLE_DIR)/go.mod $(wildcard $(PG_G
 	cd $(PG_GO_EXAMPLE_DIR) && $(PG_GO_MOD_ENV) go vet -modfile=$(abspath $(PG_GO_BUILD)/gomod/example.mod) . && \
 		$(PG_GO_MOD_ENV) go build -modfile=$(abspath $(PG_GO_BUILD)/gomod/example.mod) -o $(abspath $@) .
 
-polyglot-cpp: $(PG_CPP_BIN) $(PG_CPP_SAMPLING) $(PG_CPP_EXAMPLES)
+polyglot-cpp: $(PG_CPP_BIN) $(PG_CPP_SAMPLING) $(PG_CPP_TEST) $(PG_CPP_EXAMPLES)
 
 # (A recipe line starting with + shares make's job slots with the build that cmake runs.)
 $(PG_CPP_BIN): $(PG_CPP_SRCS)
@@ -143,6 +146,9 @@ $(PG_CPP_BIN): $(PG_CPP_SRCS)
 # Built with the conformance runner (MTPDRAFT_CLIENT_CONFORMANCE).
 $(PG_CPP_SAMPLING): $(PG_CPP_BIN)
 	cp $(PG_CPP_BUILD)/cmake/mtpdraft-sampling $@
+
+$(PG_CPP_TEST): $(PG_CPP_BIN)
+	cp $(PG_CPP_BUILD)/cmake/mtpdraft-client-test $@
 
 $(PG_CPP_BUILD)/example/drafter-example: $(PG_CPP_BIN) $(PG_CPP_EXAMPLE_SRCS)
 	$(PG_CMAKE) -S $(PG_CPP_DIR)/examples -B $(PG_CPP_BUILD)/example -DCMAKE_PREFIX_PATH=$(PG_CPP_PREFIX)

@@ -23,7 +23,7 @@ function parseArgs(argv) {
   return args;
 }
 
-const FORMAT = 'mtpdraft-conformance/2';
+const FORMAT = 'mtpdraft-conformance/3';
 const OPERATIONS = new Set([
   'GetInfo', 'AllocState', 'Prefill', 'Propose', 'ProposeBatch', 'ProposeStream', 'AfterVerify',
   'TakeKV', 'InstallKV', 'FreeState',
@@ -78,6 +78,12 @@ function tensor(t) {
   return t ? Tensor.raw(t.dtype, t.shape, Buffer.from(t.data, 'base64')) : null;
 }
 
+// A SamplingParams of the vector ({ temperature, top_k, top_p, min_p, seed }) as the client
+// takes it (null for none).
+function sampling(s) {
+  return s ? { temperature: s.temperature, topK: s.top_k, topP: s.top_p, minP: s.min_p, seed: s.seed } : null;
+}
+
 // The client's propose arguments for a Propose operation.
 function proposeArgs(op) {
   const prev = op.previous;
@@ -89,6 +95,9 @@ function proposeArgs(op) {
     bitmask: tensor(op.bitmask),
     minConfidence: op.min_confidence,
     previous: prev && { numAccepted: prev.num_accepted, refeedHiddens: tensor(prev.refeed_hiddens) },
+    sampling: sampling(op.sampling),
+    draftCap: op.draft_cap,
+    verifyTokenCost: op.verify_token_cost,
   };
 }
 
@@ -116,6 +125,10 @@ function batchArgs(op, stateId) {
     bitmaskRows: typed(Int32Array, op.bitmask_rows),
     bitmasks: tensor(op.bitmasks),
     minConfidence: op.min_confidence,
+    samplingRows: typed(Int32Array, op.sampling_rows),
+    sampling: op.sampling?.map(sampling),
+    draftCaps: typed(Int32Array, op.draft_caps),
+    verifyTokenCosts: op.verify_token_costs,
   };
 }
 
@@ -136,7 +149,18 @@ function batchOutputs(r) {
       reason: e.reason ?? '',
       field: e.field ?? '',
     })),
+    q_support: r.qSupport,
+    q_ids: qRows(r, r.qIds),
+    q_probs: qRows(r, r.qProbs),
   };
+}
+
+// A batch's q column as [B][width][support] lists.
+function qRows(r, flat) {
+  const s = r.qSupport;
+  if (!s) return [];
+  return Array.from(r.counts, (_, i) =>
+    Array.from({ length: r.width }, (_, j) => Array.from(flat.subarray((i * r.width + j) * s, (i * r.width + j + 1) * s))));
 }
 
 // A Proposal's outputs, named as in the vector; it must be the state's.
@@ -147,10 +171,13 @@ function proposalOutputs(p, state) {
     probs: p.probs,
     confidence: p.confidence,
     first_position: p.firstPosition,
+    q_support: p.qSupport ?? 0,
+    q_ids: p.qIds ?? [],
+    q_probs: p.qProbs ?? [],
   };
 }
 
-const FLOAT_KEYS = new Set(['probs', 'confidence', 'confidences']);
+const FLOAT_KEYS = new Set(['probs', 'confidence', 'confidences', 'q_probs']);
 
 // Whether `got` is `want` within `tol`, number by number (nested lists alike).
 function close(want, got, tol) {
@@ -165,7 +192,13 @@ function rowErrorText(e) {
   return e && typeof e === 'object' ? `${e.row} ${errorText(e.code, e.reason || '', e.field || '')}` : String(e);
 }
 
+// The fields of `expected` that `actual` does not match; with one_of (the answers a sampled
+// draft may give), none where `actual` matches one of them.
 function mismatches(expected, actual, tol) {
+  if (expected.one_of) {
+    const tries = expected.one_of.map((answer) => mismatches(answer, actual, tol));
+    return tries.some((bad) => bad.length === 0) ? [] : [`none of ${tries.length} answers: ${tries[0].join('; ')}`];
+  }
   const out = [];
   for (const [key, want] of Object.entries(expected)) {
     const got = actual[key];
@@ -213,7 +246,8 @@ class Replayer {
     }
     if (op.op === 'AllocState') {
       const grammar = op.grammar ? grammarOf(op.grammar) : null;
-      this.states.set(op.state, this.nonZero(await c.allocState(grammar), 'AllocState'));
+      const state = await c.allocState(grammar, { sampling: sampling(op.sampling) });
+      this.states.set(op.state, this.nonZero(state, 'AllocState'));
       return {};
     }
     if (op.op === 'ProposeBatch') {

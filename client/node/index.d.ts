@@ -23,6 +23,20 @@ export declare const Tensor: {
 /** A uint64 id: allocState returns decimal strings; BigInts and safe integers are taken too. */
 export type Id = string | bigint | number;
 
+/**
+ * How a state's drafts are chosen, vLLM's sampling parameters (each absent: 0). Temperature
+ * 0 is greedy; above 0 each draft is drawn from q, the head's distribution after temperature,
+ * minP, topK and topP, and the answer carries q. A draw depends only on (seed, state,
+ * position, draft index).
+ */
+export interface SamplingParams {
+  temperature?: number;
+  topK?: number;
+  topP?: number;
+  minP?: number;
+  seed?: number | bigint | string;
+}
+
 /** The verdict on a state's pending proposal: how many drafts the target accepted. */
 export interface Verdict {
   numAccepted: number;
@@ -49,6 +63,12 @@ export interface ProposeArgs {
   stepNumber?: number | bigint | string;
   /** For a state with a grammar: answer its bitmask at each draft's and the bonus position. */
   returnBitmasks?: boolean;
+  /** The state's sampling from this step on. */
+  sampling?: SamplingParams | null;
+  /** With numDrafts 0 (the drafter chooses K): the most drafts (0: maxDrafts) ... */
+  draftCap?: number;
+  /** ... for the most tokens per unit of verify cost: one more token's share of a verify step. */
+  verifyTokenCost?: number;
 }
 
 /** One state of a batch given state by state (batchOf). */
@@ -64,6 +84,11 @@ export interface Proposal {
   firstPosition: number;
   /** Asked with returnBitmasks, for a state with a grammar: int32 [tokens + 1, words]. */
   bitmasks?: TensorMessage;
+  /** Sampled drafts: each draft's q, [tokens][qSupport] ids (most probable first) and
+   * probabilities (probs[j] is q(tokens[j])). */
+  qSupport?: number;
+  qIds?: number[][];
+  qProbs?: number[][];
 }
 
 export interface Rows {
@@ -137,6 +162,14 @@ export interface Batch {
   stepNumbers?: BigUint64Array | Iterable<bigint | number | string> | bigint | number | null;
   /** Answer each grammar state's bitmasks (BatchResult.bitmaskRows, bitmasks). */
   returnBitmasks?: boolean;
+  /** The rows (ascending, each once) whose states take new sampling from this step on ... */
+  samplingRows?: Int32Array | Iterable<number> | null;
+  /** ... and their parameters, one per row listed. */
+  sampling?: SamplingParams[] | null;
+  /** For rows with numDrafts 0: B values, or one for all (ProposeArgs.draftCap). */
+  draftCaps?: Int32Array | Iterable<number> | number | null;
+  /** For rows with numDrafts 0: B values, or one for all (ProposeArgs.verifyTokenCost). */
+  verifyTokenCosts?: Float32Array | Iterable<number> | number | null;
 }
 
 /** A batch's answer as typed arrays: row i is stateIds[i]'s. */
@@ -155,6 +188,11 @@ export interface BatchResult {
   /** With returnBitmasks: each row's rows of bitmasks (counts[i] + 1 for a grammar state). */
   bitmaskRows: Int32Array;
   bitmasks: TensorMessage | null;
+  /** When some row was sampled: each draft's q, [B * width * qSupport] row-major (a greedy
+   * row's q is its draft alone at 1; past a row's count, 0); else 0 and empty. */
+  qSupport: number;
+  qIds: Int32Array;
+  qProbs: Float32Array;
   /** Row `row` as a Proposal; throws its error if it failed. */
   proposal(row: number): Proposal;
 }
@@ -196,6 +234,17 @@ export declare function accept(
   qProbs: ArrayLike<ArrayLike<ArrayLike<number>>>,
   targetProbs: ArrayLike<ArrayLike<ArrayLike<number>>>,
   options?: AcceptOptions,
+): Accepted;
+
+/**
+ * accept over a batch's answer as it is: its drafts, q (one-hot where no row was sampled) and
+ * counts; targetProbs [B][width + 1][V]. The verdicts are the next step's numAccepted and
+ * tokens.
+ */
+export declare function acceptBatch(
+  result: BatchResult,
+  targetProbs: ArrayLike<ArrayLike<ArrayLike<number>>>,
+  options?: Omit<AcceptOptions, 'counts'>,
 ): Accepted;
 
 /** A failed call, a failed row, or a stream message the server refused. */
@@ -252,8 +301,9 @@ export declare class DrafterClient {
   affinityKey: string | null;
   close(): void;
   getInfo(): Promise<ServerInfo>;
-  /** A new, empty state, with a grammar its drafts obey if given; resolves to its id. */
-  allocState(grammar?: Grammar | null): Promise<string>;
+  /** A new, empty state, with a grammar its drafts obey and sampling parameters if given;
+   * resolves to its id. */
+  allocState(grammar?: Grammar | null, options?: { sampling?: SamplingParams | null }): Promise<string>;
   /** Appends committed rows (tokens[i], hiddens[i]) at startPosition + i. All or nothing. */
   prefill(
     stateId: Id,

@@ -58,7 +58,7 @@ const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protobuf = require('protobufjs');
 const protoLoader = require('@grpc/proto-loader');
-const { accept } = require('./sampling.js');
+const { accept, acceptBatch } = require('./sampling.js');
 
 const PROTO_FILE = 'mtpdraft/v1/drafter.proto';
 // The repository's proto when this is client/node of a checkout, else the package's own copy
@@ -220,14 +220,31 @@ function parseRows(resp) {
   return { numRows: Number(resp.numRows), nextPosition: Number(resp.nextPosition) };
 }
 
+// A SamplingParams message from { temperature, topK, topP, minP, seed } (each optional: 0).
+function samplingMessage({ temperature = 0, topK = 0, topP = 0, minP = 0, seed = 0 }) {
+  return {
+    temperature: column([temperature], 'sampling.temperature', floatValue)[0],
+    topK: column([topK], 'sampling.topK', int32Value)[0],
+    topP: column([topP], 'sampling.topP', floatValue)[0],
+    minP: column([minP], 'sampling.minP', floatValue)[0],
+    seed: column([seed], 'sampling.seed', uint64Value)[0],
+  };
+}
+
 // The ProposeRequest of propose's arguments.
 function proposeRequest(
   stateId,
-  { token, hidden, position, numDrafts, bitmask, minConfidence, previous, stepNumber, returnBitmasks },
+  {
+    token, hidden, position, numDrafts, bitmask, minConfidence, previous, stepNumber, returnBitmasks,
+    sampling, draftCap, verifyTokenCost,
+  },
 ) {
   const req = { stateId, token, hidden, position, numDrafts, minConfidence: minConfidence ?? 0 };
   if (stepNumber) req.stepNumber = column([stepNumber], 'stepNumber', uint64Value)[0];
   if (returnBitmasks) req.returnBitmasks = true;
+  if (sampling) req.sampling = samplingMessage(sampling);
+  if (draftCap) req.draftCap = draftCap;
+  if (verifyTokenCost) req.verifyTokenCost = verifyTokenCost;
   if (bitmask) req.bitmask = bitmask;
   if (previous) req.previous = verdictMessage(previous);
   return req;
@@ -240,15 +257,28 @@ function parseProposal(p) {
     probs: p.probs,
     confidence: p.confidence,
     firstPosition: Number(p.firstPosition),
+    // Sampled drafts: each one's q, [tokens][qSupport] ids and probabilities.
+    ...(p.qSupport ? qOf(p.qIds, p.qProbs, p.tokens.length, p.qSupport) : {}),
     // With returnBitmasks, for a state with a grammar: its bitmasks (a Tensor message).
     ...(p.bitmasks ? { bitmasks: p.bitmasks } : {}),
   };
+}
+
+// { qSupport, qIds, qProbs } of n drafts' flat q ([n * support] each), as [n][support] arrays.
+function qOf(ids, probs, n, support) {
+  if (ids.length !== n * support || probs.length !== n * support) {
+    throw new DrafterError({ code: grpc.status.UNKNOWN, details: `a malformed answer: q of ${ids.length} ids` });
+  }
+  const rows = (flat) => Array.from({ length: n }, (_, j) => Array.from(flat.slice(j * support, (j + 1) * support)));
+  return { qSupport: support, qIds: rows(ids), qProbs: rows(probs) };
 }
 
 /**
  * @typedef {{ dtype: 'DTYPE_FP32' | 'DTYPE_BF16' | 'DTYPE_FP16' | 'DTYPE_INT32',
  *   shape: number[], data: Buffer }} TensorMessage
  * @typedef {{ numAccepted: number, refeedHiddens?: TensorMessage | null }} Verdict
+ * @typedef {{ temperature?: number, topK?: number, topP?: number, minP?: number,
+ *   seed?: number | bigint | string }} SamplingParams
  * @typedef {{ stateId: string, tokens: number[], probs: number[], confidence: number,
  *   firstPosition: number }} Proposal
  * @typedef {{ stateId: string | bigint | number, token: number, hidden: TensorMessage,
@@ -286,6 +316,14 @@ function parseProposal(p) {
  * @property {BigUint64Array | Iterable<bigint | number | string> | bigint | number | null}
  *   [stepNumbers] B step numbers, or one for all (absent: not numbered): a numbered step sent
  *   again while its proposal is pending is answered as it was, and applied once
+ * @property {Int32Array | Iterable<number> | null} [samplingRows] the rows (ascending, each
+ *   once) whose states take new sampling from this step on
+ * @property {SamplingParams[] | null} [sampling] their parameters, one per row listed
+ * @property {Int32Array | Iterable<number> | number | null} [draftCaps] for rows with
+ *   numDrafts 0 (the drafter chooses K): the most drafts it may choose (0: maxDrafts); B
+ *   values, or one for all
+ * @property {Float32Array | Iterable<number> | number | null} [verifyTokenCosts] and what
+ *   verifying one more token costs, as a fraction of a verify step; B values, or one for all
  */
 
 /**
@@ -370,6 +408,16 @@ function batchRequest(step) {
   if (step.stepNumbers != null) {
     req.stepNumbers = column(step.stepNumbers, 'stepNumbers', uint64Value, { oneForAll: true });
   }
+  if (step.samplingRows != null) {
+    req.samplingRows = column(step.samplingRows, 'samplingRows', int32Value);
+    req.sampling = Array.from(step.sampling ?? [], samplingMessage);
+  }
+  if (step.draftCaps != null) {
+    req.draftCaps = column(step.draftCaps, 'draftCaps', int32Value, { oneForAll: true });
+  }
+  if (step.verifyTokenCosts != null) {
+    req.verifyTokenCosts = column(step.verifyTokenCosts, 'verifyTokenCosts', floatValue, { oneForAll: true });
+  }
   if (step.returnBitmasks) req.returnBitmasks = true;
   return req;
 }
@@ -392,17 +440,30 @@ function parseBatch(resp, req) {
     // With returnBitmasks: each row's rows of `bitmasks` (counts[i] + 1 for a grammar state).
     bitmaskRows: Int32Array.from(resp.bitmaskRows ?? []),
     bitmasks: resp.bitmasks ?? null,
+    // When some row was sampled: each draft's q, [B * width * qSupport] (0 past a count).
+    qSupport: resp.qSupport ?? 0,
+    qIds: Int32Array.from(resp.qIds ?? []),
+    qProbs: Float32Array.from(resp.qProbs ?? []),
   };
+  const cells = result.counts.length * result.width * result.qSupport;
+  if (result.qIds.length !== cells || result.qProbs.length !== cells) {
+    throw new DrafterError({ code: grpc.status.UNKNOWN, details: `a malformed answer: q of ${result.qIds.length} ids` });
+  }
   result.proposal = (row) => {
     if (errors.has(row)) throw errors.get(row);
     const lo = row * result.width;
     const hi = lo + result.counts[row];
+    const support = result.qSupport;
     return {
       stateId: result.stateIds[row],
       tokens: Array.from(result.drafts.subarray(lo, hi)),
       probs: Array.from(result.probs.subarray(lo, hi)),
       confidence: result.confidences[row],
       firstPosition: result.firstPositions[row],
+      ...(support
+        ? qOf(result.qIds.subarray(lo * support, hi * support), result.qProbs.subarray(lo * support, hi * support),
+          hi - lo, support)
+        : {}),
     };
   };
   return result;
@@ -442,6 +503,12 @@ function batchOf(requests) {
   if (masks.count) Object.assign(batch, { bitmaskRows, bitmasks: masks.tensor() });
   if (requests.some((r) => r.minConfidence)) batch.minConfidence = requests.map((r) => r.minConfidence ?? 0);
   if (requests.some((r) => r.stepNumber)) batch.stepNumbers = requests.map((r) => r.stepNumber ?? 0);
+  const sampled = requests.flatMap((r, i) => (r.sampling ? [i] : []));
+  if (sampled.length) Object.assign(batch, { samplingRows: sampled, sampling: sampled.map((i) => requests[i].sampling) });
+  if (requests.some((r) => r.draftCap || r.verifyTokenCost)) {
+    batch.draftCaps = requests.map((r) => r.draftCap ?? 0);
+    batch.verifyTokenCosts = requests.map((r) => r.verifyTokenCost ?? 0);
+  }
   return batch;
 }
 
@@ -657,11 +724,15 @@ class DrafterClient {
    * A new, empty state; resolves to its id (a decimal string). `grammar`, if given, is what
    * every draft of the state obeys: one of { jsonSchema }, { ebnf }, { regex } or
    * { structuralTag } (text; a JSON schema or structural tag may be an object), the kinds
-   * getInfo().grammarKinds lists.
+   * getInfo().grammarKinds lists. `sampling` ({ temperature, topK, topP, minP, seed }, vLLM's
+   * parameters; absent or temperature 0: greedy) draws each draft from q, the head's
+   * distribution after them, and the answers then carry q (qIds, qProbs), which accept and
+   * acceptBatch take. A draw depends only on (seed, state, position, draft index).
    */
-  async allocState(grammar = null) {
-    return (await this._unary('AllocState', grammar ? { grammar: grammarMessage(grammar) } : {}))
-      .stateId;
+  async allocState(grammar = null, { sampling } = {}) {
+    const req = grammar ? { grammar: grammarMessage(grammar) } : {};
+    if (sampling) req.sampling = samplingMessage(sampling);
+    return (await this._unary('AllocState', req)).stateId;
   }
 
   /**
@@ -766,4 +837,4 @@ class DrafterClient {
   }
 }
 
-module.exports = { DrafterClient, DrafterError, ProposeStream, Tensor, accept, batchOf, loadService };
+module.exports = { DrafterClient, DrafterError, ProposeStream, Tensor, accept, acceptBatch, batchOf, loadService };

@@ -156,4 +156,20 @@ function checkValues(row, count, vocab, drafts, qIds, qProbs, targetProbs, unifo
   }
 }
 
-module.exports = { accept };
+// accept over a batch's answer (proposeBatch's or a stream step's) as it is: each row's
+// `width` drafts, their q (the answer's; where no row was sampled, each draft alone at 1) and
+// counts. targetProbs [B][width + 1][V]; options as accept's (uniforms [B][width + 1]).
+// A failed row counts no drafts: its next token is drawn from targetProbs[row][0].
+function acceptBatch(result, targetProbs, options = {}) {
+  const { width, qSupport: support, drafts: flat, qIds, qProbs } = result;
+  const drafts = Array.from(result.counts, (_, i) => flat.subarray(i * width, (i + 1) * width));
+  const q = (values, i, j, draft) => {
+    const at = (i * width + j) * support;
+    return support ? values.subarray(at, at + support) : draft;
+  };
+  const ids = drafts.map((row, i) => Array.from(row, (d, j) => q(qIds, i, j, [d])));
+  const probs = drafts.map((row, i) => Array.from(row, (_, j) => q(qProbs, i, j, [1])));
+  return accept(drafts, ids, probs, targetProbs, { ...options, counts: result.counts });
+}
+
+module.exports = { accept, acceptBatch };

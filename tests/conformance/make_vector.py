@@ -141,14 +141,19 @@ RULES = [
     "state_id and start_position. `chunks` in expect is the number of chunks sent.",
     "Propose: `previous` is the fused verdict on the pending proposal; min_confidence, "
     "when given, is sent as it is. A Proposal's state_id must equal the state's id.",
+    "AllocState: `sampling`, when given, is the state's SamplingParams (temperature, "
+    "top_k, top_p, min_p, seed; absent: 0). A Propose's `sampling`, when given, is its "
+    "sampling field; with num_drafts 0 it carries draft_cap and verify_token_cost.",
     "ProposeBatch: one ProposeBatchRequest of B rows: state_ids from the `states` names "
     "(a name may be bound to a freed state), tokens, positions, hiddens [B, H], num_drafts "
     "(B values or one) and, when given, num_accepted (-1: no verdict), refeed_rows with "
-    "refeed_hiddens, bitmask_rows with bitmasks, min_confidence (B values or one), all "
-    "sent as they are. expect: width, drafts and probs as B rows of width values, "
-    "draft_counts, confidences, first_positions, and errors (the failed rows in row "
-    "order: row, code name, reason, field, '' for none), all compared. expect_error: the "
-    "message failed as a whole: the call's status.",
+    "refeed_hiddens, bitmask_rows with bitmasks, min_confidence (B values or one), "
+    "sampling_rows with sampling (SamplingParams as AllocState's), draft_caps and "
+    "verify_token_costs, all sent as they are. expect: width, drafts and probs as B rows "
+    "of width values, draft_counts, confidences, first_positions, and errors (the failed "
+    "rows in row order: row, code name, reason, field, '' for none), all compared; where "
+    "listed, q_support and q_ids and q_probs as B rows of width rows of q_support values. "
+    "expect_error: the message failed as a whole: the call's status.",
     "ProposeStream: open one stream and send its `messages` (each a ProposeBatch "
     "operation without `op`, request_id 1, 2, ... in order) one at a time, each answered "
     "before the next; each answer's request_id must be its message's. A message that "
@@ -156,7 +161,10 @@ RULES = [
     "expect_field: its code name, reason and field) and the stream stays open. Close the "
     "stream after the last answer.",
     "expect: every listed field must match, exactly except probs and confidence "
-    "(and a batch's probs and confidences: absolute tolerance prob_tolerance). "
+    "(and a batch's probs and confidences, and q_probs: absolute tolerance "
+    "prob_tolerance). A Proposal's q_support, q_ids ([K][q_support]) and q_probs are "
+    "compared where listed. An expect of `one_of` lists the answers a sampled draft "
+    "may give (the server's draw depends on the state's id): the answer must match one. "
     "expect_error: the gRPC status code name; "
     "expect_reason: its google.rpc.ErrorInfo reason; expect_field: the first "
     "google.rpc.BadRequest field violation's field (absent: none). Compare all three.",
@@ -230,6 +238,13 @@ class Draws:
             op["bitmasks"] = encode_tensor(np.concatenate([m for m in masks if m is not None]))
         if any(r.get("floor") for r in rows):
             op["min_confidence"] = [None if r.get("floor") else 0.0 for r in rows]
+        changes = [(i, r["sampling"]) for i, r in enumerate(rows) if "sampling" in r]
+        if changes:
+            op["sampling_rows"] = [i for i, _ in changes]
+            op["sampling"] = [s for _, s in changes]
+        if any("cap" in r for r in rows):
+            op["draft_caps"] = [r.get("cap", 0) for r in rows]
+            op["verify_token_costs"] = [r.get("cost", 0.0) for r in rows]
         errors = [{"row": i} | r["error"] for i, r in enumerate(rows) if "error" in r]
         return op | ({} if "expect_error" in extra else {"expect": {"errors": errors}}) | extra
 
@@ -237,7 +252,9 @@ class Draws:
 def row(state: str, position: int, k: int, a: int = -1, **extra: Any) -> dict[str, Any]:
     """One row of a batch: state, position, K and verdict (-1: none); `refeed` (its a
     rows), `mask` (bitmask rows), `floor` (a min_confidence that settle() places),
-    `token` (the row's token, else drawn), `error` (the row's error, fails())."""
+    `token` (the row's token, else drawn), `error` (the row's error, fails()),
+    `sampling` (the state's from this step on), `cap` and `cost` (K 0's draft cap and
+    verify token cost)."""
     return {"state": state, "position": position, "k": k, "a": a} | extra
 
 
@@ -390,6 +407,71 @@ def scenario(seed: int) -> list[dict[str, Any]]:
         {"op": "FreeState", "state": "C", "expect": {"existed": True}},
         *many_states(draw),
         *grammar_states(draw),
+        *sampled_states(draw),
+    ]
+
+
+# The sampled states' parameters: q is the top 2 tokens after the temperature (their
+# order and the cut clear the tie rule's margin), the answer's draft any of them; greedy
+# is temperature 0.
+HOT = {"temperature": 2.0, "top_k": 2, "seed": 11}
+WARM = {"temperature": 0.7, "top_k": 2, "seed": 5}
+GREEDY = {"temperature": 0.0}
+
+
+def sampled_states(draw: Draws) -> list[dict[str, Any]]:
+    """State "S" allocated with sampling parameters, "T" greedy; batch rows change their
+    sampling through the columns (S to greedy, T to sampled and back). A sampled proposal
+    has one draft and its verdict is 0: its token is the server's draw (see oracle.py). The
+    drafter's own K (num_drafts 0): its draft_cap at verify_token_cost 0, 0 drafts at a cost
+    above 1."""
+    hiddens = draw.hiddens
+
+    def prefill(state: str, n: int) -> dict[str, Any]:
+        return {
+            "op": "Prefill",
+            "state": state,
+            "start_position": 1,
+            "tokens": [draw.token() for _ in range(n)],
+            "chunk_rows": 4,
+            "hiddens": hiddens(n),
+            "expect": {"num_rows": n, "next_position": n + 1, "chunks": -(-n // 4)},
+        }
+
+    def propose(state: str, position: int, k: int, **extra: Any) -> dict[str, Any]:
+        op = {"op": "Propose", "state": state, "token": draw.token(), "position": position}
+        return op | {"num_drafts": k, "hidden": draw.hidden()} | extra
+
+    return [
+        {"op": "AllocState", "state": "S", "sampling": HOT},
+        prefill("S", 4),
+        propose("S", 5, 1),  # 5 rows, one sampled draft pending
+        {"op": "AfterVerify", "state": "S", "num_accepted": 0}
+        | {"expect": {"num_rows": 5, "next_position": 6}},
+        {"op": "AllocState", "state": "T"},
+        prefill("T", 3),
+        draw.batch(
+            row("S", 6, 3, sampling=GREEDY),  # 6 rows, 3 greedy drafts pending
+            row("T", 4, 1, sampling=WARM),  # 4 rows, one sampled draft pending
+        ),
+        draw.batch(
+            row("S", 9, 0, 2, cap=2, cost=0.0),  # 8 rows; K is the cap
+            row("T", 5, 1, 0),  # 5 rows, sampled still
+        ),
+        # K 0 at a cost above 1: the chain stops at its first draft; 10 rows
+        propose("S", 11, 0, draft_cap=3, verify_token_cost=1.5, previous={"num_accepted": 1}),
+        {
+            "op": "ProposeStream",
+            "messages": [
+                message(
+                    draw.batch(
+                        row("S", 12, 0, 0, cap=4, cost=0.0),  # 11 rows
+                        row("T", 6, 2, 0, sampling=GREEDY),  # 5 rows
+                    )
+                ),
+            ],
+        },
+        *({"op": "FreeState", "state": s, "expect": {"existed": True}} for s in "ST"),
     ]
 
 

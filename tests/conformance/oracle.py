@@ -10,6 +10,17 @@ grammar has a matcher of its own (xgrammar's, over the vocabulary's bytes, compi
 moved on by the tokens the operations commit: each draft is the argmax over the tokens the
 grammar allows after the drafts before it, and the chain ends where it allows none.
 
+A state with sampling parameters (temperature > 0; AllocState's `sampling`, changed by a
+Propose's or a batch row's) draws its drafts from q, vLLM's processing of the logits cut to
+the server's max_sample_top_k tokens (tests/sampling_reference.py). The draw's uniform
+depends on the state's id, which the server chooses, so a sampled proposal has one draft
+(the oracle walks no chain past a token it cannot know), any token of q's support, and
+its expect lists each possible answer (`one_of`). num_drafts 0 leaves K to the drafter,
+which the oracle knows at two verify_token_costs whatever the state's calibration: at 0
+each more draft is worth its cost, so K is draft_cap; above 1 none is (k drafts yield at
+most 1 + k tokens for 1 + cost k, under the 1 of no draft), so K is 0, the chain stopped
+at its first draft.
+
 A ProposeBatch (a
 ProposeStream's message too) is one Propose per row (batch_rows), a failed row
 changing nothing, a message that fails as a whole nothing at all. It imports
@@ -37,10 +48,13 @@ from drafting import Expected
 from grammars import allowed as grammar_allows
 from grammars import compile_kind, compiler
 from mtp_reference import Reference, Store
+from sampling_reference import vllm_processed
 
 #: Unit roundoffs (round to nearest, 8 and 24 significant bits).
 BF16_U = 2.0**-8
 FP32_U = 2.0**-24
+#: GetInfo.max_sample_top_k of the vector's server: the most tokens a sampled draft's q holds.
+MAX_SAMPLE_TOP_K = 64
 
 
 def to_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -97,6 +111,14 @@ class Draft:
     token: int
     prob: float
     logits: torch.Tensor  # [vocab], disallowed tokens at -inf
+    # A sampled draft's q, most probable first: its support's ids and probabilities (token
+    # and prob are then its most probable token's); None for a greedy draft.
+    q: tuple[list[int], list[float]] | None = None
+
+    def ranked(self) -> torch.Tensor:
+        """The logits of the tokens whose order the answer shows, most probable first: a
+        greedy draft's and its runner-up, a sampled draft's support and the next token."""
+        return self.logits.topk(2 if self.q is None else len(self.q[0]) + 1).values
 
 
 @dataclass
@@ -110,13 +132,27 @@ class Proposal:
     def kept(self) -> list[Draft]:
         return self.drafts[:-1] if self.stopped else self.drafts
 
+    @property
+    def sampled(self) -> bool:
+        return any(d.q is not None for d in self.drafts)
+
     def expect(self, position: int) -> dict[str, Any]:
+        """The answer's fields; a sampled proposal's, one for each token its draft may be."""
+        if self.sampled:
+            return {"one_of": [a | {"first_position": position + 1} for a in self.answers()]}
         return {
             "tokens": [d.token for d in self.kept],
             "probs": [d.prob for d in self.kept],
             "confidence": min(d.prob for d in self.drafts),
             "first_position": position + 1,
         }
+
+    def answers(self) -> list[dict[str, Any]]:
+        """A sampled proposal's possible answers: its one draft any token of q's support."""
+        ((ids, probs),) = [d.q for d in self.drafts]
+        q = {"q_support": len(ids), "q_ids": [ids], "q_probs": [probs]}
+        pairs = zip(ids, probs, strict=True)
+        return [{"tokens": [t], "probs": [p], "confidence": p} | q for t, p in pairs]
 
 
 class Rows(Expected):
@@ -127,6 +163,7 @@ class Rows(Expected):
         super().__init__(ref, hiddens=torch.empty(0, width, dtype=torch.float64))
 
     grammar = None  # its grammar's matcher, at the committed tokens (None: no grammar)
+    sampling: dict[str, Any] | None = None  # its sampling parameters (None: greedy)
 
     def add(self, toks: list[int], hid: torch.Tensor) -> None:
         self.tokens += list(toks)
@@ -181,6 +218,7 @@ class Oracle:
                 ((kind, source),) = op["grammar"].items()
                 self.compiler = self.compiler or compiler(self.vocab, eos=None)
                 rows.grammar = xgrammar.GrammarMatcher(compile_kind(self.compiler, kind, source))
+            rows.sampling = op.get("sampling")
         elif name == "Prefill":
             self.states[op["state"]].add(op["tokens"], tensor(op["hiddens"]))
         elif name == "AfterVerify":
@@ -205,6 +243,12 @@ class Oracle:
         if "previous" in op:
             prev = op["previous"]
             verdict(rows, prev["num_accepted"], prev.get("refeed_hiddens"))
+        if "sampling" in op:  # from this step on
+            rows.sampling = op["sampling"]
+        sampling = rows.sampling if (rows.sampling or {}).get("temperature") else None
+        k, stop_at = drafts_asked(op)
+        if sampling is not None and k != 1:
+            raise ValueError("a sampled proposal of the vector has one draft")
         rows.add([op["token"]], tensor(op["hidden"]))
         rows.commit([op["token"]])
         masks = allowed(op["bitmask"], self.vocab) if "bitmask" in op else None
@@ -214,7 +258,7 @@ class Oracle:
         tokens, hiddens = list(rows.tokens), rows.hiddens
         drafts, outs, stopped = [], [], False
         grammar, walked = rows.grammar, 0
-        for j in range(op["num_drafts"]):
+        for j in range(k):
             mask = None if masks is None else masks[min(j, len(masks) - 1)]
             if grammar is not None:
                 mask = grammar_allows(grammar, self.vocab) & (True if mask is None else mask)
@@ -226,9 +270,13 @@ class Oracle:
                 logits = logits.masked_fill(~mask, float("-inf"))
             token = forced.drafts[j].token if forced else int(logits.argmax())
             prob = logits.softmax(-1)[token].item()
-            drafts.append(Draft(token, prob, logits.detach()))
-            # The running minimum falls below min_confidence where a draft's prob does.
-            stopped = j == forced_stop if forced else prob < floor
+            q = None if sampling is None else sampled_q(logits, sampling)
+            if q is not None:
+                token, prob = q[0][0], q[1][0]
+            drafts.append(Draft(token, prob, logits.detach(), q))
+            # The running minimum falls below min_confidence where a draft's prob does; a
+            # count the drafter chose stops the chain where it cuts it.
+            stopped = j == forced_stop if forced else prob < floor or j == stop_at
             if stopped:
                 break
             outs.append(out)
@@ -244,6 +292,38 @@ class Oracle:
         proposal = Proposal(drafts, stopped)
         rows.last = ([d.token for d in proposal.kept], outs)
         return proposal
+
+
+def drafts_asked(op: dict[str, Any]) -> tuple[int, int]:
+    """(the drafts a Propose computes, the index of the draft where the drafter's count cuts
+    the chain, -1 for none): num_drafts, or with num_drafts 0 the draft cap, cut at 0 when
+    verifying a token costs more than a step's drafts can yield."""
+    if op["num_drafts"]:
+        return op["num_drafts"], -1
+    cap, cost = op["draft_cap"], op.get("verify_token_cost", 0.0)
+    if cost == 0.0:
+        return cap, -1
+    if cost > 1.0:
+        return cap, 0
+    raise ValueError("the oracle knows the drafter's count at verify_token_cost 0 or above 1")
+
+
+def sampled_q(logits: torch.Tensor, sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """q's support, most probable first, and its probabilities: vLLM's processing of the
+    logits by `sampling`, cut to MAX_SAMPLE_TOP_K tokens (top_k, when set, cuts it further;
+    the vector's q hold no zero past the tokens top_k keeps)."""
+    s = sampling
+    q = vllm_processed(
+        logits,
+        s["temperature"],
+        s.get("top_k", 0),
+        s.get("top_p", 0.0) or 1.0,
+        s.get("min_p", 0.0),
+        MAX_SAMPLE_TOP_K,
+    )
+    support = min(s.get("top_k", 0) or MAX_SAMPLE_TOP_K, MAX_SAMPLE_TOP_K)
+    probs, ids = q.sort(descending=True, stable=True)
+    return ids[:support].tolist(), probs[:support].tolist()
 
 
 def batches(op: dict[str, Any]) -> list[dict[str, Any]]:
@@ -295,7 +375,10 @@ def batch_rows(op: dict[str, Any]) -> list[dict[str, Any]]:
     refeeds = split("refeed_hiddens", each("refeed_rows", 0))
     masks = split("bitmasks", each("bitmask_rows", 0))
     num_drafts, floors = each("num_drafts", None), each("min_confidence", 0.0)
+    caps, costs = each("draft_caps", 0), each("verify_token_costs", 0.0)
+    sampling = dict(zip(op.get("sampling_rows", []), op.get("sampling", []), strict=True))
     expect = op.get("expect", {})
+    answers = expect.get("one_of", [expect])
     errors = {e["row"]: e for e in expect.get("errors", [])}
     out = []
     for i, state in enumerate(op["states"]):
@@ -306,6 +389,10 @@ def batch_rows(op: dict[str, Any]) -> list[dict[str, Any]]:
             row["bitmask"] = encoded(masks[i])
         if floors[i] != 0.0:
             row["min_confidence"] = floors[i]
+        if num_drafts[i] == 0:
+            row |= {"draft_cap": caps[i], "verify_token_cost": costs[i]}
+        if i in sampling:
+            row["sampling"] = sampling[i]
         if accepted[i] >= 0:
             row["previous"] = {"num_accepted": accepted[i]}
             if refeeds[i] is not None:
@@ -314,16 +401,37 @@ def batch_rows(op: dict[str, Any]) -> list[dict[str, Any]]:
             e = errors[i]
             row |= {"expect_error": e["code"], "expect_reason": e["reason"]}
             row |= {"expect_field": e["field"]} if e["field"] else {}
-        elif "drafts" in expect:
-            n = expect["draft_counts"][i]
-            row["expect"] = {
-                "tokens": expect["drafts"][i][:n],
-                "probs": expect["probs"][i][:n],
-                "confidence": expect["confidences"][i],
-                "first_position": expect["first_positions"][i],
-            }
+        elif "drafts" in answers[0]:
+            rows = unique([row_expect(a, i) for a in answers])
+            row["expect"] = rows[0] if len(rows) == 1 else {"one_of": rows}
         out.append(row)
     return out
+
+
+def row_expect(expect: dict[str, Any], i: int) -> dict[str, Any]:
+    """Row i of a batch's expected columns, as a Propose's expect (with its q, if sampled)."""
+    n = expect["draft_counts"][i]
+    out = {
+        "tokens": expect["drafts"][i][:n],
+        "probs": expect["probs"][i][:n],
+        "confidence": expect["confidences"][i],
+        "first_position": expect["first_positions"][i],
+    }
+    ids = expect.get("q_ids", [[]] * len(expect["draft_counts"]))[i][:n]
+    if ids and expect["q_probs"][i][0][0] != 1.0:  # a greedy row's q is its draft at 1
+        probs = expect["q_probs"][i][:n]
+        support = len(ids[0])
+        while support > 1 and all(r[support - 1] == 0.0 for r in probs):
+            support -= 1  # the row's own support within the batch's
+        cut = [r[:support] for r in ids], [r[:support] for r in probs]
+        out = {"tokens": out["tokens"], "probs": out["probs"], "confidence": out["confidence"]}
+        out |= {"q_support": support, "q_ids": cut[0], "q_probs": cut[1]}
+        out["first_position"] = expect["first_positions"][i]
+    return out
+
+
+def unique(items: list[Any]) -> list[Any]:
+    return [x for j, x in enumerate(items) if x not in items[:j]]
 
 
 def expectations(
@@ -349,17 +457,51 @@ def expectations(
 
 
 def batch_expect(op: dict[str, Any], rows: list[Proposal | None]) -> dict[str, Any]:
-    width = max(op["num_drafts"])
+    """A batch's expected columns; where rows are sampled, one set for each combination of
+    their drafts' tokens (`one_of`), each with the q columns."""
+    choices = [
+        p.expect(pos)["one_of"] if p and p.sampled else [p.expect(pos) if p else None]
+        for p, pos in zip(rows, op["positions"], strict=True)
+    ]
+    answers = [batch_columns(op, list(pick), rows) for pick in itertools.product(*choices)]
+    return answers[0] if len(answers) == 1 else {"one_of": answers}
+
+
+def batch_columns(
+    op: dict[str, Any], picks: list[dict[str, Any] | None], rows: list[Proposal | None]
+) -> dict[str, Any]:
+    """The columns of one answer: width the largest K asked (the cap for a K left to the
+    drafter), a row's drafts padded with -1 and its probs with 0; a failed row: count 0,
+    confidence 0 and first position 0, its error as the batch lists it. Where a row is
+    sampled, q's columns [B, width, support]: a greedy row's q its draft at 1, zeros past a
+    row's count."""
+    width = max(
+        drafts_asked(r)[0] for r in batch_rows({k: v for k, v in op.items() if k != "expect"})
+    )
     out: dict[str, Any] = {"width": width, "drafts": [], "probs": [], "draft_counts": []}
     out |= {"confidences": [], "first_positions": []}
-    for p, position in zip(rows, op["positions"], strict=True):
-        e = p.expect(position) if p else {"tokens": [], "probs": []}
+    for e in picks:
+        e = e or {"tokens": [], "probs": []}
         n = len(e["tokens"])
         out["drafts"].append(e["tokens"] + [-1] * (width - n))
         out["probs"].append(e["probs"] + [0.0] * (width - n))
         out["draft_counts"].append(n)
-        out["confidences"].append(e["confidence"] if p else 0.0)
-        out["first_positions"].append(e["first_position"] if p else 0)
+        out["confidences"].append(e.get("confidence", 0.0))
+        out["first_positions"].append(e.get("first_position", 0))
+    if any(p is not None and p.sampled for p in rows):
+        support = max(e["q_support"] for e in picks if e and "q_support" in e)
+        out |= {"q_support": support, "q_ids": [], "q_probs": []}
+        for e in picks:
+            ids = e.get("q_ids") if e else None
+            probs = e.get("q_probs") if e else None
+            if ids is None:  # greedy (or failed): each draft its own q
+                ids = [[t] for t in (e or {"tokens": []})["tokens"]]
+                probs = [[1.0] for _ in ids]
+            pad = width - len(ids)
+            out["q_ids"].append([r + [0] * (support - len(r)) for r in ids] + [[0] * support] * pad)
+            out["q_probs"].append(
+                [r + [0.0] * (support - len(r)) for r in probs] + [[0.0] * support] * pad
+            )
     return out | {"errors": op.get("expect", {}).get("errors", [])}
 
 
@@ -385,6 +527,13 @@ def deviation(exact: list[Proposal | None], other: list[Proposal | None]) -> Dev
             ok = torch.isfinite(de.logits)
             change = (do.logits[de.token] - do.logits) - (de.logits[de.token] - de.logits)
             lead.append(float(change[ok].abs().max()))
+            if de.q is not None:  # each q probability, and the order of q's ranked tokens
+                got = dict(zip(*do.q, strict=True))
+                moved = [float(np.float32(got.get(t, 0.0))) - p for t, p in zip(*de.q, strict=True)]
+                prob[-1] = max(moved, key=abs)
+                order = de.logits.topk(len(de.q[0]) + 1).indices
+                gaps = de.logits[order].diff() - do.logits[order].diff()
+                lead[-1] = max(lead[-1], float(gaps.abs().max()))
             second = de.logits.topk(2).indices[1]
             # Where one token alone is allowed (a grammar's), none can overtake it.
             runner_up.append(float(change[second]) if ok[second] else 0.0)
@@ -392,12 +541,13 @@ def deviation(exact: list[Proposal | None], other: list[Proposal | None]) -> Dev
 
 
 def margins(exact: list[Proposal | None]) -> list[float]:
-    """Each exact draft's lead over the runner-up among the tokens its bitmask allows."""
+    """Each exact draft's lead over the runner-up among the tokens its bitmask allows; a
+    sampled draft's smallest gap between the logits of q's support, in order, and the
+    next token."""
     out = []
     for p in exact:
         for d in p.drafts if p else []:
-            top2 = d.logits.topk(2).values
-            out.append(float(top2[0] - top2[1]))
+            out.append(float(-d.ranked().diff().max()))  # the smallest gap of the ranking
     return out
 
 

@@ -3,7 +3,8 @@
 No server: the oracle (oracle.py over tests/mtp_reference.py) replays the vector's
 operations over the rows each state must hold and must give every recorded draft,
 probability and confidence (a batch's columns with their padding and failed rows
-too); every draft must lead its runner-up by the
+too; a sampled draft's q, and each answer its draw may give); every draft must lead its
+runner-up (a sampled draft's q, its ranking) by the
 margin the vector's derivation requires, and a min_confidence must lie
 prob_tolerance or more from every probability of its chain.
 """
@@ -35,10 +36,7 @@ def test_every_draft_is_the_oracles(vector: dict, exact: list[Proposal | None]) 
     assert len(drafting) >= 10
     for op, p in drafting:
         want = p.expect(op["position"])
-        got = op["expect"]
-        assert got["tokens"] == want["tokens"] and got["first_position"] == want["first_position"]
-        assert got["probs"] == pytest.approx(want["probs"], abs=1e-9)
-        assert got["confidence"] == pytest.approx(want["confidence"], abs=1e-9)
+        assert same(want, op["expect"]), (op["expect"], want)
 
 
 def same(want: object, got: object) -> bool:
@@ -69,6 +67,11 @@ def test_every_operation_expects_the_oracles(vector: dict, exact: list[Proposal 
         assert same(want, op["expect"]), (op.get("op"), op["expect"], want)
 
 
+def errors(batch: dict) -> list:
+    """A batch's expected row errors (each of its answers lists the same)."""
+    return batch["expect"].get("one_of", [batch["expect"]])[0]["errors"]
+
+
 def test_the_vector_covers_batches_unary_and_on_a_stream(vector: dict) -> None:
     ops = vector["operations"]
     unary = [op for op in ops if op["op"] == "ProposeBatch"]
@@ -89,9 +92,32 @@ def test_the_vector_covers_batches_unary_and_on_a_stream(vector: dict) -> None:
             for b in answered
         )
         assert any(b.get("expect_reason") == "COLUMNS_MISMATCH" for b in batches)
-    reasons = {e["reason"] for b in unary if "expect" in b for e in b["expect"]["errors"]}
+    reasons = {e["reason"] for b in unary if "expect" in b for e in errors(b)}
     assert {"DUPLICATE_STATE", "POSITION_MISMATCH", "STATE_NOT_FOUND"} <= reasons
     assert any(len(b["num_drafts"]) == 1 < len(b["states"]) for b in unary)  # one K for all
+
+
+def test_the_vector_covers_sampled_drafts_and_the_drafters_k(vector: dict) -> None:
+    ops = vector["operations"]
+    batches = [b for op in ops for b in ([op] if op["op"] == "ProposeBatch" else [])]
+    batches += [m for op in ops if op["op"] == "ProposeStream" for m in op["messages"]]
+    sampled = [op["sampling"] for op in ops if op["op"] == "AllocState" and "sampling" in op]
+    assert any(s["temperature"] > 0 and s["top_k"] and s["seed"] for s in sampled)
+    # A sampled Propose and a batch with a sampled row, q in their answers.
+    answers = [op["expect"]["one_of"] for op in ops if "one_of" in op.get("expect", {})]
+    answers += [b["expect"]["one_of"] for b in batches if "one_of" in b.get("expect", {})]
+    assert any("q_ids" in a[0] and "drafts" not in a[0] for a in answers)
+    assert any(a[0]["q_support"] > 0 and "drafts" in a[0] for a in answers)
+    # Rows that change sampling through the columns, to sampled and to greedy.
+    changes = [s for b in batches for s in b.get("sampling", [])]
+    assert {s["temperature"] > 0 for s in changes} == {True, False}
+    # The drafter's own K: its cap at cost 0, none at a cost above 1; unary and batched.
+    chosen = [op for op in ops if op["op"] == "Propose" and op["num_drafts"] == 0]
+    assert any(op["draft_cap"] and op["verify_token_cost"] > 1 for op in chosen)
+    assert any(
+        0 in b["num_drafts"] and any(b.get("draft_caps", [])) and "verify_token_costs" in b
+        for b in batches
+    )
 
 
 def test_every_draft_clears_the_tie_rule(vector: dict, exact: list[Proposal | None]) -> None:

@@ -9,16 +9,27 @@ name) with `expect_reason` (its google.rpc.ErrorInfo reason) and, where the serv
 names one, `expect_field` (the request field at fault). States and KV handles are
 named ("A", "H1"): AllocState and TakeKV bind a name to the id the server returns (an
 AllocState's optional `grammar` is one key, the kind: "json_schema", "ebnf", "regex" or
-"structural_tag", to its source text);
+"structural_tag", to its source text; its optional `sampling` the SamplingParams fields,
+temperature, top_k, top_p, min_p and seed, each absent 0);
 the other operations look the name up. Tensors
 are `{"dtype": "DTYPE_FP32" | "DTYPE_INT32", "shape": [...], "data": base64}`, the raw
 little-endian bytes sent as they are. A Proposal's `state_id` must equal the state's
 id, and every id the server returns must be non-zero.
 
+A Propose may carry `sampling` (the state's from this step on) and, with num_drafts 0,
+`draft_cap` and `verify_token_cost`; its expect may list `q_support`, `q_ids` and
+`q_probs` ([K][support]).
+
 ProposeBatch sends one ProposeBatchRequest built from its columns (`states` names the
-rows' states); its expect holds the answer's columns (`drafts` and `probs` as B rows of
-`width` values) and the failed rows' `errors` (row, code name, reason, field), or
-`expect_error` for a message that fails as a whole (the call's status).
+rows' states; `sampling_rows` with `sampling`, `draft_caps` and `verify_token_costs`
+among them); its expect holds the answer's columns (`drafts` and `probs` as B rows of
+`width` values; `q_support`, and `q_ids` and `q_probs` as [B][width][support], where
+listed) and the failed rows' `errors` (row, code name, reason, field), or `expect_error`
+for a message that fails as a whole (the call's status).
+
+A sampled draft is the server's draw, which depends on the state's id: an expect whose
+answer has more than one possible value lists them all as `one_of`, and the answer must
+match one of them.
 
 ProposeStream opens one stream and sends its `messages` (each shaped as a ProposeBatch
 operation without `op`) one at a time, each answered before the next; a message that
@@ -56,11 +67,18 @@ from typing import Any
 
 import numpy as np
 
-from mtpdraft.client import BatchResult, DrafterClient, DrafterError, Grammar, Verdict
+from mtpdraft.client import (
+    BatchResult,
+    DrafterClient,
+    DrafterError,
+    Grammar,
+    SamplingParams,
+    Verdict,
+)
 from mtpdraft.client import messages as client_messages
 
 VECTOR_PATH = Path(__file__).with_name("vector.json")
-FORMAT = "mtpdraft-conformance/2"
+FORMAT = "mtpdraft-conformance/3"
 OPERATIONS = frozenset(
     {"GetInfo", "AllocState", "Prefill", "Propose", "ProposeBatch", "ProposeStream"}
     | {"AfterVerify", "TakeKV", "InstallKV", "FreeState"}
@@ -77,7 +95,7 @@ OTHER_CPUS = {
 
 _STORAGE = {"DTYPE_FP32": "<f4", "DTYPE_FP16": "<f2", "DTYPE_INT32": "<i4"}
 _DTYPE_ENUM = {"bfloat16": "DTYPE_BF16", "float16": "DTYPE_FP16", "float32": "DTYPE_FP32"}
-_FLOAT_KEYS = frozenset({"probs", "confidence", "confidences"})
+_FLOAT_KEYS = frozenset({"probs", "confidence", "confidences", "q_probs"})
 
 #: GetInfo fields fixed by the model and the server's default options (not live counters).
 STATIC_INFO_FIELDS = (
@@ -198,7 +216,12 @@ class Outcome:
 
 def mismatches(expected: dict[str, Any], actual: dict[str, Any], tol: float) -> list[str]:
     """Fields of `expected` that `actual` does not match (probs and confidences within
-    tol)."""
+    tol); with `one_of`, none where `actual` matches one of its answers."""
+    if "one_of" in expected:
+        tries = [mismatches(e, actual, tol) for e in expected["one_of"]]
+        if all(tries):
+            return [f"none of {len(tries)} answers: " + "; ".join(tries[0])]
+        return []
     out = []
     for key, want in expected.items():
         got = actual.get(key)
@@ -304,7 +327,10 @@ class Replayer:
         if name == "ProposeBatch":
             return _batch_result(c.propose_batch(**self.batch(op)))
         if name == "AllocState":
-            state = c.alloc_state(Grammar(**op["grammar"]) if "grammar" in op else None)
+            state = c.alloc_state(
+                Grammar(**op["grammar"]) if "grammar" in op else None,
+                sampling=SamplingParams(**op["sampling"]) if "sampling" in op else None,
+            )
             if state == 0:
                 raise AssertionError("AllocState returned state id 0")
             self.states[op["state"]] = state
@@ -356,6 +382,9 @@ def _propose(op: dict[str, Any], state: int) -> dict[str, Any]:
         bitmask=None if bitmask is None else decode_tensor(bitmask),
         min_confidence=op.get("min_confidence", 0.0),
         previous=previous,
+        sampling=SamplingParams(**op["sampling"]) if "sampling" in op else None,
+        draft_cap=op.get("draft_cap", 0),
+        verify_token_cost=op.get("verify_token_cost", 0.0),
     )
 
 
@@ -379,6 +408,12 @@ def _batch(op: dict[str, Any], state_ids: list[int]) -> dict[str, Any]:
         bitmask_rows=op.get("bitmask_rows"),
         bitmasks=tensor("bitmasks"),
         min_confidence=op.get("min_confidence"),
+        sampling={
+            row: SamplingParams(**s)
+            for row, s in zip(op.get("sampling_rows", []), op.get("sampling", []), strict=True)
+        },
+        draft_caps=op.get("draft_caps"),
+        verify_token_costs=op.get("verify_token_costs"),
     )
 
 
@@ -395,6 +430,9 @@ def _batch_result(r: BatchResult) -> dict[str, Any]:
             {"row": row, "code": e.code.name, "reason": e.reason or "", "field": e.field or ""}
             for row, e in sorted(r.errors.items())
         ],
+        "q_support": 0 if r.q_ids is None else int(r.q_ids.shape[2]),
+        "q_ids": [] if r.q_ids is None else r.q_ids.tolist(),
+        "q_probs": [] if r.q_probs is None else r.q_probs.astype(float).tolist(),
     }
 
 
@@ -406,6 +444,9 @@ def _proposal(p: Any, state: int) -> dict[str, Any]:
         "probs": p.probs,
         "confidence": p.confidence,
         "first_position": p.first_position,
+        "q_support": len(p.q_ids[0]) if p.q_ids else 0,
+        "q_ids": p.q_ids or [],
+        "q_probs": p.q_probs or [],
     }
 
 

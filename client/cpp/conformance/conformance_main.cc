@@ -101,7 +101,7 @@ json InfoField(const google::protobuf::Message& m, const std::string& name) {
 
 // Keys whose numbers compare within the vector's prob_tolerance (at any depth).
 bool Tolerant(const std::string& key) {
-  return key == "probs" || key == "confidence" || key == "confidences";
+  return key == "probs" || key == "confidence" || key == "confidences" || key == "q_probs";
 }
 
 // Whether `got` is what the vector expects under `key`: objects by the expected keys, arrays
@@ -138,7 +138,20 @@ bool Same(const std::string& key, const json& want, const json& got, double tol)
   return want == got;
 }
 
+// The fields of `expected` that `actual` does not match; with one_of (the answers a sampled
+// draft may give), none where `actual` matches one of them.
 std::vector<std::string> Mismatches(const json& expected, const json& actual, double tol) {
+  if (expected.contains("one_of")) {
+    std::vector<std::string> first;
+    for (const json& answer : expected["one_of"]) {
+      std::vector<std::string> bad = Mismatches(answer, actual, tol);
+      if (bad.empty()) return {};
+      if (first.empty()) first = bad;
+    }
+    std::string text = "none of " + std::to_string(expected["one_of"].size()) + " answers:";
+    for (const std::string& b : first) text += " " + b + ";";
+    return {text};
+  }
   std::vector<std::string> out;
   for (const auto& [key, want] : expected.items()) {
     json got = actual.contains(key) ? actual[key] : json(nullptr);
@@ -167,8 +180,42 @@ struct BatchArgs {
   std::vector<int32_t> refeed_rows;
   std::vector<int32_t> bitmask_rows;
   std::vector<float> min_confidence;
+  std::vector<int32_t> sampling_rows;
+  std::vector<mtpdraft::pb::SamplingParams> sampling;
+  std::vector<int32_t> draft_caps;
+  std::vector<float> verify_token_costs;
   mtpdraft::Batch step;
 };
+
+// A SamplingParams as the vector writes it (absent fields: 0).
+mtpdraft::pb::SamplingParams SamplingOf(const json& s) {
+  mtpdraft::pb::SamplingParams out;
+  out.set_temperature(s.value("temperature", 0.0f));
+  out.set_top_k(s.value("top_k", 0));
+  out.set_top_p(s.value("top_p", 0.0f));
+  out.set_min_p(s.value("min_p", 0.0f));
+  out.set_seed(s.value("seed", uint64_t{0}));
+  return out;
+}
+
+// Rows of `n` values of a flat column (none when n is 0).
+template <typename T>
+json RowsOf(const std::vector<T>& flat, size_t n) {
+  json out = json::array();
+  for (size_t lo = 0; n > 0 && lo + n <= flat.size(); lo += n) {
+    out.push_back(std::vector<T>(flat.begin() + lo, flat.begin() + lo + n));
+  }
+  return out;
+}
+
+// Groups of `n` items of a json array.
+json GroupsOf(const json& items, size_t n) {
+  json out = json::array();
+  for (size_t lo = 0; n > 0 && lo + n <= items.size(); lo += n) {
+    out.push_back(json(std::vector<json>(items.begin() + lo, items.begin() + lo + n)));
+  }
+  return out;
+}
 
 class Replayer {
  public:
@@ -186,7 +233,11 @@ class Replayer {
       return out;
     }
     if (name == "AllocState") {
-      states_[op.at("state")] = NonZero(client_.AllocState(GrammarOf(op)), "AllocState");
+      mtpdraft::StateOptions options;
+      const mtpdraft::pb::Grammar grammar = GrammarOf(op);
+      if (grammar.kind_case() != mtpdraft::pb::Grammar::KIND_NOT_SET) options.grammar = grammar;
+      if (op.contains("sampling")) options.sampling = SamplingOf(op["sampling"]);
+      states_[op.at("state")] = NonZero(client_.AllocState(options), "AllocState");
       return json::object();
     }
     if (name == "ProposeBatch") {
@@ -304,6 +355,9 @@ class Replayer {
       const json& prev = op["previous"];
       args.previous = mtpdraft::Verdict{prev.at("num_accepted"), TensorOf(prev, "refeed_hiddens")};
     }
+    if (op.contains("sampling")) args.sampling = SamplingOf(op["sampling"]);
+    args.draft_cap = op.value("draft_cap", 0);
+    args.verify_token_cost = op.value("verify_token_cost", 0.0f);
     return args;
   }
 
@@ -339,6 +393,12 @@ class Replayer {
     out->refeed_rows = ColumnOf<int32_t>(op, "refeed_rows");
     out->bitmask_rows = ColumnOf<int32_t>(op, "bitmask_rows");
     out->min_confidence = ColumnOf<float>(op, "min_confidence");
+    out->sampling_rows = ColumnOf<int32_t>(op, "sampling_rows");
+    if (op.contains("sampling")) {
+      for (const json& s : op["sampling"]) out->sampling.push_back(SamplingOf(s));
+    }
+    out->draft_caps = ColumnOf<int32_t>(op, "draft_caps");
+    out->verify_token_costs = ColumnOf<float>(op, "verify_token_costs");
     mtpdraft::Batch& step = out->step;
     step.state_ids = out->state_ids;
     step.tokens = out->tokens;
@@ -351,6 +411,10 @@ class Replayer {
     step.bitmask_rows = out->bitmask_rows;
     step.bitmasks = TensorOf(op, "bitmasks");
     step.min_confidence = out->min_confidence;
+    step.sampling_rows = out->sampling_rows;
+    step.sampling = out->sampling;
+    step.draft_caps = out->draft_caps;
+    step.verify_token_costs = out->verify_token_costs;
   }
 
   // A batch's answer's outputs, named as in the vector: [B, width] drafts and probs as B
@@ -372,7 +436,10 @@ class Replayer {
             {"draft_counts", r.counts},
             {"confidences", r.confidences},
             {"first_positions", r.first_positions},
-            {"errors", errors}};
+            {"errors", errors},
+            {"q_support", r.q_support},
+            {"q_ids", GroupsOf(RowsOf(r.q_ids, r.q_support), r.width)},
+            {"q_probs", GroupsOf(RowsOf(r.q_probs, r.q_support), r.width)}};
   }
 
   // A Proposal's outputs, named as in the vector; it must be the state's.
@@ -381,7 +448,10 @@ class Replayer {
     return {{"tokens", p.tokens},
             {"probs", p.probs},
             {"confidence", p.confidence},
-            {"first_position", p.first_position}};
+            {"first_position", p.first_position},
+            {"q_support", p.q_support},
+            {"q_ids", RowsOf(p.q_ids, p.q_support)},
+            {"q_probs", RowsOf(p.q_probs, p.q_support)}};
   }
 
   static uint64_t NonZero(uint64_t id, const char* what) {
@@ -402,7 +472,7 @@ bool NonEmptyList(const json& op, const char* key) {
 
 // Why no runner may replay the vector, or "" if one may.
 std::string VectorFault(const json& v) {
-  static const std::string kFormat = "mtpdraft-conformance/2";
+  static const std::string kFormat = "mtpdraft-conformance/3";
   static const std::set<std::string> kOps = {
       "GetInfo",     "AllocState", "Prefill",   "Propose",  "ProposeBatch",
       "ProposeStream", "AfterVerify", "TakeKV", "InstallKV", "FreeState"};

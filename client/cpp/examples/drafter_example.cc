@@ -2,7 +2,8 @@
 //   drafter-example [HOST:PORT]
 // It prefills a state with a 4-token prompt, then runs 3 verify steps on one stream, each
 // deciding the verdict with mtpdraft::Accept: the drafts are greedy (q one-hot), the target's
-// distributions made up, as are the hiddens: a real verifier passes its target's.
+// distributions made up, as are the hiddens: a real verifier passes its target's. Then 3 steps
+// of a state with sampled drafts, each answer taken by mtpdraft::AcceptBatch.
 #include <mtpdraft/drafter_client.h>
 #include <mtpdraft/sampling.h>
 
@@ -65,6 +66,37 @@ int main(int argc, char** argv) {
       args.hidden = hiddens(1);
       args.position = p.first_position + accepted;
     }
+    // Sampled drafts (README.md, "Sampled drafts"): each draft drawn from q, each step's
+    // answer taken by AcceptBatch as it is, its verdicts the next step's.
+    mtpdraft::StateOptions options;
+    options.sampling.emplace();
+    options.sampling->set_temperature(0.8f), options.sampling->set_top_k(50);
+    options.sampling->set_seed(7);
+    const uint64_t sampled = drafter.AllocState(options);
+    drafter.Prefill(sampled, 1, {11, 12, 13}, hiddens(3));
+    std::vector<uint64_t> ids = {sampled};
+    std::vector<int32_t> tokens = {14}, ks = {4}, accepted;
+    std::vector<int64_t> positions = {4};
+    mtpdraft::Batch batch;
+    batch.state_ids = ids, batch.tokens = tokens, batch.positions = positions;
+    batch.hiddens = hiddens(1), batch.num_drafts = ks;
+    for (int step = 0; step < 3; ++step) {
+      const mtpdraft::BatchResult r = stream->Step(batch);  // q in r.q_ids, r.q_probs
+      if (r.q_support == 0) throw std::invalid_argument("sampled drafts came without q");
+      // Your target's distributions at each draft's position and after the last (here
+      // uniform), [B, width + 1, vocab], and uniforms [B, width + 1].
+      const std::vector<double> target(r.size() * (r.width + 1) * vocab, 1.0 / vocab);
+      std::vector<double> uniforms(r.size() * (r.width + 1));
+      for (double& u : uniforms) u = uniform(rng);
+      const mtpdraft::Accepted verdict = mtpdraft::AcceptBatch(r, target, vocab, uniforms);
+      for (size_t i = 0; i < r.size(); ++i) {
+        positions[i] = r.first_positions[i] + verdict.num_accepted[i];
+      }
+      accepted = verdict.num_accepted, tokens = verdict.next_tokens;
+      batch.num_accepted = accepted, batch.tokens = tokens, batch.hiddens = hiddens(1);
+      std::printf("sampled step %d: q support %d, kept %d\n", step, r.q_support, accepted[0]);
+    }
+    drafter.FreeState(sampled);
     stream->Close();
     drafter.FreeState(state);
   } catch (const mtpdraft::DrafterError& e) {

@@ -138,13 +138,20 @@ pb::GetInfoResponse DrafterClient::GetInfo() {
   return resp;
 }
 
-uint64_t DrafterClient::AllocState() { return AllocState(pb::Grammar()); }
+uint64_t DrafterClient::AllocState() { return AllocState(StateOptions{}); }
 
 uint64_t DrafterClient::AllocState(const pb::Grammar& grammar) {
+  StateOptions options;
+  if (grammar.kind_case() != pb::Grammar::KIND_NOT_SET) options.grammar = grammar;
+  return AllocState(options);
+}
+
+uint64_t DrafterClient::AllocState(const StateOptions& options) {
   grpc::ClientContext context;
   Prepare(&context);
   pb::AllocStateRequest req;
-  if (grammar.kind_case() != pb::Grammar::KIND_NOT_SET) *req.mutable_grammar() = grammar;
+  if (options.sampling) *req.mutable_sampling() = *options.sampling;
+  if (options.grammar) *req.mutable_grammar() = *options.grammar;
   pb::AllocStateResponse resp;
   Check(stub_->AllocState(&context, req, &resp));
   return resp.state_id();
@@ -211,6 +218,9 @@ pb::ProposeRequest ProposeRequestOf(uint64_t state, const ProposeArgs& args) {
   if (args.previous) FillVerdict(*args.previous, req.mutable_previous());
   req.set_step_number(args.step_number);
   req.set_return_bitmasks(args.return_bitmasks);
+  if (args.sampling) *req.mutable_sampling() = *args.sampling;
+  req.set_draft_cap(args.draft_cap);
+  req.set_verify_token_cost(args.verify_token_cost);
   return req;
 }
 
@@ -228,7 +238,9 @@ std::vector<int32_t> Int32s(const pb::Tensor& t) {
 Proposal ProposalOf(const pb::Proposal& p) {
   return {p.state_id(), {p.tokens().begin(), p.tokens().end()},
           {p.probs().begin(), p.probs().end()}, p.confidence(), p.first_position(),
-          p.has_bitmasks() ? Int32s(p.bitmasks()) : std::vector<int32_t>()};
+          p.has_bitmasks() ? Int32s(p.bitmasks()) : std::vector<int32_t>(),
+          p.q_support(), {p.q_ids().begin(), p.q_ids().end()},
+          {p.q_probs().begin(), p.q_probs().end()}};
 }
 
 // An error carried as a value as the status a unary call would have failed with. A code this client
@@ -263,6 +275,11 @@ pb::ProposeBatchRequest BatchRequestOf(const Batch& step) {
   req.mutable_min_confidence()->Add(step.min_confidence.begin(), step.min_confidence.end());
   req.mutable_step_numbers()->Add(step.step_numbers.begin(), step.step_numbers.end());
   req.set_return_bitmasks(step.return_bitmasks);
+  req.mutable_sampling_rows()->Add(step.sampling_rows.begin(), step.sampling_rows.end());
+  for (const pb::SamplingParams& s : step.sampling) *req.add_sampling() = s;
+  req.mutable_draft_caps()->Add(step.draft_caps.begin(), step.draft_caps.end());
+  req.mutable_verify_token_costs()->Add(step.verify_token_costs.begin(),
+                                        step.verify_token_costs.end());
   return req;
 }
 
@@ -306,6 +323,13 @@ BatchResult BatchResultOf(const pb::ProposeBatchResponse& resp, std::vector<uint
   }
   r.bitmask_rows.assign(resp.bitmask_rows().begin(), resp.bitmask_rows().end());
   if (resp.has_bitmasks()) r.bitmasks = Int32s(resp.bitmasks());
+  r.q_support = resp.q_support();
+  r.q_ids.assign(resp.q_ids().begin(), resp.q_ids().end());
+  r.q_probs.assign(resp.q_probs().begin(), resp.q_probs().end());
+  const size_t cells = rows * r.width * static_cast<size_t>(std::max(r.q_support, 0));
+  if (r.q_support < 0 || r.q_ids.size() != cells || r.q_probs.size() != cells) {
+    throw BadAnswer("q_ids or q_probs are not [B, width, q_support]");
+  }
   return r;
 }
 
@@ -367,9 +391,16 @@ StatesBatch BatchOf(const std::vector<BatchRequest>& requests) {
   StatesBatch b;
   ColumnRows hiddens("hidden", false), refeeds("previous.refeed_hiddens", false);
   ColumnRows masks("bitmask", true);
-  bool verdicts = false, floors = false, numbered = false;
+  bool verdicts = false, floors = false, numbered = false, chosen = false;
   for (size_t i = 0; i < requests.size(); ++i) {
     const BatchRequest& r = requests[i];
+    if (r.args.sampling) {
+      b.sampling_rows.push_back(static_cast<int32_t>(i));
+      b.sampling.push_back(*r.args.sampling);
+    }
+    b.draft_caps.push_back(r.args.draft_cap);
+    b.verify_token_costs.push_back(r.args.verify_token_cost);
+    chosen = chosen || r.args.draft_cap != 0 || r.args.verify_token_cost != 0.0f;
     b.state_ids.push_back(r.state);
     b.tokens.push_back(r.args.token);
     b.positions.push_back(r.args.position);
@@ -401,6 +432,7 @@ StatesBatch BatchOf(const std::vector<BatchRequest>& requests) {
   }
   if (!floors) b.min_confidence.clear();
   if (!numbered) b.step_numbers.clear();
+  if (!chosen) b.draft_caps.clear(), b.verify_token_costs.clear();
   return b;
 }
 
@@ -410,6 +442,8 @@ Batch StatesBatch::batch() const {
   b.num_drafts = num_drafts, b.num_accepted = num_accepted, b.refeed_rows = refeed_rows;
   b.refeed_hiddens = refeed_hiddens, b.bitmask_rows = bitmask_rows, b.bitmasks = bitmasks;
   b.min_confidence = min_confidence, b.step_numbers = step_numbers;
+  b.sampling_rows = sampling_rows, b.sampling = sampling;
+  b.draft_caps = draft_caps, b.verify_token_costs = verify_token_costs;
   return b;
 }
 
@@ -417,8 +451,15 @@ Proposal BatchResult::RowProposal(size_t row) const {
   if (const DrafterError* e = Error(row)) throw *e;
   ArrayView<int32_t> tokens = Drafts(row);
   ArrayView<float> row_probs = Probs(row);
-  return {state_ids[row], {tokens.begin(), tokens.end()}, {row_probs.begin(), row_probs.end()},
-          confidences[row], first_positions[row]};
+  Proposal p{state_ids[row], {tokens.begin(), tokens.end()}, {row_probs.begin(), row_probs.end()},
+             confidences[row], first_positions[row]};
+  if (q_support > 0) {
+    const size_t lo = row * width * q_support, hi = lo + tokens.size() * q_support;
+    p.q_support = q_support;
+    p.q_ids.assign(q_ids.begin() + lo, q_ids.begin() + hi);
+    p.q_probs.assign(q_probs.begin() + lo, q_probs.begin() + hi);
+  }
+  return p;
 }
 
 Proposal DrafterClient::Propose(uint64_t state, const ProposeArgs& args) {

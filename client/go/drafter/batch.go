@@ -34,6 +34,14 @@ type Batch struct {
 	// StepNumbers numbers each state's step as ProposeArgs.StepNumber does: B values, one for
 	// every state (a verifier's own step count), or empty (not numbered).
 	StepNumbers []uint64
+	// SamplingRows are the rows (ascending, each once) whose states take new sampling from
+	// this step on, and Sampling their parameters, one per row listed; empty: no change.
+	SamplingRows []int32
+	Sampling     []*pb.SamplingParams
+	// DraftCaps and VerifyTokenCosts are, for rows with NumDrafts 0 (the drafter chooses K),
+	// ProposeArgs' DraftCap and VerifyTokenCost: B values, one for every state, or empty (0).
+	DraftCaps        []int32
+	VerifyTokenCosts []float32
 	// ReturnBitmasks asks for each grammar state's bitmasks (BatchResult.Bitmasks).
 	ReturnBitmasks bool
 }
@@ -51,8 +59,15 @@ type BatchRequest struct {
 func BatchOf(requests []BatchRequest) (Batch, error) {
 	var b Batch
 	var hiddens, refeeds, masks rows
-	verdicts, floors, numbered := false, false, false
+	verdicts, floors, numbered, chosen := false, false, false, false
 	for i, r := range requests {
+		if r.Sampling != nil {
+			b.SamplingRows = append(b.SamplingRows, int32(i))
+			b.Sampling = append(b.Sampling, r.Sampling)
+		}
+		b.DraftCaps = append(b.DraftCaps, r.DraftCap)
+		b.VerifyTokenCosts = append(b.VerifyTokenCosts, r.VerifyTokenCost)
+		chosen = chosen || r.DraftCap != 0 || r.VerifyTokenCost != 0
 		b.StateIDs = append(b.StateIDs, r.State)
 		b.Tokens = append(b.Tokens, r.Token)
 		b.Positions = append(b.Positions, r.Position)
@@ -100,6 +115,9 @@ func BatchOf(requests []BatchRequest) (Batch, error) {
 	}
 	if !numbered {
 		b.StepNumbers = nil
+	}
+	if !chosen {
+		b.DraftCaps, b.VerifyTokenCosts = nil, nil
 	}
 	return b, nil
 }
@@ -198,6 +216,12 @@ type BatchResult struct {
 	// Bitmasks, row by row).
 	BitmaskRows []int32
 	Bitmasks    *pb.Tensor
+	// When some row's drafts were sampled: each draft's q as its QSupport most probable ids
+	// and their probabilities, [B, Width, QSupport] row-major (a greedy row's q is its draft
+	// alone at 1; past a row's count, 0). QSupport 0 and both empty when no row was sampled.
+	QSupport int
+	QIDs     []int32
+	QProbs   []float32
 }
 
 // Len is the number of rows, B.
@@ -216,8 +240,14 @@ func (r *BatchResult) Proposal(i int) (*pb.Proposal, error) {
 		return nil, err
 	}
 	drafts, probs := r.Row(i)
-	return &pb.Proposal{StateId: r.StateIDs[i], Tokens: drafts, Probs: probs,
-		Confidence: r.Confidences[i], FirstPosition: r.FirstPositions[i]}, nil
+	p := &pb.Proposal{StateId: r.StateIDs[i], Tokens: drafts, Probs: probs,
+		Confidence: r.Confidences[i], FirstPosition: r.FirstPositions[i]}
+	if r.QSupport > 0 {
+		lo := i * r.Width * r.QSupport
+		hi := lo + len(drafts)*r.QSupport
+		p.QSupport, p.QIds, p.QProbs = int32(r.QSupport), r.QIDs[lo:hi], r.QProbs[lo:hi]
+	}
+	return p, nil
 }
 
 // ProposeBatch runs a verifier's whole step in one call: for each of B states, the verdict on
@@ -246,8 +276,12 @@ func batchRequest(b Batch) *pb.ProposeBatchRequest {
 		Bitmasks:      b.Bitmasks.message(),
 		MinConfidence: b.MinConfidence,
 		StepNumbers:   b.StepNumbers,
+		SamplingRows:  b.SamplingRows,
+		Sampling:      b.Sampling,
 
-		ReturnBitmasks: b.ReturnBitmasks,
+		DraftCaps:        b.DraftCaps,
+		VerifyTokenCosts: b.VerifyTokenCosts,
+		ReturnBitmasks:   b.ReturnBitmasks,
 	}
 	if h := b.Hiddens; h.DType != pb.DType_DTYPE_UNSPECIFIED || h.Shape != nil || h.Data != nil {
 		req.Hiddens = h.message() // a zero Tensor is sent as absent
@@ -264,6 +298,11 @@ func batchResult(resp *pb.ProposeBatchResponse, stateIDs []uint64) (*BatchResult
 			"%d probs, %d confidences, %d first positions for %d states", width, size, len(resp.Drafts),
 			len(resp.Probs), len(resp.Confidences), len(resp.FirstPositions), len(stateIDs))
 	}
+	support := int(resp.QSupport)
+	if support < 0 || len(resp.QIds) != size*width*support || len(resp.QProbs) != size*width*support {
+		return nil, fmt.Errorf("drafter: malformed ProposeBatchResponse: q support %d, %d q ids and %d q probs "+
+			"for %d rows of width %d", support, len(resp.QIds), len(resp.QProbs), size, width)
+	}
 	for i, n := range resp.DraftCounts {
 		if n < 0 || int(n) > width {
 			return nil, fmt.Errorf("drafter: malformed ProposeBatchResponse: row %d counts %d drafts of %d", i, n, width)
@@ -271,7 +310,8 @@ func batchResult(resp *pb.ProposeBatchResponse, stateIDs []uint64) (*BatchResult
 	}
 	r := &BatchResult{StateIDs: stateIDs, Width: width, Drafts: resp.Drafts, Probs: resp.Probs,
 		Counts: resp.DraftCounts, Confidences: resp.Confidences, FirstPositions: resp.FirstPositions,
-		BitmaskRows: resp.BitmaskRows, Bitmasks: resp.Bitmasks}
+		BitmaskRows: resp.BitmaskRows, Bitmasks: resp.Bitmasks,
+		QSupport: support, QIDs: resp.QIds, QProbs: resp.QProbs}
 	for _, e := range resp.Errors {
 		if r.Errors == nil {
 			r.Errors = map[int]error{}

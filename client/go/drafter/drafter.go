@@ -153,6 +153,13 @@ type ProposeArgs struct {
 	// ReturnBitmasks asks, for a state with a grammar, for the grammar's bitmask at each
 	// draft's position and the bonus position (the Proposal's Bitmasks).
 	ReturnBitmasks bool
+	// Sampling, if set, is the state's sampling from this step on (see StateOptions).
+	Sampling *pb.SamplingParams
+	// With NumDrafts 0 the drafter chooses K, up to DraftCap (0: GetInfo's MaxDrafts), for the
+	// most tokens per unit of verify cost: VerifyTokenCost is what verifying one more token
+	// costs, as a fraction of a verify step.
+	DraftCap        int32
+	VerifyTokenCost float32
 }
 
 // Client wraps the generated stub. It is safe for concurrent use.
@@ -191,14 +198,30 @@ func (c *Client) GetInfo(ctx context.Context) (*pb.GetInfoResponse, error) {
 
 // AllocState returns the id of a new, empty state.
 func (c *Client) AllocState(ctx context.Context) (uint64, error) {
-	return c.AllocStateWithGrammar(ctx, nil)
+	return c.AllocStateWith(ctx, StateOptions{})
 }
 
 // AllocStateWithGrammar returns the id of a new, empty state whose every draft obeys grammar
 // (JSONSchema, EBNF, Regex or StructuralTag make one; nil: none). GetInfo's GrammarKinds
 // lists the kinds the server takes.
 func (c *Client) AllocStateWithGrammar(ctx context.Context, grammar *pb.Grammar) (uint64, error) {
-	r, err := c.stub.AllocState(ctx, &pb.AllocStateRequest{Grammar: grammar})
+	return c.AllocStateWith(ctx, StateOptions{Grammar: grammar})
+}
+
+// StateOptions are how a new state drafts; the zero value is greedy, without a grammar.
+type StateOptions struct {
+	// Sampling draws each draft from q, the head's distribution after vLLM's temperature,
+	// min_p, top_k and top_p, cut to GetInfo's MaxSampleTopK tokens; the answers then carry
+	// q (Proposal.QIds, BatchResult.QIDs), which Accept and AcceptBatch take. A draw depends
+	// only on (Seed, state, position, draft index). Nil or temperature 0: greedy.
+	Sampling *pb.SamplingParams
+	// Grammar is what every draft obeys (nil: none).
+	Grammar *pb.Grammar
+}
+
+// AllocStateWith returns the id of a new, empty state that drafts as opts says.
+func (c *Client) AllocStateWith(ctx context.Context, opts StateOptions) (uint64, error) {
+	r, err := c.stub.AllocState(ctx, &pb.AllocStateRequest{Sampling: opts.Sampling, Grammar: opts.Grammar})
 	if err != nil {
 		return 0, err
 	}
@@ -299,7 +322,10 @@ func proposeRequest(state uint64, args ProposeArgs) *pb.ProposeRequest {
 		Previous:      verdict(args.Previous),
 		StepNumber:    args.StepNumber,
 
-		ReturnBitmasks: args.ReturnBitmasks,
+		ReturnBitmasks:  args.ReturnBitmasks,
+		Sampling:        args.Sampling,
+		DraftCap:        args.DraftCap,
+		VerifyTokenCost: args.VerifyTokenCost,
 	}
 }
 

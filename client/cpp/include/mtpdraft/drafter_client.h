@@ -62,6 +62,7 @@
 #include <vector>
 
 #include "mtpdraft/array_view.h"
+#include "mtpdraft/sampling.h"
 #include "mtpdraft/v1/drafter.grpc.pb.h"
 
 namespace mtpdraft {
@@ -139,6 +140,22 @@ struct ProposeArgs {
   uint64_t step_number = 0;
   // For a state with a grammar: answer its bitmask at each draft's and the bonus position.
   bool return_bitmasks = false;
+  // The state's sampling from this step on (see StateOptions).
+  std::optional<pb::SamplingParams> sampling;
+  // With num_drafts 0 the drafter chooses K, up to draft_cap (0: GetInfo's max_drafts), for
+  // the most tokens per unit of verify cost: verify_token_cost is what verifying one more
+  // token costs, as a fraction of a verify step.
+  int32_t draft_cap = 0;
+  float verify_token_cost = 0.0f;
+};
+
+// How a new state drafts (AllocState); the default is greedy, without a grammar.
+struct StateOptions {
+  // Draws each draft from q, the head's distribution after vLLM's temperature, min_p, top_k
+  // and top_p, cut to GetInfo's max_sample_top_k tokens; the answers then carry q, which
+  // Accept and AcceptBatch take. A draw depends only on (seed, state, position, draft index).
+  std::optional<pb::SamplingParams> sampling;
+  std::optional<pb::Grammar> grammar;  // what every draft obeys
 };
 
 struct Proposal {
@@ -150,6 +167,11 @@ struct Proposal {
   // Asked with return_bitmasks, for a state with a grammar: [tokens + 1, bitmask_words]
   // int32 row-major, row j the grammar's bitmask at first_position + j; empty otherwise.
   std::vector<int32_t> bitmasks;
+  // Sampled drafts: each draft's q, [tokens, q_support] row-major ids (most probable first)
+  // and probabilities (probs[j] is q(tokens[j])); q_support 0 and empty otherwise.
+  int32_t q_support = 0;
+  std::vector<int32_t> q_ids;
+  std::vector<float> q_probs;
 };
 
 // A verifier's step for B states as columns (ProposeBatchRequest): row i of every column is
@@ -173,6 +195,14 @@ struct Batch {
   ArrayView<uint64_t> step_numbers;  // B step numbers (ProposeArgs::step_number), one for
                                      // every state, or empty (not numbered)
   bool return_bitmasks = false;     // answer each grammar state's bitmasks
+  // The rows (ascending, each once) whose states take new sampling from this step on, and
+  // their parameters, one per row listed; empty: no change.
+  ArrayView<int32_t> sampling_rows;
+  ArrayView<pb::SamplingParams> sampling;
+  // For rows with num_drafts 0 (the drafter chooses K), ProposeArgs' draft_cap and
+  // verify_token_cost: B values, one for every state, or empty (0).
+  ArrayView<int32_t> draft_caps;
+  ArrayView<float> verify_token_costs;
 };
 
 // One state of a batch given state by state (BatchOf): the state and its Propose.
@@ -195,6 +225,10 @@ struct StatesBatch {
   std::optional<Tensor> bitmasks;
   std::vector<float> min_confidence;
   std::vector<uint64_t> step_numbers;
+  std::vector<int32_t> sampling_rows;
+  std::vector<pb::SamplingParams> sampling;
+  std::vector<int32_t> draft_caps;
+  std::vector<float> verify_token_costs;
 
   // A view of the columns, valid while this StatesBatch lives unchanged.
   Batch batch() const;
@@ -222,6 +256,12 @@ struct BatchResult {
   // else 0), and those rows, [sum(bitmask_rows), bitmask_words] int32 row-major.
   std::vector<int32_t> bitmask_rows;
   std::vector<int32_t> bitmasks;
+  // When some row was sampled: each draft's q, [B, width, q_support] row-major ids and
+  // probabilities (a greedy row's q is its draft alone at 1; past a row's count, 0);
+  // q_support 0 and empty when no row was.
+  int32_t q_support = 0;
+  std::vector<int32_t> q_ids;
+  std::vector<float> q_probs;
 
   // B, the number of rows.
   size_t size() const { return counts.size(); }
@@ -240,6 +280,13 @@ struct BatchResult {
   // Row i as a Proposal; throws its DrafterError if it failed.
   Proposal RowProposal(size_t row) const;
 };
+
+// Accept over a batch's answer as it is: each row's width drafts, their q (the answer's;
+// where no row was sampled, each draft alone at 1) and counts. target_probs [B, width + 1,
+// vocab] and uniforms [B, width + 1] as AcceptArgs'. A failed row counts no drafts: its next
+// token is drawn from the target's distribution at its first position.
+Accepted AcceptBatch(const BatchResult& r, ArrayView<double> target_probs, size_t vocab,
+                     ArrayView<double> uniforms);
 
 struct KVHandle {
   uint64_t handle_id = 0;
@@ -346,6 +393,8 @@ class DrafterClient {
   // A new state whose every draft obeys `grammar` (one of its kinds set: json_schema, ebnf,
   // regex or structural_tag); GetInfo().grammar_kinds() lists the kinds the server takes.
   uint64_t AllocState(const pb::Grammar& grammar);
+  // A new state that drafts as `options` says (sampling, grammar).
+  uint64_t AllocState(const StateOptions& options);
   // Appends rows (tokens[i], hiddens row i) at start_position + i, streamed in chunks of
   // chunk_rows rows (0: as many as fit in 4 MiB). All or nothing.
   PrefillResult Prefill(uint64_t state, int64_t start_position, const std::vector<int32_t>& tokens,

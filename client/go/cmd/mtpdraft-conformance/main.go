@@ -110,6 +110,10 @@ type operation struct {
 	ExpectField   string                 `json:"expect_field"`
 	Messages      []operation            `json:"messages"` // of a ProposeStream: batches
 	Grammar       map[string]string      `json:"grammar"`  // of an AllocState: kind -> source
+	// An AllocState's or a Propose's SamplingParams; a batch's column of them.
+	Sampling        json.RawMessage `json:"sampling"`
+	DraftCap        int32           `json:"draft_cap"` // of a Propose with num_drafts 0
+	VerifyTokenCost float32         `json:"verify_token_cost"`
 
 	// Of a batch, a ProposeBatch or a stream's message (with Tokens, Hiddens, NumDrafts,
 	// NumAccepted, RefeedHiddens and MinConfidence as columns).
@@ -118,6 +122,51 @@ type operation struct {
 	RefeedRows  []int32     `json:"refeed_rows"`
 	BitmaskRows []int32     `json:"bitmask_rows"`
 	Bitmasks    *tensorJSON `json:"bitmasks"`
+	// The rows whose states change sampling (Sampling their parameters), and K 0's columns.
+	SamplingRows     []int32 `json:"sampling_rows"`
+	DraftCaps        numbers `json:"draft_caps"`
+	VerifyTokenCosts numbers `json:"verify_token_costs"`
+}
+
+// samplingJSON is a SamplingParams as the vector writes it (absent fields: 0).
+type samplingJSON struct {
+	Temperature float32 `json:"temperature"`
+	TopK        int32   `json:"top_k"`
+	TopP        float32 `json:"top_p"`
+	MinP        float32 `json:"min_p"`
+	Seed        uint64  `json:"seed"`
+}
+
+func (s samplingJSON) message() *pb.SamplingParams {
+	return &pb.SamplingParams{Temperature: s.Temperature, TopK: s.TopK, TopP: s.TopP, MinP: s.MinP, Seed: s.Seed}
+}
+
+// sampling is an AllocState's or a Propose's SamplingParams (nil where it gives none).
+func (op *operation) sampling() *pb.SamplingParams {
+	if len(op.Sampling) == 0 {
+		return nil
+	}
+	var s samplingJSON
+	if err := json.Unmarshal(op.Sampling, &s); err != nil {
+		panic(fmt.Sprintf("sampling: %v", err))
+	}
+	return s.message()
+}
+
+// samplingColumn is a batch's sampling column.
+func (op *operation) samplingColumn() []*pb.SamplingParams {
+	if len(op.Sampling) == 0 {
+		return nil
+	}
+	var list []samplingJSON
+	if err := json.Unmarshal(op.Sampling, &list); err != nil {
+		panic(fmt.Sprintf("sampling: %v", err))
+	}
+	out := make([]*pb.SamplingParams, len(list))
+	for i, s := range list {
+		out[i] = s.message()
+	}
+	return out
 }
 
 // Pointers tell a missing key from a zero value.
@@ -127,7 +176,7 @@ type vector struct {
 	Operations    []operation `json:"operations"`
 }
 
-const vectorFormat = "mtpdraft-conformance/2"
+const vectorFormat = "mtpdraft-conformance/3"
 
 var knownOps = map[string]bool{
 	"GetInfo": true, "AllocState": true, "Prefill": true, "Propose": true, "ProposeBatch": true,
@@ -248,7 +297,7 @@ func plain(v interface{}) interface{} {
 }
 
 // floatKeys are the fields compared within the vector's prob_tolerance, at any depth.
-var floatKeys = map[string]bool{"probs": true, "confidence": true, "confidences": true}
+var floatKeys = map[string]bool{"probs": true, "confidence": true, "confidences": true, "q_probs": true}
 
 // same says whether a result (plain) matches the vector's value of the field key: lists item by
 // item, objects by the keys the vector gives, numbers of floatKeys within tol, the rest exactly.
@@ -295,7 +344,22 @@ func show(v interface{}) string {
 	return string(j)
 }
 
+// mismatches are the fields of expected that actual does not match; with one_of (the answers a
+// sampled draft may give), none where actual matches one of them.
 func mismatches(expected, actual map[string]interface{}, tol float64) []string {
+	if answers, ok := expected["one_of"].([]interface{}); ok {
+		var first []string
+		for i, answer := range answers {
+			bad := mismatches(answer.(map[string]interface{}), actual, tol)
+			if len(bad) == 0 {
+				return nil
+			}
+			if i == 0 {
+				first = bad
+			}
+		}
+		return []string{fmt.Sprintf("none of %d answers: %s", len(answers), strings.Join(first, "; "))}
+	}
 	keys := make([]string, 0, len(expected))
 	for key := range expected {
 		keys = append(keys, key)
@@ -377,7 +441,7 @@ func (r *replayer) call(op *operation) (map[string]interface{}, error) {
 		if err != nil {
 			return nil, err
 		}
-		id, err := r.client.AllocStateWithGrammar(c, grammar)
+		id, err := r.client.AllocStateWith(c, drafter.StateOptions{Sampling: op.sampling(), Grammar: grammar})
 		if err == nil {
 			r.states[op.State], err = nonZero(id, "AllocState")
 		}
@@ -418,7 +482,8 @@ func (r *replayer) call(op *operation) (map[string]interface{}, error) {
 func proposeArgs(op *operation) drafter.ProposeArgs {
 	args := drafter.ProposeArgs{Token: op.Token, Hidden: *mustTensor(op.Hidden), Position: op.Position,
 		NumDrafts: int32(op.NumDrafts.scalar()), Bitmask: mustTensor(op.Bitmask),
-		MinConfidence: float32(op.MinConfidence.scalar())}
+		MinConfidence: float32(op.MinConfidence.scalar()), Sampling: op.sampling(),
+		DraftCap: op.DraftCap, VerifyTokenCost: op.VerifyTokenCost}
 	if op.Previous != nil {
 		args.Previous = &drafter.Verdict{NumAccepted: op.Previous.NumAccepted,
 			RefeedHiddens: mustTensor(op.Previous.RefeedHiddens)}
@@ -435,7 +500,17 @@ func proposalFields(p *pb.Proposal, err error, state uint64) (map[string]interfa
 		return nil, fmt.Errorf("Proposal.state_id %d != state %d", p.StateId, state)
 	}
 	return map[string]interface{}{"tokens": p.Tokens, "probs": p.Probs,
-		"confidence": p.Confidence, "first_position": p.FirstPosition}, nil
+		"confidence": p.Confidence, "first_position": p.FirstPosition, "q_support": p.QSupport,
+		"q_ids": rowsOf(p.QIds, int(p.QSupport)), "q_probs": rowsOf(p.QProbs, int(p.QSupport))}, nil
+}
+
+// rowsOf is a flat column as rows of n values (none when n is 0).
+func rowsOf[T any](flat []T, n int) [][]T {
+	out := [][]T{}
+	for lo := 0; n > 0 && lo+n <= len(flat); lo += n {
+		out = append(out, flat[lo:lo+n])
+	}
+	return out
 }
 
 // batch is a batch's columns (a ProposeBatch operation's or a ProposeStream message's), its
@@ -449,7 +524,9 @@ func (r *replayer) batch(op *operation) drafter.Batch {
 		NumDrafts: op.NumDrafts.int32s(), NumAccepted: op.NumAccepted.int32s(),
 		RefeedRows: op.RefeedRows, RefeedHiddens: mustTensor(op.RefeedHiddens),
 		BitmaskRows: op.BitmaskRows, Bitmasks: mustTensor(op.Bitmasks),
-		MinConfidence: op.MinConfidence.float32s()}
+		MinConfidence: op.MinConfidence.float32s(), SamplingRows: op.SamplingRows,
+		Sampling: op.samplingColumn(), DraftCaps: op.DraftCaps.int32s(),
+		VerifyTokenCosts: op.VerifyTokenCosts.float32s()}
 	if h := mustTensor(op.Hiddens); h != nil {
 		b.Hiddens = *h
 	}
@@ -476,9 +553,11 @@ func batchFields(res *drafter.BatchResult, err error) (map[string]interface{}, e
 	for i, row := range rows {
 		errs[i] = rowError(row, res.Errors[row])
 	}
+	qIDs, qProbs := rowsOf(rowsOf(res.QIDs, res.QSupport), res.Width), rowsOf(rowsOf(res.QProbs, res.QSupport), res.Width)
 	return map[string]interface{}{"width": res.Width, "drafts": drafts, "probs": probs,
 		"draft_counts": res.Counts, "confidences": res.Confidences,
-		"first_positions": res.FirstPositions, "errors": errs}, nil
+		"first_positions": res.FirstPositions, "errors": errs,
+		"q_support": res.QSupport, "q_ids": qIDs, "q_probs": qProbs}, nil
 }
 
 // rowError is a failed row as the vector writes it.
@@ -491,6 +570,13 @@ func rowError(row int, err error) map[string]interface{} {
 // batchExpect is a batch's expect with its errors spelled out: no errors when it lists none,
 // and "" for a row error's absent reason or field.
 func batchExpect(expect map[string]interface{}) map[string]interface{} {
+	if answers, ok := expect["one_of"].([]interface{}); ok {
+		spelled := make([]interface{}, len(answers))
+		for i, answer := range answers {
+			spelled[i] = batchExpect(answer.(map[string]interface{}))
+		}
+		return map[string]interface{}{"one_of": spelled}
+	}
 	out := map[string]interface{}{"errors": []interface{}{}}
 	for key, value := range expect {
 		out[key] = value
