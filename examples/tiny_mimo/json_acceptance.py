@@ -49,7 +49,7 @@ def decode(model, engine, grammar, prompt: list[int], k: int, constrained: bool,
     vocab = model.config.vocab_size
     target = Target(model, len(prompt) + most + k + 2)
     hiddens, _ = target.forward(prompt)
-    verifier = xgrammar.GrammarMatcher(grammar)
+    verifier = xgrammar.GrammarMatcher(grammar.compiled)
     logits = model.target_logits(hiddens[-1:].to(next(model.parameters()).dtype))[0]
     token = int(logits.masked_fill(~allowed(verifier, vocab), -torch.inf).argmax())
     assert verifier.accept_token(token)

@@ -105,7 +105,7 @@ def draft(
     if plan.recompute:
         first = _first_drafts(head, kv, table, plan)
         tokens[first.rows, 0], probs[first.rows, 0] = first.drafts, first.probs
-        if q is not None:
+        if q is not None and first.q_ids is not None:
             q[0][first.rows, 0], q[1][first.rows, 0] = first.q_ids, first.q_probs
         offsets[first.rows] = 1
     limits = k - offsets
@@ -133,6 +133,11 @@ def draft(
         )
     drafted = _confident(tokens, probs, k, plan.min_confidence, at_most)
     if q is not None:
+        # A greedy row's q is its draft alone, whichever path (the recomputed first draft,
+        # the chain) it took with or without sampled rows beside it.
+        greedy = plan.sampling["temperature"] <= 0
+        q[0][greedy], q[1][greedy] = 0, 0
+        q[0][greedy, :, 0], q[1][greedy, :, 0] = tokens[greedy], 1
         drafted.q_ids, drafted.q_probs = _kept_q(q, drafted.counts)
     # Each state's last computed row: a step of the chain, or R0 of a recomputing state
     # that stopped at its first draft.

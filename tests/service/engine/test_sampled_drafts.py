@@ -156,3 +156,44 @@ def test_bad_sampling_is_refused_by_name_and_changes_nothing(family, sampling, f
     with pytest.raises(InvalidArgument, match=f"sampling.{field}") as err:
         engine.alloc_state(sampling=sampling)
     assert err.value.reason == "BAD_SAMPLING" and len(engine.states) == live
+
+
+def _greedy_q(p) -> bool:
+    """A greedy proposal's q: each draft alone, probability 1."""
+    return all(ids[0] == t and probs[0] == 1.0 and not any(probs[1:])
+               for t, ids, probs in zip(p.tokens, p.q_ids, p.q_probs, strict=True))  # fmt: skip
+
+
+def test_greedy_and_sampled_rows_on_different_paths_each_get_their_q(family) -> None:
+    """In one batch, a row whose verdict accepted every draft recomputes that draft's row
+    while the other row chains on, one greedy and one sampled, each way round: a greedy
+    row's q is its drafts alone, a sampled row's q holds its draft and sums to 1."""
+    ref, engine = family
+    h, vocab = ref.cfg["hidden_size"], ref.cfg["vocab_size"]
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(vocab, (PROMPT,), generator=gen).tolist()
+    hiddens = torch.randn(PROMPT, h, generator=gen)
+    states = []
+    for sampling in (Sampling(), CASES[0]):
+        state = engine.alloc_state(sampling=sampling)
+        session = engine.begin_prefill(state, 1)
+        session.append(tokens[:-1], hiddens[:-1])
+        session.finish()
+        states.append(state)
+    greedy, sampled = states
+    batch = propose_batch(
+        engine, [ProposeArgs(s, tokens[-1], hiddens[-1], PROMPT, 1) for s in states]
+    )
+    for accepted in ((1, 0), (0, K)):  # greedy recomputes, then the sampled one does
+        args = [
+            ProposeArgs(s, 5, torch.randn(h, generator=gen), p.first_position + a, K,
+                        previous=Verdict(a))
+            for s, p, a in zip(states, batch, accepted, strict=True)
+        ]  # fmt: skip
+        batch = propose_batch(engine, args)
+        assert _greedy_q(batch[0])
+        for j, t in enumerate(batch[1].tokens):
+            ids, probs = batch[1].q_ids[j], batch[1].q_probs[j]
+            assert t in ids and abs(sum(probs) - 1) < 1e-5
+    for state in (greedy, sampled):
+        engine.free_state(state)
