@@ -38,6 +38,11 @@ type Batch struct {
 	// this step on, and Sampling their parameters, one per row listed; empty: no change.
 	SamplingRows []int32
 	Sampling     []*pb.SamplingParams
+	// GrammarRows are the rows (ascending, each once) whose states take a grammar (or
+	// NoGrammar) from this step on, and Grammars those grammars, one per row listed; a grammar
+	// the server refuses fails its row alone. Empty: no change.
+	GrammarRows []int32
+	Grammars    []*pb.Grammar
 	// DraftCaps and VerifyTokenCosts are, for rows with NumDrafts 0 (the drafter chooses K),
 	// ProposeArgs' DraftCap and VerifyTokenCost: B values, one for every state, or empty (0).
 	DraftCaps        []int32
@@ -64,6 +69,10 @@ func BatchOf(requests []BatchRequest) (Batch, error) {
 		if r.Sampling != nil {
 			b.SamplingRows = append(b.SamplingRows, int32(i))
 			b.Sampling = append(b.Sampling, r.Sampling)
+		}
+		if r.Grammar != nil {
+			b.GrammarRows = append(b.GrammarRows, int32(i))
+			b.Grammars = append(b.Grammars, r.Grammar)
 		}
 		b.DraftCaps = append(b.DraftCaps, r.DraftCap)
 		b.VerifyTokenCosts = append(b.VerifyTokenCosts, r.VerifyTokenCost)
@@ -278,6 +287,8 @@ func batchRequest(b Batch) *pb.ProposeBatchRequest {
 		StepNumbers:   b.StepNumbers,
 		SamplingRows:  b.SamplingRows,
 		Sampling:      b.Sampling,
+		GrammarRows:   b.GrammarRows,
+		Grammars:      b.Grammars,
 
 		DraftCaps:        b.DraftCaps,
 		VerifyTokenCosts: b.VerifyTokenCosts,

@@ -155,6 +155,9 @@ type ProposeArgs struct {
 	ReturnBitmasks bool
 	// Sampling, if set, is the state's sampling from this step on (see StateOptions).
 	Sampling *pb.SamplingParams
+	// Grammar, if set, is the state's grammar from this step's token on (NoGrammar: none
+	// from this step on; nil: the state keeps its own).
+	Grammar *pb.Grammar
 	// With NumDrafts 0 the drafter chooses K, up to DraftCap (0: GetInfo's MaxDrafts), for the
 	// most tokens per unit of verify cost: VerifyTokenCost is what verifying one more token
 	// costs, as a fraction of a verify step.
@@ -244,6 +247,10 @@ func StructuralTag(tag string) *pb.Grammar {
 	return &pb.Grammar{Kind: &pb.Grammar_StructuralTag{StructuralTag: tag}}
 }
 
+// NoGrammar is no grammar: on a Propose (ProposeArgs.Grammar, a batch's Grammars), the
+// state's grammar is cleared from that step on.
+func NoGrammar() *pb.Grammar { return &pb.Grammar{Kind: &pb.Grammar_None{None: true}} }
+
 // Prefill appends committed rows (tokens[i], hiddens row i) at startPosition + i, streamed in
 // chunks of chunkRows rows (0: as many as fit in DefaultChunkBytes). All or nothing.
 func (c *Client) Prefill(ctx context.Context, state uint64, startPosition int64, tokens []int32,
@@ -324,6 +331,7 @@ func proposeRequest(state uint64, args ProposeArgs) *pb.ProposeRequest {
 
 		ReturnBitmasks:  args.ReturnBitmasks,
 		Sampling:        args.Sampling,
+		Grammar:         args.Grammar,
 		DraftCap:        args.DraftCap,
 		VerifyTokenCost: args.VerifyTokenCost,
 	}

@@ -3,6 +3,7 @@ package drafter
 import (
 	"context"
 	"net"
+	"reflect"
 	"testing"
 
 	"google.golang.org/grpc"
@@ -89,5 +90,40 @@ func TestProposeAsksForBitmasks(t *testing.T) {
 		if (p.GetBitmasks() != nil) != ask {
 			t.Fatalf("ReturnBitmasks %v: bitmasks %v", ask, p.GetBitmasks())
 		}
+	}
+}
+
+// A grammar given on a Propose travels in its request; given state by state in a batch, the
+// rows that change grammar (ascending) with their grammars, NoGrammar among them as none.
+func TestProposeAndBatchSendGrammarChanges(t *testing.T) {
+	digits := Regex("[0-3]{4}")
+	if p := proposeRequest(3, ProposeArgs{NumDrafts: 1, Grammar: digits}); p.GetGrammar().GetRegex() != "[0-3]{4}" {
+		t.Fatalf("propose request's grammar %v", p.GetGrammar())
+	}
+	if p := proposeRequest(3, ProposeArgs{NumDrafts: 1, Grammar: NoGrammar()}); !p.GetGrammar().GetNone() {
+		t.Fatalf("NoGrammar sent as %v", p.GetGrammar())
+	}
+	if p := proposeRequest(3, ProposeArgs{NumDrafts: 1}); p.Grammar != nil {
+		t.Fatalf("a propose without a grammar sent %v", p.Grammar)
+	}
+	b, err := BatchOf([]BatchRequest{
+		{3, ProposeArgs{Hidden: FP32([]float32{1}), NumDrafts: 1, Grammar: NoGrammar()}},
+		{4, ProposeArgs{Hidden: FP32([]float32{2}), NumDrafts: 1}},
+		{5, ProposeArgs{Hidden: FP32([]float32{3}), NumDrafts: 1, Grammar: digits}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := batchRequest(b)
+	if !reflect.DeepEqual(req.GrammarRows, []int32{0, 2}) || len(req.Grammars) != 2 ||
+		!req.Grammars[0].GetNone() || req.Grammars[1].GetRegex() != "[0-3]{4}" {
+		t.Fatalf("grammar columns %v %v", req.GrammarRows, req.Grammars)
+	}
+	plain, err := BatchOf([]BatchRequest{{3, ProposeArgs{Hidden: FP32([]float32{1}), NumDrafts: 1}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := batchRequest(plain); r.GrammarRows != nil || r.Grammars != nil {
+		t.Fatalf("grammar columns sent without a grammar: %v %v", r.GrammarRows, r.Grammars)
 	}
 }
