@@ -65,6 +65,8 @@ export interface ProposeArgs {
   returnBitmasks?: boolean;
   /** The state's sampling from this step on. */
   sampling?: SamplingParams | null;
+  /** The state's grammar from this step's token on ({ none: true }: none; absent: kept). */
+  grammar?: Grammar | null;
   /** With numDrafts 0 (the drafter chooses K): the most drafts (0: maxDrafts) ... */
   draftCap?: number;
   /** ... for the most tokens per unit of verify cost: one more token's share of a verify step. */
@@ -140,7 +142,9 @@ export type Grammar =
   | { jsonSchema: string | object }
   | { ebnf: string }
   | { regex: string }
-  | { structuralTag: string | object };
+  | { structuralTag: string | object }
+  /** No grammar: on a propose, the state's grammar is cleared from that step on. */
+  | { none: true };
 
 /** A verifier's step for B states, as columns: row i of every column is stateIds[i]'s. */
 export interface Batch {
@@ -166,6 +170,10 @@ export interface Batch {
   samplingRows?: Int32Array | Iterable<number> | null;
   /** ... and their parameters, one per row listed. */
   sampling?: SamplingParams[] | null;
+  /** The rows (ascending, each once) whose states take a grammar (or none) from this step on ... */
+  grammarRows?: Int32Array | Iterable<number> | null;
+  /** ... and those grammars, one per row listed; one refused fails its row alone. */
+  grammars?: Grammar[] | null;
   /** For rows with numDrafts 0: B values, or one for all (ProposeArgs.draftCap). */
   draftCaps?: Int32Array | Iterable<number> | number | null;
   /** For rows with numDrafts 0: B values, or one for all (ProposeArgs.verifyTokenCost). */

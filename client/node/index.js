@@ -77,12 +77,18 @@ let cachedService = null;
 
 const GRAMMAR_KINDS = ['jsonSchema', 'ebnf', 'regex', 'structuralTag'];
 
-// A Grammar message from { kind: source }: exactly one kind; an object source as JSON text.
+// A Grammar message from { kind: source }: exactly one kind, an object source as JSON text, or
+// { none: true } (no grammar: on a propose, the state's is cleared).
 function grammarMessage(grammar) {
-  const kinds = Object.keys(grammar).filter((k) => grammar[k] !== undefined && grammar[k] !== null);
-  if (kinds.length !== 1 || !GRAMMAR_KINDS.includes(kinds[0])) {
-    throw new RangeError(`grammar: exactly one of ${GRAMMAR_KINDS.join(', ')}, got [${kinds}]`);
+  if (grammar === null || typeof grammar !== 'object') {
+    throw new TypeError(`grammar: expected an object, got ${grammar === null ? 'null' : typeof grammar}`);
   }
+  const given = (k) => grammar[k] !== undefined && grammar[k] !== null && (k !== 'none' || grammar[k] !== false);
+  const kinds = Object.keys(grammar).filter(given);
+  if (kinds.length !== 1 || !(GRAMMAR_KINDS.includes(kinds[0]) || grammar.none === true)) {
+    throw new RangeError(`grammar: exactly one of ${GRAMMAR_KINDS.join(', ')}, none: true, got [${kinds}]`);
+  }
+  if (kinds[0] === 'none') return { none: true };
   const source = grammar[kinds[0]];
   return { [kinds[0]]: typeof source === 'string' ? source : JSON.stringify(source) };
 }
@@ -236,13 +242,14 @@ function proposeRequest(
   stateId,
   {
     token, hidden, position, numDrafts, bitmask, minConfidence, previous, stepNumber, returnBitmasks,
-    sampling, draftCap, verifyTokenCost,
+    sampling, draftCap, verifyTokenCost, grammar,
   },
 ) {
   const req = { stateId, token, hidden, position, numDrafts, minConfidence: minConfidence ?? 0 };
   if (stepNumber) req.stepNumber = column([stepNumber], 'stepNumber', uint64Value)[0];
   if (returnBitmasks) req.returnBitmasks = true;
   if (sampling) req.sampling = samplingMessage(sampling);
+  if (grammar) req.grammar = grammarMessage(grammar);
   if (draftCap) req.draftCap = draftCap;
   if (verifyTokenCost) req.verifyTokenCost = verifyTokenCost;
   if (bitmask) req.bitmask = bitmask;
@@ -319,6 +326,10 @@ function qOf(ids, probs, n, support) {
  * @property {Int32Array | Iterable<number> | null} [samplingRows] the rows (ascending, each
  *   once) whose states take new sampling from this step on
  * @property {SamplingParams[] | null} [sampling] their parameters, one per row listed
+ * @property {Int32Array | Iterable<number> | null} [grammarRows] the rows (ascending, each
+ *   once) whose states take a grammar, or { none: true }, from this step on
+ * @property {Grammar[] | null} [grammars] those grammars, one per row listed (one refused fails
+ *   its row alone, field grammars)
  * @property {Int32Array | Iterable<number> | number | null} [draftCaps] for rows with
  *   numDrafts 0 (the drafter chooses K): the most drafts it may choose (0: maxDrafts); B
  *   values, or one for all
@@ -411,6 +422,10 @@ function batchRequest(step) {
   if (step.samplingRows != null) {
     req.samplingRows = column(step.samplingRows, 'samplingRows', int32Value);
     req.sampling = Array.from(step.sampling ?? [], samplingMessage);
+  }
+  if (step.grammarRows != null) {
+    req.grammarRows = column(step.grammarRows, 'grammarRows', int32Value);
+    req.grammars = Array.from(step.grammars ?? [], grammarMessage);
   }
   if (step.draftCaps != null) {
     req.draftCaps = column(step.draftCaps, 'draftCaps', int32Value, { oneForAll: true });
@@ -505,6 +520,8 @@ function batchOf(requests) {
   if (requests.some((r) => r.stepNumber)) batch.stepNumbers = requests.map((r) => r.stepNumber ?? 0);
   const sampled = requests.flatMap((r, i) => (r.sampling ? [i] : []));
   if (sampled.length) Object.assign(batch, { samplingRows: sampled, sampling: sampled.map((i) => requests[i].sampling) });
+  const grammared = requests.flatMap((r, i) => (r.grammar ? [i] : []));
+  if (grammared.length) Object.assign(batch, { grammarRows: grammared, grammars: grammared.map((i) => requests[i].grammar) });
   if (requests.some((r) => r.draftCap || r.verifyTokenCost)) {
     batch.draftCaps = requests.map((r) => r.draftCap ?? 0);
     batch.verifyTokenCosts = requests.map((r) => r.verifyTokenCost ?? 0);
@@ -779,7 +796,9 @@ class DrafterClient {
    * hidden, position, numDrafts } and the options bitmask (int32 tensor), minConfidence,
    * previous: { numAccepted, refeedHiddens } (the fused verdict on the pending proposal),
    * returnBitmasks (for a state with a grammar: its bitmask at each draft's position and the
-   * bonus position, as `bitmasks`, an int32 Tensor message [tokens + 1, words]).
+   * bonus position, as `bitmasks`, an int32 Tensor message [tokens + 1, words]), sampling
+   * (the state's from this step on), grammar (the state's from this step's token on, as
+   * allocState's; { none: true }: none from this step on; absent: the state keeps its own).
    * Resolves to { stateId, tokens, probs, confidence, firstPosition, bitmasks? }.
    */
   async propose(stateId, args) {
