@@ -219,6 +219,7 @@ pb::ProposeRequest ProposeRequestOf(uint64_t state, const ProposeArgs& args) {
   req.set_step_number(args.step_number);
   req.set_return_bitmasks(args.return_bitmasks);
   if (args.sampling) *req.mutable_sampling() = *args.sampling;
+  if (args.grammar) *req.mutable_grammar() = *args.grammar;
   req.set_draft_cap(args.draft_cap);
   req.set_verify_token_cost(args.verify_token_cost);
   return req;
@@ -277,6 +278,8 @@ pb::ProposeBatchRequest BatchRequestOf(const Batch& step) {
   req.set_return_bitmasks(step.return_bitmasks);
   req.mutable_sampling_rows()->Add(step.sampling_rows.begin(), step.sampling_rows.end());
   for (const pb::SamplingParams& s : step.sampling) *req.add_sampling() = s;
+  req.mutable_grammar_rows()->Add(step.grammar_rows.begin(), step.grammar_rows.end());
+  for (const pb::Grammar& g : step.grammars) *req.add_grammars() = g;
   req.mutable_draft_caps()->Add(step.draft_caps.begin(), step.draft_caps.end());
   req.mutable_verify_token_costs()->Add(step.verify_token_costs.begin(),
                                         step.verify_token_costs.end());
@@ -398,6 +401,10 @@ StatesBatch BatchOf(const std::vector<BatchRequest>& requests) {
       b.sampling_rows.push_back(static_cast<int32_t>(i));
       b.sampling.push_back(*r.args.sampling);
     }
+    if (r.args.grammar) {
+      b.grammar_rows.push_back(static_cast<int32_t>(i));
+      b.grammars.push_back(*r.args.grammar);
+    }
     b.draft_caps.push_back(r.args.draft_cap);
     b.verify_token_costs.push_back(r.args.verify_token_cost);
     chosen = chosen || r.args.draft_cap != 0 || r.args.verify_token_cost != 0.0f;
@@ -443,6 +450,7 @@ Batch StatesBatch::batch() const {
   b.refeed_hiddens = refeed_hiddens, b.bitmask_rows = bitmask_rows, b.bitmasks = bitmasks;
   b.min_confidence = min_confidence, b.step_numbers = step_numbers;
   b.sampling_rows = sampling_rows, b.sampling = sampling;
+  b.grammar_rows = grammar_rows, b.grammars = grammars;
   b.draft_caps = draft_caps, b.verify_token_costs = verify_token_costs;
   return b;
 }

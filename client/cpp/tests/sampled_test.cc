@@ -1,12 +1,13 @@
-// Sampled drafts and the drafter's own K against an in-process fake Drafter (no model):
-// sampling parameters and draft caps on the wire (AllocState, Propose, BatchOf's columns), q
-// read back from the answers, and an answer taken by AcceptBatch as it is. Exits non-zero on
-// the first failed check.
+// Sampled drafts, grammar changes and the drafter's own K against an in-process fake Drafter
+// (no model): sampling parameters, grammars (none among them) and draft caps on the wire
+// (AllocState, Propose, BatchOf's columns), q read back from the answers, and an answer taken
+// by AcceptBatch as it is. Exits non-zero on the first failed check.
 #include <grpcpp/grpcpp.h>
 
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "mtpdraft/drafter_client.h"
@@ -126,6 +127,58 @@ void BatchOfMakesTheColumns(FakeDrafter& fake, mtpdraft::DrafterClient& client) 
   CHECK(plain.sampling_rows.empty() && plain.draft_caps.empty() && plain.verify_token_costs.empty());
 }
 
+pb::Grammar Regex(const std::string& regex) {
+  pb::Grammar g;
+  g.set_regex(regex);
+  return g;
+}
+
+pb::Grammar NoGrammar() {
+  pb::Grammar g;
+  g.set_none(true);
+  return g;
+}
+
+// A propose's grammar goes in its request (none as none, unset as absent); BatchOf makes the
+// grammar columns of the rows that change grammar, in order.
+void GrammarGoesWithProposeAndBatch(FakeDrafter& fake, mtpdraft::DrafterClient& client) {
+  mtpdraft::ProposeArgs args;
+  args.hidden = mtpdraft::Tensor::FP32(std::vector<float>{0.0f});
+  args.grammar = Regex("[0-3]{4}");
+  client.Propose(9, args);
+  CHECK(fake.propose.has_grammar() && fake.propose.grammar().regex() == "[0-3]{4}");
+  args.grammar = NoGrammar();
+  client.Propose(9, args);
+  CHECK(fake.propose.grammar().kind_case() == pb::Grammar::kNone && fake.propose.grammar().none());
+  args.grammar.reset();
+  client.Propose(9, args);
+  CHECK(!fake.propose.has_grammar());
+
+  std::vector<mtpdraft::BatchRequest> requests(3);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    requests[i].state = 3 + i;
+    requests[i].args.hidden = mtpdraft::Tensor::FP32(std::vector<float>{0.0f});
+  }
+  requests[0].args.grammar = NoGrammar();
+  requests[2].args.grammar = Regex("[0-3]{4}");
+  fake.answer = SampledAnswer();
+  mtpdraft::StatesBatch states = mtpdraft::BatchOf(requests);
+  CHECK(states.grammar_rows == (std::vector<int32_t>{0, 2}));
+  try {
+    client.ProposeBatch(states.batch());  // three states, an answer of two: refused
+    CHECK(false);
+  } catch (const mtpdraft::DrafterError&) {
+  }
+  const pb::ProposeBatchRequest& sent = fake.batch;
+  CHECK(sent.grammar_rows_size() == 2 && sent.grammar_rows(0) == 0 && sent.grammar_rows(1) == 2);
+  CHECK(sent.grammars_size() == 2 && sent.grammars(0).none());
+  CHECK(sent.grammars(1).regex() == "[0-3]{4}");
+  requests.resize(1);
+  requests[0].args.grammar.reset();
+  mtpdraft::StatesBatch plain = mtpdraft::BatchOf(requests);
+  CHECK(plain.grammar_rows.empty() && plain.grammars.empty());
+}
+
 void AnswersCarryQIntoAcceptBatch(FakeDrafter& fake, mtpdraft::DrafterClient& client) {
   std::vector<mtpdraft::BatchRequest> requests(2);
   for (size_t i = 0; i < requests.size(); ++i) {
@@ -170,6 +223,7 @@ int main() {
   mtpdraft::DrafterClient client("127.0.0.1:" + std::to_string(port));
   SamplingGoesWithAllocAndPropose(fake, client);
   BatchOfMakesTheColumns(fake, client);
+  GrammarGoesWithProposeAndBatch(fake, client);
   AnswersCarryQIntoAcceptBatch(fake, client);
   server->Shutdown();
   std::cout << "client tests: ok\n";

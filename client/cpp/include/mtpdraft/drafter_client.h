@@ -142,6 +142,9 @@ struct ProposeArgs {
   bool return_bitmasks = false;
   // The state's sampling from this step on (see StateOptions).
   std::optional<pb::SamplingParams> sampling;
+  // The state's grammar from this step's token on (one with set_none(true): none from this
+  // step on; unset: the state keeps its own).
+  std::optional<pb::Grammar> grammar;
   // With num_drafts 0 the drafter chooses K, up to draft_cap (0: GetInfo's max_drafts), for
   // the most tokens per unit of verify cost: verify_token_cost is what verifying one more
   // token costs, as a fraction of a verify step.
@@ -199,6 +202,11 @@ struct Batch {
   // their parameters, one per row listed; empty: no change.
   ArrayView<int32_t> sampling_rows;
   ArrayView<pb::SamplingParams> sampling;
+  // The rows (ascending, each once) whose states take a grammar (or none) from this step on,
+  // and those grammars, one per row listed; a grammar the server refuses fails its row alone
+  // (field grammars). Empty: no change.
+  ArrayView<int32_t> grammar_rows;
+  ArrayView<pb::Grammar> grammars;
   // For rows with num_drafts 0 (the drafter chooses K), ProposeArgs' draft_cap and
   // verify_token_cost: B values, one for every state, or empty (0).
   ArrayView<int32_t> draft_caps;
@@ -227,6 +235,8 @@ struct StatesBatch {
   std::vector<uint64_t> step_numbers;
   std::vector<int32_t> sampling_rows;
   std::vector<pb::SamplingParams> sampling;
+  std::vector<int32_t> grammar_rows;
+  std::vector<pb::Grammar> grammars;
   std::vector<int32_t> draft_caps;
   std::vector<float> verify_token_costs;
 
