@@ -85,11 +85,8 @@ GRAPHED_ENGINE_HOPS = (
     ("engine: plan the chain", "draft_start", "decode_start"),
     ("engine: the chain handed to its graph", "decode_start", "stage_start"),
     ("engine: stage the chain's inputs", "stage_start", "stage_end"),
-    (
-        "engine: launch the graph, the proposals' bookkeeping meanwhile",
-        "stage_end",
-        "collect_start",
-    ),
+    ("engine: launch the graph (the replay call)", "stage_end", "replay_end"),
+    ("engine: the proposals' bookkeeping, while the GPU drafts", "replay_end", "collect_start"),
     ("engine: wait for the GPU, copy the drafts back", "collect_start", "collect_end"),
     ("engine: the drafts, kept or cut, and last hiddens", "collect_end", "draft_end"),
     ("engine: record the proposals' drafts, the answer", "draft_end", "engine_end"),
@@ -166,6 +163,7 @@ def install_stamps(stamps: list[tuple[str, int]], gpu_ms: list[float]) -> None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             replay(self)
+            stamps.append(("replay_end", now()))
             end.record()
             events.append((start, end))
 
@@ -230,7 +228,6 @@ def fake_chain(ms: float) -> None:
     from mtpdraft.service.model.mtp_head import MTPHead
 
     def waited(self, kv, chain, before_wait=None):
-        chain.step_rows(kv.block_size)  # the host's own work for a chain
         start = time.perf_counter()
         steps, n = chain.steps, len(chain)
         hiddens = torch.zeros(steps, n, self.config.hidden_size, dtype=self.dtype)
