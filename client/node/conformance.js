@@ -23,7 +23,7 @@ function parseArgs(argv) {
   return args;
 }
 
-const FORMAT = 'mtpdraft-conformance/3';
+const FORMAT = 'mtpdraft-conformance/4';
 const OPERATIONS = new Set([
   'GetInfo', 'AllocState', 'Prefill', 'Propose', 'ProposeBatch', 'ProposeStream', 'AfterVerify',
   'TakeKV', 'InstallKV', 'FreeState',
@@ -96,6 +96,7 @@ function proposeArgs(op) {
     minConfidence: op.min_confidence,
     previous: prev && { numAccepted: prev.num_accepted, refeedHiddens: tensor(prev.refeed_hiddens) },
     sampling: sampling(op.sampling),
+    grammar: op.grammar && grammarOf(op.grammar),
     draftCap: op.draft_cap,
     verifyTokenCost: op.verify_token_cost,
   };
@@ -127,6 +128,8 @@ function batchArgs(op, stateId) {
     minConfidence: op.min_confidence,
     samplingRows: typed(Int32Array, op.sampling_rows),
     sampling: op.sampling?.map(sampling),
+    grammarRows: typed(Int32Array, op.grammar_rows),
+    grammars: op.grammars?.map(grammarOf),
     draftCaps: typed(Int32Array, op.draft_caps),
     verifyTokenCosts: op.verify_token_costs,
   };
@@ -364,8 +367,8 @@ main().then(
   },
 );
 
-// An AllocState's grammar, { kind: source } with the wire's snake_case kind, in the client's
-// camelCase.
+// A grammar of the vector, { kind: source } with the wire's snake_case kind (or { none: true }),
+// in the client's camelCase.
 function grammarOf(grammar) {
   return Object.fromEntries(
     Object.entries(grammar).map(([kind, source]) => [

@@ -143,13 +143,17 @@ RULES = [
     "when given, is sent as it is. A Proposal's state_id must equal the state's id.",
     "AllocState: `sampling`, when given, is the state's SamplingParams (temperature, "
     "top_k, top_p, min_p, seed; absent: 0). A Propose's `sampling`, when given, is its "
-    "sampling field; with num_drafts 0 it carries draft_cap and verify_token_cost.",
+    "sampling field; with num_drafts 0 it carries draft_cap and verify_token_cost. "
+    "A grammar is one key, its kind (json_schema, ebnf, regex, structural_tag) to its "
+    "source, or {\"none\": true} (Grammar.none); AllocState's `grammar` is the state's, a "
+    "Propose's `grammar` the state's from this step on.",
     "ProposeBatch: one ProposeBatchRequest of B rows: state_ids from the `states` names "
     "(a name may be bound to a freed state), tokens, positions, hiddens [B, H], num_drafts "
     "(B values or one) and, when given, num_accepted (-1: no verdict), refeed_rows with "
     "refeed_hiddens, bitmask_rows with bitmasks, min_confidence (B values or one), "
-    "sampling_rows with sampling (SamplingParams as AllocState's), draft_caps and "
-    "verify_token_costs, all sent as they are. expect: width, drafts and probs as B rows "
+    "sampling_rows with sampling (SamplingParams as AllocState's), grammar_rows with "
+    "grammars (grammars as a Propose's), draft_caps and verify_token_costs, all sent as "
+    "they are. expect: width, drafts and probs as B rows "
     "of width values, draft_counts, confidences, first_positions, and errors (the failed "
     "rows in row order: row, code name, reason, field, '' for none), all compared; where "
     "listed, q_support and q_ids and q_probs as B rows of width rows of q_support values. "
@@ -242,6 +246,10 @@ class Draws:
         if changes:
             op["sampling_rows"] = [i for i, _ in changes]
             op["sampling"] = [s for _, s in changes]
+        grammars = [(i, r["grammar"]) for i, r in enumerate(rows) if "grammar" in r]
+        if grammars:
+            op["grammar_rows"] = [i for i, _ in grammars]
+            op["grammars"] = [g for _, g in grammars]
         if any("cap" in r for r in rows):
             op["draft_caps"] = [r.get("cap", 0) for r in rows]
             op["verify_token_costs"] = [r.get("cost", 0.0) for r in rows]
@@ -253,7 +261,7 @@ def row(state: str, position: int, k: int, a: int = -1, **extra: Any) -> dict[st
     """One row of a batch: state, position, K and verdict (-1: none); `refeed` (its a
     rows), `mask` (bitmask rows), `floor` (a min_confidence that settle() places),
     `token` (the row's token, else drawn), `error` (the row's error, fails()),
-    `sampling` (the state's from this step on), `cap` and `cost` (K 0's draft cap and
+    `sampling` and `grammar` (the state's from this step on), `cap` and `cost` (K 0's draft cap and
     verify token cost)."""
     return {"state": state, "position": position, "k": k, "a": a} | extra
 
@@ -538,6 +546,30 @@ def grammar_states(draw: Draws) -> list[dict[str, Any]]:
             ],
         },
         *({"op": "FreeState", "state": s, "expect": {"existed": True}} for s in "JW"),
+        *grammar_changes(draw, prefill, propose),
+    ]
+
+
+def grammar_changes(draw: Draws, prefill: Any, propose: Any) -> list[dict[str, Any]]:
+    """Grammars changed by a step: "G", allocated without one, takes four digits on a
+    Propose (its token the first digit), a batch row changes it to words and a later one
+    clears it (none: its drafts are free again); a row whose grammar does not compile
+    fails alone (field grammars), "H" keeping no grammar."""
+    bad = {"ebnf": "root ::= undefined"}
+    return [
+        *({"op": "AllocState", "state": s} for s in "GH"),
+        prefill("G"),
+        prefill("H"),
+        propose("G", 9, "1", 2, grammar={"regex": DIGITS}),  # 9 rows, 2 digits pending
+        draw.batch(
+            row("G", 10, 2, 0, token=ord("a"), grammar={"regex": WORDS}),  # 10 rows
+            row("H", 9, 1, grammar=bad, **fails("INVALID_ARGUMENT", "GRAMMAR_INVALID", "grammars")),
+        ),
+        draw.batch(
+            row("G", 11, 2, 0, grammar={"none": True}),  # 11 rows, the drafts free
+            row("H", 9, 1),  # 9 rows
+        ),
+        *({"op": "FreeState", "state": s, "expect": {"existed": True}} for s in "GH"),
     ]
 
 
@@ -550,6 +582,7 @@ JSON_SCHEMA = json.dumps(
     }
 )
 WORDS = "[a-z]+( [a-z]+)*"
+DIGITS = "[0-3]{4}"
 
 
 def many_states(draw: Draws) -> list[dict[str, Any]]:

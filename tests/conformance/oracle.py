@@ -215,9 +215,7 @@ class Oracle:
         elif name == "AllocState":
             self.states[op["state"]] = rows = Rows(self.ref)
             if "grammar" in op:
-                ((kind, source),) = op["grammar"].items()
-                self.compiler = self.compiler or compiler(self.vocab, eos=None)
-                rows.grammar = xgrammar.GrammarMatcher(compile_kind(self.compiler, kind, source))
+                rows.grammar = self.matcher(op["grammar"])
             rows.sampling = op.get("sampling")
         elif name == "Prefill":
             self.states[op["state"]].add(op["tokens"], tensor(op["hiddens"]))
@@ -230,6 +228,14 @@ class Oracle:
             self.states[op["state"]] = self.handles.pop(op["handle"])
         elif name == "FreeState":
             self.states.pop(op["state"], None)
+
+    def matcher(self, grammar: dict[str, Any]) -> xgrammar.GrammarMatcher | None:
+        """A fresh matcher of a grammar ({kind: source}); None for {"none": true}."""
+        ((kind, source),) = grammar.items()
+        if kind == "none":
+            return None
+        self.compiler = self.compiler or compiler(self.vocab, eos=None)
+        return xgrammar.GrammarMatcher(compile_kind(self.compiler, kind, source))
 
     def trial(self, op: dict[str, Any]) -> Proposal:
         """The proposal a Propose would get now, leaving the states as they are."""
@@ -245,6 +251,8 @@ class Oracle:
             verdict(rows, prev["num_accepted"], prev.get("refeed_hiddens"))
         if "sampling" in op:  # from this step on
             rows.sampling = op["sampling"]
+        if "grammar" in op:  # from this step's token on, after the verdict's drafts
+            rows.grammar = self.matcher(op["grammar"])
         sampling = rows.sampling if (rows.sampling or {}).get("temperature") else None
         k, stop_at = drafts_asked(op)
         if sampling is not None and k != 1:
@@ -377,6 +385,7 @@ def batch_rows(op: dict[str, Any]) -> list[dict[str, Any]]:
     num_drafts, floors = each("num_drafts", None), each("min_confidence", 0.0)
     caps, costs = each("draft_caps", 0), each("verify_token_costs", 0.0)
     sampling = dict(zip(op.get("sampling_rows", []), op.get("sampling", []), strict=True))
+    grammars = dict(zip(op.get("grammar_rows", []), op.get("grammars", []), strict=True))
     expect = op.get("expect", {})
     answers = expect.get("one_of", [expect])
     errors = {e["row"]: e for e in expect.get("errors", [])}
@@ -393,6 +402,8 @@ def batch_rows(op: dict[str, Any]) -> list[dict[str, Any]]:
             row |= {"draft_cap": caps[i], "verify_token_cost": costs[i]}
         if i in sampling:
             row["sampling"] = sampling[i]
+        if i in grammars:
+            row["grammar"] = grammars[i]
         if accepted[i] >= 0:
             row["previous"] = {"num_accepted": accepted[i]}
             if refeeds[i] is not None:

@@ -133,5 +133,5 @@ def test_runner_refuses(runner: str, case: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_runner_refuses_text_that_is_not_json(runner: str, tmp_path: Path) -> None:
     path = tmp_path / "vector.json"
-    path.write_text('{"format": "mtpdraft-conformance/3", "operations": [')
+    path.write_text('{"format": "mtpdraft-conformance/4", "operations": [')
     _refusal(runner, path)

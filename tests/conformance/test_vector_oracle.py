@@ -120,6 +120,30 @@ def test_the_vector_covers_sampled_drafts_and_the_drafters_k(vector: dict) -> No
     )
 
 
+def test_the_vector_covers_grammars_changed_by_a_step(vector: dict) -> None:
+    """A Propose gives a state without a grammar one (and drafts under it); a batch row
+    changes a state's grammar and a later row clears it; a row whose grammar does not
+    compile fails alone."""
+    ops = vector["operations"]
+    grammarless = {op["state"] for op in ops if op["op"] == "AllocState" and "grammar" not in op}
+    given = [op for op in ops if op["op"] == "Propose" and "grammar" in op]
+    assert any(op["state"] in grammarless and op["expect"].get("tokens") for op in given)
+    batches = [op for op in ops if op["op"] == "ProposeBatch" and "grammar_rows" in op]
+    changed = [
+        (ops.index(b), b["states"][row], grammar)
+        for b in batches
+        for row, grammar in zip(b["grammar_rows"], b["grammars"], strict=True)
+    ]
+    none = {"none": True}
+    assert any(
+        state == later_state and grammar != none and later == none and at < later_at
+        for at, state, grammar in changed
+        for later_at, later_state, later in changed
+    )
+    failed = [e for b in batches for e in errors(b) if e["field"] == "grammars"]
+    assert any(e["reason"] == "GRAMMAR_INVALID" for e in failed)
+
+
 def test_every_draft_clears_the_tie_rule(vector: dict, exact: list[Proposal | None]) -> None:
     d = vector["derivation"]
     for dtype in ("bfloat16", "float32"):

@@ -16,16 +16,18 @@ are `{"dtype": "DTYPE_FP32" | "DTYPE_INT32", "shape": [...], "data": base64}`, t
 little-endian bytes sent as they are. A Proposal's `state_id` must equal the state's
 id, and every id the server returns must be non-zero.
 
-A Propose may carry `sampling` (the state's from this step on) and, with num_drafts 0,
+A Propose may carry `sampling` and `grammar` (the state's from this step on; a grammar
+as AllocState's, or `{"none": true}`: none) and, with num_drafts 0,
 `draft_cap` and `verify_token_cost`; its expect may list `q_support`, `q_ids` and
 `q_probs` ([K][support]).
 
 ProposeBatch sends one ProposeBatchRequest built from its columns (`states` names the
-rows' states; `sampling_rows` with `sampling`, `draft_caps` and `verify_token_costs`
-among them); its expect holds the answer's columns (`drafts` and `probs` as B rows of
-`width` values; `q_support`, and `q_ids` and `q_probs` as [B][width][support], where
-listed) and the failed rows' `errors` (row, code name, reason, field), or `expect_error`
-for a message that fails as a whole (the call's status).
+rows' states; `sampling_rows` with `sampling`, `grammar_rows` with `grammars`,
+`draft_caps` and `verify_token_costs` among them); its expect holds the answer's columns
+(`drafts` and `probs` as B rows of `width` values; `q_support`, and `q_ids` and
+`q_probs` as [B][width][support], where listed) and the failed rows' `errors` (row, code
+name, reason, field), or `expect_error` for a message that fails as a whole (the call's
+status).
 
 A sampled draft is the server's draw, which depends on the state's id: an expect whose
 answer has more than one possible value lists them all as `one_of`, and the answer must
@@ -78,7 +80,7 @@ from mtpdraft.client import (
 from mtpdraft.client import messages as client_messages
 
 VECTOR_PATH = Path(__file__).with_name("vector.json")
-FORMAT = "mtpdraft-conformance/3"
+FORMAT = "mtpdraft-conformance/4"
 OPERATIONS = frozenset(
     {"GetInfo", "AllocState", "Prefill", "Propose", "ProposeBatch", "ProposeStream"}
     | {"AfterVerify", "TakeKV", "InstallKV", "FreeState"}
@@ -383,6 +385,7 @@ def _propose(op: dict[str, Any], state: int) -> dict[str, Any]:
         min_confidence=op.get("min_confidence", 0.0),
         previous=previous,
         sampling=SamplingParams(**op["sampling"]) if "sampling" in op else None,
+        grammar=Grammar(**op["grammar"]) if "grammar" in op else None,
         draft_cap=op.get("draft_cap", 0),
         verify_token_cost=op.get("verify_token_cost", 0.0),
     )
@@ -411,6 +414,10 @@ def _batch(op: dict[str, Any], state_ids: list[int]) -> dict[str, Any]:
         sampling={
             row: SamplingParams(**s)
             for row, s in zip(op.get("sampling_rows", []), op.get("sampling", []), strict=True)
+        },
+        grammars={
+            row: Grammar(**g)
+            for row, g in zip(op.get("grammar_rows", []), op.get("grammars", []), strict=True)
         },
         draft_caps=op.get("draft_caps"),
         verify_token_costs=op.get("verify_token_costs"),

@@ -182,6 +182,8 @@ struct BatchArgs {
   std::vector<float> min_confidence;
   std::vector<int32_t> sampling_rows;
   std::vector<mtpdraft::pb::SamplingParams> sampling;
+  std::vector<int32_t> grammar_rows;
+  std::vector<mtpdraft::pb::Grammar> grammars;
   std::vector<int32_t> draft_caps;
   std::vector<float> verify_token_costs;
   mtpdraft::Batch step;
@@ -356,18 +358,28 @@ class Replayer {
       args.previous = mtpdraft::Verdict{prev.at("num_accepted"), TensorOf(prev, "refeed_hiddens")};
     }
     if (op.contains("sampling")) args.sampling = SamplingOf(op["sampling"]);
+    if (op.contains("grammar")) args.grammar = GrammarOf(op);
     args.draft_cap = op.value("draft_cap", 0);
     args.verify_token_cost = op.value("verify_token_cost", 0.0f);
     return args;
   }
 
-  // An AllocState's grammar: its one kind and source (none: a Grammar with no kind set).
+  // An operation's grammar (none given: a Grammar with no kind set).
   static mtpdraft::pb::Grammar GrammarOf(const json& op) {
+    if (!op.contains("grammar")) return mtpdraft::pb::Grammar();
+    return GrammarFrom(op.at("grammar"));
+  }
+
+  // A grammar of the vector: its one kind and source, or {"none": true}.
+  static mtpdraft::pb::Grammar GrammarFrom(const json& kinds) {
     mtpdraft::pb::Grammar grammar;
-    if (!op.contains("grammar")) return grammar;
-    const json& kinds = op.at("grammar");
     if (kinds.size() != 1) throw std::runtime_error("a grammar of more than one kind");
     const std::string& kind = kinds.begin().key();
+    if (kind == "none") {
+      if (kinds.begin().value() != true) throw std::runtime_error("grammar none is not true");
+      grammar.set_none(true);
+      return grammar;
+    }
     const std::string source = kinds.begin().value().get<std::string>();
     if (kind == "json_schema") {
       grammar.set_json_schema(source);
@@ -397,6 +409,10 @@ class Replayer {
     if (op.contains("sampling")) {
       for (const json& s : op["sampling"]) out->sampling.push_back(SamplingOf(s));
     }
+    out->grammar_rows = ColumnOf<int32_t>(op, "grammar_rows");
+    if (op.contains("grammars")) {
+      for (const json& g : op["grammars"]) out->grammars.push_back(GrammarFrom(g));
+    }
     out->draft_caps = ColumnOf<int32_t>(op, "draft_caps");
     out->verify_token_costs = ColumnOf<float>(op, "verify_token_costs");
     mtpdraft::Batch& step = out->step;
@@ -413,6 +429,8 @@ class Replayer {
     step.min_confidence = out->min_confidence;
     step.sampling_rows = out->sampling_rows;
     step.sampling = out->sampling;
+    step.grammar_rows = out->grammar_rows;
+    step.grammars = out->grammars;
     step.draft_caps = out->draft_caps;
     step.verify_token_costs = out->verify_token_costs;
   }
@@ -472,7 +490,7 @@ bool NonEmptyList(const json& op, const char* key) {
 
 // Why no runner may replay the vector, or "" if one may.
 std::string VectorFault(const json& v) {
-  static const std::string kFormat = "mtpdraft-conformance/3";
+  static const std::string kFormat = "mtpdraft-conformance/4";
   static const std::set<std::string> kOps = {
       "GetInfo",     "AllocState", "Prefill",   "Propose",  "ProposeBatch",
       "ProposeStream", "AfterVerify", "TakeKV", "InstallKV", "FreeState"};

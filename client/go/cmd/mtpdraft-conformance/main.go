@@ -109,7 +109,7 @@ type operation struct {
 	ExpectReason  string                 `json:"expect_reason"`
 	ExpectField   string                 `json:"expect_field"`
 	Messages      []operation            `json:"messages"` // of a ProposeStream: batches
-	Grammar       map[string]string      `json:"grammar"`  // of an AllocState: kind -> source
+	Grammar       grammarJSON            `json:"grammar"`  // of an AllocState or a Propose
 	// An AllocState's or a Propose's SamplingParams; a batch's column of them.
 	Sampling        json.RawMessage `json:"sampling"`
 	DraftCap        int32           `json:"draft_cap"` // of a Propose with num_drafts 0
@@ -123,10 +123,17 @@ type operation struct {
 	BitmaskRows []int32     `json:"bitmask_rows"`
 	Bitmasks    *tensorJSON `json:"bitmasks"`
 	// The rows whose states change sampling (Sampling their parameters), and K 0's columns.
-	SamplingRows     []int32 `json:"sampling_rows"`
-	DraftCaps        numbers `json:"draft_caps"`
-	VerifyTokenCosts numbers `json:"verify_token_costs"`
+	SamplingRows []int32 `json:"sampling_rows"`
+	// The rows whose states change grammar, and those grammars.
+	GrammarRows      []int32       `json:"grammar_rows"`
+	Grammars         []grammarJSON `json:"grammars"`
+	DraftCaps        numbers       `json:"draft_caps"`
+	VerifyTokenCosts numbers       `json:"verify_token_costs"`
 }
+
+// grammarJSON is a grammar as the vector writes it: its one kind to its source, or
+// {"none": true}.
+type grammarJSON map[string]interface{}
 
 // samplingJSON is a SamplingParams as the vector writes it (absent fields: 0).
 type samplingJSON struct {
@@ -176,7 +183,7 @@ type vector struct {
 	Operations    []operation `json:"operations"`
 }
 
-const vectorFormat = "mtpdraft-conformance/3"
+const vectorFormat = "mtpdraft-conformance/4"
 
 var knownOps = map[string]bool{
 	"GetInfo": true, "AllocState": true, "Prefill": true, "Propose": true, "ProposeBatch": true,
@@ -483,7 +490,7 @@ func proposeArgs(op *operation) drafter.ProposeArgs {
 	args := drafter.ProposeArgs{Token: op.Token, Hidden: *mustTensor(op.Hidden), Position: op.Position,
 		NumDrafts: int32(op.NumDrafts.scalar()), Bitmask: mustTensor(op.Bitmask),
 		MinConfidence: float32(op.MinConfidence.scalar()), Sampling: op.sampling(),
-		DraftCap: op.DraftCap, VerifyTokenCost: op.VerifyTokenCost}
+		Grammar: mustGrammar(op.Grammar), DraftCap: op.DraftCap, VerifyTokenCost: op.VerifyTokenCost}
 	if op.Previous != nil {
 		args.Previous = &drafter.Verdict{NumAccepted: op.Previous.NumAccepted,
 			RefeedHiddens: mustTensor(op.Previous.RefeedHiddens)}
@@ -525,8 +532,11 @@ func (r *replayer) batch(op *operation) drafter.Batch {
 		RefeedRows: op.RefeedRows, RefeedHiddens: mustTensor(op.RefeedHiddens),
 		BitmaskRows: op.BitmaskRows, Bitmasks: mustTensor(op.Bitmasks),
 		MinConfidence: op.MinConfidence.float32s(), SamplingRows: op.SamplingRows,
-		Sampling: op.samplingColumn(), DraftCaps: op.DraftCaps.int32s(),
+		Sampling: op.samplingColumn(), GrammarRows: op.GrammarRows, DraftCaps: op.DraftCaps.int32s(),
 		VerifyTokenCosts: op.VerifyTokenCosts.float32s()}
+	for _, g := range op.Grammars {
+		b.Grammars = append(b.Grammars, mustGrammar(g))
+	}
 	if h := mustTensor(op.Hiddens); h != nil {
 		b.Hiddens = *h
 	}
@@ -747,15 +757,35 @@ func main() {
 	}
 }
 
-// grammarOf makes an AllocState's grammar (nil: none) from its one kind and source.
-func grammarOf(kinds map[string]string) (*pb.Grammar, error) {
+// mustGrammar is grammarOf's grammar; a malformed one panics, as a malformed tensor does.
+func mustGrammar(kinds grammarJSON) *pb.Grammar {
+	g, err := grammarOf(kinds)
+	if err != nil {
+		panic(fmt.Sprintf("grammar: %v", err))
+	}
+	return g
+}
+
+// grammarOf makes a grammar (nil: none given) from its one kind and source, or
+// {"none": true}: NoGrammar.
+func grammarOf(kinds grammarJSON) (*pb.Grammar, error) {
 	if len(kinds) == 0 {
 		return nil, nil
 	}
 	if len(kinds) != 1 {
 		return nil, fmt.Errorf("a grammar of %d kinds, not one", len(kinds))
 	}
-	for kind, source := range kinds {
+	for kind, value := range kinds {
+		if kind == "none" {
+			if value != true {
+				return nil, fmt.Errorf("grammar none is %v, not true", value)
+			}
+			return drafter.NoGrammar(), nil
+		}
+		source, ok := value.(string)
+		if !ok {
+			return nil, fmt.Errorf("grammar %s's source is not a string", kind)
+		}
 		switch kind {
 		case "json_schema":
 			return drafter.JSONSchema(source), nil
