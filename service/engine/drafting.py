@@ -136,8 +136,7 @@ def draft(
         # A greedy row's q is its draft alone, whichever path (the recomputed first draft,
         # the chain) it took with or without sampled rows beside it.
         greedy = plan.sampling["temperature"] <= 0
-        q[0][greedy], q[1][greedy] = 0, 0
-        q[0][greedy, :, 0], q[1][greedy, :, 0] = tokens[greedy], 1
+        draft_alone(*q, greedy, tokens[greedy], True)
         drafted.q_ids, drafted.q_probs = _kept_q(q, drafted.counts)
     # Each state's last computed row: a step of the chain, or R0 of a recomputing state
     # that stopped at its first draft.
@@ -249,6 +248,15 @@ def _confident(tokens, probs, k, min_confidence, at_most) -> Drafted:
         rows_computed=np.minimum(counts + 1, k),
         all_drafts=tokens,
     )
+
+
+def draft_alone(ids: np.ndarray, probs: np.ndarray, rows, drafts: np.ndarray, kept) -> None:
+    """Rows `rows` of a q ([B, width, support] ids and probabilities) as greedy drafts
+    have it: each of `drafts` alone, probability 1, where `kept` ([r, width] or True);
+    nothing elsewhere."""
+    ids[rows], probs[rows] = 0, 0
+    ids[rows, :, 0] = np.where(kept, drafts, 0)
+    probs[rows, :, 0] = kept
 
 
 def _kept_q(q: tuple[np.ndarray, np.ndarray], counts: np.ndarray):

@@ -27,7 +27,7 @@ from ..model.mtp_head import MTPHead
 from . import validation as check
 from .admission import Limits, admit
 from .block_pool import BlockPool
-from .drafting import ChainPlan, Drafted
+from .drafting import ChainPlan, Drafted, draft_alone
 from .errors import (
     DrafterError,
     FailedPrecondition,
@@ -493,7 +493,7 @@ class DraftEngine:
         if sampled or result.q_ids is not None:  # the batch answers q: each of its rows
             support = max([ids.shape[1] for _, (ids, _) in sampled], default=1)
             _widen_q(result, support)
-            _draft_alone(result, rows)  # a greedy proposal's q: its draft, probability 1
+            _greedy_q(result, rows)
             for row, (ids, probs) in sampled:
                 result.q_ids[row, : len(ids), : ids.shape[1]] = ids
                 result.q_probs[row, : len(ids), : ids.shape[1]] = probs
@@ -720,13 +720,10 @@ def _widen_q(result: StepResult, support: int) -> None:
         ids[..., :have], probs[..., :have] = result.q_ids, result.q_probs
     result.q_ids, result.q_probs = ids, probs
     if fresh:
-        _draft_alone(result, np.arange(b))
+        _greedy_q(result, np.arange(b))
 
 
-def _draft_alone(result: StepResult, rows: np.ndarray) -> None:
-    """Rows `rows` of `result`'s q: each draft alone, probability 1 (a greedy draft's q)."""
+def _greedy_q(result: StepResult, rows: np.ndarray) -> None:
+    """Rows `rows` of `result`'s q as a greedy proposal's: each kept draft alone."""
     kept = np.arange(result.drafts.shape[1])[None, :] < result.counts[rows, None]
-    result.q_ids[rows] = 0
-    result.q_probs[rows] = 0
-    result.q_ids[rows, :, 0] = np.where(kept, result.drafts[rows], 0)
-    result.q_probs[rows, :, 0] = kept
+    draft_alone(result.q_ids, result.q_probs, rows, result.drafts[rows], kept)
