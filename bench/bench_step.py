@@ -107,13 +107,12 @@ def first_step(chain: ChainInputs, device: torch.device) -> RowBatch:
 
 def timed_replay(graphs: DecodeGraphs, chain: ChainInputs, iters: int) -> float:
     """Median milliseconds of one step's graph replay, its inputs staged (untimed) before."""
-    rows = chain.step_rows(BLOCK)
     for _ in range(3):
-        graphs.stage(chain, rows).replay()
+        graphs.stage(chain).replay()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for s, e in zip(starts, ends, strict=True):
-        graph = graphs.stage(chain, rows)
+        graph = graphs.stage(chain)
         s.record()
         graph.replay()
         e.record()
@@ -123,11 +122,10 @@ def timed_replay(graphs: DecodeGraphs, chain: ChainInputs, iters: int) -> float:
 
 def timed_chain(graphs: DecodeGraphs, chain: ChainInputs, iters: int) -> float:
     """Median wall milliseconds per draft of a whole served chain (stage, replays, wait)."""
-    rows = chain.step_rows(BLOCK)
     times = []
     for i in range(iters + 3):
         t0 = time.perf_counter()
-        graphs.run(chain, rows)
+        graphs.run(chain)
         if i >= 3:
             times.append((time.perf_counter() - t0) * 1e3 / chain.steps)
     return statistics.median(times)

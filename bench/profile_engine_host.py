@@ -5,18 +5,23 @@ B states, then profiles (cProfile) --steps steps of B rows, each checked into a 
 and drafted by engine.step, and prints the engine's and the chain's functions
 by cumulative time: step's time less decode_chain's is the host work around
 the kernels (the checks, the state table, the verdicts, the answer). On the CPU the
-chain is torch's and slow, but the host work is the same code as on a GPU.
+chain is torch's and slow, but the host work is the same code as on a GPU. With
+--lines, line_profiler times each line of the functions named instead (by default the
+chain's staging, replay and wait), and the process's threads are listed.
 
     python bench/profile_engine_host.py [--batch 64] [--steps 40] [--device cpu]
+        [--lines [MODULE:QUALNAME ...]]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import pstats
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +34,20 @@ from workload import Workload, random_hiddens
 from mtpdraft.service.engine import columns
 from mtpdraft.service.model.synthetic import write_random_checkpoint
 
+STAGING = [
+    f"mtpdraft.service.model.decode_graphs:{name}"
+    for name in ("_Bucket.stage", "DecodeGraphs.stage", "DecodeGraphs.run", "DecodeGraphs.collect")
+]
+
+
+def named(spec: str):
+    """The function MODULE:QUALNAME names."""
+    module, qualname = spec.split(":")
+    target = importlib.import_module(module)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -37,6 +56,13 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--mimo", action="store_true", help="MiMo-7B's MTP shape, not a tiny one")
+    parser.add_argument(
+        "--lines",
+        nargs="*",
+        metavar="MODULE:QUALNAME",
+        default=None,
+        help="line-profile these (default: the chain's staging and wait)",
+    )
     args = parser.parse_args()
     b, prompt = args.batch, args.prompt
     shape = MIMO_7B if args.mimo else SMALL
@@ -62,6 +88,17 @@ def main() -> int:
 
     for index in range(3):
         step(index)
+    if args.lines is not None:
+        from line_profiler import LineProfiler
+
+        lines = LineProfiler(*(named(spec) for spec in args.lines or STAGING))
+        started = time.perf_counter()
+        lines.runcall(lambda: [step(index) for index in range(3, 3 + args.steps)])
+        per_step = (time.perf_counter() - started) / args.steps
+        print(f"`python {' '.join(sys.argv)}`: B = {b}, {per_step * 1e3:.2f} ms a step")
+        print("threads:", [t.name for t in threading.enumerate()])
+        lines.print_stats(output_unit=1e-6)
+        return 0
     profile = cProfile.Profile()
     started = time.perf_counter()
     profile.enable()

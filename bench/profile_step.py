@@ -35,12 +35,11 @@ BLOCK = 16
 
 def kernel_times(graphs: DecodeGraphs, chain, replays: int) -> dict[str, float]:
     """Microseconds per step of each kernel name over `replays` single-step replays."""
-    rows = chain.step_rows(BLOCK)
-    graphs.stage(chain, rows).replay()
+    graphs.stage(chain).replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            graphs.stage(chain, rows).replay()
+            graphs.stage(chain).replay()
         torch.cuda.synchronize()
     per_name: dict[str, float] = defaultdict(float)
     for event in prof.events():

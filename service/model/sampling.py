@@ -64,26 +64,49 @@ class SamplingParams:
     min_p: torch.Tensor  # [N] float
 
 
+def top_support(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `width` largest logits of each row and their ids ([N, width] each), the largest
+    first, ties to the lower id (topk orders ties as it likes)."""
+    values, ids = logits.topk(min(width, logits.shape[-1]), dim=-1)
+    ids, order = ids.sort(-1)
+    values, order = values.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(-1, order)
+
+
+def min_p_mass(logits: torch.Tensor, top: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[N]: the mass min-p keeps of each row, in units of its top token's probability: the sum
+    of e = exp((logit - top) / temperature) over the tokens with e >= min_p."""
+    e = ((logits.float() - top[:, None].float()) / params.temperature[:, None].float()).exp()
+    return torch.where(e >= params.min_p[:, None].float(), e, torch.zeros_like(e)).sum(-1)
+
+
 def processed_support(
     logits: torch.Tensor, params: SamplingParams, support: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q of each row as (token ids [N, support], probabilities [N, support]), the most
-    probable first; tokens past a row's q have probability 0."""
-    scaled = logits.float() / params.temperature[:, None].float()
-    probs, ids = scaled.softmax(-1).sort(-1, descending=True)
-    # min-p: under min_p times the top probability, a token goes.
-    keep = probs >= params.min_p[:, None].float() * probs[:, :1]
-    # top-k by rank (0: every token).
-    rank = torch.arange(probs.shape[-1], device=logits.device)[None, :]
-    keep &= (params.top_k[:, None] <= 0) | (rank < params.top_k[:, None])
-    probs = torch.where(keep, probs, torch.zeros_like(probs))
-    # top-p over what is left: a token stays while the mass before it is short of top_p
-    # (the first always stays).
-    mass = probs / probs.sum(-1, keepdim=True)
+    probable first; tokens past a row's q have probability 0.
+
+    Only the most probable tokens are ranked: `support` of them, or top_k where a row's is
+    wider (a host sync: the eager path). The rest of the vocabulary enters only through
+    the mass min-p keeps of it, which top-p needs where no top-k cut bounds the row."""
+    width = max(support, int(params.top_k.max()))
+    values, ids = top_support(logits, width)
+    values = values.float()
+    e = ((values - values[:, :1]) / params.temperature[:, None].float()).exp()
+    # min-p: under min_p times the top probability, a token goes; top-k by rank (0: none).
+    rank = torch.arange(values.shape[-1], device=logits.device)[None, :]
+    top_k = params.top_k[:, None]
+    keep = (e >= params.min_p[:, None].float()) & ((top_k <= 0) | (rank < top_k))
+    kept = torch.where(keep, e, torch.zeros_like(e))
+    total = torch.where(params.top_k > 0, kept.sum(-1), min_p_mass(logits, values[:, 0], params))
+    # top-p (below 1) over what is left: a token stays while the mass before it is short
+    # of top_p (the first always stays).
+    mass = kept / total[:, None]
     before = mass.cumsum(-1) - mass
-    probs = torch.where(before < params.top_p[:, None].float(), probs, torch.zeros_like(probs))
-    ids, probs = ids[:, :support], probs[:, :support]
-    return ids, probs / probs.sum(-1, keepdim=True)
+    top_p = params.top_p[:, None].float()
+    kept = torch.where((before < top_p) | (top_p >= 1), kept, torch.zeros_like(kept))
+    ids, kept = ids[:, :support], kept[:, :support]
+    return ids, kept / kept.sum(-1, keepdim=True)
 
 
 def draw(ids: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -103,6 +126,7 @@ class RowSampling:
     seeds: torch.Tensor  # [N] int64 (a uint64 seed's bits)
     states: torch.Tensor  # [N] int64: the state's id
     support: int  # the most tokens a q holds
+    wide: bool = False  # some row's top_k is above `support` (known on the host)
 
 
 @dataclass
@@ -118,20 +142,17 @@ class Selected:
 
 def select(
     logits: torch.Tensor,
-    allowed: torch.Tensor | None,
     greedy: tuple[torch.Tensor, torch.Tensor],
     rows: RowSampling,
     positions: torch.Tensor,
     index: torch.Tensor,
 ) -> Selected:
-    """The drafts of rows whose logits [N, V] are given: sampled rows draw from q (their
-    logits masked to `allowed` [N, V] bool, if given) with the uniform keyed by (seed,
-    state, position, index) of the drafted token; greedy rows keep `greedy` (tokens,
-    probabilities), which the caller computed as the greedy path does."""
+    """The drafts of rows whose logits [N, V] are given (-inf where a grammar allows no
+    token): sampled rows draw from q with the uniform keyed by (seed, state, position,
+    index) of the drafted token; greedy rows keep `greedy` (tokens, probabilities), which
+    the caller computed as the greedy path does."""
     params = rows.params
     sampled = params.temperature > 0
-    if allowed is not None:
-        logits = logits.float().masked_fill(~allowed, float("-inf"))
     safe = SamplingParams(
         torch.where(sampled, params.temperature, torch.ones_like(params.temperature)),
         params.top_k,

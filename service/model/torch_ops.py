@@ -115,13 +115,18 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([allowed, pad], dim=1)
 
 
+def masked(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+    """The logits, -inf where the bitmask (if any) allows no token."""
+    if bitmask is None:
+        return logits
+    return logits.masked_fill(~unpack_bitmask(bitmask, logits.shape[1]), float("-inf"))
+
+
 def select_drafts(
     logits: torch.Tensor, bitmask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked argmax of logits [N, V] and its softmax probability over allowed tokens."""
-    logits = logits.float()
-    if bitmask is not None:
-        logits = logits.masked_fill(~unpack_bitmask(bitmask, logits.shape[1]), float("-inf"))
+    logits = masked(logits.float(), bitmask)
     best, tokens = logits.max(dim=-1)
     probs = 1.0 / torch.exp(logits - best[:, None]).sum(dim=-1)
     return tokens, probs
