@@ -89,21 +89,24 @@ def processed_support(
     Only the most probable tokens are ranked: `support` of them, or top_k where a row's is
     wider (a host sync: the eager path). The rest of the vocabulary enters only through
     the mass min-p keeps of it, which top-p needs where no top-k cut bounds the row."""
-    width = max(support, int(params.top_k.max()))
-    values, ids = top_support(logits, width)
+    # One host read: how wide to rank, and whether any row's top-p needs the unranked mass.
+    top_k, top_p = params.top_k, params.top_p[:, None].float()
+    unbounded = (top_k <= 0) & (params.top_p < 1)
+    widest, needs_mass = torch.stack([top_k.max(), unbounded.any().long()]).tolist()
+    values, ids = top_support(logits, max(support, widest))
     values = values.float()
     e = ((values - values[:, :1]) / params.temperature[:, None].float()).exp()
     # min-p: under min_p times the top probability, a token goes; top-k by rank (0: none).
     rank = torch.arange(values.shape[-1], device=logits.device)[None, :]
-    top_k = params.top_k[:, None]
-    keep = (e >= params.min_p[:, None].float()) & ((top_k <= 0) | (rank < top_k))
+    keep = (e >= params.min_p[:, None].float()) & ((top_k[:, None] <= 0) | (rank < top_k[:, None]))
     kept = torch.where(keep, e, torch.zeros_like(e))
-    total = torch.where(params.top_k > 0, kept.sum(-1), min_p_mass(logits, values[:, 0], params))
+    total = kept.sum(-1)  # a top-k cut keeps ranked tokens only
+    if needs_mass:
+        total = torch.where(unbounded, min_p_mass(logits, values[:, 0], params), total)
     # top-p (below 1) over what is left: a token stays while the mass before it is short
     # of top_p (the first always stays).
     mass = kept / total[:, None]
     before = mass.cumsum(-1) - mass
-    top_p = params.top_p[:, None].float()
     kept = torch.where((before < top_p) | (top_p >= 1), kept, torch.zeros_like(kept))
     ids, kept = ids[:, :support], kept[:, :support]
     return ids, kept / kept.sum(-1, keepdim=True)

@@ -44,6 +44,11 @@ def test_q_is_vllms_processed_distribution_cut_to_its_support(support: int) -> N
         got = torch.zeros(1000, dtype=torch.float64).index_add_(0, ids[row], probs[row].double())
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
         assert (probs[row][:-1] >= probs[row][1:]).all()  # the most probable first
+        # Alone (a batch whose rows may need no unranked mass, or rank narrower): the same.
+        alone = SamplingParams(*(torch.tensor([c]) for c in case))
+        ids_1, probs_1 = processed_support(logits[row : row + 1], alone, support)
+        got_1 = torch.zeros(1000, dtype=torch.float64).index_add_(0, ids_1[0], probs_1[0].double())
+        torch.testing.assert_close(got_1, want, atol=1e-6, rtol=1e-5)
 
 
 def test_uniforms_are_splitmix64_of_the_key_whatever_the_batch() -> None:
