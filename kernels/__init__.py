@@ -19,6 +19,7 @@ from .mtp_input_norms import mtp_input_norms
 from .paged_attention import paged_attention
 from .rms_norm import add_rms_norm, qk_norm, rms_norm
 from .rope_write_kv import rope_write_kv
+from .sample_top import sample_top
 from .select_drafts import select_drafts
 from .swiglu import swiglu
 
@@ -39,6 +40,7 @@ __all__ = [
     "rms_norm",
     "rope_interleaved",
     "rope_write_kv",
+    "sample_top",
     "select_drafts",
     "select_step",
     "swiglu",

@@ -28,12 +28,14 @@ def _lm_head_tiles_kernel(
     bitmask_ptr,  # [M, W] int32 packed allowed-token bits (unused without HAS_MASK)
     part_idx_ptr,  # [M, P] int32 tile argmax, -1 if the tile allows nothing
     part_ms_ptr,  # [M, P, 2] fp32 tile (max, sum of exp(logit - max))
+    logits_ptr,  # [M, N] out: the logits, -inf where not allowed (WRITE_LOGITS only)
     M,
     N,
     K,
     W,  # bitmask words per row
     P,  # tiles per row (programs)
     HAS_MASK: tl.constexpr,
+    WRITE_LOGITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -55,6 +57,9 @@ def _lm_head_tiles_kernel(
         words = tl.load(bitmask_ptr + rm[:, None] * W + word_idx[None, :], mask=allowed, other=0)
         allowed = allowed & (((words >> (rn & 31)[None, :]) & 1) != 0)
     x = tl.where(allowed, logits, float("-inf"))
+    if WRITE_LOGITS:
+        in_rows = m_ok[:, None] & (rn < N)[None, :]
+        tl.store(logits_ptr + rm[:, None] * N + rn[None, :], x, mask=in_rows)
     tile_max = tl.max(x, axis=1)
     tile_idx = tl.min(tl.where(allowed & (x == tile_max[:, None]), rn[None, :], INT32_MAX), axis=1)
     tile_idx = tl.where(tile_idx == INT32_MAX, -1, tile_idx)
@@ -67,13 +72,18 @@ def _lm_head_tiles_kernel(
 
 
 def lm_head_drafts(
-    hidden: torch.Tensor, weight: torch.Tensor, bitmask: torch.Tensor | None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bitmask: torch.Tensor | None,
+    logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafts of ``hidden @ weight.T`` ([M, K] x [V, K], M <= 64) under an optional bitmask.
 
     ``bitmask`` ([M, W] int32, xgrammar layout) or None. Returns ``(tokens [M] int64,
     probs [M] float32)``: what ``select_drafts(hidden @ weight.T, bitmask)`` returns,
-    with the logits rounded to ``hidden.dtype`` as that product would store them.
+    with the logits rounded to ``hidden.dtype`` as that product would store them. Given
+    ``logits`` ([M, V], hidden's dtype), writes those logits into it, -inf where the
+    bitmask allows no token (for a sampler to read, with no second pass over the head).
     """
     check_gemv_args(hidden, weight)
     m, k = hidden.shape
@@ -85,6 +95,11 @@ def lm_head_drafts(
             raise ValueError(
                 f"bitmask must have {m} rows (one per hidden row), got {tuple(bitmask.shape)}"
             )
+    if logits is not None:
+        check_tensor("logits", logits, 2, (hidden.dtype,))
+        check_same_device(hidden=hidden, logits=logits)
+        if logits.shape != (m, vocab):
+            raise ValueError(f"logits must have shape {(m, vocab)}, got {tuple(logits.shape)}")
     tokens = torch.empty((m,), dtype=torch.int64, device=hidden.device)
     probs = torch.empty((m,), dtype=torch.float32, device=hidden.device)
     if m == 0:
@@ -95,8 +110,9 @@ def lm_head_drafts(
     part_ms = torch.empty((m, tiles, 2), dtype=torch.float32, device=hidden.device)
     _lm_head_tiles_kernel[(tiles,)](
         hidden, weight, weight if bitmask is None else bitmask, part_idx, part_ms,
-        m, vocab, k, 0 if bitmask is None else bitmask.shape[1], tiles,
-        HAS_MASK=bitmask is not None, **cfg,
+        part_ms if logits is None else logits, m, vocab, k,
+        0 if bitmask is None else bitmask.shape[1], tiles,
+        HAS_MASK=bitmask is not None, WRITE_LOGITS=logits is not None, **cfg,
     )  # fmt: skip
     merge_draft_splits[(m,)](
         part_idx, part_ms, tokens, probs, SPLITS=tiles,

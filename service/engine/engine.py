@@ -85,8 +85,10 @@ class DraftEngine:
         self.ids = Ids(epoch)
         c = head.config
         self.kv = head.new_kv_cache(config.kv_blocks, config.block_size)
+        # The most tokens a sampled draft's q holds.
+        self.support = min(config.max_sample_top_k, c.vocab_size)
         if config.cuda_graphs and head.device.type == "cuda":
-            head.capture_decode_graphs(self.kv, config.max_batch, config.max_drafts)
+            head.capture_decode_graphs(self.kv, config.max_batch, config.max_drafts, self.support)
         self.pool = BlockPool(config.kv_blocks)
         self.table = StateTable(
             config.max_states,
@@ -143,7 +145,7 @@ class DraftEngine:
             draining=self.draining,
             instance_epoch=self.ids.epoch,
             model_fingerprint=self.model_fingerprint,
-            max_sample_top_k=min(self.config.max_sample_top_k, c.vocab_size),
+            max_sample_top_k=self.support,
             grammar_kinds=self.grammars.kinds,
         )
 
@@ -562,7 +564,7 @@ class DraftEngine:
                 verify_costs=costs,
                 calibration=t.calibration(slots) if chooses.any() else np.ones((len(slots), 0)),
                 state_ids=step.state_ids[rows],
-                support=self.config.max_sample_top_k,
+                support=self.support,
             ),
             before_wait,
             self.grammars,

@@ -79,7 +79,12 @@ class ChainSampling:
             np.stack([self.temperature, self.top_p, self.min_p]).astype(np.float32)
         ).to(device)
         params = SamplingParams(floats[0], ints[0], floats[1], floats[2])
-        return RowSampling(params, ints[1], ints[2], self.support), ints[3]
+        return RowSampling(params, ints[1], ints[2], self.support, self.wide), ints[3]
+
+    @property
+    def wide(self) -> bool:
+        """Some row's top_k reaches past the support (the eager path ranks it whole)."""
+        return bool((self.top_k > self.support).any())
 
 
 @dataclass

@@ -25,9 +25,8 @@ from .mla import LatentAttention
 from .moe import MoEMLP
 from .ops import ops_for
 from .rope import rope_table
-from .sampling import RowSampling, Selected, select
+from .sampling import RowSampling, Selected
 from .tensors import FP8Matrix, dequantize_blocks
-from .torch_ops import masked
 
 
 def _queries_then_gates(w: torch.Tensor, c: MTPConfig) -> torch.Tensor:
@@ -215,18 +214,21 @@ class MTPHead:
         sampling: RowSampling,
         draft_positions: torch.Tensor,
         index: torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Selected:
         """Drafts [N] chosen as each row's sampling says (sampling.select), each drawn for
-        the token position and proposal index given."""
-        greedy = self.draft(hidden, bitmask)
-        logits = masked(self.logits(hidden), bitmask)
-        return select(logits, greedy, sampling, draft_positions, index)
+        the token position and proposal index given; q written into `out` if given."""
+        *greedy, logits = self.ops.draft_logits(self._head_input(hidden), self.lm_head, bitmask)
+        return self.ops.sample(logits, tuple(greedy), sampling, draft_positions, index, out)
 
-    def capture_decode_graphs(self, kv: KVCache, max_batch: int, max_steps: int) -> None:
-        """On CUDA: capture the chained decode step for `decode_chain` to replay."""
+    def capture_decode_graphs(
+        self, kv: KVCache, max_batch: int, max_steps: int, support: int = 0
+    ) -> None:
+        """On CUDA: capture the chained decode step for `decode_chain` to replay (sampled
+        too, drafts whose q holds `support` tokens, when it is given)."""
         from .decode_graphs import DecodeGraphs
 
-        self._graphs = DecodeGraphs(self, kv, max_batch, max_steps)
+        self._graphs = DecodeGraphs(self, kv, max_batch, max_steps, support=support)
 
     def decode(
         self, batch: RowBatch, kv: KVCache, bitmask: torch.Tensor | None

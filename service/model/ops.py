@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from . import moe as moe_routing
-from . import torch_ops
+from . import sampling, torch_ops
 from .kv_cache import KVCache
+from .sampling import RowSampling, Selected
 from .tensors import FP8Matrix
 
 
@@ -29,6 +30,22 @@ class TorchOps:
     def draft(self, hidden, lm_head, bitmask):
         """Drafts of the normalized hiddens: select_drafts of the LM head's logits."""
         return torch_ops.select_drafts(F.linear(hidden, lm_head), bitmask)
+
+    def draft_logits(self, hidden, lm_head, bitmask):
+        """draft's (drafts, probabilities) and the logits they came from, -inf where the
+        bitmask allows no token."""
+        logits = F.linear(hidden, lm_head)
+        return (*torch_ops.select_drafts(logits, bitmask), torch_ops.masked(logits, bitmask))
+
+    def sample(self, logits, greedy, rows: RowSampling, positions, index, out=None) -> Selected:
+        """Each row's draft as its sampling says (sampling.select); q written into `out`
+        ((ids, probabilities) [N, support]) if given."""
+        chosen = sampling.select(logits, greedy, rows, positions, index)
+        if out is not None:
+            out[0].copy_(chosen.q_ids)
+            out[1].copy_(chosen.q_probs)
+            chosen.q_ids, chosen.q_probs = out
+        return chosen
 
     def input_norms(
         self, tokens, table, hiddens, w_embed, w_hidden, positions, eps, embed_first, unit,
@@ -148,6 +165,26 @@ class TritonOps:
         if 0 < hidden.shape[0] <= self.LM_HEAD_ROWS:
             return self.k.lm_head_drafts(hidden, lm_head, bitmask)
         return self.k.select_drafts(F.linear(hidden, lm_head), bitmask)
+
+    def draft_logits(self, hidden, lm_head, bitmask):
+        """The head read once: the fused LM head writes its logits as it drafts."""
+        if 0 < hidden.shape[0] <= self.LM_HEAD_ROWS:
+            logits = hidden.new_empty(hidden.shape[0], lm_head.shape[0])
+            return (*self.k.lm_head_drafts(hidden, lm_head, bitmask, logits), logits)
+        logits = F.linear(hidden, lm_head)
+        return (*self.k.select_drafts(logits, bitmask), torch_ops.masked(logits, bitmask))
+
+    def sample(self, logits, greedy, rows: RowSampling, positions, index, out=None) -> Selected:
+        """Ranks only the support's most probable tokens (topk) and draws in one kernel;
+        a row whose top_k is wider goes the plain torch way."""
+        if rows.wide:
+            return TorchOps.sample(self, logits, greedy, rows, positions, index, out)
+        p = rows.params
+        top = logits.topk(rows.support, sorted=False)
+        return Selected(*self.k.sample_top(
+            logits, (top.values, top.indices), (p.temperature, p.top_k, p.top_p, p.min_p),
+            (rows.seeds, rows.states, positions, index), greedy, rows.support, out,
+        ))  # fmt: skip
 
     def input_norms(
         self, tokens, table, hiddens, w_embed, w_hidden, positions, eps, embed_first, unit,

@@ -129,6 +129,7 @@ class RowSampling:
     seeds: torch.Tensor  # [N] int64 (a uint64 seed's bits)
     states: torch.Tensor  # [N] int64: the state's id
     support: int  # the most tokens a q holds
+    wide: bool = False  # some row's top_k is above `support` (known on the host)
 
 
 @dataclass

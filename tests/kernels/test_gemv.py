@@ -99,10 +99,15 @@ def test_lm_head_drafts_equals_select_drafts_of_the_logits(
         allowed = torch.rand(m, vocab, generator=gen) < 0.3
         allowed[:, 7] = True  # at least one token per row
         bitmask = _packed(allowed).to(device)
-    tokens, probs = lm_head_drafts(h, w, bitmask)
+    logits = torch.full((m, vocab), 7.0, device=device)
+    tokens, probs = lm_head_drafts(h, w, bitmask, logits)
     want_t, want_p = select_drafts(F.linear(h, w), bitmask)
     assert torch.equal(tokens, want_t)
     torch.testing.assert_close(probs, want_p, atol=1e-5, rtol=1e-4)
+    want = F.linear(h, w)  # the logits it writes: -inf where not allowed
+    if masked:
+        want = want.masked_fill(~allowed.to(device), float("-inf"))
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
 
 
 def test_lm_head_drafts_ties_go_to_the_lowest_token(device: torch.device) -> None:

@@ -38,9 +38,16 @@ def ref(mimo_checkpoint) -> Reference:
     return Reference(mimo_checkpoint)
 
 
-@pytest.fixture(scope="module")
-def client(mimo_checkpoint):
-    server = start_server(mimo_checkpoint, *SERVER_ARGS, "--max-sample-top-k", str(SUPPORT))
+@pytest.fixture(
+    scope="module",
+    params=[(), pytest.param(("--device", "cuda", "--dtype", "float32"), marks=pytest.mark.gpu)],
+    ids=["cpu", "cuda"],
+)
+def client(mimo_checkpoint, request):
+    """A server on the CPU; on a GPU (marked gpu), its sampled chains are CUDA graphs."""
+    server = start_server(
+        mimo_checkpoint, *SERVER_ARGS, "--max-sample-top-k", str(SUPPORT), *request.param
+    )
     with DrafterClient(server.address, timeout=30.0) as c:
         yield c
     server.stop()

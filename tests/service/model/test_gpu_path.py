@@ -16,9 +16,10 @@ from proposing import ProposeArgs, propose_batch
 
 from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
+from mtpdraft.service.engine.sampling import Sampling
 from mtpdraft.service.engine.types import Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
-from mtpdraft.service.model.decode_chain import ChainInputs
+from mtpdraft.service.model.decode_chain import ChainInputs, ChainSampling
 from mtpdraft.service.model.kv_cache import KVCache
 from mtpdraft.service.model.mtp_head import MTPHead
 from mtpdraft.service.model.synthetic import write_random_checkpoint
@@ -137,10 +138,44 @@ def test_graphed_triton_path_matches_torch_on_the_gpu(tmp_path, family: str) -> 
     _compare(tmp_path, torch.device("cuda"), [1, 300, 77, 1024, 5], graphs=True)
 
 
+def _sampling(n: int, support: int, seed: int) -> ChainSampling:
+    """Row 1 greedy, the others sampled each its own way (top-p over the whole vocabulary,
+    min-p, top-k within the support)."""
+    cases = [(0.8, 0, 0.9, 0.0), (0.0, 0, 1.0, 0.0), (1.2, 20, 1.0, 0.05), (0.5, 0, 1.0, 0.1)]
+    temperature, top_k, top_p, min_p = (np.array(c) for c in zip(*cases, strict=True))
+    rows = np.arange(n) % len(cases)
+    return ChainSampling(
+        temperature=temperature[rows], top_k=top_k[rows], top_p=top_p[rows], min_p=min_p[rows],
+        seeds=np.full(n, seed), states=np.arange(n) + 40, first_index=np.arange(n) * 3,
+        support=support,
+    )  # fmt: skip
+
+
+def test_triton_sampled_chain_matches_torch_on_the_cpu(tmp_path) -> None:
+    """Sampled drafts through the Triton path (the LM head writing its logits, topk and
+    sample_top) and through plain torch: the same drafts, q within float32's rounding."""
+    write_random_checkpoint(tmp_path, "mimo", hidden_size=64, vocab_size=300, seed=5)
+    ref, fast = _heads(tmp_path, torch.device("cpu"))
+    chain = _chain(ref, [5, 33, 17, 9], [3, 3, 2, 3], 16, seed=3)
+    chain.sampling = _sampling(4, 16, seed=11)
+    kv_ref, kv_fast = _kv_pair(ref, fast, 4 * chain.block_tables.shape[1])
+    want, got = ref.decode_chain(kv_ref, chain), fast.decode_chain(kv_fast, chain)
+    for i, limit in enumerate(chain.limits):  # drafts past a row's limit are meaningless
+        assert (got.tokens[:limit, i] == want.tokens[:limit, i]).all()
+        np.testing.assert_allclose(got.q_probs[:limit, i], want.q_probs[:limit, i], atol=1e-5)
+        live = want.q_probs[:limit, i] > 0
+        assert (got.q_ids[:limit, i][live] == want.q_ids[:limit, i][live]).all()
+    assert (got.q_probs[:, 1, 0] == 1).all()  # the greedy row: its draft alone
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("masked", [False, True])
-def test_graphed_chain_equals_the_same_kernels_launched_one_by_one(tmp_path, masked) -> None:
-    """Chains of different lengths (and masks): drafts, hiddens and KV equal bit for bit."""
+@pytest.mark.parametrize(("masked", "sampled"), [(False, False), (True, False), (False, True),
+                                                 (True, True)])  # fmt: skip
+def test_graphed_chain_equals_the_same_kernels_launched_one_by_one(
+    tmp_path, masked, sampled
+) -> None:
+    """Chains of different lengths (masked, sampled): drafts, their q, hiddens and KV equal
+    bit for bit."""
     write_random_checkpoint(
         tmp_path, "mimo", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
         intermediate_size=2816, vocab_size=32000, dtype=torch.bfloat16, seed=10,
@@ -157,8 +192,11 @@ def test_graphed_chain_equals_the_same_kernels_launched_one_by_one(tmp_path, mas
         ]
         bits = torch.stack(allowed).view(4, 5, words, 32).int()
         chain.bitmasks = (bits << torch.arange(32, dtype=torch.int32)).sum(-1, dtype=torch.int32)
+    if sampled:
+        chain.sampling = _sampling(5, 64, seed=7)
     kv_g, kv_e = _kv_pair(graphed, eager, len(limits) * chain.block_tables.shape[1])
-    graphed.capture_decode_graphs(kv_g, max_batch=8, max_steps=4)
+    graphed.capture_decode_graphs(kv_g, max_batch=8, max_steps=4, support=64)
+    assert graphed._graphs.fits(chain)
     seen: list[torch.Tensor] = []  # before_wait's hiddens, read on the device after the chain
     for _ in range(2):  # a second run reuses the graphs' buffers
         seen.clear()
@@ -167,6 +205,9 @@ def test_graphed_chain_equals_the_same_kernels_launched_one_by_one(tmp_path, mas
         assert len(seen) == 1 and torch.equal(seen[0], got.hiddens)
         assert (got.tokens == want.tokens).all()
         assert (got.probs == want.probs).all()
+        if sampled:
+            assert (got.q_ids == want.q_ids).all() and (got.q_probs == want.q_probs).all()
+            assert (got.q_probs[:, 1, 1:] == 0).all() and (got.q_probs[:, 0, 1:] > 0).any()
         for i, limit in enumerate(limits):  # outputs past a chain's limit are meaningless
             assert torch.equal(got.hiddens[:limit, i], want.hiddens[:limit, i])
         assert torch.equal(kv_g.k, kv_e.k) and torch.equal(kv_g.v, kv_e.v)
@@ -178,7 +219,8 @@ def test_graphed_chain_equals_the_same_kernels_launched_one_by_one(tmp_path, mas
 
 @pytest.mark.gpu
 def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
-    """The same calls on two GPU engines, graphed and eager: the same drafts, bit for bit."""
+    """The same calls on two GPU engines, graphed and eager: the same drafts (greedy and
+    sampled), bit for bit."""
     write_random_checkpoint(
         tmp_path, "mimo", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
         intermediate_size=2816, vocab_size=32000, dtype=torch.bfloat16, seed=9,
@@ -194,8 +236,9 @@ def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
     results = []
     for engine in engines:
         states, got = [], []
-        for prompt in prompts:
-            state = engine.alloc_state()
+        for i, prompt in enumerate(prompts):
+            sampling = Sampling(0.8, top_p=0.9, seed=i) if i % 2 else Sampling()
+            state = engine.alloc_state(sampling=sampling)
             session = engine.begin_prefill(state, 1)
             session.append(list(range(1, len(prompt) + 1)), prompt)
             session.finish()
@@ -206,7 +249,8 @@ def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
                             previous=Verdict(3) if step else None)
                 for i, s in enumerate(states)
             ]  # fmt: skip
-            got.append([(p.tokens, p.probs) for p in propose_batch(engine, requests)])
+            got.append([(p.tokens, p.probs, p.q_ids, p.q_probs)
+                        for p in propose_batch(engine, requests)])  # fmt: skip
         results.append(got)
     assert results[0] == results[1]
 

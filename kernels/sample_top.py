@@ -1,0 +1,229 @@
+"""A draw per row from its processed distribution, cut to the most probable tokens.
+
+Given each row's logits [N, V] and its S largest ([N, S], from ``torch.topk``, in any
+order), for a row with temperature t > 0: e = exp((logit - max) / t) per token; min-p
+keeps e >= min_p; top-k keeps the k highest ranks (0: all); top-p (below 1) keeps a token
+while the kept mass ranked before it is short of top_p of all the kept mass; q is what is left of
+the first ``support`` ranks, renormalised. Ranks go by value, ties to the lower id. The
+row draws from q by inverse CDF at a uniform from SplitMix64 chained over its key
+words (seed, state, position, index), the top 53 bits; it writes its draft, q(draft) and
+q as (ids, probabilities) by rank. A row with t <= 0 writes the greedy draft it is given,
+its probability, and q = the draft alone.
+
+Only the top-p of a row without a top-k cut needs the vocabulary beyond the S: the mass
+min-p keeps of all of it, which a first kernel sums in parts over the vocabulary (those
+rows only). A top_k beyond S is not this kernel's (the caller ranks wider).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_same_device, check_shape, check_tensor
+
+__all__ = ["sample_top"]
+
+_PARTS = 32  # programs per row summing the kept mass
+_BLOCK_V = 2048
+
+
+@triton.jit
+def _needs_mass(row, temp_ptr, top_k_ptr, top_p_ptr):
+    t = tl.load(temp_ptr + row)
+    return (t > 0) & (tl.load(top_k_ptr + row) <= 0) & (tl.load(top_p_ptr + row) < 1)
+
+
+@triton.jit
+def _kept_mass_kernel(
+    logits_ptr,  # [N, V] logits (-inf: not allowed)
+    top_ptr,  # [N, S] the row's S largest logits
+    temp_ptr,  # [N] fp32 temperature
+    top_k_ptr,  # [N] int64
+    top_p_ptr,  # [N] fp32
+    min_p_ptr,  # [N] fp32
+    part_ptr,  # [N, PARTS] fp32 out: the kept mass of each part of the vocabulary
+    V,
+    S,
+    chunk,  # tokens per part, a multiple of BLOCK_V
+    PARTS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    total = tl.zeros([], tl.float32)
+    if _needs_mass(row, temp_ptr, top_k_ptr, top_p_ptr):
+        s = tl.arange(0, BLOCK_S)
+        top = tl.max(tl.load(top_ptr + row * S + s, mask=s < S, other=float("-inf")), axis=0)
+        top = top.to(tl.float32)
+        inv_t = 1.0 / tl.load(temp_ptr + row)
+        min_p = tl.load(min_p_ptr + row)
+        for start in range(part * chunk, tl.minimum((part + 1) * chunk, V), BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            x = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=float("-inf"))
+            e = tl.exp((x.to(tl.float32) - top) * inv_t)
+            total += tl.sum(tl.where(e >= min_p, e, 0.0), axis=0)
+    tl.store(part_ptr + row * PARTS + part, total)
+
+
+@triton.jit
+def _splitmix(x):
+    """SplitMix64's finaliser on uint64 (multiplication wraps)."""
+    x = x + 0x9E3779B97F4A7C15
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _word(ptr, row):
+    return tl.load(ptr + row).to(tl.uint64, bitcast=True)
+
+
+@triton.jit
+def _sample_kernel(
+    top_ptr,  # [N, S] the row's S largest logits, any order
+    top_ids_ptr,  # [N, S] int64 their ids
+    part_ptr,  # [N, PARTS] fp32 kept mass in parts
+    temp_ptr,  # [N] fp32 (<= 0: greedy)
+    top_k_ptr,  # [N] int64 (0: no cut)
+    top_p_ptr,  # [N] fp32
+    min_p_ptr,  # [N] fp32
+    seed_ptr,  # [N] int64: the four key words of the row's draw
+    state_ptr,
+    position_ptr,
+    index_ptr,
+    greedy_tok_ptr,  # [N] int64: a greedy row's draft
+    greedy_prob_ptr,  # [N] fp32: and its probability
+    tok_ptr,  # [N] int64 out: the draft
+    prob_ptr,  # [N] fp32 out: q(draft), or the greedy draft's probability
+    q_ids_ptr,  # [N, SUPPORT] int64 out: q's tokens by rank
+    q_probs_ptr,  # [N, SUPPORT] fp32 out: and their probabilities
+    S,
+    SUPPORT: tl.constexpr,
+    PARTS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    out = row * SUPPORT + s
+    t = tl.load(temp_ptr + row)
+    if t > 0:
+        ok = s < S
+        v = tl.load(top_ptr + row * S + s, mask=ok, other=float("-inf")).to(tl.float32)
+        ids = tl.load(top_ids_ptr + row * S + s, mask=ok, other=0)
+        # precedes[i, j]: token j ranks before token i (a higher logit, or equal and a lower id).
+        vi, vj = v[:, None], v[None, :]
+        precedes = ((vj > vi) | ((vj == vi) & (ids[None, :] < ids[:, None]))) & ok[None, :]
+        rank = tl.where(ok, tl.sum(precedes.to(tl.int32), axis=1), BLOCK_S)
+        top_k = tl.load(top_k_ptr + row)
+        e = tl.where(ok, tl.exp((v - tl.max(v, axis=0)) / t), 0.0)
+        keep = (e >= tl.load(min_p_ptr + row)) & ((top_k <= 0) | (rank < top_k))
+        kept = tl.where(keep, e, 0.0)
+        total = tl.sum(kept, axis=0)
+        if _needs_mass(row, temp_ptr, top_k_ptr, top_p_ptr):
+            total = tl.sum(tl.load(part_ptr + row * PARTS + tl.arange(0, PARTS)), axis=0)
+        mass = kept / total
+        before = tl.sum(tl.where(precedes, mass[None, :], 0.0), axis=1)
+        top_p = tl.load(top_p_ptr + row)
+        top_p = tl.where(top_p < 1, top_p, float("inf"))  # 1: no cut
+        kept = tl.where((before < top_p) & (rank < SUPPORT), kept, 0.0)
+        q = kept / tl.sum(kept, axis=0)
+        # The draw: the first rank whose cumulative probability passes u times the total.
+        x = _splitmix(_word(seed_ptr, row))
+        x = _splitmix(x ^ _word(state_ptr, row))
+        x = _splitmix(x ^ _word(position_ptr, row))
+        x = _splitmix(x ^ _word(index_ptr, row))
+        u = (x >> 11).to(tl.float64) * (2.0**-53)
+        q64 = q.to(tl.float64)
+        cdf = tl.sum(tl.where(precedes, q64[None, :], 0.0), axis=1) + q64
+        passes = (cdf > u * tl.sum(q64, axis=0)) & (q > 0)
+        last = tl.max(tl.where(q > 0, rank, -1), axis=0)  # where rounding passes none
+        at = tl.min(tl.where(passes, rank, SUPPORT), axis=0)
+        at = tl.where(at == SUPPORT, last, at)
+        drawn = rank == at
+        tl.store(tok_ptr + row, tl.sum(tl.where(drawn, ids, 0), axis=0))
+        tl.store(prob_ptr + row, tl.sum(tl.where(drawn, q, 0.0), axis=0))
+        placed = ok & (rank < SUPPORT)
+        tl.store(q_ids_ptr + row * SUPPORT + rank, ids, mask=placed)
+        tl.store(q_probs_ptr + row * SUPPORT + rank, q, mask=placed)
+    else:
+        token = tl.load(greedy_tok_ptr + row)
+        first = s == 0
+        tl.store(tok_ptr + row, token)
+        tl.store(prob_ptr + row, tl.load(greedy_prob_ptr + row))
+        tl.store(q_ids_ptr + out, tl.where(first, token, 0), mask=s < SUPPORT)
+        tl.store(q_probs_ptr + out, tl.where(first, 1.0, 0.0), mask=s < SUPPORT)
+
+
+def sample_top(
+    logits: torch.Tensor,
+    top: tuple[torch.Tensor, torch.Tensor],
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    greedy: tuple[torch.Tensor, torch.Tensor],
+    support: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's draft as the module says.
+
+    ``logits`` [N, V] (-inf where not allowed); ``top`` (values [N, S], ids [N, S] int64):
+    the S >= ``support`` largest, in any order (``logits.topk(S, sorted=False)``);
+    ``params`` (temperature fp32, top_k int64, top_p fp32, min_p fp32), each [N], no row's
+    top_k above S; ``keys`` (seed, state, position, index) [N] int64 each; ``greedy``
+    (tokens int64, probabilities fp32) [N]: what rows with temperature <= 0 draft.
+    Returns (drafts [N] int64, their probabilities [N] fp32, q's ids [N, support] int64, q's
+    probabilities [N, support] fp32), the last two written into ``out`` if given.
+    """
+    values, ids = top
+    n, vocab = logits.shape
+    width = values.shape[1]
+    check_tensor("logits", logits, 2)
+    check_tensor("top values", values, 2)
+    check_tensor("top ids", ids, 2, (torch.int64,))
+    check_shape("top ids", ids, values.shape)
+    if values.shape[0] != n or not 0 < support <= width <= vocab:
+        raise ValueError(f"need top values [{n}, S] with {support} <= S <= {vocab}, got {width}")
+    columns = (*params, *keys, *greedy)
+    for name, t, dtype in zip(
+        ("temperature", "top_k", "top_p", "min_p", "seed", "state", "position", "index",
+         "greedy tokens", "greedy probs"),
+        columns,
+        (torch.float32, torch.int64, torch.float32, torch.float32, *[torch.int64] * 5,
+         torch.float32),
+        strict=True,
+    ):  # fmt: skip
+        check_tensor(name, t, 1, (dtype,))
+        check_shape(name, t, (n,))
+    check_same_device(
+        logits=logits, top=values, **{f"column {i}": c for i, c in enumerate(columns)}
+    )
+    dev = logits.device
+    if out is None:
+        out = (
+            torch.empty(n, support, dtype=torch.int64, device=dev),
+            torch.empty(n, support, dtype=torch.float32, device=dev),
+        )
+    q_ids, q_probs = out
+    check_tensor("q ids", q_ids, 2, (torch.int64,))
+    check_tensor("q probs", q_probs, 2, (torch.float32,))
+    check_shape("q ids", q_ids, (n, support))
+    check_shape("q probs", q_probs, (n, support))
+    tokens = torch.empty(n, dtype=torch.int64, device=dev)
+    probs = torch.empty(n, dtype=torch.float32, device=dev)
+    if n == 0:
+        return tokens, probs, q_ids, q_probs
+    parts = torch.empty(n, _PARTS, dtype=torch.float32, device=dev)
+    chunk = triton.cdiv(triton.cdiv(vocab, _PARTS), _BLOCK_V) * _BLOCK_V
+    block_s = triton.next_power_of_2(width)
+    _kept_mass_kernel[(n, _PARTS)](
+        logits, values, params[0], params[1], params[2], params[3], parts, vocab, width, chunk,
+        PARTS=_PARTS, BLOCK_S=block_s, BLOCK_V=_BLOCK_V,
+    )  # fmt: skip
+    _sample_kernel[(n,)](
+        values, ids, parts, *params, *keys, *greedy, tokens, probs, q_ids, q_probs, width,
+        SUPPORT=support, PARTS=_PARTS, BLOCK_S=block_s, num_warps=4 if block_s <= 64 else 8,
+    )  # fmt: skip
+    return tokens, probs, q_ids, q_probs
