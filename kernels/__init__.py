@@ -22,6 +22,7 @@ from .rope_write_kv import rope_write_kv
 from .sample_top import sample_top
 from .select_drafts import select_drafts
 from .swiglu import swiglu
+from .top_support import top_support
 
 __all__ = [
     "add_rms_norm",
@@ -44,4 +45,5 @@ __all__ = [
     "select_drafts",
     "select_step",
     "swiglu",
+    "top_support",
 ]

@@ -1,6 +1,6 @@
 """A draw per row from its processed distribution, cut to the most probable tokens.
 
-Given each row's logits [N, V] and its S largest ([N, S], from ``torch.topk``, in any
+Given each row's logits [N, V] and its S largest ([N, S], from ``top_support``, in any
 order), for a row with temperature t > 0: e = exp((logit - max) / t) per token; min-p
 keeps e >= min_p; top-k keeps the k highest ranks (0: all); top-p (below 1) keeps a token
 while the kept mass ranked before it is short of top_p of all the kept mass; q is what is left of
@@ -170,7 +170,7 @@ def sample_top(
     """Each row's draft as the module says.
 
     ``logits`` [N, V] (-inf where not allowed); ``top`` (values [N, S], ids [N, S] int64):
-    the S >= ``support`` largest, in any order (``logits.topk(S, sorted=False)``);
+    the S >= ``support`` largest, in any order (``top_support(logits, S)``);
     ``params`` (temperature fp32, top_k int64, top_p fp32, min_p fp32), each [N], no row's
     top_k above S; ``keys`` (seed, state, position, index) [N] int64 each; ``greedy``
     (tokens int64, probabilities fp32) [N]: what rows with temperature <= 0 draft.

@@ -12,7 +12,7 @@ one graph per K up to max_steps (as SGLang captures all draft steps of EAGLE in 
 so a chain of K drafts is one host to device copy of its inputs (one pinned buffer:
 tokens, positions, limits, sampling parameters, hiddens and block tables), one replay
 and one wait, with no launch from the host in between. A sampled chain has graphs of
-its own: the LM head writes its logits as it drafts, and the draw (topk, then one
+its own: the LM head writes its logits as it drafts, and the draw (top_support, then one
 kernel: mtpdraft.kernels.sample_top) writes each step's q beside its draft.
 Rows past the live batch are padding: they write no KV (slot -1), draft greedily, and
 their outputs are ignored.
@@ -240,7 +240,7 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                bucket.step.zero_()
+                bucket.dev.step.zero_()
                 bucket.begin()
                 step(0)
         torch.cuda.current_stream().wait_stream(side)

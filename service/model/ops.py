@@ -175,14 +175,13 @@ class TritonOps:
         return (*self.k.select_drafts(logits, bitmask), torch_ops.masked(logits, bitmask))
 
     def sample(self, logits, greedy, rows: RowSampling, positions, index, out=None) -> Selected:
-        """Ranks only the support's most probable tokens (topk) and draws in one kernel;
-        a row whose top_k is wider goes the plain torch way."""
+        """Ranks only the support's most probable tokens (top_support) and draws in one
+        kernel; a row whose top_k is wider goes the plain torch way."""
         if rows.wide:
             return TorchOps.sample(self, logits, greedy, rows, positions, index, out)
-        p = rows.params
-        top = logits.topk(rows.support, sorted=False)
+        p, top = rows.params, self.k.top_support(logits, rows.support)
         return Selected(*self.k.sample_top(
-            logits, (top.values, top.indices), (p.temperature, p.top_k, p.top_p, p.min_p),
+            logits, top, (p.temperature, p.top_k, p.top_p, p.min_p),
             (rows.seeds, rows.states, positions, index), greedy, rows.support, out,
         ))  # fmt: skip
 

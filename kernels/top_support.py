@@ -1,0 +1,163 @@
+"""Each row's S largest logits, exactly, ranked by value then by the lower id, without
+ranking the whole vocabulary.
+
+A row is cut into groups of tokens. (1) Each tile writes its groups' maxima. (2) A row's
+threshold is the S-th largest of its group maxima: S tokens reach it, so the S largest
+tokens all do. (3) Each tile appends to the row's candidates its tokens above the threshold
+and its first S tokens equal to it (ties rank by the lower id, so no other tie can be among
+the S). Fewer than S groups lie above a threshold, so the candidates are bounded. (4) One
+program per row ranks its candidates, keys that order by value then by lower id, and writes
+the S first. A row with fewer than S allowed tokens (the rest -inf) is filled with the
+lowest ids of the disallowed, as a full ranking would fill it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_tensor
+
+__all__ = ["top_support"]
+
+_GROUPS_PER_TILE = 16
+_MAX_GROUP = 256
+_RANKED = 256  # candidates ranked at a time
+_INT64_MIN = tl.constexpr(-(2**63))
+
+
+@triton.jit
+def _keys(x, ids):
+    """int64 keys that order as (value, -id): the float's bits made monotonic, then the id
+    reversed (a lower id is the larger key)."""
+    bits = x.to(tl.int32, bitcast=True)
+    monotonic = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (monotonic.to(tl.int64) << 32) | (4294967295 - ids.to(tl.int64))
+
+
+@triton.jit
+def _group_max_kernel(
+    logits_ptr,  # [N, V] logits (-inf: not allowed)
+    max_ptr,  # [N, TILES * GROUPS] fp32 out: each group's largest logit
+    count_ptr,  # [N] int32 out: zeroed, the candidates' count
+    V,
+    GROUPS: tl.constexpr,  # groups per tile
+    GROUP: tl.constexpr,  # tokens per group
+):
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    offs = tile * GROUPS * GROUP + tl.arange(0, GROUPS * GROUP)
+    x = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    maxima = tl.max(tl.reshape(x, [GROUPS, GROUP]), axis=1)
+    tl.store(max_ptr + (row * tl.num_programs(1) + tile) * GROUPS + tl.arange(0, GROUPS), maxima)
+    if tile == 0:
+        tl.store(count_ptr + row, 0)
+
+
+@triton.jit
+def _threshold_kernel(
+    max_ptr,  # [N, M] fp32 group maxima
+    threshold_ptr,  # [N] fp32 out: the S-th largest
+    M,
+    S,
+    BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    m = tl.arange(0, BLOCK_M)
+    maxima = tl.load(max_ptr + row * M + m, mask=m < M, other=float("-inf"))
+    top = tl.topk(maxima, BLOCK_S)
+    tl.store(threshold_ptr + row, tl.min(tl.where(tl.arange(0, BLOCK_S) < S, top, float("inf"))))
+
+
+@triton.jit
+def _gather_kernel(
+    logits_ptr,  # [N, V]
+    threshold_ptr,  # [N] fp32
+    count_ptr,  # [N] int32: candidates appended so far
+    cand_ptr,  # [N, CAP] int64 out: the candidates' keys
+    V,
+    S,
+    CAP,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < V
+    x = tl.load(logits_ptr + row * V + offs, mask=inside, other=float("-inf")).to(tl.float32)
+    threshold = tl.load(threshold_ptr + row)
+    tie = inside & (x == threshold)
+    take = (inside & (x > threshold)) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= S))
+    taken = take.to(tl.int32)
+    n = tl.sum(taken, axis=0)
+    if n > 0:
+        base = tl.atomic_add(count_ptr + row, n)
+        slot = base + tl.cumsum(taken, axis=0) - 1
+        tl.store(cand_ptr + row * CAP + slot, _keys(x, offs), mask=take)
+
+
+@triton.jit
+def _rank_kernel(
+    cand_ptr,  # [N, CAP] int64 candidates' keys
+    count_ptr,  # [N] int32
+    values_ptr,  # [N, S] fp32 out
+    ids_ptr,  # [N, S] int64 out
+    S,
+    CAP,
+    RANKED: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.load(count_ptr + row)
+    r = tl.arange(0, RANKED)
+    best = tl.full([RANKED], _INT64_MIN, tl.int64)
+    for start in range(0, n, RANKED):
+        more = tl.load(cand_ptr + row * CAP + start + r, mask=start + r < n, other=_INT64_MIN)
+        best = tl.topk(tl.reshape(tl.join(best, more), [2 * RANKED]), RANKED)
+    monotonic = (best >> 32).to(tl.int32)
+    bits = tl.where(monotonic < 0, monotonic ^ 0x7FFFFFFF, monotonic)
+    first = r < S
+    tl.store(values_ptr + row * S + r, bits.to(tl.float32, bitcast=True), mask=first)
+    tl.store(ids_ptr + row * S + r, 4294967295 - (best & 4294967295), mask=first)
+
+
+def top_support(logits: torch.Tensor, support: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``support`` largest of each row of ``logits`` ([N, V], -inf where not allowed),
+    largest first, ties to the lower id. Returns (values [N, S] fp32, ids [N, S] int64)."""
+    check_tensor("logits", logits, 2, FLOAT_DTYPES)
+    n, vocab = logits.shape
+    if not 0 < support <= vocab:
+        raise ValueError(f"support must be in [1, {vocab}] (the vocabulary), got {support}")
+    if vocab >= 2**31:
+        raise ValueError(f"a vocabulary of {vocab} tokens does not fit int32 ids")
+    dev = logits.device
+    values = torch.empty(n, support, dtype=torch.float32, device=dev)
+    ids = torch.empty(n, support, dtype=torch.int64, device=dev)
+    if n == 0:
+        return values, ids
+    # At least `support` groups, so that the threshold is some group's maximum.
+    group = min(_MAX_GROUP, 1 << ((vocab // support).bit_length() - 1))
+    block = group * _GROUPS_PER_TILE
+    tiles = triton.cdiv(vocab, block)
+    maxima = torch.empty(n, tiles * _GROUPS_PER_TILE, dtype=torch.float32, device=dev)
+    count = torch.empty(n, dtype=torch.int32, device=dev)
+    threshold = torch.empty(n, dtype=torch.float32, device=dev)
+    # Above the threshold: fewer than `support` groups; at it: `support` a tile at most.
+    cap = (support - 1) * group + tiles * support
+    candidates = torch.empty(n, cap, dtype=torch.int64, device=dev)
+    warps = 8 if block >= 2048 else 4
+    _group_max_kernel[(n, tiles)](
+        logits, maxima, count, vocab, GROUPS=_GROUPS_PER_TILE, GROUP=group, num_warps=warps
+    )
+    block_s = triton.next_power_of_2(support)
+    _threshold_kernel[(n,)](
+        maxima, threshold, maxima.shape[1], support,
+        BLOCK_M=max(triton.next_power_of_2(maxima.shape[1]), block_s), BLOCK_S=block_s,
+    )  # fmt: skip
+    _gather_kernel[(n, tiles)](
+        logits, threshold, count, candidates, vocab, support, cap, BLOCK=block, num_warps=warps
+    )
+    _rank_kernel[(n,)](
+        candidates, count, values, ids, support, cap, RANKED=max(_RANKED, block_s), num_warps=4
+    )
+    return values, ids
