@@ -87,8 +87,11 @@ def _gather_kernel(
     inside = offs < V
     x = tl.load(logits_ptr + row * V + offs, mask=inside, other=float("-inf")).to(tl.float32)
     threshold = tl.load(threshold_ptr + row)
+    above = inside & (x > threshold)
     tie = inside & (x == threshold)
-    take = (inside & (x > threshold)) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= S))
+    take = above | tie
+    if tl.sum(tie.to(tl.int32), axis=0) > S:  # rare: the S lowest ids of the tile's ties
+        take = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= S))
     taken = take.to(tl.int32)
     n = tl.sum(taken, axis=0)
     if n > 0:
@@ -149,7 +152,7 @@ def top_support(logits: torch.Tensor, support: int) -> tuple[torch.Tensor, torch
     _group_max_kernel[(n, tiles)](
         logits, maxima, count, vocab, GROUPS=_GROUPS_PER_TILE, GROUP=group, num_warps=warps
     )
-    block_s = triton.next_power_of_2(support)
+    block_s = max(2, triton.next_power_of_2(support))  # tl.topk takes 2 or more
     _threshold_kernel[(n,)](
         maxima, threshold, maxima.shape[1], support,
         BLOCK_M=max(triton.next_power_of_2(maxima.shape[1]), block_s), BLOCK_S=block_s,

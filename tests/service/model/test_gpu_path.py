@@ -9,6 +9,8 @@ compared no further (later drafts depend on which one was taken).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,7 @@ from proposing import ProposeArgs, propose_batch
 
 from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
+from mtpdraft.service.engine.ids import EPOCH_SHIFT
 from mtpdraft.service.engine.sampling import Sampling
 from mtpdraft.service.engine.types import Verdict
 from mtpdraft.service.model.checkpoint import load_mtp_weights
@@ -220,7 +223,8 @@ def test_graphed_chain_equals_the_same_kernels_launched_one_by_one(
 @pytest.mark.gpu
 def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
     """The same calls on two GPU engines, graphed and eager: the same drafts (greedy and
-    sampled), bit for bit."""
+    sampled), bit for bit. A draw is keyed by its state's id, so both engines issue the
+    same ids."""
     write_random_checkpoint(
         tmp_path, "mimo", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
         intermediate_size=2816, vocab_size=32000, dtype=torch.bfloat16, seed=9,
@@ -235,6 +239,8 @@ def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
     prompts = [torch.randn(n, 1024, generator=gen) for n in (40, 7, 300, 1)]
     results = []
     for engine in engines:
+        issued = itertools.count(1)
+        engine.ids.new = lambda taken, issued=issued: (7 << EPOCH_SHIFT) | next(issued)
         states, got = [], []
         for i, prompt in enumerate(prompts):
             sampling = Sampling(0.8, top_p=0.9, seed=i) if i % 2 else Sampling()
