@@ -1,6 +1,7 @@
 """Where the engine's host time goes in one ProposeBatch step, beside its chain.
 
-Builds the engine as `mtpdraft serve` does on a small random MiMo checkpoint, prefills
+Builds the engine as `mtpdraft serve` does on a small random MiMo checkpoint (torch's
+intra-op threads limited as it limits them), prefills
 B states, then profiles (cProfile) --steps steps of B rows, each checked into a Step
 and drafted by engine.step, and prints the engine's and the chain's functions
 by cumulative time: step's time less decode_chain's is the host work around
@@ -31,6 +32,7 @@ from scratch import scratch_folder
 from shapes import MIMO_7B, SMALL
 from workload import Workload, random_hiddens
 
+from mtpdraft.service.cli import limit_cpu_threads
 from mtpdraft.service.engine import columns
 from mtpdraft.service.model.synthetic import write_random_checkpoint
 
@@ -73,6 +75,7 @@ def main() -> int:
     )  # fmt: skip
     blocks = b * ((prompt + args.steps + 8) // 16 + 2)
     engine, _ = build_engine(serve_argv(Path(folder), args.device, blocks, 4))
+    limit_cpu_threads()  # as `mtpdraft serve` does
     work = Workload(prompt, 4, 3, args.steps, shape["hidden_size"], shape["vocab_size"], "bfloat16")
     states = engine_states(engine, b, work, seed=1)
     rows = random_hiddens(b, work, 2)
@@ -96,7 +99,8 @@ def main() -> int:
         lines.runcall(lambda: [step(index) for index in range(3, 3 + args.steps)])
         per_step = (time.perf_counter() - started) / args.steps
         print(f"`python {' '.join(sys.argv)}`: B = {b}, {per_step * 1e3:.2f} ms a step")
-        print("threads:", [t.name for t in threading.enumerate()])
+        threads = [t.name for t in threading.enumerate()]
+        print("threads:", threads, "torch's intra-op:", torch.get_num_threads())
         lines.print_stats(output_unit=1e-6)
         return 0
     profile = cProfile.Profile()
