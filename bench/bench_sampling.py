@@ -31,6 +31,7 @@ from shapes import MIMO_7B, SMALL
 from workload import Workload
 
 from mtpdraft.service import convert
+from mtpdraft.service.cli import limit_cpu_threads
 from mtpdraft.service.engine.sampling import GREEDY, Sampling
 from mtpdraft.service.engine.step import Step, single
 from mtpdraft.service.engine.types import Verdict
@@ -139,6 +140,7 @@ def main() -> int:
     start = time.perf_counter()
     engine, note = build_engine(serve_argv(folder, "cuda", blocks, k))
     build_s = time.perf_counter() - start  # graphs captured: every bucket, K and kind
+    limit_cpu_threads()  # the engine's host work as `mtpdraft serve` runs it
     steps = {b: {name: engine_step(engine, work, b, kind, args.steps)
                  for name, kind in KINDS.items()} for b in batches}  # fmt: skip
     report = {
