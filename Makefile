@@ -3,8 +3,8 @@ PYTHON ?= python3
 PROTO_DIR := protos
 PROTOS := $(wildcard $(PROTO_DIR)/mtpdraft/v1/*.proto)
 
-.PHONY: install proto test test-gpu lint serve bench bench-service bench-precision loadtest \
-	image deploy-validate deploy-check
+.PHONY: install proto test test-gpu lint serve bench bench-service bench-precision bench-sampling \
+	loadtest image deploy-validate deploy-check
 
 install:
 	$(PYTHON) -m pip install -e '.[dev]'
@@ -29,6 +29,12 @@ bench:
 	$(PYTHON) bench/bench_moe_kernel.py --out-dir bench/results
 	$(PYTHON) bench/bench_families.py --out-dir bench/results
 	$(PYTHON) bench/bench_gemv.py --out-dir bench/results
+
+# On a machine with a CUDA GPU: sampled chains beside greedy ones (bench/results/sampling.{json,md})
+# and a sampled draft's draw kernel by kernel (draw.{json,md}).
+bench-sampling:
+	$(PYTHON) bench/bench_sampling.py --out bench/results
+	$(PYTHON) bench/bench_draw.py --out-dir bench/results
 
 # On a machine with a CUDA GPU: bf16 drafts against float32 at the published shapes
 # (bench/results/precision.{json,md}), and against float64 on the tiny checkpoints, each

@@ -121,3 +121,13 @@ def test_bench_moe_kernel_writes_its_table(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "moe_kernel.json").read_text())
     table = (tmp_path / "moe_kernel.md").read_text()
     assert report and "| model |" in table and "distinct experts" in table and "(FP8)" in table
+
+
+def test_bench_draw_times_every_piece_and_checks_the_support(tmp_path: Path) -> None:
+    done = _run("bench_draw.py", "--small", "--batches", "1,2", "--out-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "draw.json").read_text())
+    assert [row["batch"] for row in report["rows"]] == [1, 2]
+    assert all(us > 0 for row in report["rows"] for us in row["us"].values())
+    assert report["top_support_exact"] == {"1": True, "2": True}
+    assert "| B | one read of the logits (roofline) |" in (tmp_path / "draw.md").read_text()
