@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from proposing import ProposeArgs, propose_batch
+from sampling_reference import dense_q, drawn, uniform
 
 from mtpdraft.service.config import ServeConfig
 from mtpdraft.service.engine.engine import DraftEngine
@@ -220,6 +221,61 @@ def test_graphed_chain_equals_the_same_kernels_launched_one_by_one(
                 assert got.tokens[j][i] % (j + 2) == i % (j + 2)
 
 
+def _issue_ids_in_order(engine: DraftEngine) -> None:
+    """State ids 1, 2, ... of epoch 7: a draw is keyed by its state's id, so engines compared
+    draw alike only if they issue the same ids."""
+    issued = itertools.count(1)
+    engine.ids.new = lambda taken: (7 << EPOCH_SHIFT) | next(issued)
+
+
+def _prefilled(engine: DraftEngine, prompt: torch.Tensor, sampling: Sampling) -> int:
+    state = engine.alloc_state(sampling=sampling)
+    session = engine.begin_prefill(state, 1)
+    session.append(list(range(1, len(prompt) + 1)), prompt)
+    session.finish()
+    return state
+
+
+@pytest.mark.gpu
+def test_a_sampled_state_drafts_alike_alone_and_in_a_batch_of_64(tmp_path) -> None:
+    """One state (its id, seed and prompt alike) on two graphed bf16 engines: alone on one,
+    beside 63 others on the other. Each draft is its key's draw from its own q; the two q
+    agree within bf16 rounding (one row and 64 rows run different GEMM kernels); so the
+    drafts are equal wherever that rounding cannot move the draw."""
+    write_random_checkpoint(
+        tmp_path, "mimo", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=2816, vocab_size=32000, dtype=torch.bfloat16, seed=9,
+    )  # fmt: skip
+    weights = load_mtp_weights(tmp_path)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randn(40 + i, 1024, generator=gen) for i in range(64)]
+    sampling, k = Sampling(0.8, top_p=0.95, seed=11), 4
+    proposals = []
+    for batch in (1, 64):
+        config = ServeConfig(kv_blocks=64 * 8, max_batch=64, max_drafts=k)
+        engine = DraftEngine(MTPHead(weights, torch.device("cuda")), config)
+        _issue_ids_in_order(engine)
+        states = [_prefilled(engine, prompt, sampling) for prompt in prompts[:batch]]
+        requests = [ProposeArgs(s, 5, prompts[i][-1], len(prompts[i]) + 1, k)
+                    for i, s in enumerate(states)]  # fmt: skip
+        proposals.append(propose_batch(engine, requests)[0])
+        del engine
+    alone, batched = proposals
+    state = (7 << EPOCH_SHIFT) | 1
+    for j in range(k):
+        q_alone, q_batched = (dense_q(p, j, 32000) for p in proposals)
+        torch.testing.assert_close(q_batched, q_alone, atol=2e-2, rtol=0)
+        u = uniform(sampling.seed, state, alone.first_position + j, j)
+        for p, q in ((alone, q_alone), (batched, q_batched)):
+            want = drawn(q, u, 1e-6)
+            assert want is None or p.tokens[j] == want, f"draft {j} is not its key's draw"
+        # Rounding moves no cumulative boundary by more than the two q's L1 distance.
+        if drawn(q_alone, u, float((q_alone - q_batched).abs().sum()) + 1e-6) is not None:
+            assert alone.tokens[j] == batched.tokens[j], f"draft {j}: alone and batched differ"
+        if alone.tokens[j] != batched.tokens[j]:
+            break  # the chains part: later drafts follow different tokens
+
+
 @pytest.mark.gpu
 def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
     """The same calls on two GPU engines, graphed and eager: the same drafts (greedy and
@@ -239,16 +295,11 @@ def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
     prompts = [torch.randn(n, 1024, generator=gen) for n in (40, 7, 300, 1)]
     results = []
     for engine in engines:
-        issued = itertools.count(1)
-        engine.ids.new = lambda taken, issued=issued: (7 << EPOCH_SHIFT) | next(issued)
+        _issue_ids_in_order(engine)
         states, got = [], []
         for i, prompt in enumerate(prompts):
             sampling = Sampling(0.8, top_p=0.9, seed=i) if i % 2 else Sampling()
-            state = engine.alloc_state(sampling=sampling)
-            session = engine.begin_prefill(state, 1)
-            session.append(list(range(1, len(prompt) + 1)), prompt)
-            session.finish()
-            states.append(state)
+            states.append(_prefilled(engine, prompt, sampling))
         for step in range(3):
             requests = [
                 ProposeArgs(s, 5 + step, prompts[i][-1], len(prompts[i]) + 1 + 4 * step, 4,
