@@ -131,14 +131,19 @@ GPU_MOE = {
 }  # fmt: skip
 
 
+def _gpu_checkpoint(tmp_path, family: str, seed: int, extra_config=None) -> None:
+    """A bf16 checkpoint of the GPU tests' shape: hidden 1024, 8 heads, a 32000 vocabulary."""
+    write_random_checkpoint(
+        tmp_path, family, hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=2816, vocab_size=32000, dtype=torch.bfloat16, seed=seed,
+        extra_config=extra_config,
+    )  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["mimo", "glm4_moe", "qwen3_next", "deepseek"])
 def test_graphed_triton_path_matches_torch_on_the_gpu(tmp_path, family: str) -> None:
-    write_random_checkpoint(
-        tmp_path, family, hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
-        intermediate_size=2816, vocab_size=32000, dtype=torch.bfloat16, seed=8,
-        extra_config=GPU_MOE.get(family),
-    )  # fmt: skip
+    _gpu_checkpoint(tmp_path, family, seed=8, extra_config=GPU_MOE.get(family))
     _compare(tmp_path, torch.device("cuda"), [1, 300, 77, 1024, 5], graphs=True)
 
 
@@ -180,10 +185,7 @@ def test_graphed_chain_equals_the_same_kernels_launched_one_by_one(
 ) -> None:
     """Chains of different lengths (masked, sampled): drafts, their q, hiddens and KV equal
     bit for bit."""
-    write_random_checkpoint(
-        tmp_path, "mimo", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
-        intermediate_size=2816, vocab_size=32000, dtype=torch.bfloat16, seed=10,
-    )  # fmt: skip
+    _gpu_checkpoint(tmp_path, "mimo", seed=10)
     weights = load_mtp_weights(tmp_path)
     graphed = MTPHead(weights, torch.device("cuda"), ops="triton")
     eager = MTPHead(weights, torch.device("cuda"), ops="triton")
@@ -242,10 +244,7 @@ def test_a_sampled_state_drafts_alike_alone_and_in_a_batch_of_64(tmp_path) -> No
     beside 63 others on the other. Each draft is its key's draw from its own q; the two q
     agree within bf16 rounding (one row and 64 rows run different GEMM kernels); so the
     drafts are equal wherever that rounding cannot move the draw."""
-    write_random_checkpoint(
-        tmp_path, "mimo", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
-        intermediate_size=2816, vocab_size=32000, dtype=torch.bfloat16, seed=9,
-    )  # fmt: skip
+    _gpu_checkpoint(tmp_path, "mimo", seed=9)
     weights = load_mtp_weights(tmp_path)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randn(40 + i, 1024, generator=gen) for i in range(64)]
@@ -281,10 +280,7 @@ def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
     """The same calls on two GPU engines, graphed and eager: the same drafts (greedy and
     sampled), bit for bit. A draw is keyed by its state's id, so both engines issue the
     same ids."""
-    write_random_checkpoint(
-        tmp_path, "mimo", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
-        intermediate_size=2816, vocab_size=32000, dtype=torch.bfloat16, seed=9,
-    )  # fmt: skip
+    _gpu_checkpoint(tmp_path, "mimo", seed=9)
     weights = load_mtp_weights(tmp_path)
     engines = [
         DraftEngine(MTPHead(weights, torch.device("cuda")),
