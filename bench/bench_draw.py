@@ -26,11 +26,15 @@ from mtpdraft.kernels import sample_top, select_drafts, top_support
 VOCAB, SUPPORT = 151680, 64  # MiMo-7B's vocabulary; --max-sample-top-k's default
 
 
-def _rows(b: int, device: torch.device, top_p: bool):
-    """sample_top's per-row columns: temperature 0.8, then top-p 0.95 or top-k 64."""
-    full = lambda v, dtype=torch.float32: torch.full((b,), v, dtype=dtype, device=device)  # noqa: E731
+def _rows(b: int, device: torch.device, top_p: bool, support: int):
+    """sample_top's per-row columns: temperature 0.8, then top-p 0.95 or a top-k cut at the
+    support."""
+
+    def full(value, dtype=torch.float32) -> torch.Tensor:
+        return torch.full((b,), value, dtype=dtype, device=device)
+
     params = (
-        full(0.8), full(0 if top_p else SUPPORT, torch.int64), full(0.95 if top_p else 1.0),
+        full(0.8), full(0 if top_p else support, torch.int64), full(0.95 if top_p else 1.0),
         full(0.0),
     )  # fmt: skip
     keys = tuple(torch.arange(b, device=device) + i for i in range(4))
@@ -42,8 +46,11 @@ def _kernels(logits: torch.Tensor, support: int) -> dict[str, float]:
     """Device us per call of each kernel of the draw (top_p rows), from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    params, keys, greedy = _rows(logits.shape[0], logits.device, top_p=True)
-    draw = lambda: sample_top(logits, top_support(logits, support), params, keys, greedy, support)  # noqa: E731
+    params, keys, greedy = _rows(logits.shape[0], logits.device, True, support)
+
+    def draw() -> None:
+        sample_top(logits, top_support(logits, support), params, keys, greedy, support)
+
     for _ in range(3):
         draw()
     torch.cuda.synchronize()
@@ -70,7 +77,7 @@ def _times(logits: torch.Tensor, support: int, bandwidth: float) -> dict[str, fl
     }
     top = top_support(logits, support)
     for name, top_p in (("sample_top, top-k rows", False), ("sample_top, top-p rows", True)):
-        params, keys, greedy = _rows(logits.shape[0], device, top_p)
+        params, keys, greedy = _rows(logits.shape[0], device, top_p, support)
         run = lambda p=params, k=keys, g=greedy: sample_top(logits, top, p, k, g, support)  # noqa: E731
         times[name] = time_us(run, device, 5)
     return times
