@@ -37,6 +37,14 @@ def _keys(x, ids):
 
 
 @triton.jit
+def _value_and_id(keys):
+    """_keys undone: (fp32 values, int64 ids)."""
+    monotonic = (keys >> 32).to(tl.int32)
+    bits = tl.where(monotonic < 0, monotonic ^ 0x7FFFFFFF, monotonic)
+    return bits.to(tl.float32, bitcast=True), 4294967295 - (keys & 4294967295)
+
+
+@triton.jit
 def _group_max_kernel(
     logits_ptr,  # [N, V] logits (-inf: not allowed)
     max_ptr,  # [N, TILES * GROUPS] fp32 out: each group's largest logit
@@ -117,11 +125,10 @@ def _rank_kernel(
     for start in range(0, n, RANKED):
         more = tl.load(cand_ptr + row * CAP + start + r, mask=start + r < n, other=_INT64_MIN)
         best = tl.topk(tl.reshape(tl.join(best, more), [2 * RANKED]), RANKED)
-    monotonic = (best >> 32).to(tl.int32)
-    bits = tl.where(monotonic < 0, monotonic ^ 0x7FFFFFFF, monotonic)
+    values, ids = _value_and_id(best)
     first = r < S
-    tl.store(values_ptr + row * S + r, bits.to(tl.float32, bitcast=True), mask=first)
-    tl.store(ids_ptr + row * S + r, 4294967295 - (best & 4294967295), mask=first)
+    tl.store(values_ptr + row * S + r, values, mask=first)
+    tl.store(ids_ptr + row * S + r, ids, mask=first)
 
 
 def top_support(logits: torch.Tensor, support: int) -> tuple[torch.Tensor, torch.Tensor]:
