@@ -2,12 +2,14 @@
 kernel, beside the greedy argmax and one read of the logits.
 
 At MiMo-7B's vocabulary, bf16 logits, a support of 64, B = 1, 8 and 64: the greedy draft
-(`select_drafts`: it reads the logits once), `torch.topk` against `top_support` (each
-row's support), `sample_top` for rows cut by top-k and rows cut by top-p (the latter sum
-min-p's kept mass over the vocabulary), each replayed from a CUDA graph (median us); the
-roofline is one read of the logits at the device's copy bandwidth. Then every kernel of
-`top_support` + `sample_top` at B = 64 from torch.profiler, and whether `top_support`
-equals a stable full sort. Writes draw.json and draw.md to --out-dir. `--small` runs a
+(`select_drafts`: it reads the logits once) alone and writing the group maxima,
+`torch.topk` against `top_support` (each row's support) from its own first pass and from
+those maxima with the kept mass summed, `sample_top` for rows cut by top-k and rows cut by
+top-p, and the whole sampled draw past B = 32 as the service runs it (select_drafts with
+maxima, top_support, sample_top), each replayed from a CUDA graph (median us); the roofline
+is one read of the logits at the device's copy bandwidth. Then every kernel of the whole
+draw at the last batch from torch.profiler, and whether `top_support` equals a stable
+full sort. Writes draw.json and draw.md to --out-dir. `--small` runs a
 tiny vocabulary on the CPU (a smoke test; its figures mean nothing).
 """
 
@@ -21,7 +23,7 @@ import torch
 from bench_moe_kernel import copy_bandwidth, time_us
 from results_file import write_results
 
-from mtpdraft.kernels import sample_top, select_drafts, top_support
+from mtpdraft.kernels import sample_top, select_drafts, top_support, top_support_group
 
 VOCAB, SUPPORT = 151680, 64  # MiMo-7B's vocabulary; --max-sample-top-k's default
 
@@ -42,15 +44,26 @@ def _rows(b: int, device: torch.device, top_p: bool, support: int):
     return params, keys, greedy
 
 
+def _draw(logits: torch.Tensor, support: int, top_p: bool):
+    """The whole sampled draw of these rows as the service runs it past the fused LM head's
+    rows: the greedy pass writes the group maxima, top_support starts from them."""
+    params, keys, _ = _rows(logits.shape[0], logits.device, top_p, support)
+    group = top_support_group(logits.shape[1], support)
+    maxima = torch.empty(logits.shape[0], -(-logits.shape[1] // group), device=logits.device)
+
+    def draw():
+        greedy = select_drafts(logits, None, maxima=(maxima, group))
+        top = top_support(logits, support, maxima=(maxima, group), params=params)
+        return sample_top(top, params, keys, greedy, support, None, (2, 1))
+
+    return draw
+
+
 def _kernels(logits: torch.Tensor, support: int) -> dict[str, float]:
     """Device us per call of each kernel of the draw (top_p rows), from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    params, keys, greedy = _rows(logits.shape[0], logits.device, True, support)
-
-    def draw() -> None:
-        sample_top(logits, top_support(logits, support), params, keys, greedy, support)
-
+    draw = _draw(logits, support, True)
     for _ in range(3):
         draw()
     torch.cuda.synchronize()
@@ -68,23 +81,34 @@ def _kernels(logits: torch.Tensor, support: int) -> dict[str, float]:
 
 def _times(logits: torch.Tensor, support: int, bandwidth: float) -> dict[str, float]:
     """Median us per call of each piece at this batch (see the module)."""
-    device = logits.device
+    device, (b, vocab) = logits.device, logits.shape
+    group = top_support_group(vocab, support)
+    maxima = (torch.empty(b, -(-vocab // group), device=device), group)
+    params = _rows(b, device, True, support)[0]
     times = {
         "one read of the logits (roofline)": logits.nbytes / (bandwidth / 2) * 1e6,
         "select_drafts (greedy)": time_us(lambda: select_drafts(logits, None), device, 5),
+        "select_drafts + maxima": time_us(
+            lambda: select_drafts(logits, None, maxima=maxima), device, 5
+        ),
         "torch.topk": time_us(lambda: logits.topk(support, sorted=False), device, 5),
         "top_support": time_us(lambda: top_support(logits, support), device, 5),
+        "top_support from maxima + kept mass": time_us(
+            lambda: top_support(logits, support, maxima=maxima, params=params), device, 5
+        ),
     }
-    top = top_support(logits, support)
     for name, top_p in (("sample_top, top-k rows", False), ("sample_top, top-p rows", True)):
-        params, keys, greedy = _rows(logits.shape[0], device, top_p, support)
-        run = lambda p=params, k=keys, g=greedy: sample_top(logits, top, p, k, g, support)  # noqa: E731
+        params, keys, greedy = _rows(b, device, top_p, support)
+        top = top_support(logits, support, params=params)
+        run = lambda t=top, p=params, k=keys, g=greedy: sample_top(t, p, k, g, support)  # noqa: E731
         times[name] = time_us(run, device, 5)
+    for name, top_p in (("whole draw, top-k rows", False), ("whole draw, top-p rows", True)):
+        times[name] = time_us(_draw(logits, support, top_p), device, 5)
     return times
 
 
 def _exact(logits: torch.Tensor, support: int) -> bool:
-    values, ids = top_support(logits, support)
+    values, ids, _ = top_support(logits, support)
     want_values, want_ids = logits.double().sort(dim=-1, descending=True, stable=True)
     return torch.equal(ids, want_ids[:, :support]) and torch.equal(
         values.double(), want_values[:, :support]

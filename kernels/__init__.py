@@ -22,9 +22,10 @@ from .rope_write_kv import rope_write_kv
 from .sample_top import sample_top
 from .select_drafts import select_drafts
 from .swiglu import swiglu
-from .top_support import top_support
+from .top_support import TopSupport, top_support, top_support_group
 
 __all__ = [
+    "TopSupport",
     "add_rms_norm",
     "expand_block_tables",
     "fused_moe",
@@ -46,4 +47,5 @@ __all__ = [
     "select_step",
     "swiglu",
     "top_support",
+    "top_support_group",
 ]

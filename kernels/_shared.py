@@ -12,6 +12,8 @@ another's private names (the launchers' argument checks are ``_checks``).
   (gemv, and lm_head_drafts, the LM head fused with the draft selection).
 - ``merge_draft_splits``: the (argmax, max, sum) partials of rows split over programs
   (select_drafts, lm_head_drafts).
+- ``needs_min_p_mass``: which sampled rows' top-p needs the whole vocabulary's kept mass
+  (top_support sums it, sample_top reads it).
 - ``merge_attention_splits``, ``gated``: flash-decoding partials of attention
   (paged_attention; mla_decode over the latent width), and an output gate applied as the
   output is written.
@@ -33,6 +35,14 @@ INT32_MAX = tl.constexpr(2147483647)
 @functools.cache
 def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def needs_min_p_mass(row, temp_ptr, top_k_ptr, top_p_ptr):
+    """A sampled row (temperature > 0) with no top-k cut and a top-p below 1: its top-p
+    divides by the mass min-p keeps of the whole vocabulary, not of its support."""
+    t = tl.load(temp_ptr + row)
+    return (t > 0) & (tl.load(top_k_ptr + row) <= 0) & (tl.load(top_p_ptr + row) < 1)
 
 
 # --- a whole row in one program --------------------------------------------------------

@@ -1,18 +1,18 @@
 """A draw per row from its processed distribution, cut to the most probable tokens.
 
-Given each row's logits [N, V] and its S largest ([N, S], from ``top_support``, in any
-order), for a row with temperature t > 0: e = exp((logit - max) / t) per token; min-p
-keeps e >= min_p; top-k keeps the k highest ranks (0: all); top-p (below 1) keeps a token
-while the kept mass ranked before it is short of top_p of all the kept mass; q is what is left of
-the first ``support`` ranks, renormalised. Ranks go by value, ties to the lower id. The
-row draws from q by inverse CDF at a uniform from SplitMix64 chained over its key
-words (seed, state, position, index), the top 53 bits; it writes its draft, q(draft) and
-q as (ids, probabilities) by rank. A row with t <= 0 writes the greedy draft it is given,
-its probability, and q = the draft alone.
+Given each row's S largest logits ([N, S], from ``top_support``, in any order), for a row
+with temperature t > 0: e = exp((logit - max) / t) per token; min-p keeps e >= min_p; top-k
+keeps the k highest ranks (0: all); top-p (below 1) keeps a token while the kept mass
+ranked before it is short of top_p of all the kept mass; q is what is left of the first
+``support`` ranks, renormalised. Ranks go by value, ties to the lower id. The row draws
+from q by inverse CDF at a uniform from SplitMix64 chained over its key words (seed,
+state, position, index), the top 53 bits; it writes its draft, q(draft) and q as (ids,
+probabilities) by rank. A row with t <= 0 writes the greedy draft it is given, its
+probability, and q = the draft alone.
 
 Only the top-p of a row without a top-k cut needs the vocabulary beyond the S: the mass
-min-p keeps of all of it, which a first kernel sums in parts over the vocabulary (those
-rows only). A top_k beyond S is not this kernel's (the caller ranks wider).
+min-p keeps of all of it, which ``top_support`` sums in parts as it gathers the S. A
+top_k beyond S is not this kernel's (the caller ranks wider).
 """
 
 from __future__ import annotations
@@ -22,50 +22,9 @@ import triton
 import triton.language as tl
 
 from ._checks import check_same_device, check_shape, check_tensor
+from ._shared import needs_min_p_mass
 
 __all__ = ["sample_top"]
-
-_PARTS = 32  # programs per row summing the kept mass
-_BLOCK_V = 2048
-
-
-@triton.jit
-def _needs_mass(row, temp_ptr, top_k_ptr, top_p_ptr):
-    t = tl.load(temp_ptr + row)
-    return (t > 0) & (tl.load(top_k_ptr + row) <= 0) & (tl.load(top_p_ptr + row) < 1)
-
-
-@triton.jit
-def _kept_mass_kernel(
-    logits_ptr,  # [N, V] logits (-inf: not allowed)
-    top_ptr,  # [N, S] the row's S largest logits
-    temp_ptr,  # [N] fp32 temperature
-    top_k_ptr,  # [N] int64
-    top_p_ptr,  # [N] fp32
-    min_p_ptr,  # [N] fp32
-    part_ptr,  # [N, PARTS] fp32 out: the kept mass of each part of the vocabulary
-    V,
-    S,
-    chunk,  # tokens per part, a multiple of BLOCK_V
-    PARTS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    total = tl.zeros([], tl.float32)
-    if _needs_mass(row, temp_ptr, top_k_ptr, top_p_ptr):
-        s = tl.arange(0, BLOCK_S)
-        top = tl.max(tl.load(top_ptr + row * S + s, mask=s < S, other=float("-inf")), axis=0)
-        top = top.to(tl.float32)
-        inv_t = 1.0 / tl.load(temp_ptr + row)
-        min_p = tl.load(min_p_ptr + row)
-        for start in range(part * chunk, tl.minimum((part + 1) * chunk, V), BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            x = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=float("-inf"))
-            e = tl.exp((x.to(tl.float32) - top) * inv_t)
-            total += tl.sum(tl.where(e >= min_p, e, 0.0), axis=0)
-    tl.store(part_ptr + row * PARTS + part, total)
 
 
 @triton.jit
@@ -86,7 +45,7 @@ def _word(ptr, row):
 def _sample_kernel(
     top_ptr,  # [N, S] the row's S largest logits, any order
     top_ids_ptr,  # [N, S] int64 their ids
-    part_ptr,  # [N, PARTS] fp32 kept mass in parts
+    part_ptr,  # [N, P] fp32 the kept mass in parts
     temp_ptr,  # [N] fp32 (<= 0: greedy)
     top_k_ptr,  # [N] int64 (0: no cut)
     top_p_ptr,  # [N] fp32
@@ -95,6 +54,8 @@ def _sample_kernel(
     state_ptr,
     position_ptr,
     index_ptr,
+    position_offset,  # added to the position and index words
+    index_offset,
     greedy_tok_ptr,  # [N] int64: a greedy row's draft
     greedy_prob_ptr,  # [N] fp32: and its probability
     tok_ptr,  # [N] int64 out: the draft
@@ -102,8 +63,9 @@ def _sample_kernel(
     q_ids_ptr,  # [N, SUPPORT] int64 out: q's tokens by rank
     q_probs_ptr,  # [N, SUPPORT] fp32 out: and their probabilities
     S,
+    P,
     SUPPORT: tl.constexpr,
-    PARTS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -123,8 +85,9 @@ def _sample_kernel(
         keep = (e >= tl.load(min_p_ptr + row)) & ((top_k <= 0) | (rank < top_k))
         kept = tl.where(keep, e, 0.0)
         total = tl.sum(kept, axis=0)
-        if _needs_mass(row, temp_ptr, top_k_ptr, top_p_ptr):
-            total = tl.sum(tl.load(part_ptr + row * PARTS + tl.arange(0, PARTS)), axis=0)
+        if needs_min_p_mass(row, temp_ptr, top_k_ptr, top_p_ptr):
+            p = tl.arange(0, BLOCK_P)
+            total = tl.sum(tl.load(part_ptr + row * P + p, mask=p < P, other=0.0), axis=0)
         mass = kept / total
         before = tl.sum(tl.where(precedes, mass[None, :], 0.0), axis=1)
         top_p = tl.load(top_p_ptr + row)
@@ -134,8 +97,8 @@ def _sample_kernel(
         # The draw: the first rank whose cumulative probability passes u times the total.
         x = _splitmix(_word(seed_ptr, row))
         x = _splitmix(x ^ _word(state_ptr, row))
-        x = _splitmix(x ^ _word(position_ptr, row))
-        x = _splitmix(x ^ _word(index_ptr, row))
+        x = _splitmix(x ^ (_word(position_ptr, row) + position_offset))
+        x = _splitmix(x ^ (_word(index_ptr, row) + index_offset))
         u = (x >> 11).to(tl.float64) * (2.0**-53)
         q64 = q.to(tl.float64)
         cdf = tl.sum(tl.where(precedes, q64[None, :], 0.0), axis=1) + q64
@@ -159,33 +122,36 @@ def _sample_kernel(
 
 
 def sample_top(
-    logits: torch.Tensor,
-    top: tuple[torch.Tensor, torch.Tensor],
+    top: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     greedy: tuple[torch.Tensor, torch.Tensor],
     support: int,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_offsets: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's draft as the module says.
 
-    ``logits`` [N, V] (-inf where not allowed); ``top`` (values [N, S], ids [N, S] int64):
-    the S >= ``support`` largest, in any order (``top_support(logits, S)``);
-    ``params`` (temperature fp32, top_k int64, top_p fp32, min_p fp32), each [N], no row's
-    top_k above S; ``keys`` (seed, state, position, index) [N] int64 each; ``greedy``
-    (tokens int64, probabilities fp32) [N]: what rows with temperature <= 0 draft.
+    ``top`` (values [N, S], ids [N, S] int64, kept mass [N, P] fp32): the S >= ``support``
+    largest logits in any order, and the mass min-p keeps in parts, as
+    ``top_support(logits, S, params=params)`` returns them; ``params`` (temperature fp32,
+    top_k int64, top_p fp32, min_p fp32), each [N], no row's top_k above S; ``keys``
+    (seed, state, position, index) [N] int64 each, ``key_offsets`` added to the position
+    and the index (constants of a captured step); ``greedy`` (tokens int64, probabilities
+    fp32) [N]: what rows with temperature <= 0 draft.
     Returns (drafts [N] int64, their probabilities [N] fp32, q's ids [N, support] int64, q's
     probabilities [N, support] fp32), the last two written into ``out`` if given.
     """
-    values, ids = top
-    n, vocab = logits.shape
-    width = values.shape[1]
-    check_tensor("logits", logits, 2)
+    values, ids, kept_mass = top
     check_tensor("top values", values, 2)
     check_tensor("top ids", ids, 2, (torch.int64,))
     check_shape("top ids", ids, values.shape)
-    if values.shape[0] != n or not 0 < support <= width <= vocab:
-        raise ValueError(f"need top values [{n}, S] with {support} <= S <= {vocab}, got {width}")
+    n, width = values.shape
+    if not 0 < support <= width:
+        raise ValueError(f"need top values [{n}, S] with S >= {support}, got {width}")
+    check_tensor("kept mass", kept_mass, 2, (torch.float32,))
+    if kept_mass.shape[0] != n:
+        raise ValueError(f"kept mass must have {n} rows, got {tuple(kept_mass.shape)}")
     columns = (*params, *keys, *greedy)
     for name, t, dtype in zip(
         ("temperature", "top_k", "top_p", "min_p", "seed", "state", "position", "index",
@@ -198,9 +164,9 @@ def sample_top(
         check_tensor(name, t, 1, (dtype,))
         check_shape(name, t, (n,))
     check_same_device(
-        logits=logits, top=values, **{f"column {i}": c for i, c in enumerate(columns)}
+        top=values, kept_mass=kept_mass, **{f"column {i}": c for i, c in enumerate(columns)}
     )
-    dev = logits.device
+    dev = values.device
     if out is None:
         out = (
             torch.empty(n, support, dtype=torch.int64, device=dev),
@@ -215,15 +181,11 @@ def sample_top(
     probs = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
         return tokens, probs, q_ids, q_probs
-    parts = torch.empty(n, _PARTS, dtype=torch.float32, device=dev)
-    chunk = triton.cdiv(triton.cdiv(vocab, _PARTS), _BLOCK_V) * _BLOCK_V
     block_s = triton.next_power_of_2(width)
-    _kept_mass_kernel[(n, _PARTS)](
-        logits, values, params[0], params[1], params[2], params[3], parts, vocab, width, chunk,
-        PARTS=_PARTS, BLOCK_S=block_s, BLOCK_V=_BLOCK_V,
-    )  # fmt: skip
     _sample_kernel[(n,)](
-        values, ids, parts, *params, *keys, *greedy, tokens, probs, q_ids, q_probs, width,
-        SUPPORT=support, PARTS=_PARTS, BLOCK_S=block_s, num_warps=4 if block_s <= 64 else 8,
+        values, ids, kept_mass, *params, *keys, *key_offsets, *greedy, tokens, probs, q_ids,
+        q_probs, width, kept_mass.shape[1], SUPPORT=support,
+        BLOCK_P=triton.next_power_of_2(kept_mass.shape[1]), BLOCK_S=block_s,
+        num_warps=4 if block_s <= 64 else 8,
     )  # fmt: skip
     return tokens, probs, q_ids, q_probs

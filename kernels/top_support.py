@@ -9,17 +9,25 @@ the S). Fewer than S groups lie above a threshold, so the candidates are bounded
 program per row ranks its candidates, keys that order by value then by lower id, and writes
 the S first. A row with fewer than S allowed tokens (the rest -inf) is filled with the
 lowest ids of the disallowed, as a full ranking would fill it.
+
+Two passes over the logits can serve a sampler too: the first is skipped where the caller's
+own pass wrote the group maxima (select_drafts does, as it drafts greedily), and given a
+sampler's parameters the gather pass sums, per tile, the mass min-p keeps of the rows whose
+top-p needs the whole vocabulary's (sample_top reads those sums).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._checks import FLOAT_DTYPES, check_tensor
+from ._checks import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+from ._shared import needs_min_p_mass
 
-__all__ = ["top_support"]
+__all__ = ["TopSupport", "top_support", "top_support_group"]
 
 _GROUPS_PER_TILE = 16
 _MAX_GROUP = 256
@@ -48,7 +56,6 @@ def _value_and_id(keys):
 def _group_max_kernel(
     logits_ptr,  # [N, V] logits (-inf: not allowed)
     max_ptr,  # [N, TILES * GROUPS] fp32 out: each group's largest logit
-    count_ptr,  # [N] int32 out: zeroed, the candidates' count
     V,
     GROUPS: tl.constexpr,  # groups per tile
     GROUP: tl.constexpr,  # tokens per group
@@ -59,14 +66,14 @@ def _group_max_kernel(
     x = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     maxima = tl.max(tl.reshape(x, [GROUPS, GROUP]), axis=1)
     tl.store(max_ptr + (row * tl.num_programs(1) + tile) * GROUPS + tl.arange(0, GROUPS), maxima)
-    if tile == 0:
-        tl.store(count_ptr + row, 0)
 
 
 @triton.jit
 def _threshold_kernel(
     max_ptr,  # [N, M] fp32 group maxima
     threshold_ptr,  # [N] fp32 out: the S-th largest
+    row_max_ptr,  # [N] fp32 out: the largest
+    count_ptr,  # [N] int32 out: zeroed, the candidates' count
     M,
     S,
     BLOCK_M: tl.constexpr,
@@ -77,6 +84,8 @@ def _threshold_kernel(
     maxima = tl.load(max_ptr + row * M + m, mask=m < M, other=float("-inf"))
     top = tl.topk(maxima, BLOCK_S)
     tl.store(threshold_ptr + row, tl.min(tl.where(tl.arange(0, BLOCK_S) < S, top, float("inf"))))
+    tl.store(row_max_ptr + row, tl.max(top, axis=0))
+    tl.store(count_ptr + row, 0)
 
 
 @triton.jit
@@ -85,9 +94,16 @@ def _gather_kernel(
     threshold_ptr,  # [N] fp32
     count_ptr,  # [N] int32: candidates appended so far
     cand_ptr,  # [N, CAP] int64 out: the candidates' keys
+    row_max_ptr,  # [N] fp32, and the sampler's per-row parameters (HAS_MASS only):
+    temp_ptr,  # fp32
+    top_k_ptr,  # int64
+    top_p_ptr,  # fp32
+    min_p_ptr,  # fp32
+    mass_ptr,  # [N, TILES] fp32 out: the tile's kept mass (0 where a row needs none)
     V,
     S,
     CAP,
+    HAS_MASS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -106,6 +122,12 @@ def _gather_kernel(
         base = tl.atomic_add(count_ptr + row, n)
         slot = base + tl.cumsum(taken, axis=0) - 1
         tl.store(cand_ptr + row * CAP + slot, _keys(x, offs), mask=take)
+    if HAS_MASS:
+        mass = tl.zeros([], tl.float32)
+        if needs_min_p_mass(row, temp_ptr, top_k_ptr, top_p_ptr):
+            e = tl.exp((x - tl.load(row_max_ptr + row)) / tl.load(temp_ptr + row))
+            mass = tl.sum(tl.where(e >= tl.load(min_p_ptr + row), e, 0.0), axis=0)
+        tl.store(mass_ptr + row * tl.num_programs(1) + tl.program_id(1), mass)
 
 
 @triton.jit
@@ -131,9 +153,34 @@ def _rank_kernel(
     tl.store(ids_ptr + row * S + r, ids, mask=first)
 
 
-def top_support(logits: torch.Tensor, support: int) -> tuple[torch.Tensor, torch.Tensor]:
+class TopSupport(NamedTuple):
+    values: torch.Tensor  # [N, S] fp32, the largest first
+    ids: torch.Tensor  # [N, S] int64
+    kept_mass: torch.Tensor | None  # [N, tiles] fp32 per-tile sums (given a sampler's params)
+
+
+def top_support_group(vocab: int, support: int) -> int:
+    """Tokens per group: at least `support` groups, so that the threshold is some group's
+    maximum; a power of two, at most 256."""
+    return min(_MAX_GROUP, 1 << ((vocab // support).bit_length() - 1))
+
+
+def top_support(
+    logits: torch.Tensor,
+    support: int,
+    *,
+    maxima: tuple[torch.Tensor, int] | None = None,
+    params: tuple[torch.Tensor, ...] | None = None,
+) -> TopSupport:
     """The ``support`` largest of each row of ``logits`` ([N, V], -inf where not allowed),
-    largest first, ties to the lower id. Returns (values [N, S] fp32, ids [N, S] int64)."""
+    largest first, ties to the lower id.
+
+    ``maxima``: (each group's largest logit [N, ceil(V / group)] fp32, group), with group
+    ``top_support_group(V, support)``, where the caller has them. ``params``: a sampler's
+    (temperature fp32, top_k int64, top_p fp32, min_p fp32), each [N]: the kept mass is
+    summed for the rows with temperature > 0, no top-k cut and top_p < 1, as
+    exp((logit - row max) / temperature) over the tokens where that reaches min_p.
+    """
     check_tensor("logits", logits, 2, FLOAT_DTYPES)
     n, vocab = logits.shape
     if not 0 < support <= vocab:
@@ -141,33 +188,52 @@ def top_support(logits: torch.Tensor, support: int) -> tuple[torch.Tensor, torch
     if vocab >= 2**31:
         raise ValueError(f"a vocabulary of {vocab} tokens does not fit int32 ids")
     dev = logits.device
-    values = torch.empty(n, support, dtype=torch.float32, device=dev)
-    ids = torch.empty(n, support, dtype=torch.int64, device=dev)
-    if n == 0:
-        return values, ids
-    # At least `support` groups, so that the threshold is some group's maximum.
-    group = min(_MAX_GROUP, 1 << ((vocab // support).bit_length() - 1))
+    group = top_support_group(vocab, support)
+    groups = triton.cdiv(vocab, group)
+    if maxima is not None:
+        maxima, given = maxima
+        check_tensor("maxima", maxima, 2, (torch.float32,))
+        check_same_device(logits=logits, maxima=maxima)
+        if given != group:
+            raise ValueError(f"maxima must be of groups of {group} tokens, got {given}")
+        check_shape("maxima", maxima, (n, groups))
+    if params is not None:
+        for name, t, dtype in zip(
+            ("temperature", "top_k", "top_p", "min_p"), params,
+            (torch.float32, torch.int64, torch.float32, torch.float32), strict=True,
+        ):  # fmt: skip
+            check_tensor(name, t, 1, (dtype,))
+            check_shape(name, t, (n,))
+            check_same_device(logits=logits, **{name: t})
     block = group * _GROUPS_PER_TILE
     tiles = triton.cdiv(vocab, block)
-    maxima = torch.empty(n, tiles * _GROUPS_PER_TILE, dtype=torch.float32, device=dev)
+    values = torch.empty(n, support, dtype=torch.float32, device=dev)
+    ids = torch.empty(n, support, dtype=torch.int64, device=dev)
+    kept_mass = None if params is None else torch.empty(n, tiles, dtype=torch.float32, device=dev)
+    if n == 0:
+        return TopSupport(values, ids, kept_mass)
     count = torch.empty(n, dtype=torch.int32, device=dev)
-    threshold = torch.empty(n, dtype=torch.float32, device=dev)
+    threshold, row_max = torch.empty(2, n, dtype=torch.float32, device=dev)
     # Above the threshold: fewer than `support` groups; at it: `support` a tile at most.
     cap = (support - 1) * group + tiles * support
     candidates = torch.empty(n, cap, dtype=torch.int64, device=dev)
     warps = 8 if block >= 2048 else 4
-    _group_max_kernel[(n, tiles)](
-        logits, maxima, count, vocab, GROUPS=_GROUPS_PER_TILE, GROUP=group, num_warps=warps
-    )
+    if maxima is None:
+        maxima = torch.empty(n, tiles * _GROUPS_PER_TILE, dtype=torch.float32, device=dev)
+        _group_max_kernel[(n, tiles)](
+            logits, maxima, vocab, GROUPS=_GROUPS_PER_TILE, GROUP=group, num_warps=warps
+        )
     block_s = max(2, triton.next_power_of_2(support))  # tl.topk takes 2 or more
     _threshold_kernel[(n,)](
-        maxima, threshold, maxima.shape[1], support,
+        maxima, threshold, row_max, count, maxima.shape[1], support,
         BLOCK_M=max(triton.next_power_of_2(maxima.shape[1]), block_s), BLOCK_S=block_s,
     )  # fmt: skip
     _gather_kernel[(n, tiles)](
-        logits, threshold, count, candidates, vocab, support, cap, BLOCK=block, num_warps=warps
-    )
+        logits, threshold, count, candidates, row_max, *(params or (row_max,) * 4),
+        row_max if kept_mass is None else kept_mass, vocab, support, cap,
+        HAS_MASS=params is not None, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
     _rank_kernel[(n,)](
         candidates, count, values, ids, support, cap, RANKED=max(_RANKED, block_s), num_warps=4
     )
-    return values, ids
+    return TopSupport(values, ids, kept_mass)

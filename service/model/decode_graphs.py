@@ -143,8 +143,8 @@ class _Bucket:
             if sampled:
                 # A row at position p (its hidden's) holds the token at p + 1, drafts p + 2.
                 chosen = head.select(
-                    hidden, mask, self.sampling, positions + 2, d.first_index + j,
-                    out=(self.out_qi[j], self.out_qp[j]),
+                    hidden, mask, self.sampling, positions, d.first_index,
+                    out=(self.out_qi[j], self.out_qp[j]), key_offsets=(2, j),
                 )  # fmt: skip
                 tokens, probs = chosen.tokens, chosen.probs
             else:

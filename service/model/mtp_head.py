@@ -215,11 +215,15 @@ class MTPHead:
         draft_positions: torch.Tensor,
         index: torch.Tensor,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_offsets: tuple[int, int] = (0, 0),
     ) -> Selected:
         """Drafts [N] chosen as each row's sampling says (sampling.select), each drawn for
-        the token position and proposal index given; q written into `out` if given."""
-        *greedy, logits = self.ops.draft_logits(self._head_input(hidden), self.lm_head, bitmask)
-        return self.ops.sample(logits, tuple(greedy), sampling, draft_positions, index, out)
+        the token position and proposal index given (`key_offsets` added: constants of a
+        captured step); q written into `out` if given."""
+        return self.ops.select(
+            self._head_input(hidden), self.lm_head, bitmask, sampling, draft_positions, index,
+            out, key_offsets,
+        )  # fmt: skip
 
     def capture_decode_graphs(
         self, kv: KVCache, max_batch: int, max_steps: int, support: int = 0
@@ -269,7 +273,7 @@ class MTPHead:
             hiddens = self.forward(batch, kv)
             rows, first_index = sampling
             # A row at position p (its hidden's) holds the token at p + 1 and drafts p + 2.
-            chosen = self.select(hiddens, mask, rows, positions + 2, first_index + j)
+            chosen = self.select(hiddens, mask, rows, positions, first_index, key_offsets=(2, j))
             tokens = chosen.tokens
             outputs.append((hiddens, tokens, chosen.probs, chosen.q_ids, chosen.q_probs))
         out = [torch.stack(o) for o in zip(*outputs, strict=True)]

@@ -31,21 +31,18 @@ class TorchOps:
         """Drafts of the normalized hiddens: select_drafts of the LM head's logits."""
         return torch_ops.select_drafts(F.linear(hidden, lm_head), bitmask)
 
-    def draft_logits(self, hidden, lm_head, bitmask):
-        """draft's (drafts, probabilities) and the logits they came from, -inf where the
-        bitmask allows no token."""
-        logits = F.linear(hidden, lm_head)
-        return (*torch_ops.select_drafts(logits, bitmask), torch_ops.masked(logits, bitmask))
-
-    def sample(self, logits, greedy, rows: RowSampling, positions, index, out=None) -> Selected:
-        """Each row's draft as its sampling says (sampling.select); q written into `out`
+    def select(
+        self, hidden, lm_head, bitmask, rows: RowSampling, positions, index, out=None,
+        key_offsets=(0, 0),
+    ) -> Selected:  # fmt: skip
+        """Each row's draft as its sampling says (sampling.select), drawn for the token
+        position and proposal index given (`key_offsets` added); q written into `out`
         ((ids, probabilities) [N, support]) if given."""
-        chosen = sampling.select(logits, greedy, rows, positions, index)
-        if out is not None:
-            out[0].copy_(chosen.q_ids)
-            out[1].copy_(chosen.q_probs)
-            chosen.q_ids, chosen.q_probs = out
-        return chosen
+        logits = F.linear(hidden, lm_head)
+        greedy = torch_ops.select_drafts(logits, bitmask)
+        return _sample_eager(
+            torch_ops.masked(logits, bitmask), greedy, rows, positions, index, out, key_offsets
+        )
 
     def input_norms(
         self, tokens, table, hiddens, w_embed, w_hidden, positions, eps, embed_first, unit,
@@ -166,23 +163,34 @@ class TritonOps:
             return self.k.lm_head_drafts(hidden, lm_head, bitmask)
         return self.k.select_drafts(F.linear(hidden, lm_head), bitmask)
 
-    def draft_logits(self, hidden, lm_head, bitmask):
-        """The head read once: the fused LM head writes its logits as it drafts."""
-        if 0 < hidden.shape[0] <= self.LM_HEAD_ROWS:
-            logits = hidden.new_empty(hidden.shape[0], lm_head.shape[0])
-            return (*self.k.lm_head_drafts(hidden, lm_head, bitmask, logits), logits)
-        logits = F.linear(hidden, lm_head)
-        return (*self.k.select_drafts(logits, bitmask), torch_ops.masked(logits, bitmask))
-
-    def sample(self, logits, greedy, rows: RowSampling, positions, index, out=None) -> Selected:
-        """Ranks only the support's most probable tokens (top_support) and draws in one
-        kernel; a row whose top_k is wider goes the plain torch way."""
+    def select(
+        self, hidden, lm_head, bitmask, rows: RowSampling, positions, index, out=None,
+        key_offsets=(0, 0),
+    ) -> Selected:  # fmt: skip
+        """The head read once: the fused LM head writes its logits as it drafts, or, past
+        its rows, select_drafts writes the group maxima top_support starts from. The
+        support is ranked without sorting the vocabulary and drawn in one kernel; a batch
+        where a row's top_k is wider than the support goes the plain torch way."""
+        n, vocab, support = hidden.shape[0], lm_head.shape[0], rows.support
+        maxima = None
+        if 0 < n <= self.LM_HEAD_ROWS:
+            logits = hidden.new_empty(n, vocab)
+            greedy = self.k.lm_head_drafts(hidden, lm_head, bitmask, logits)
+        else:
+            logits = F.linear(hidden, lm_head)
+            if not rows.wide:
+                group = self.k.top_support_group(vocab, support)
+                maxima = (logits.new_empty(n, -(-vocab // group), dtype=torch.float32), group)
+            greedy = self.k.select_drafts(logits, bitmask, maxima=maxima)
+            logits = torch_ops.masked(logits, bitmask)
         if rows.wide:
-            return TorchOps.sample(self, logits, greedy, rows, positions, index, out)
-        p, top = rows.params, self.k.top_support(logits, rows.support)
+            return _sample_eager(logits, greedy, rows, positions, index, out, key_offsets)
+        p = rows.params
+        params = (p.temperature, p.top_k, p.top_p, p.min_p)
+        top = self.k.top_support(logits, support, maxima=maxima, params=params)
         return Selected(*self.k.sample_top(
-            logits, top, (p.temperature, p.top_k, p.top_p, p.min_p),
-            (rows.seeds, rows.states, positions, index), greedy, rows.support, out,
+            top, params, (rows.seeds, rows.states, positions, index), greedy, support, out,
+            key_offsets,
         ))  # fmt: skip
 
     def input_norms(
@@ -266,3 +274,15 @@ def ops_for(device: torch.device, choice: str = "auto") -> TorchOps | TritonOps:
     if choice == "torch":
         return TorchOps()
     raise ValueError(f"unknown ops backend {choice!r} (auto, torch or triton)")
+
+
+def _sample_eager(logits, greedy, rows, positions, index, out, key_offsets) -> Selected:
+    """sampling.select of the logits, q copied into `out` if given."""
+    position_offset, index_offset = key_offsets
+    positions, index = positions + position_offset, index + index_offset
+    chosen = sampling.select(logits, greedy, rows, positions, index)
+    if out is not None:
+        out[0].copy_(chosen.q_ids)
+        out[1].copy_(chosen.q_probs)
+        chosen.q_ids, chosen.q_probs = out
+    return chosen

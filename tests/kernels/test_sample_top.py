@@ -1,5 +1,6 @@
-"""sample_top against vLLM's sampler in float64 and SplitMix64 on Python integers
-(tests/sampling_reference.py), and against ties ranked by hand."""
+"""sample_top (after top_support, which ranks its support and sums the kept mass) against
+vLLM's sampler in float64 and SplitMix64 on Python integers (tests/sampling_reference.py),
+and against ties ranked by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from sampling_reference import Q_ATOL, drawn, uniform, vllm_processed
 
-from mtpdraft.kernels import sample_top
+from mtpdraft.kernels import sample_top, top_support
 
 CASES = [  # temperature, top_k, top_p, min_p (temperature 0: greedy)
     (1.0, 0, 1.0, 0.0),
@@ -32,6 +33,14 @@ def _columns(cases, device):
     )
 
 
+def _shuffled(logits, width, params, gen):
+    """top_support's support and kept mass, the support's columns in a random order (the
+    sampler takes any)."""
+    values, ids, mass = top_support(logits, width, params=params)
+    order = torch.randperm(width, generator=gen).to(logits.device)
+    return values[:, order], ids[:, order], mass
+
+
 def _keys(n: int, device, seed: int = 9):
     return tuple(
         torch.tensor(c, dtype=torch.int64, device=device)
@@ -44,19 +53,19 @@ def _keys(n: int, device, seed: int = 9):
 def test_q_and_draft_are_the_references(device, support: int, width: int, dtype) -> None:
     n = len(CASES)
     gen = torch.Generator().manual_seed(1)
-    logits = (3 * torch.randn(n, VOCAB, generator=gen)).to(dtype)
-    # The reference keeps every token tied at a cut, the kernel the lower ids: no ties at
-    # the top (bf16 rounds many logits together), distinct values exact in bf16.
+    # The reference ranks ties otherwise than the kernel (by the lower id): no ties among
+    # the top 20 (bf16 rounds many logits together), distinct values exact in bf16 above
+    # all the rest.
+    logits = (3 * torch.randn(n, VOCAB, generator=gen)).clamp(max=5.75).to(dtype)
     top20 = logits.float().topk(20).indices
     distinct = (6 + 0.25 * torch.randperm(20, generator=gen)).to(dtype)
     logits.scatter_(1, top20, distinct.expand(n, 20))
     logits[3, ::7] = float("-inf")  # a grammar's mask
     greedy = (torch.arange(n, dtype=torch.int64) * 11, torch.linspace(0.1, 0.9, n))
-    top = logits.topk(width, sorted=False)
-    keys = _keys(n, device)
+    keys, params = _keys(n, device), _columns(CASES, device)
     tokens, probs, q_ids, q_probs = sample_top(
-        logits.to(device), (top.values.to(device), top.indices.to(device)),
-        _columns(CASES, device), keys, tuple(g.to(device) for g in greedy), support,
+        _shuffled(logits.to(device), width, params, gen), params, keys,
+        tuple(g.to(device) for g in greedy), support,
     )  # fmt: skip
     tokens, probs, q_ids, q_probs = (t.cpu() for t in (tokens, probs, q_ids, q_probs))
     assert q_ids.shape == q_probs.shape == (n, support)
@@ -83,10 +92,10 @@ def test_ties_rank_by_the_lower_id(device) -> None:
     a top-k of 2 among four tied tokens keeps the two lower ids."""
     logits = torch.zeros(2, 64)
     logits[1, [40, 9, 30, 21]] = 5.0
-    top = logits.topk(64, sorted=False)  # every token: topk's own choice among ties aside
+    params = _columns([(1.0, 0, 1.0, 0.0), (1.0, 2, 1.0, 0.0)], device)
     _, _, q_ids, q_probs = sample_top(
-        logits.to(device), (top.values.to(device), top.indices.to(device)),
-        _columns([(1.0, 0, 1.0, 0.0), (1.0, 2, 1.0, 0.0)], device), _keys(2, device),
+        _shuffled(logits.to(device), 64, params, torch.Generator().manual_seed(3)), params,
+        _keys(2, device),
         (torch.zeros(2, dtype=torch.int64, device=device), torch.ones(2, device=device)), 4,
     )  # fmt: skip
     assert q_ids.cpu().tolist() == [[0, 1, 2, 3], [9, 21, 30, 40]]
@@ -96,15 +105,14 @@ def test_ties_rank_by_the_lower_id(device) -> None:
 def test_a_draw_depends_on_its_key_alone(device) -> None:
     """A row's draft is the same alone and with other rows beside it; another seed moves it."""
     gen = torch.Generator().manual_seed(4)
-    logits = torch.randn(6, 300, generator=gen)
-    top = logits.topk(32, sorted=False)
+    logits = torch.randn(6, 300, generator=gen).to(device)
     cases = [(1.5, 0, 1.0, 0.0)] * 6
 
     def drafts(rows, seed):
+        params = _columns([cases[r] for r in rows], device)
         return sample_top(
-            logits[rows].to(device),
-            (top.values[rows].to(device), top.indices[rows].to(device)),
-            _columns([cases[r] for r in rows], device),
+            top_support(logits[rows], 32, params=params),
+            params,
             tuple(k[rows] for k in _keys(6, device, seed)),
             (torch.zeros(len(rows), dtype=torch.int64, device=device),
              torch.ones(len(rows), device=device)),
@@ -116,15 +124,39 @@ def test_a_draw_depends_on_its_key_alone(device) -> None:
     assert drafts(list(range(6)), 10) != together
 
 
+def test_key_offsets_move_the_position_and_the_index(device) -> None:
+    """A captured step adds constants to the key's position and index: the same draws as
+    those words given whole."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 400, generator=gen).to(device)
+    params = _columns([(1.0, 0, 1.0, 0.0)] * 8, device)
+    top = top_support(logits, 32, params=params)
+    greedy = (torch.zeros(8, dtype=torch.int64, device=device), torch.ones(8, device=device))
+    seed, state, position, index = _keys(8, device)
+    whole = sample_top(top, params, (seed, state, position + 2, index + 3), greedy, 32)
+    offset = sample_top(top, params, (seed, state, position, index), greedy, 32, None, (2, 3))
+    plain = sample_top(top, params, (seed, state, position, index), greedy, 32)
+    assert torch.equal(whole[0], offset[0]) and not torch.equal(whole[0], plain[0])
+    for row, token in enumerate(offset[0].tolist()):
+        q = torch.zeros(400, dtype=torch.float64)
+        q.index_add_(0, offset[2][row].cpu(), offset[3][row].cpu().double())
+        u = uniform(9, 100 + row, 7 * row + 3 + 2, 2 + 3)
+        expected = drawn(q, u, margin=1e-6)
+        assert expected is None or token == expected
+
+
 def test_bad_arguments_are_refused(device) -> None:
     logits = torch.randn(2, 50, device=device)
-    top = logits.topk(4, sorted=False)
+    params = _columns([(1.0, 0, 1.0, 0.0)] * 2, device)
+    top = top_support(logits, 4, params=params)
     args = (
-        _columns([(1.0, 0, 1.0, 0.0)] * 2, device), _keys(2, device),
+        params, _keys(2, device),
         (torch.zeros(2, dtype=torch.int64, device=device), torch.ones(2, device=device)),
     )  # fmt: skip
     with pytest.raises(ValueError, match="top values"):
-        sample_top(logits, (top.values, top.indices), *args, 8)  # support beyond the top
+        sample_top(top, *args, 8)  # support beyond the top
     with pytest.raises(ValueError, match="top_k"):
         bad = (args[0][0], args[0][1].int(), *args[0][2:])
-        sample_top(logits, (top.values, top.indices), bad, *args[1:], 4)
+        sample_top(top, bad, *args[1:], 4)
+    with pytest.raises(ValueError, match="kept mass"):
+        sample_top((top.values, top.ids, None), *args, 4)  # no kept mass
