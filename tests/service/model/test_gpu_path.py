@@ -160,14 +160,25 @@ def _sampling(n: int, support: int, seed: int) -> ChainSampling:
     )  # fmt: skip
 
 
-def test_triton_sampled_chain_matches_torch_on_the_cpu(tmp_path) -> None:
-    """Sampled drafts through the Triton path (the LM head writing its logits, topk and
-    sample_top) and through plain torch: the same drafts, q within float32's rounding."""
+@pytest.mark.parametrize("rows", [4, 36])
+def test_triton_sampled_chain_matches_torch_on_the_cpu(tmp_path, rows: int) -> None:
+    """Sampled drafts through the Triton path and through plain torch: the same drafts, q
+    within float32's rounding. 4 rows: the fused LM head writes its logits; 36 (past its
+    rows), under a grammar's masks: the greedy pass writes the group maxima top_support
+    starts from."""
     write_random_checkpoint(tmp_path, "mimo", hidden_size=64, vocab_size=300, seed=5)
     ref, fast = _heads(tmp_path, torch.device("cpu"))
-    chain = _chain(ref, [5, 33, 17, 9], [3, 3, 2, 3], 16, seed=3)
-    chain.sampling = _sampling(4, 16, seed=11)
-    kv_ref, kv_fast = _kv_pair(ref, fast, 4 * chain.block_tables.shape[1])
+    assert (rows > fast.ops.LM_HEAD_ROWS) == (rows == 36)
+    lengths = [5, 33, 17, 9] * (rows // 4)
+    chain = _chain(ref, lengths, [3, 3, 2, 3] * (rows // 4), 16, seed=3)
+    chain.sampling = _sampling(rows, 16, seed=11)
+    if rows > 4:  # step j allows the tokens of one residue mod (j + 2), and a few more
+        allowed = torch.stack([
+            (torch.arange(320) % (j + 2) == i % (j + 2)) | (torch.arange(320) < 3 * i)
+            for j in range(3) for i in range(rows)
+        ]).view(3, rows, 10, 32).int()  # fmt: skip
+        chain.bitmasks = (allowed << torch.arange(32, dtype=torch.int32)).sum(-1, dtype=torch.int32)
+    kv_ref, kv_fast = _kv_pair(ref, fast, rows * chain.block_tables.shape[1])
     want, got = ref.decode_chain(kv_ref, chain), fast.decode_chain(kv_fast, chain)
     for i, limit in enumerate(chain.limits):  # drafts past a row's limit are meaningless
         assert (got.tokens[:limit, i] == want.tokens[:limit, i]).all()
