@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_select_drafts import allowed_from_bitmask, random_bitmask
 
 from mtpdraft.kernels import select_drafts, top_support, top_support_group
