@@ -121,7 +121,8 @@ def _gather_kernel(
     if n > 0:
         base = tl.atomic_add(count_ptr + row, n)
         slot = base + tl.cumsum(taken, axis=0) - 1
-        tl.store(cand_ptr + row * CAP + slot, _keys(x, offs), mask=take)
+        # Within the bound; a caller's maxima lower than the true ones could pass it.
+        tl.store(cand_ptr + row * CAP + slot, _keys(x, offs), mask=take & (slot < CAP))
     if HAS_MASS:
         mass = tl.zeros([], tl.float32)
         if needs_min_p_mass(row, temp_ptr, top_k_ptr, top_p_ptr):
@@ -141,7 +142,7 @@ def _rank_kernel(
     RANKED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    n = tl.load(count_ptr + row)
+    n = tl.minimum(tl.load(count_ptr + row), CAP)
     r = tl.arange(0, RANKED)
     best = tl.full([RANKED], _INT64_MIN, tl.int64)
     for start in range(0, n, RANKED):
