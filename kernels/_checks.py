@@ -45,6 +45,24 @@ def check_rows(
         raise ValueError(f"{name}'s rows must not overlap, got strides {t.stride()}")
 
 
+# A sampler's per-row parameters (top_support, sample_top): each column's name and dtype.
+SAMPLING_PARAMS = (
+    ("temperature", torch.float32),
+    ("top_k", torch.int64),
+    ("top_p", torch.float32),
+    ("min_p", torch.float32),
+)
+
+
+def check_columns(
+    columns: tuple[torch.Tensor, ...], spec: tuple[tuple[str, torch.dtype], ...], n: int
+) -> None:
+    """Require each column to be a contiguous [n] tensor of its (name, dtype) in ``spec``."""
+    for t, (name, dtype) in zip(columns, spec, strict=True):
+        check_tensor(name, t, 1, (dtype,))
+        check_shape(name, t, (n,))
+
+
 def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     """Require ``t.shape == shape``."""
     if tuple(t.shape) != tuple(shape):

@@ -21,10 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_same_device, check_shape, check_tensor
+from ._checks import SAMPLING_PARAMS, check_columns, check_same_device, check_shape, check_tensor
 from ._shared import needs_min_p_mass
 
 __all__ = ["sample_top"]
+
+_COLUMNS = (
+    *SAMPLING_PARAMS,
+    *((name, torch.int64) for name in ("seed", "state", "position", "index", "greedy tokens")),
+    ("greedy probs", torch.float32),
+)
 
 
 @triton.jit
@@ -153,16 +159,7 @@ def sample_top(
     if kept_mass.shape[0] != n:
         raise ValueError(f"kept mass must have {n} rows, got {tuple(kept_mass.shape)}")
     columns = (*params, *keys, *greedy)
-    for name, t, dtype in zip(
-        ("temperature", "top_k", "top_p", "min_p", "seed", "state", "position", "index",
-         "greedy tokens", "greedy probs"),
-        columns,
-        (torch.float32, torch.int64, torch.float32, torch.float32, *[torch.int64] * 5,
-         torch.float32),
-        strict=True,
-    ):  # fmt: skip
-        check_tensor(name, t, 1, (dtype,))
-        check_shape(name, t, (n,))
+    check_columns(columns, _COLUMNS, n)
     check_same_device(
         top=values, kept_mass=kept_mass, **{f"column {i}": c for i, c in enumerate(columns)}
     )

@@ -24,7 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+from ._checks import (
+    FLOAT_DTYPES,
+    SAMPLING_PARAMS,
+    check_columns,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 from ._shared import needs_min_p_mass
 
 __all__ = ["TopSupport", "top_support", "top_support_group"]
@@ -199,13 +206,8 @@ def top_support(
             raise ValueError(f"maxima must be of groups of {group} tokens, got {given}")
         check_shape("maxima", maxima, (n, groups))
     if params is not None:
-        for name, t, dtype in zip(
-            ("temperature", "top_k", "top_p", "min_p"), params,
-            (torch.float32, torch.int64, torch.float32, torch.float32), strict=True,
-        ):  # fmt: skip
-            check_tensor(name, t, 1, (dtype,))
-            check_shape(name, t, (n,))
-            check_same_device(logits=logits, **{name: t})
+        check_columns(params, SAMPLING_PARAMS, n)
+        check_same_device(logits=logits, **{f"column {i}": t for i, t in enumerate(params)})
     block = group * _GROUPS_PER_TILE
     tiles = triton.cdiv(vocab, block)
     values = torch.empty(n, support, dtype=torch.float32, device=dev)
