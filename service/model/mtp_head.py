@@ -247,12 +247,14 @@ class MTPHead:
     ) -> ChainOutputs:
         """Runs a chain of decode steps (see ChainInputs); the host waits once, at the end.
 
-        Replayed from CUDA graphs when they were captured and the chain fits them;
-        step by step (the same kernels, launched one by one) otherwise. `before_wait`
-        runs on the host once the whole chain is queued, before the wait (BeforeWait).
+        Replayed from CUDA graphs when they were captured on this KV cache and the chain
+        fits them; step by step (the same kernels, launched one by one) otherwise: a
+        graph reads and writes the KV it was captured on, whatever `kv` a caller hands
+        it. `before_wait` runs on the host once the whole chain is queued, before the
+        wait (BeforeWait).
         """
         graphs = self._graphs
-        if graphs is not None and graphs.fits(chain):
+        if graphs is not None and graphs.kv is kv and graphs.fits(chain):
             return graphs.run(chain, before_wait)
         dev, n = self.device, len(chain)
         step_rows = torch.from_numpy(chain.step_rows(kv.block_size)).to(dev)

@@ -296,6 +296,30 @@ def test_a_sampled_state_drafts_alike_alone_and_in_a_batch_of_64(tmp_path) -> No
 
 
 @pytest.mark.gpu
+def test_a_chain_on_another_kv_cache_is_not_replayed_on_the_captured_one(tmp_path) -> None:
+    """A head's graphs read and write the KV they were captured on: a chain handed
+    another cache (another engine's, on the same head) runs, step by step, on that one,
+    as a head without graphs runs it, and leaves the captured cache as it was."""
+    _gpu_checkpoint(tmp_path, "mimo", seed=10)
+    weights = load_mtp_weights(tmp_path)
+    head = MTPHead(weights, torch.device("cuda"), ops="triton")
+    plain = MTPHead(weights, torch.device("cuda"), ops="triton")
+    limits = [2, 1, 3]
+    chain = _chain(head, [40, 7, 300], limits, 16, seed=3)
+    blocks = len(limits) * chain.block_tables.shape[1]
+    captured, other = _kv_pair(head, head, blocks)
+    _, alone = _kv_pair(head, plain, blocks)  # the same contents again
+    head.capture_decode_graphs(captured, max_batch=8, max_steps=4)
+    assert head._graphs.fits(chain)
+    untouched = captured.k.clone(), captured.v.clone()
+    got = head.decode_chain(other, chain)
+    want = plain.decode_chain(alone, chain)
+    assert torch.equal(captured.k, untouched[0]) and torch.equal(captured.v, untouched[1])
+    assert torch.equal(other.k, alone.k) and torch.equal(other.v, alone.v)
+    assert (got.tokens == want.tokens).all() and (got.probs == want.probs).all()
+
+
+@pytest.mark.gpu
 def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
     """The same calls on two GPU engines, graphed and eager: the same drafts (greedy and
     sampled), bit for bit. A draw is keyed by its state's id, so both engines issue the
