@@ -5,15 +5,16 @@ A row is cut into groups of tokens. (1) Each tile writes its groups' maxima. (2)
 threshold is the S-th largest of its group maxima: S tokens reach it, so the S largest
 tokens all do. (3) Each tile appends to the row's candidates its tokens above the threshold
 and its first S tokens equal to it (ties rank by the lower id, so no other tie can be among
-the S). Fewer than S groups lie above a threshold, so the candidates are bounded. (4) One
+the S), reading only its groups whose maximum reaches the threshold. Fewer than S groups
+lie above a threshold, so the candidates are bounded and most logits are read once. (4) One
 program per row ranks its candidates, keys that order by value then by lower id, and writes
 the S first. A row with fewer than S allowed tokens (the rest -inf) is filled with the
 lowest ids of the disallowed, as a full ranking would fill it.
 
-Two passes over the logits can serve a sampler too: the first is skipped where the caller's
-own pass wrote the group maxima (select_drafts does, as it drafts greedily), and given a
-sampler's parameters the gather pass sums, per tile, the mass min-p keeps of the rows whose
-top-p needs the whole vocabulary's (sample_top reads those sums).
+The passes serve a sampler too: the first is skipped where the caller's own pass wrote the
+group maxima (select_drafts does, as it drafts greedily), and given a sampler's parameters
+the gather pass sums, per tile, the mass min-p keeps of the rows whose top-p needs the whole
+vocabulary's (sample_top reads those sums): those rows' groups are all read.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def _threshold_kernel(
 @triton.jit
 def _gather_kernel(
     logits_ptr,  # [N, V]
+    max_ptr,  # [N, M] fp32 group maxima
     threshold_ptr,  # [N] fp32
     count_ptr,  # [N] int32: candidates appended so far
     cand_ptr,  # [N, CAP] int64 out: the candidates' keys
@@ -108,34 +110,51 @@ def _gather_kernel(
     min_p_ptr,  # fp32
     mass_ptr,  # [N, TILES] fp32 out: the tile's kept mass (0 where a row needs none)
     V,
+    M,
     S,
     CAP,
     HAS_MASS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    GROUPS: tl.constexpr,  # groups per tile
+    GROUP: tl.constexpr,  # tokens per group
+    LANES: tl.constexpr,  # GROUP, at least 16
 ):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < V
-    x = tl.load(logits_ptr + row * V + offs, mask=inside, other=float("-inf")).to(tl.float32)
+    tile = tl.program_id(1)
+    lane = tl.arange(0, LANES)
     threshold = tl.load(threshold_ptr + row)
-    above = inside & (x > threshold)
-    tie = inside & (x == threshold)
-    take = above | tie
-    if tl.sum(tie.to(tl.int32), axis=0) > S:  # rare: the S lowest ids of the tile's ties
-        take = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= S))
-    taken = take.to(tl.int32)
-    n = tl.sum(taken, axis=0)
-    if n > 0:
-        base = tl.atomic_add(count_ptr + row, n)
-        slot = base + tl.cumsum(taken, axis=0) - 1
-        # Within the bound; a caller's maxima lower than the true ones could pass it.
-        tl.store(cand_ptr + row * CAP + slot, _keys(x, offs), mask=take & (slot < CAP))
+    needs_mass = False
     if HAS_MASS:
-        mass = tl.zeros([], tl.float32)
-        if needs_min_p_mass(row, temp_ptr, top_k_ptr, top_p_ptr):
-            e = tl.exp((x - tl.load(row_max_ptr + row)) / tl.load(temp_ptr + row))
-            mass = tl.sum(tl.where(e >= tl.load(min_p_ptr + row), e, 0.0), axis=0)
-        tl.store(mass_ptr + row * tl.num_programs(1) + tl.program_id(1), mass)
+        needs_mass = needs_min_p_mass(row, temp_ptr, top_k_ptr, top_p_ptr)
+    mass = tl.zeros([], tl.float32)
+    ties_left = S  # the tile's first S ties, by id: no other tie can be among the S
+    for g in range(tile * GROUPS, tile * GROUPS + GROUPS):
+        # Only a group whose maximum reaches the threshold holds candidates: most groups'
+        # logits are not read at all, but where a row needs the whole vocabulary's mass.
+        reaches = tl.load(max_ptr + row * M + g, mask=g < M, other=float("-inf")) >= threshold
+        if reaches | needs_mass:
+            offs = g * GROUP + lane
+            inside = (lane < GROUP) & (offs < V)
+            x = tl.load(logits_ptr + row * V + offs, mask=inside, other=float("-inf"))
+            x = x.to(tl.float32)
+            if reaches:
+                tie = inside & (x == threshold)
+                take = (inside & (x > threshold)) | (
+                    tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= ties_left)
+                )
+                ties_left -= tl.minimum(tl.sum(tie.to(tl.int32), axis=0), ties_left)
+                taken = take.to(tl.int32)
+                n = tl.sum(taken, axis=0)
+                if n > 0:
+                    base = tl.atomic_add(count_ptr + row, n)
+                    slot = base + tl.cumsum(taken, axis=0) - 1
+                    # Within the bound; a caller's maxima lower than the true ones could
+                    # pass it.
+                    tl.store(cand_ptr + row * CAP + slot, _keys(x, offs), mask=take & (slot < CAP))
+            if needs_mass:
+                e = tl.exp((x - tl.load(row_max_ptr + row)) / tl.load(temp_ptr + row))
+                mass += tl.sum(tl.where(e >= tl.load(min_p_ptr + row), e, 0.0), axis=0)
+    if HAS_MASS:
+        tl.store(mass_ptr + row * tl.num_programs(1) + tile, mass)
 
 
 @triton.jit
@@ -232,9 +251,10 @@ def top_support(
         BLOCK_M=max(triton.next_power_of_2(maxima.shape[1]), block_s), BLOCK_S=block_s,
     )  # fmt: skip
     _gather_kernel[(n, tiles)](
-        logits, threshold, count, candidates, row_max, *(params or (row_max,) * 4),
-        row_max if kept_mass is None else kept_mass, vocab, support, cap,
-        HAS_MASS=params is not None, BLOCK=block, num_warps=warps,
+        logits, maxima, threshold, count, candidates, row_max, *(params or (row_max,) * 4),
+        row_max if kept_mass is None else kept_mass, vocab, maxima.shape[1], support, cap,
+        HAS_MASS=params is not None, GROUPS=_GROUPS_PER_TILE, GROUP=group,
+        LANES=max(group, 16),
     )  # fmt: skip
     _rank_kernel[(n,)](
         candidates, count, values, ids, support, cap, RANKED=max(_RANKED, block_s), num_warps=4
