@@ -8,7 +8,7 @@ under ``TRITON_INTERPRET=1`` (set it before ``triton`` is imported).
 """
 
 from ._shared import GEMV_MAX_ROWS as gemv_max_rows
-from .chain_step import expand_block_tables, record_step, select_step
+from .chain_step import expand_block_tables, record_step, select_step, stop_nonfinite_rows
 from .fused_moe import fused_moe
 from .gemv import gemv
 from .lm_head_drafts import lm_head_drafts
@@ -45,6 +45,7 @@ __all__ = [
     "sample_top",
     "select_drafts",
     "select_step",
+    "stop_nonfinite_rows",
     "swiglu",
     "top_support",
     "top_support_group",

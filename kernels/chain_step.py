@@ -10,7 +10,9 @@ step's inputs, and advances ``step``. Two kernels where torch ops took seven
 (index_select x2, index_copy x3, two copies and an add: about 13 us per step on an
 H200, about 3% of a batch-1 step). ``expand_block_tables`` runs once at a chain's head:
 the host stages the block tables compactly, [n, w], in the chain's one copy, and the
-graph reads them at the width it was captured with.
+graph reads them at the width it was captured with. ``stop_nonfinite_rows`` runs there
+too: a sequence whose first hidden holds a NaN or an inf gets limit 0, so its chain writes
+no KV (the host's own check of the hiddens then runs while the device drafts).
 
 ``step`` is read by every program of ``select_step`` and written only by
 ``record_step`` (and ``cur`` the other way round), so no program ever reads an index
@@ -25,7 +27,7 @@ import triton.language as tl
 
 from ._checks import check_same_device, check_shape, check_tensor
 
-__all__ = ["expand_block_tables", "record_step", "select_step"]
+__all__ = ["expand_block_tables", "record_step", "select_step", "stop_nonfinite_rows"]
 
 _BLOCK = 1024
 
@@ -84,6 +86,23 @@ def _expand_block_tables_kernel(
     ok = offs < n * w
     value = tl.load(compact_ptr + offs, mask=ok)
     tl.store(tables_ptr + (offs // w) * W + offs % w, value, mask=ok)
+
+
+@triton.jit
+def _stop_nonfinite_rows_kernel(
+    x_ptr,  # [N, H]
+    limit_ptr,  # [N] int64, set to 0 where the row is not finite
+    H,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    bad = 0
+    for start in range(0, H, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row.to(tl.int64) * H + offs, mask=offs < H, other=0.0).to(tl.float32)
+        bad += tl.sum(((x - x) != 0).to(tl.int32))  # x - x is NaN for NaN and +-inf alone
+    if bad > 0:
+        tl.store(limit_ptr + row, 0)
 
 
 @triton.jit
@@ -231,3 +250,14 @@ def record_step(
         cur, step, hidden, tokens, probs, out_h, out_t, out_p, feed_hidden, feed_tokens,
         n * h, n, BLOCK=_BLOCK,
     )  # fmt: skip
+
+
+def stop_nonfinite_rows(x: torch.Tensor, limits: torch.Tensor) -> None:
+    """``limits[i] = 0`` where row i of ``x`` [N, H] holds a NaN or an inf; limits [N] int64."""
+    check_tensor("x", x, 2, (torch.float32, torch.float16, torch.bfloat16))
+    check_tensor("limits", limits, 1, (torch.int64,))
+    check_shape("limits", limits, (x.shape[0],))
+    check_same_device(x=x, limits=limits)
+    if x.shape[0]:
+        block = min(triton.next_power_of_2(max(x.shape[1], 1)), _BLOCK)
+        _stop_nonfinite_rows_kernel[(x.shape[0],)](x, limits, x.shape[1], BLOCK=block)

@@ -9,6 +9,12 @@ A numbered row (a step number above 0) that names the number and the position of
 the step whose proposal is pending is that step again, a retry: it is answered
 with that proposal and runs no second time. Another number not above the state's
 last is stale, and refused.
+
+The check of the hiddens (NaN/inf) may come last: `admit` leaves it out when asked,
+and `Admitted.check_hiddens` makes it later, with the same outcome (a row whose first
+problem comes after it and whose hidden is not finite fails with not_finite). The
+engine makes it while the device drafts: a chain writes no KV for a row whose hidden
+is not finite, so such a row changes nothing before it is refused.
 """
 
 from __future__ import annotations
@@ -55,10 +61,32 @@ class Admitted:
     retried_slots: np.ndarray  # [r] their states' slots
     errors: dict[int, DrafterError]  # every other row -> why
     asked: np.ndarray  # [B] the K each row of the step asks (Step.drafts_asked)
+    # [B] each row's first failed check (0: none), while the hiddens' is still to make.
+    unchecked: np.ndarray | None = None
+
+    def check_hiddens(self, step: Step) -> np.ndarray:
+        """Makes the check of the hiddens `admit` left out: a row whose hidden is not
+        finite and that passed, or first failed a later check, fails with not_finite
+        (a retry is not answered). Which of `rows` still run ([n] bool); idempotent."""
+        if self.unchecked is None:
+            return np.ones(len(self.rows), bool)
+        first, self.unchecked = self.unchecked, None
+        refused = ~_finite(step.hiddens) & ((first == 0) | (first > _HIDDENS))
+        if not refused.any():
+            return np.ones(len(self.rows), bool)
+        for i in np.flatnonzero(refused).tolist():
+            self.errors[i] = not_finite("hidden")
+        kept = ~refused[self.retried]
+        self.retried, self.retried_slots = self.retried[kept], self.retried_slots[kept]
+        return ~refused[self.rows]
 
 
 # Why no live state has an id (the engine's Ids.state_not_found): lost or never had.
 NotFoundError = Callable[[int], DrafterError]
+
+
+# The number of the hiddens' NaN/inf check in _refused_rows' order.
+_HIDDENS = 6
 
 
 def _refused_rows(
@@ -68,12 +96,14 @@ def _refused_rows(
     table: StateTable,
     limits: Limits,
     not_found: NotFoundError,
+    check_hiddens: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Callable[[int, int], DrafterError]]:
     """(the first failed check of each row, 0 for none; base rows; the rows that retry
     their state's pending step; the error of check c at row i). A row's own values are
     checked first, whatever its state (INVALID_ARGUMENT for a value no state accepts),
     then against its state. Rows of unknown states fail at the first check of the state;
-    its other checks are moot for them."""
+    its other checks are moot for them. Without `check_hiddens`, check _HIDDENS passes
+    every row (Admitted.check_hiddens makes it)."""
     known = slots >= 0
     s = np.where(known, slots, 0)  # unknown rows read slot 0, their state checks are moot
     a, positions = step.num_accepted, step.positions
@@ -107,7 +137,7 @@ def _refused_rows(
             reason="TOKEN_OUT_OF_RANGE",
             field="token",
         )),
-        (~_finite(step.hiddens), lambda i: not_finite("hidden")),
+        (~_finite(step.hiddens) if check_hiddens else False, lambda i: not_finite("hidden")),
         (auto & ((caps < 0) | (caps > limits.max_drafts)), lambda i: InvalidArgument(
             f"draft_cap: {caps[i]} is outside [0, {limits.max_drafts}] (0: max_drafts)",
             reason="DRAFT_CAP_OUT_OF_RANGE",
@@ -196,17 +226,32 @@ def _refused_rows(
 
 
 def admit(
-    step: Step, slots: np.ndarray, table: StateTable, limits: Limits, not_found: NotFoundError
+    step: Step,
+    slots: np.ndarray,
+    table: StateTable,
+    limits: Limits,
+    not_found: NotFoundError,
+    *,
+    check_hiddens: bool = True,
 ) -> Admitted:
     """The rows of the step that run, given their states' slots (-1: no such state);
-    `not_found` makes the error of a row whose state is not live."""
+    `not_found` makes the error of a row whose state is not live. Without
+    `check_hiddens`, the hiddens' NaN/inf check is left to Admitted.check_hiddens, unless
+    the KV blocks run short (rows take them in order: a refused row takes none)."""
     k = step.drafts_asked(limits.max_drafts)
-    first, base, retry, error = _refused_rows(step, k, slots, table, limits, not_found)
-    errors = {int(i): error(int(first[i]), int(i)) for i in np.flatnonzero(first)}
-    retried = np.flatnonzero((first == 0) & retry)
+    first, base, retry, error = _refused_rows(
+        step, k, slots, table, limits, not_found, check_hiddens
+    )
     rows = np.flatnonzero((first == 0) & ~retry)
     need = table.extra_blocks(slots[rows], base[rows] + k[rows])
-    if need.sum() > table.pool.num_free:
+    short = need.sum() > table.pool.num_free
+    if short and not check_hiddens:
+        first, base, retry, error = _refused_rows(step, k, slots, table, limits, not_found, True)
+        rows = np.flatnonzero((first == 0) & ~retry)
+        need = table.extra_blocks(slots[rows], base[rows] + k[rows])
+    errors = {int(i): error(int(first[i]), int(i)) for i in np.flatnonzero(first)}
+    retried = np.flatnonzero((first == 0) & retry)
+    if short:
         # KV blocks row by row in order: a row that does not fit in what is left fails.
         free, fits = table.pool.num_free, np.ones(len(rows), bool)
         for j, wanted in enumerate(need.tolist()):
@@ -219,7 +264,8 @@ def admit(
             else:
                 free -= wanted
         rows = rows[fits]
-    return Admitted(rows, slots[rows], base[rows], retried, slots[retried], errors, k)
+    unchecked = None if check_hiddens or short else first
+    return Admitted(rows, slots[rows], base[rows], retried, slots[retried], errors, k, unchecked)
 
 
 def _duplicates(step: Step) -> np.ndarray:

@@ -9,6 +9,7 @@ state then continues in one device-side chain of one-row decode steps.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +67,11 @@ class Drafted:
     # Sampled plans: each kept draft's q, [n, width, support] (0 past q and past count).
     q_ids: np.ndarray | None = None
     q_probs: np.ndarray | None = None
+
+    def rows(self, kept: np.ndarray) -> Drafted:
+        """The states `kept` ([n] bool) selects."""
+        values = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return Drafted(*(None if v is None else v[kept] for v in values))
 
 
 def _mask_rows(plan: ChainPlan, rows: np.ndarray, drafts_before: np.ndarray, steps: int):

@@ -428,7 +428,9 @@ class DraftEngine:
         known = slots[slots >= 0]
         self.table.last_used[known] = self.clock()
         self.grammars.compile_changes(step.grammars)  # the serving loop's done so already
-        admitted = admit(step, slots, self.table, self.limits, self._state_not_found)
+        admitted = admit(
+            step, slots, self.table, self.limits, self._state_not_found, check_hiddens=False
+        )
         # The largest K asked, a refused one (negative, or past max_drafts) within bounds:
         # a row asking K = 2**31 - 1 must not size the answer.
         asked = admitted.asked
@@ -445,14 +447,35 @@ class DraftEngine:
             errors=admitted.errors,
         )
         rows, slots, base_rows = admitted.rows, admitted.slots, admitted.base_rows
+        later = self._hiddens_checked_later(step, admitted)
+        if not later:
+            kept = admitted.check_hiddens(step)
+            rows, slots, base_rows = rows[kept], slots[kept], base_rows[kept]
         given = step.grammars[rows]
         if len(rows) and (self.grammars.matchers or any(c is not None for c in given)):
             kept = self._commit_grammars(step, rows, slots, result.errors)
             rows, slots, base_rows = rows[kept], slots[kept], base_rows[kept]
         if len(rows):
-            self._draft(step, rows, slots, base_rows, asked[rows], result)
-        self._answer_again(admitted.retried, retried, result)
+            self._draft(step, rows, slots, base_rows, asked[rows], result, later and admitted)
+        self._answer_again(admitted.retried, admitted.retried_slots, result)
         return result
+
+    def _hiddens_checked_later(self, step: Step, admitted) -> bool:
+        """Whether the step's hiddens may be checked for NaN/inf while the device drafts
+        (Admitted.check_hiddens): where its admitted rows change nothing before their
+        chain (a chain writes no KV for a row whose hidden is not finite). Not with
+        grammars (their matchers move first), refeeds or verdicts that recompute rows
+        (written before the chain), sampling changes, or drafts chosen by count."""
+        rows, slots = admitted.rows, admitted.slots
+        if not len(rows) or self.grammars.matchers or step.refeed_hiddens is not None:
+            return False
+        if any(c is not None for c in step.grammars) or step.sampling["set"].any():
+            return False
+        k, a = admitted.asked[rows], step.num_accepted[rows]
+        if (step.num_drafts[rows] == 0).any() or (k != k[0]).any():
+            return False
+        # Every draft accepted: the last draft's row is computed before the chain.
+        return not (a >= self.table.pending_computed[slots]).any()
 
     def _commit_grammars(self, step, rows, slots, errors: dict) -> np.ndarray:
         """Moves the grammar states' matchers on by what each row commits (the drafts its
@@ -500,12 +523,16 @@ class DraftEngine:
                 result.q_ids[row, : len(ids), : ids.shape[1]] = ids
                 result.q_probs[row, : len(ids), : ids.shape[1]] = probs
 
-    def _draft(self, step, rows, slots, base_rows, k, result: StepResult) -> None:
+    def _draft(self, step, rows, slots, base_rows, k, result: StepResult, unchecked=None) -> None:
+        """Drafts the rows; `unchecked`: their Admitted, whose hiddens are checked while
+        the device drafts (a row refused then is given back the blocks it was given and
+        recorded nowhere)."""
         t = self.table
         # Rows that leave K to the drafter: their verify token cost (NaN: K was asked).
         chooses = step.num_drafts[rows] == 0
         costs = np.where(chooses, step.verify_costs[rows], np.nan)
         t.set_sampling(slots, step.sampling[rows])
+        held = t.num_blocks[slots] if unchecked else None
         t.grow(slots, base_rows + k)
         recompute: list[tuple[int, Segment]] = []
         judged = np.flatnonzero(step.num_accepted[rows] >= 0)
@@ -521,8 +548,9 @@ class DraftEngine:
             if now.any():
                 t.count_verdicts(slots[judged][now], accepted[now])
             later = (slots[judged][~now], accepted[~now])
-            segments = self._apply_verdicts(slots[judged], accepted, refeeds)
-            recompute = [(int(judged[j]), segments[j]) for j in sorted(segments)]
+            if not unchecked:  # else the proposals' record is all a verdict changes
+                segments = self._apply_verdicts(slots[judged], accepted, refeeds)
+                recompute = [(int(judged[j]), segments[j]) for j in sorted(segments)]
         mask_starts = np.cumsum(step.mask_counts) - step.mask_counts
         index = t.device_index(slots)  # copied ahead of the chain, for the last hiddens
         # Whether the proposals may be recorded before the drafts come back, as if every
@@ -535,12 +563,17 @@ class DraftEngine:
             if later is not None and len(later[0]):  # before _record: it reads pending counts
                 t.count_verdicts(*later)
 
+        refused = None  # the rows the hiddens' check refused once the chain ran
+
         def before_wait(hiddens: torch.Tensor) -> None:
-            # Host work that needs no draft, done while the device drafts: the verdicts
-            # counted and, with record_ahead, the proposals recorded (again below if a
-            # chain is cut short).
-            nonlocal chain_ran
+            # Host work that needs no draft, done while the device drafts: the hiddens
+            # checked, the verdicts counted and, with record_ahead, the proposals recorded
+            # (again below if a chain is cut short).
+            nonlocal chain_ran, refused
             chain_ran = True
+            if unchecked and not (kept := unchecked.check_hiddens(step)).all():
+                refused = ~kept
+                return  # the rest after the wait, without the refused rows
             count()
             if record_ahead:
                 self._record(slots, base_rows, k, k, index, hiddens[-1])
@@ -569,6 +602,19 @@ class DraftEngine:
             before_wait,
             self.grammars,
         )
+        if unchecked and refused is None and not (kept := unchecked.check_hiddens(step)).all():
+            refused = ~kept  # (idempotent: checked here only where no chain ran)
+        if refused is not None:
+            t.shrink(slots[refused], held[refused])
+            kept = ~refused
+            rows, slots, base_rows, k = rows[kept], slots[kept], base_rows[kept], k[kept]
+            on = torch.from_numpy(kept)
+            index, last_hiddens = index[on.to(index.device)], last_hiddens[on.to(index.device)]
+            drafted = drafted.rows(kept)
+            if verdicts is not None:  # every verdict is counted later (no row chooses K)
+                verdicts = tuple(v[kept[judged]] for v in verdicts)
+                later = tuple(v[kept[judged]] for v in later)
+            chain_ran = False  # counted and recorded below
         if not chain_ran:
             count()
         if not (chain_ran and record_ahead and (drafted.counts == k).all()):

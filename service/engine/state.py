@@ -135,7 +135,10 @@ class StateTable:
 
     def trim(self, slots: np.ndarray) -> None:
         """Returns to the pool the blocks past each slot's rows."""
-        keep = self.blocks_for(self.num_rows[slots])
+        self.shrink(slots, self.blocks_for(self.num_rows[slots]))
+
+    def shrink(self, slots: np.ndarray, keep: np.ndarray) -> None:
+        """Returns to the pool the blocks of each slot past its first keep[i]."""
         for i in np.flatnonzero(self.num_blocks[slots] > keep):
             slot = slots[i]
             self.pool.free(self.blocks[slot, keep[i] : self.num_blocks[slot]].tolist())

@@ -21,7 +21,11 @@ from .sampling import RowSampling, SamplingParams
 
 @dataclass
 class ChainInputs:
-    """n sequences, each to advance by limits[i] rows (one per step), described on the host."""
+    """n sequences, each to advance by limits[i] rows (one per step), described on the host.
+
+    A sequence whose first hidden holds a NaN or an inf computes nothing of use and
+    writes no KV: its caller may check the hiddens while the device drafts.
+    """
 
     tokens: np.ndarray  # [n] int64: the first row's token
     hiddens: torch.Tensor  # [n, H]: the first row's hidden (host or device)
@@ -38,11 +42,12 @@ class ChainInputs:
     def steps(self) -> int:
         return int(self.limits.max())
 
-    def step_rows(self, block_size: int) -> np.ndarray:
+    def step_rows(self, block_size: int, writes: np.ndarray | None = None) -> np.ndarray:
         """[steps, 3, n] int64: each step's positions, KV slots and context lengths.
 
-        A sequence past its limit repeats its last row's position (a valid context)
-        and writes nothing (slot -1): its later outputs are meaningless.
+        A sequence past its limit (or past `writes[i]` steps, where given) repeats its
+        last row's position (a valid context) and writes nothing (slot -1): its later
+        outputs are meaningless.
         """
         # In numpy, which keeps the GIL for arrays this small: a torch call lets go of
         # it, and the served engine thread then waits for the event loop to give it back.
@@ -51,7 +56,8 @@ class ChainInputs:
         positions = self.positions[None, :] + np.minimum(step, limits - 1)
         pages = np.minimum(positions // block_size, width - 1)
         blocks = np.take_along_axis(self.block_tables.T, pages, axis=0).astype(np.int64)
-        slots = np.where(step < limits, blocks * block_size + positions % block_size, -1)
+        written = limits if writes is None else writes[None, :]
+        slots = np.where(step < written, blocks * block_size + positions % block_size, -1)
         return np.stack([positions, slots, positions + 1], axis=1)
 
 

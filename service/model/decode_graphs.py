@@ -122,8 +122,10 @@ class _Bucket:
         self.graphs: dict[tuple[bool, bool, int], torch.cuda.CUDAGraph] = {}
 
     def begin(self) -> None:
-        """The chain's head, once per replay: the staged block tables at their full width."""
+        """The chain's head, once per replay: the staged block tables at their full width;
+        a sequence whose first hidden is not finite stopped (it writes no KV)."""
         kernels.expand_block_tables(self.dev.shape, self.dev.tables, self.block_tables)
+        kernels.stop_nonfinite_rows(self.dev.hiddens, self.dev.limits)
 
     def step_fn(self, head, kv: KVCache, masked: bool, sampled: bool):
         """The step the graph records: this step's rows, compute, record, feed forward."""

@@ -13,6 +13,7 @@ dense here or a MoE (moe.py).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +21,7 @@ from .batch import RowBatch
 from .checkpoint import MTPWeights
 from .config import MTPConfig
 from .decode_chain import BeforeWait, ChainInputs, ChainOutputs
+from .finite import finite_rows
 from .kv_cache import KVCache
 from .mla import LatentAttention
 from .moe import MoEMLP
@@ -257,7 +259,8 @@ class MTPHead:
         if graphs is not None and graphs.kv is kv and graphs.fits(chain):
             return graphs.run(chain, before_wait)
         dev, n = self.device, len(chain)
-        step_rows = torch.from_numpy(chain.step_rows(kv.block_size)).to(dev)
+        writes = np.where(finite_rows(chain.hiddens), chain.limits, 0)  # ChainInputs' rule
+        step_rows = torch.from_numpy(chain.step_rows(kv.block_size, writes)).to(dev)
         tokens = torch.from_numpy(chain.tokens).to(dev)
         hiddens = chain.hiddens.to(dev, self.dtype)
         tables = torch.from_numpy(chain.block_tables).to(dev)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtpdraft.kernels import expand_block_tables, record_step, select_step
+from mtpdraft.kernels import expand_block_tables, record_step, select_step, stop_nonfinite_rows
 
 
 def expected_rows(step: int, first, limits, tables, block_size: int) -> torch.Tensor:
@@ -104,3 +104,19 @@ def test_record_step_rejects_a_mismatched_output() -> None:
             index, index.clone(), z(2, 4), z(2, dtype=torch.int64), z(2), z(3, 2, 4),
             z(3, 5, dtype=torch.int64), z(3, 2), z(2, 4), z(2, dtype=torch.int64),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_holding_a_nan_or_an_inf_is_stopped(device: torch.device, dtype) -> None:
+    n, h = 6, 1500  # h spans two of the kernel's blocks
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, h, generator=gen).to(dtype)
+    x[1, 1400] = float("nan")  # in the second block
+    x[2, 0] = float("inf")
+    x[3, 700] = -float("inf")
+    x[4] = torch.finfo(dtype).max  # large is finite
+    limits = torch.tensor([3, 3, 2, 1, 4, 0])
+    expected = torch.where(x.float().isfinite().all(dim=1), limits, 0)
+    on = limits.to(device)
+    stop_nonfinite_rows(x.to(device), on)
+    assert on.cpu().tolist() == expected.tolist() == [3, 0, 0, 0, 4, 0]

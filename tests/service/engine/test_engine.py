@@ -218,7 +218,9 @@ def _step(engine: DraftEngine, requests: list[ProposeArgs]) -> StepResult:
 def test_a_failing_row_changes_nothing_and_its_batch_drafts_as_alone(
     engine: DraftEngine,
 ) -> None:
-    """One row of a batch with a NaN hidden is refused alone; the others draft as alone."""
+    """One row of a batch with a NaN hidden is refused alone; the others draft as beside a
+    finite row (the refused row may run in the batch's chain, writing nothing: its NaN
+    reaches no other row)."""
     nan = h(1, 41)
     nan[0, 5] = float("nan")
     good, bad = prefill(engine, [1, 2, 3], h(3, 40)), prefill(engine, [1, 2, 3], h(3, 40))
@@ -231,9 +233,37 @@ def test_a_failing_row_changes_nothing_and_its_batch_drafts_as_alone(
     assert engine.states[bad].num_rows == 3 and engine.states[bad].pending is None
     assert engine.pool.num_free == free - 1  # good's rows 4..6 took one more block
     assert_accounted(engine)
-    alone = propose(engine, ProposeArgs(prefill(engine, [1, 2, 3], h(3, 40)), 4, h(1, 42), 4, 3))
-    got = together.proposal(0, good)
-    assert (got.tokens, got.probs) == (alone.tokens, alone.probs)
+    again, other = prefill(engine, [1, 2, 3], h(3, 40)), prefill(engine, [1, 2, 3], h(3, 40))
+    finite = _step(
+        engine, [ProposeArgs(again, 4, h(1, 42), 4, 3), ProposeArgs(other, 4, h(1, 41), 4, 3)]
+    )
+    got, expected = together.proposal(0, good), finite.proposal(0, again)
+    assert (got.tokens, got.probs) == (expected.tokens, expected.probs)
+
+
+def test_a_refused_hidden_leaves_the_pending_rows_for_another_verdict(
+    engine: DraftEngine,
+) -> None:
+    """A verdict sent with a NaN hidden is refused (its hidden is checked while its chain
+    runs, the chain writing nothing for it): the pending proposal's rows stay as they
+    were, so a verdict accepting more drafts then drafts as if the refused one never
+    came, its KV rows too."""
+    twins = [prefill(engine, [1, 2, 3], h(3, 40)) for _ in range(2)]
+    for state in twins:
+        propose(engine, ProposeArgs(state, 4, h(1, 41), 4, 4))  # rows 3..6 pending
+    refused, untouched = twins
+    nan = h(1, 42)
+    nan[0, 9] = float("nan")
+    free = engine.pool.num_free
+    failed = _step(engine, [ProposeArgs(refused, 7, nan, 6, 4, previous=Verdict(1))])
+    assert failed.errors[0].reason == "NOT_FINITE" and engine.pool.num_free == free
+    assert engine.states[refused].pending == engine.states[untouched].pending
+    later = [ProposeArgs(s, 8, h(1, 43), 8, 4, previous=Verdict(3)) for s in twins]
+    got, expected = (propose(engine, args) for args in later)
+    assert (got.tokens, got.probs) == (expected.tokens, expected.probs)
+    for a, b in zip(kv_rows(engine, refused), kv_rows(engine, untouched), strict=True):
+        assert torch.equal(a, b)
+    assert_accounted(engine)
 
 
 def test_a_nan_refeed_in_a_batch_refuses_its_row_alone(engine: DraftEngine) -> None:
