@@ -295,7 +295,7 @@ def _refeed_finite(step: Step) -> np.ndarray:
 
 def _refused_grammars(step: Step) -> np.ndarray:
     """Per row: the grammar it gives did not compile (the change keeps why)."""
-    if not any(step.grammars):  # no row changes its grammar
+    if not step.changes_grammars:
         return np.zeros(len(step), bool)
     return np.fromiter(
         (c is not None and c.error is not None for c in step.grammars), bool, len(step)

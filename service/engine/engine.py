@@ -427,7 +427,8 @@ class DraftEngine:
         )
         known = slots[slots >= 0]
         self.table.last_used[known] = self.clock()
-        self.grammars.compile_changes(step.grammars)  # the serving loop's done so already
+        if step.changes_grammars:
+            self.grammars.compile_changes(step.grammars)  # the serving loop's done so already
         admitted = admit(
             step, slots, self.table, self.limits, self._state_not_found, check_hiddens=False
         )
@@ -451,8 +452,8 @@ class DraftEngine:
         if not later:
             kept = admitted.check_hiddens(step)
             rows, slots, base_rows = rows[kept], slots[kept], base_rows[kept]
-        given = step.grammars[rows]
-        if len(rows) and (self.grammars.matchers or any(c is not None for c in given)):
+        given = step.changes_grammars and any(c is not None for c in step.grammars[rows])
+        if len(rows) and (self.grammars.matchers or given):
             kept = self._commit_grammars(step, rows, slots, result.errors)
             rows, slots, base_rows = rows[kept], slots[kept], base_rows[kept]
         if len(rows):
@@ -469,7 +470,7 @@ class DraftEngine:
         rows, slots = admitted.rows, admitted.slots
         if not len(rows) or self.grammars.matchers or step.refeed_hiddens is not None:
             return False
-        if any(c is not None for c in step.grammars) or step.sampling["set"].any():
+        if step.changes_grammars or step.sampling["set"].any():
             return False
         k, a = admitted.asked[rows], step.num_accepted[rows]
         if (step.num_drafts[rows] == 0).any() or (k != k[0]).any():

@@ -8,6 +8,7 @@ is one state's request, and each row stands or fails alone.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -59,6 +60,11 @@ class Step:
 
     def __len__(self) -> int:
         return len(self.state_ids)
+
+    @functools.cached_property
+    def changes_grammars(self) -> bool:
+        """Whether some row gives its state a grammar, or takes it away."""
+        return any(c is not None for c in self.grammars.tolist())
 
     def drafts_asked(self, max_drafts: int) -> np.ndarray:
         """[B] K of each row: its num_drafts, or where that is 0, its cap (0: max_drafts)."""

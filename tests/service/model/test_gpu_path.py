@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from proposing import ProposeArgs, propose_batch
+from proposing import ProposeArgs, propose_batch, step_of
 from sampling_reference import dense_q, drawn, uniform
 
 from mtpdraft.service.config import ServeConfig
@@ -354,6 +354,39 @@ def test_engine_with_graphs_equals_engine_without(tmp_path) -> None:
         for row, (a, b) in enumerate(zip(graphed, eager, strict=True)):
             for name, x, y in zip(fields, a, b, strict=True):
                 assert x == y, f"step {step}, row {row}: {name} {x} != {y}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_graphed_chain_writes_nothing_for_a_refused_hidden(tmp_path, bad: float) -> None:
+    """On a graphed bf16 engine, a verdict sent with a non-finite hidden beside a good row
+    is refused (checked while the graph drafts; the graph stops the row at its head): the
+    pending rows stay, so a verdict accepting more drafts then drafts, and leaves the KV,
+    as the twin state that never saw the refused one."""
+    _gpu_checkpoint(tmp_path, "mimo", seed=12)
+    config = ServeConfig(kv_blocks=64, max_batch=4, max_drafts=4)
+    engine = DraftEngine(MTPHead(load_mtp_weights(tmp_path), torch.device("cuda")), config)
+    prompt = torch.randn(40, 1024, generator=torch.Generator().manual_seed(5))
+    sampling = Sampling()
+    states = [_prefilled(engine, prompt, sampling) for _ in range(3)]
+    propose_batch(engine, [ProposeArgs(s, 5, prompt[-1], 41, 4) for s in states])
+    refused, untouched, beside = states
+    hidden = prompt[7].clone()
+    hidden[100] = bad
+    step = engine.step(step_of(
+        [ProposeArgs(refused, 6, hidden, 43, 4, previous=Verdict(1)),
+         ProposeArgs(beside, 6, prompt[8], 43, 4, previous=Verdict(1))], engine.step_shape,
+    ))  # fmt: skip
+    assert list(step.errors) == [0] and step.errors[0].reason == "NOT_FINITE"
+    assert step.counts[1] == 4
+    later = [ProposeArgs(s, 7, prompt[9], 45, 4, previous=Verdict(3)) for s in states[:2]]
+    got, want = (propose_batch(engine, [args])[0] for args in later)
+    assert (got.tokens, got.probs) == (want.tokens, want.probs)
+    rows = 40 + 4 + 4  # the prompt, R0 and 3 accepted drafts, the new proposal's rows
+    for cache in (engine.kv.k, engine.kv.v):
+        a, b = (cache[torch.tensor(engine.states[s].blocks)].flatten(0, 1)[:rows]
+                for s in (refused, untouched))  # fmt: skip
+        assert torch.equal(a, b)
 
 
 @interpreted
