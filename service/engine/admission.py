@@ -239,6 +239,10 @@ def admit(
     `check_hiddens`, the hiddens' NaN/inf check is left to Admitted.check_hiddens, unless
     the KV blocks run short (rows take them in order: a refused row takes none)."""
     k = step.drafts_asked(limits.max_drafts)
+    if not check_hiddens and (usual := _usual(step, k, slots, table, limits)) is not None:
+        rows = np.arange(len(step))
+        none = rows[:0]
+        return Admitted(rows, slots, usual, none, none, {}, k, np.zeros(len(step), np.int64))
     first, base, retry, error = _refused_rows(
         step, k, slots, table, limits, not_found, check_hiddens
     )
@@ -266,6 +270,46 @@ def admit(
         rows = rows[fits]
     unchecked = None if check_hiddens or short else first
     return Admitted(rows, slots[rows], base[rows], retried, slots[retried], errors, k, unchecked)
+
+
+def _usual(
+    step: Step, k: np.ndarray, slots: np.ndarray, table: StateTable, limits: Limits
+) -> np.ndarray | None:
+    """The usual step's base rows, decided in a few operations: every row passes every
+    check but the hiddens' and is no retry, and the pool holds the blocks they need.
+    None for any other step, which _refused_rows checks row by row (its refeeds, masks,
+    grammar or sampling changes and drafts chosen by count are never the usual)."""
+    if (
+        step.refeed_hiddens is not None
+        or step.bitmasks is not None
+        or step.changes_grammars
+        or step.sampling["set"].any()
+        or (slots < 0).any()
+        or len(set(slots.tolist())) != len(slots)
+    ):
+        return None
+    a, positions, numbers = step.num_accepted, step.positions, step.step_numbers
+    pending_row = table.pending_row[slots]
+    verdict = a >= 0
+    base = np.where(verdict, pending_row + 1 + a, table.num_rows[slots])
+    confidence, tokens = step.min_confidence, step.tokens
+    ok = (
+        (verdict == (pending_row >= 0))
+        & (a >= -1)
+        & (a <= table.pending_count[slots])
+        & (positions == base + 1)
+        & (positions <= limits.max_position - k)
+        & (tokens >= 0) & (tokens < limits.vocab_size)
+        & (step.num_drafts >= 1) & (k <= limits.max_drafts)
+        & (confidence >= 0) & (confidence <= 1)
+        & ((numbers == 0) | (numbers > table.last_step[slots]))
+        & ~table.prefilling[slots]
+    )  # fmt: skip
+    if limits.max_rows_per_state is not None:
+        ok &= base + k <= limits.max_rows_per_state
+    if not ok.all() or table.extra_blocks(slots, base + k).sum() > table.pool.num_free:
+        return None
+    return base
 
 
 def _duplicates(step: Step) -> np.ndarray:
