@@ -64,7 +64,7 @@ class Step:
     @functools.cached_property
     def changes_grammars(self) -> bool:
         """Whether some row gives its state a grammar, or takes it away."""
-        return any(c is not None for c in self.grammars.tolist())
+        return self.grammars.tolist().count(None) != len(self.grammars)
 
     def drafts_asked(self, max_drafts: int) -> np.ndarray:
         """[B] K of each row: its num_drafts, or where that is 0, its cap (0: max_drafts)."""
