@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,10 +59,17 @@ _MAX_DIM = 2**31 - 1
 
 # --- in: requests as the engine takes them --------------------------------------------
 
+# A tensor over a bytes object, which Python deems read-only: torch warns of that once a
+# process, and is warned here, where the tensors made so are known to be private.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(bytes(2), dtype=torch.int16)
+
 
 def read_tensor(msg: pb.Tensor, field: str, allowed: tuple[int, ...]) -> torch.Tensor:
     """The tensor, its dtype and byte count checked (INVALID_ARGUMENT when malformed): a CPU
-    tensor over a writable copy of its bytes, which no message's memory backs."""
+    tensor over the copy of its bytes that reading the field makes, which no message's
+    memory backs and nothing else holds (so writing to it harms nothing)."""
     if msg.dtype not in allowed:
         names = ", ".join(pb.DType.Name(d) for d in allowed)
         raise InvalidArgument(
@@ -89,7 +97,7 @@ def read_tensor(msg: pb.Tensor, field: str, allowed: tuple[int, ...]) -> torch.T
     dtype = DTYPES[msg.dtype]
     if not data:
         return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(bytearray(data), dtype=dtype)
+    flat = torch.frombuffer(data, dtype=dtype)  # over `data` itself: one copy, not two
     # A Propose's hidden is mostly one row, [H]: the buffer's own shape, so no reshape,
     # which would be a torch call more per message (4 us here, and a GIL hand-off).
     return flat if len(shape) == 1 else flat.reshape(shape)

@@ -146,6 +146,8 @@ def step(
 def _per_row(rows: Sequence[int], values: Sequence, size: int, name: str) -> list:
     """A column of changes given for some rows: `values[j]` at row `rows[j]`, None at the
     others (`name`: the wire's columns, `{name}_rows` and their values)."""
+    if not len(rows) and not len(values):  # the usual step: no row changes
+        return [None] * size
     if len(rows) != len(values):
         raise _mismatch(f"{name}_rows", f"{len(rows)} rows for {len(values)} {name} values")
     rows = np.asarray(rows, np.int64)

@@ -60,6 +60,8 @@ def changes(values: list[Sampling | None]) -> np.ndarray:
     """A step's column of changes, one per row (None: no change), unset values given
     their meaning: top_p 0 is 1, top_k -1 is 0."""
     column = np.zeros(len(values), CHANGES)
+    if values.count(None) == len(values):  # the usual step: no row changes
+        return column
     for i, v in enumerate(values):
         if v is not None:
             top_p = 1.0 if v.top_p == 0 else v.top_p
