@@ -80,13 +80,13 @@ SERVER_HOPS = (
 # The engine's step (engine.step), stamped from its calls: where the chain
 # runs as a graph replay (CUDA), and as one hop elsewhere.
 GRAPHED_ENGINE_HOPS = (
-    ("engine: admit (the NaN/inf check included)", "engine_start", "admit_end"),
-    ("engine: grow, apply the verdicts", "admit_end", "draft_start"),
+    ("engine: admit (the NaN/inf check where it cannot wait)", "engine_start", "admit_end"),
+    ("engine: grow, the verdicts that recompute rows", "admit_end", "draft_start"),
     ("engine: plan the chain", "draft_start", "decode_start"),
     ("engine: the chain handed to its graph", "decode_start", "stage_start"),
     ("engine: stage the chain's inputs", "stage_start", "stage_end"),
     ("engine: launch the graph (the replay call)", "stage_end", "replay_end"),
-    ("engine: the proposals' bookkeeping, while the GPU drafts", "replay_end", "collect_start"),
+    ("engine: NaN/inf check, bookkeeping, while the GPU drafts", "replay_end", "collect_start"),
     ("engine: wait for the GPU, copy the drafts back", "collect_start", "collect_end"),
     ("engine: the drafts, kept or cut, and last hiddens", "collect_end", "draft_end"),
     ("engine: record the proposals' drafts, the answer", "draft_end", "engine_end"),
@@ -413,8 +413,8 @@ def markdown(out: dict[str, Any]) -> str:
     lines += [
         "",
         f"Step p50 {r['step_p50_us']:.0f} us (the hops' p50s add up to "
-        f"{r['sum_of_hop_p50s_us']:.0f}); of the engine's admit, the NaN/inf check "
-        f"{r['finite_check_p50_us']:.0f} us.",
+        f"{r['sum_of_hop_p50s_us']:.0f}); the hiddens' NaN/inf check (while the GPU drafts "
+        f"where the step allows) {r['finite_check_p50_us']:.0f} us.",
     ]
     if r["gpu_chain_p50_us"] is not None:
         gpu = r["gpu_chain_p50_us"]
