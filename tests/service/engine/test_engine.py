@@ -325,6 +325,30 @@ def test_non_finite_hiddens_fail_their_own_request_checked_once_a_batch(
     assert_accounted(engine)
 
 
+def test_a_usual_step_checks_its_hiddens_while_its_chain_runs(
+    engine: DraftEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hiddens' NaN/inf check of a step whose rows change nothing before their chain
+    is made once the chain is queued (its before_wait), not before; a step that refeeds
+    makes it before."""
+    events: list[str] = []
+    find, chain = admission.finite_rows, engine.head.decode_chain
+    monkeypatch.setattr(admission, "finite_rows", lambda r: events.append("check") or find(r))
+
+    def queued(kv, inputs, before_wait=None):
+        events.append("chain")
+        return chain(kv, inputs, before_wait)
+
+    monkeypatch.setattr(engine.head, "decode_chain", queued)
+    states = [prefill(engine, [1, 2, 3], h(3, 40 + i)) for i in range(2)]
+    _step(engine, [ProposeArgs(s, 4, h(1, 50), 4, 3) for s in states])
+    assert events == ["chain", "check"]
+    events.clear()
+    refeed = [ProposeArgs(s, 5, h(1, 51), 6, 3, previous=Verdict(1, h(1, 52))) for s in states]
+    _step(engine, refeed)
+    assert events[:2] == ["check", "check"] and events[-1] == "chain"
+
+
 class _TorchCalls(TorchFunctionMode):
     """Counts the torch calls that do work (not metadata reads), the MTP head's own aside."""
 
