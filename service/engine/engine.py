@@ -356,6 +356,20 @@ class DraftEngine:
         state must compute next (DESIGN.md, "AfterVerify: which rows remain").
         `refeeds`: the target's hiddens of the accepted drafts, where a verdict has them."""
         t = self.table
+        keep, recompute = self._verdict_rows(slots, accepted, refeeds)
+        t.pending_row[slots] = -1
+        t.num_rows[slots] = keep
+        if t.pending_masks:
+            for slot in slots.tolist():
+                t.pending_masks.pop(slot, None)
+        return recompute
+
+    def _verdict_rows(
+        self, slots: np.ndarray, accepted: np.ndarray, refeeds: dict[int, torch.Tensor]
+    ) -> tuple[np.ndarray, dict[int, Segment]]:
+        """What applying the verdicts keeps of each state (its rows) and recomputes (see
+        _apply_verdicts), the states unchanged."""
+        t = self.table
         first, k = t.pending_row[slots], t.pending_count[slots]
         computed_end = first + t.pending_computed[slots]
         rows_after = first + 1 + accepted
@@ -373,12 +387,7 @@ class DraftEngine:
                 slot = int(slots[i])
                 tokens = t.pending_drafts[slot, k[i] - 1 : k[i]].copy()
                 recompute[i] = Segment(slot, int(keep[i]), tokens, t.last_hidden[slot : slot + 1])
-        t.pending_row[slots] = -1
-        t.num_rows[slots] = keep
-        if t.pending_masks:
-            for slot in slots.tolist():
-                t.pending_masks.pop(slot, None)
-        return recompute
+        return keep, recompute
 
     def after_verify(self, state_id: int, verdict: Verdict) -> RowCount:
         a = verdict.num_accepted
@@ -464,19 +473,16 @@ class DraftEngine:
     def _hiddens_checked_later(self, step: Step, admitted) -> bool:
         """Whether the step's hiddens may be checked for NaN/inf while the device drafts
         (Admitted.check_hiddens): where its admitted rows change nothing before their
-        chain (a chain writes no KV for a row whose hidden is not finite). Not with
-        grammars (their matchers move first), refeeds or verdicts that recompute rows
-        (written before the chain), sampling changes, or drafts chosen by count."""
-        rows, slots = admitted.rows, admitted.slots
+        chain that a refused row must not (a chain writes no KV for a row whose hidden is
+        not finite; a verdict accepting every draft writes rows past the pending ones).
+        Not with grammars (their matchers move first), refeeds (rewriting accepted rows),
+        sampling changes, or drafts chosen by count."""
+        rows = admitted.rows
         if not len(rows) or self.grammars.matchers or step.refeed_hiddens is not None:
             return False
         if step.changes_grammars or step.sampling["set"].any():
             return False
-        k, a = admitted.asked[rows], step.num_accepted[rows]
-        if (step.num_drafts[rows] == 0).any() or (k != k[0]).any():
-            return False
-        # Every draft accepted: the last draft's row is computed before the chain.
-        return not (a >= self.table.pending_computed[slots]).any()
+        return not (step.num_drafts[rows] == 0).any()
 
     def _commit_grammars(self, step, rows, slots, errors: dict) -> np.ndarray:
         """Moves the grammar states' matchers on by what each row commits (the drafts its
@@ -549,9 +555,11 @@ class DraftEngine:
             if now.any():
                 t.count_verdicts(slots[judged][now], accepted[now])
             later = (slots[judged][~now], accepted[~now])
-            if not unchecked:  # else the proposals' record is all a verdict changes
+            if unchecked:  # the proposals' record is all a verdict changes (none, refused)
+                _, segments = self._verdict_rows(slots[judged], accepted, refeeds)
+            else:
                 segments = self._apply_verdicts(slots[judged], accepted, refeeds)
-                recompute = [(int(judged[j]), segments[j]) for j in sorted(segments)]
+            recompute = [(int(judged[j]), segments[j]) for j in sorted(segments)]
         mask_starts = np.cumsum(step.mask_counts) - step.mask_counts
         index = t.device_index(slots)  # copied ahead of the chain, for the last hiddens
         # Whether the proposals may be recorded before the drafts come back, as if every

@@ -241,24 +241,34 @@ def test_a_failing_row_changes_nothing_and_its_batch_drafts_as_alone(
     assert (got.tokens, got.probs) == (expected.tokens, expected.probs)
 
 
+@pytest.mark.parametrize(("first", "then"), [(1, 3), (4, 2)])
 def test_a_refused_hidden_leaves_the_pending_rows_for_another_verdict(
-    engine: DraftEngine,
+    engine: DraftEngine, first: int, then: int
 ) -> None:
-    """A verdict sent with a NaN hidden is refused (its hidden is checked while its chain
-    runs, the chain writing nothing for it): the pending proposal's rows stay as they
-    were, so a verdict accepting more drafts then drafts as if the refused one never
-    came, its KV rows too."""
-    twins = [prefill(engine, [1, 2, 3], h(3, 40)) for _ in range(2)]
+    """A verdict sent with a NaN hidden, beside a good row, is refused (its hidden is
+    checked while its chain runs, the chain writing nothing for it; a verdict of every
+    draft computes the last draft's row first, past the pending ones): the pending
+    proposal's rows stay as they were, so another verdict then drafts as if the refused
+    one never came, its KV rows too."""
+    twins = [prefill(engine, [1, 2, 3], h(3, 40)) for _ in range(3)]
     for state in twins:
         propose(engine, ProposeArgs(state, 4, h(1, 41), 4, 4))  # rows 3..6 pending
-    refused, untouched = twins
+    refused, untouched, beside = twins
     nan = h(1, 42)
     nan[0, 9] = float("nan")
     free = engine.pool.num_free
-    failed = _step(engine, [ProposeArgs(refused, 7, nan, 6, 4, previous=Verdict(1))])
-    assert failed.errors[0].reason == "NOT_FINITE" and engine.pool.num_free == free
+    position = 4 + first + 1
+    failed = _step(
+        engine,
+        [ProposeArgs(s, 7, hidden, position, 4, previous=Verdict(first))
+         for s, hidden in ((refused, nan), (beside, h(1, 44)))],
+    )  # fmt: skip
+    assert list(failed.errors) == [0] and failed.errors[0].reason == "NOT_FINITE"
+    assert failed.counts[1] == 4
+    assert engine.pool.num_free == free - 1  # the block beside's new rows reach
     assert engine.states[refused].pending == engine.states[untouched].pending
-    later = [ProposeArgs(s, 8, h(1, 43), 8, 4, previous=Verdict(3)) for s in twins]
+    later = [ProposeArgs(s, 8, h(1, 43), 4 + then + 1, 4, previous=Verdict(then))
+             for s in (refused, untouched)]  # fmt: skip
     got, expected = (propose(engine, args) for args in later)
     assert (got.tokens, got.probs) == (expected.tokens, expected.probs)
     for a, b in zip(kv_rows(engine, refused), kv_rows(engine, untouched), strict=True):
