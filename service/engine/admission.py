@@ -71,7 +71,7 @@ class Admitted:
         if self.unchecked is None:
             return np.ones(len(self.rows), bool)
         first, self.unchecked = self.unchecked, None
-        refused = ~_finite(step.hiddens) & ((first == 0) | (first > _HIDDENS))
+        refused = _refused_by_hiddens(step, first)
         if not refused.any():
             return np.ones(len(self.rows), bool)
         for i in np.flatnonzero(refused).tolist():
@@ -87,6 +87,13 @@ NotFoundError = Callable[[int], DrafterError]
 
 # The number of the hiddens' NaN/inf check in _refused_rows' order.
 _HIDDENS = 6
+
+
+def _refused_by_hiddens(step: Step, first: np.ndarray) -> np.ndarray:
+    """Per row, given each row's first failed check but the hiddens' (0: none): the check
+    of the hiddens, made in its place, refuses it (its hidden is not finite, and it
+    passed or first failed a later check)."""
+    return ~_finite(step.hiddens) & ((first == 0) | (first > _HIDDENS))
 
 
 def _refused_rows(
@@ -249,8 +256,8 @@ def admit(
     rows = np.flatnonzero((first == 0) & ~retry)
     need = table.extra_blocks(slots[rows], base[rows] + k[rows])
     short = need.sum() > table.pool.num_free
-    if short and not check_hiddens:
-        first, base, retry, error = _refused_rows(step, k, slots, table, limits, not_found, True)
+    if short and not check_hiddens:  # rows take blocks in order: a refused row takes none
+        first = np.where(_refused_by_hiddens(step, first), _HIDDENS, first)
         rows = np.flatnonzero((first == 0) & ~retry)
         need = table.extra_blocks(slots[rows], base[rows] + k[rows])
     errors = {int(i): error(int(first[i]), int(i)) for i in np.flatnonzero(first)}
